@@ -1,0 +1,273 @@
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from beartype import beartype
+from jaxtyping import Array, ArrayLike, Bool, Float, Float32, Real, jaxtyped
+
+from ._misc import (
+    as_float_input,
+    check_broadcastable,
+    check_int,
+    compute_dtype,
+    expand_to_rank,
+    is_concrete,
+    sum_to_shape,
+)
+
+
+RealLike = Real[ArrayLike, "*shape"] | Bool[ArrayLike, "*shape"]
+
+
+#
+# The single numerical path. Every quantity that depends on `x / scale` is computed as `x * (1 / scale)`, with the
+# reciprocal taken on the (small) scale array in the compute dtype. XLA rewrites a division by a broadcast operand
+# into exactly this product, but a division by a full-size operand it leaves alone; writing the product ourselves
+# means eager, `jit`, `vmap`, per-tensor and per-channel calls, and the integer conversion all round the same way.
+#
+
+
+def scaled(x: Array, scale: Array) -> Array:
+    """`x / scale` as eqx_quant computes it everywhere: `x * (1 / scale)`, both already in the compute dtype."""
+    return x * expand_to_rank(1 / scale, x.ndim)
+
+
+def quantize_levels(x: Array, scale: Array, zero_point: Array | None, qmin: int, qmax: int) -> Array:
+    """The integer levels `clip(round(x / scale) + zero_point, qmin, qmax)`, as floats of the compute dtype."""
+    r = jnp.round(scaled(x, scale))
+    if zero_point is not None:
+        r = r + expand_to_rank(zero_point, x.ndim)
+    return jnp.clip(r, qmin, qmax)
+
+
+def dequantize_levels(levels: Array, scale: Array, zero_point: Array | None) -> Array:
+    """`scale * (levels - zero_point)`: the inverse map from integer levels to the real line."""
+    if zero_point is not None:
+        levels = levels - expand_to_rank(zero_point, levels.ndim)
+    return expand_to_rank(scale, levels.ndim) * levels
+
+
+def _fake_quant_impl(x, scale, zero_point, qmin, qmax):
+    return dequantize_levels(quantize_levels(x, scale, zero_point, qmin, qmax), scale, zero_point)
+
+
+_fake_quant = jax.custom_vjp(_fake_quant_impl, nondiff_argnums=(3, 4))
+
+
+def _fake_quant_fwd(x, scale, zero_point, qmin, qmax):
+    # The backward recomputes everything it needs from `x`, so nothing full-size is saved besides `x` itself.
+    return _fake_quant_impl(x, scale, zero_point, qmin, qmax), (x, scale, zero_point)
+
+
+def _fake_quant_bwd(qmin, qmax, residuals, g):
+    x, scale, zero_point = residuals
+    v = scaled(x, scale)
+    u = v if zero_point is None else v + expand_to_rank(zero_point, x.ndim)
+    below = u < qmin
+    above = u > qmax
+    inside = (u >= qmin) & (u <= qmax)  # False for NaN, like `below` and `above`
+    zero = jnp.zeros((), g.dtype)
+    grad_x = jnp.where(inside, g, zero)
+    zp = 0 if zero_point is None else expand_to_rank(zero_point, x.ndim)
+    d_scale = jnp.where(inside, jnp.round(v) - v, jnp.where(below, qmin - zp, jnp.where(above, qmax - zp, zero)))
+    grad_scale = sum_to_shape(g * d_scale, scale.shape)
+    if zero_point is None:
+        grad_zero_point = None
+    else:
+        outside = below | above
+        d_zp = jnp.where(outside, -expand_to_rank(scale, x.ndim) * g, zero)
+        grad_zero_point = sum_to_shape(d_zp, zero_point.shape)
+    return grad_x, grad_scale, grad_zero_point
+
+
+_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+def _check_values(name: str, a: np.ndarray, ok: np.ndarray | np.bool_, requirement: str) -> None:
+    if not np.all(ok):
+        if a.ndim == 0:
+            raise ValueError(f"`{name}` must be {requirement}, got {name}={a.item()!r}.")
+        index = tuple(int(i) for i in np.argwhere(~ok)[0])
+        raise ValueError(f"`{name}` must be {requirement}, got {name}[{', '.join(map(str, index))}]={a[index].item()!r}.")
+
+
+def prepare_scale(scale: object, x_shape: tuple[int, ...], dtype: np.dtype) -> Array:
+    """Validates `scale` (type, broadcasting, and its value when concrete) and returns it as an array of `dtype`."""
+    if isinstance(scale, (bool, np.bool_)):
+        raise TypeError(f"`scale` must be a float or a float array, got {scale!r}.")
+    scale = jnp.asarray(scale)
+    if not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
+        raise TypeError(f"`scale` must be a float or a float array, got dtype {scale.dtype}.")
+    check_broadcastable("scale", scale.shape, x_shape)
+    scale = scale.astype(dtype)
+    if is_concrete(scale):
+        s = np.asarray(scale)
+        tiny = np.finfo(dtype).tiny
+        with np.errstate(invalid="ignore", over="ignore"):
+            ok = np.isfinite(s) & (s >= tiny) & (s <= 1 / tiny)
+        _check_values("scale", s, ok, f"finite, positive and normal in {np.dtype(dtype).name} (its reciprocal too)")
+    return scale
+
+
+def prepare_zero_point(zero_point: object, x_shape: tuple[int, ...], dtype: np.dtype) -> Array | None:
+    """Validates `zero_point` and returns it as an array of `dtype`, or `None` for a zero Python int."""
+    if isinstance(zero_point, (bool, np.bool_)):
+        raise TypeError(f"`zero_point` must be an int or an integer-valued float array, got {zero_point!r}.")
+    if isinstance(zero_point, (int, np.integer)):
+        if int(zero_point) == 0:
+            return None
+    zero_point = jnp.asarray(zero_point)
+    if not (jnp.issubdtype(zero_point.dtype, jnp.floating) or jnp.issubdtype(zero_point.dtype, jnp.integer)):
+        raise TypeError(f"`zero_point` must be an int or an integer-valued float array, got dtype {zero_point.dtype}.")
+    check_broadcastable("zero_point", zero_point.shape, x_shape)
+    zero_point = zero_point.astype(dtype)
+    if is_concrete(zero_point):
+        z = np.asarray(zero_point)
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(z) & (z == np.round(z))
+        _check_values("zero_point", z, ok, "integer-valued and finite")
+    return zero_point
+
+
+def check_range(qmin: object, qmax: object) -> tuple[int, int]:
+    """Validates an integer grid and returns it as Python ints."""
+    qmin = check_int("qmin", qmin)
+    qmax = check_int("qmax", qmax)
+    if qmin > qmax:
+        raise ValueError(f"`qmin` must be <= `qmax`, got qmin={qmin} and qmax={qmax}.")
+    return qmin, qmax
+
+
+@jaxtyped(typechecker=beartype)
+def fake_quant(
+    x: RealLike,
+    scale: Real[ArrayLike, "..."],
+    qmin: int | np.integer,
+    qmax: int | np.integer,
+    zero_point: Real[ArrayLike, "..."] = 0,
+) -> Float[Array, "*shape"]:
+    r"""Fake-quantizes `x`: rounds it onto the integer grid `[qmin, qmax]` with step `scale`, and back to floats.
+
+    The forward computes
+
+    $$q(x) = s \cdot \bigl(\mathrm{clip}(\mathrm{round}(x / s) + z,\ q_{\min},\ q_{\max}) - z\bigr)$$
+
+    where `round` sends halves to the nearest even integer (`2.5 -> 2`, `3.5 -> 4`, `-2.5 -> -2`) and $x / s$ is
+    computed as `x * (1 / s)`, with the reciprocal taken in the compute dtype. This is the single numerical path of
+    eqx_quant: eager calls, `jax.jit`, `jax.vmap`, scalar or array scales, the quantizer modules and the integer
+    conversion all give bit-identical results.
+
+    The backward is a clipped straight-through estimator. With $v = x / s$ and $u = v + z$:
+
+    - `x` receives `g` where $q_{\min} \le u \le q_{\max}$ (both ends included, on the unrounded value) and exactly
+      0 elsewhere, NaN entries included;
+    - an array `scale` receives, summed down to its shape, `g * (round(v) - v)` inside the range,
+      `g * (qmin - z)` below it and `g * (qmax - z)` above it (the learned-step-size gradient), and 0 for NaN entries;
+    - an array `zero_point` receives, summed down to its shape, `-scale * g` outside the range and 0 inside;
+    - `qmin` and `qmax` are static Python ints and receive nothing.
+
+    **Arguments:**
+
+    - `x`: the array to quantize, of any shape. Floating dtypes are kept (float16 and bfloat16 are computed in
+        float32 and cast back); integer and bool inputs are promoted to float32.
+    - `scale`: the step size. A positive Python float, or a float array that broadcasts to `x` without changing its
+        shape (per-channel or per-group scales, e.g. of shape `(channels, 1)`).
+    - `qmin`, `qmax`: the inclusive integer range, Python ints (or NumPy integer scalars) with `qmin <= qmax`; see
+        [`eqx_quant.int_range`][].
+    - `zero_point`: the integer that represents real zero. A Python int, or an integer-valued array broadcastable to
+        `x`; a float array can be learned, as it receives a gradient.
+
+    **Returns:**
+
+    The fake-quantized array, with the shape of `x` and its dtype (float32 for integer or bool `x`).
+
+    **Raises:**
+
+    `TypeError` for a non-integer or bool `qmin`/`qmax`, or a non-real `x`, `scale` or `zero_point`. `ValueError` if
+    `qmin > qmax`, if `scale` or `zero_point` does not broadcast to `x`, if `scale` is not finite, positive and normal
+    (nor its reciprocal), or if `zero_point` is not integer-valued and finite.
+
+    !!! note "Values known only at run time"
+
+        Inside `jax.jit` (or any other transformation in which `scale` or `zero_point` is a tracer) their values
+        cannot be inspected, so they are not checked: a zero, negative or non-finite traced scale is used as it
+        stands (a zero scale, for instance, maps every nonzero entry to zero and zeros to NaN) instead of raising. Their types and shapes are still checked.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_quant
+
+        x = jnp.array([0.3, 1.25, -0.75, 2.6, -3.0])
+        print(eqx_quant.fake_quant(x, 0.5, -4, 3))  # [ 0.5  1.  -1.   1.5 -2. ]
+        ```
+    """
+    qmin, qmax = check_range(qmin, qmax)
+    x = as_float_input("x", x)
+    dtype = compute_dtype(x.dtype)
+    scale = prepare_scale(scale, x.shape, dtype)
+    zero_point = prepare_zero_point(zero_point, x.shape, dtype)
+    with jax.named_scope("eqx_quant.fake_quant"):
+        return _fake_quant(x.astype(dtype), scale, zero_point, qmin, qmax).astype(x.dtype)
+
+
+def _as_float32(name: str, value: object) -> Array:
+    if not isinstance(value, jax.Array):
+        try:
+            value = np.asarray(value)
+        except ValueError as e:  # ragged nested lists
+            raise ValueError(f"`{name}` must be a rectangular array of numbers, got {value!r}.") from e
+    if value.dtype.kind not in "biuf" and value.dtype != jnp.bfloat16:
+        raise TypeError(f"`{name}` must hold real numbers, got dtype {value.dtype} from {value!r}.")
+    return jnp.asarray(value).astype(jnp.float32)
+
+
+@jaxtyped(typechecker=beartype)
+def fake_quant_vjp(
+    x: ArrayLike | Sequence[Any],
+    scale: Real[ArrayLike, "..."],
+    qmin: int | np.integer,
+    qmax: int | np.integer,
+    cotangent: ArrayLike | Sequence[Any],
+) -> dict[str, Float32[Array, "..."]]:
+    """Runs [`eqx_quant.fake_quant`][] forward and backward in one call, in float32.
+
+    A convenience for inspecting the straight-through estimator: it returns the fake-quantized values and the
+    gradient that a cotangent produces for `x` (see [`eqx_quant.fake_quant`][] for the rules).
+
+    **Arguments:**
+
+    - `x`: the input: a JAX or NumPy array, a Python number, or nested lists of numbers. Converted to float32.
+    - `scale`, `qmin`, `qmax`: as for [`eqx_quant.fake_quant`][].
+    - `cotangent`: the incoming gradient, of the same shape as `x`. Converted to float32.
+
+    **Returns:**
+
+    A dict `{"values": q(x), "grads": grad_x}` of float32 arrays with the shape of `x`.
+
+    **Raises:**
+
+    `ValueError` if `cotangent` and `x` differ in shape, plus everything [`eqx_quant.fake_quant`][] raises.
+
+    !!! example
+
+        ```python
+        import eqx_quant
+
+        out = eqx_quant.fake_quant_vjp([2.0, 2.5, -2.0, -2.25, 0.5], 1.0, -2, 2, [1, 2, 3, 4, 5])
+        print(out["values"])  # [ 2.  2. -2. -2.  0.]
+        print(out["grads"])  # [1. 0. 3. 0. 5.]
+        ```
+    """
+    x = _as_float32("x", x)
+    cotangent = _as_float32("cotangent", cotangent)
+    if cotangent.shape != x.shape:
+        raise ValueError(
+            f"`cotangent` must have the shape of `x`, got cotangent.shape={cotangent.shape} and x.shape={x.shape}."
+        )
+    values, pullback = jax.vjp(lambda x_: fake_quant(x_, scale, qmin, qmax), x)
+    (grads,) = pullback(cotangent)
+    return {"values": values, "grads": grads}

@@ -1,0 +1,61 @@
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+
+def check_int(name: str, value: object) -> int:
+    """Returns `value` as a Python `int`, or raises a `TypeError` naming `name`.
+
+    Python ints and NumPy integer scalars are accepted; bools are not.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"`{name}` must be an int, got {value!r} of type {type(value).__name__}.")
+    return int(value)
+
+
+def is_concrete(x: object) -> bool:
+    """Whether `x`'s value is known now (it is not a tracer inside `jit`, `vmap`, `grad`, ...)."""
+    return not isinstance(x, jax.core.Tracer)
+
+
+def compute_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype in which a floating `dtype` is quantized: float32 for half precision, else itself."""
+    if jnp.finfo(dtype).bits < 32:
+        return np.dtype(jnp.float32)
+    return np.dtype(dtype)
+
+
+def as_float_input(name: str, x: object) -> Array:
+    """`x` as a JAX array: floating dtypes are kept, integers and bools become float32, others are a `TypeError`."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+        return x.astype(jnp.float32)
+    raise TypeError(f"`{name}` must have a real dtype, got {x.dtype}.")
+
+
+def check_broadcastable(name: str, shape: tuple[int, ...], x_shape: tuple[int, ...]) -> None:
+    """Raises a `ValueError` unless an array of `shape` broadcasts to `x_shape` without changing it."""
+    ok = len(shape) <= len(x_shape) and all(
+        s in (1, t) for s, t in zip(reversed(shape), reversed(x_shape))
+    )
+    if not ok:
+        raise ValueError(f"`{name}` of shape {shape} does not broadcast to the shape of `x`, {x_shape}.")
+
+
+def expand_to_rank(a: Array, ndim: int) -> Array:
+    """Prepends unit axes to `a` so that it has rank `ndim` (explicit, so rank promotion is never needed)."""
+    return a.reshape((1,) * (ndim - a.ndim) + a.shape)
+
+
+def sum_to_shape(a: Array, shape: tuple[int, ...]) -> Array:
+    """Sums `a` over the axes along which an array of `shape` was broadcast to `a.shape`: the adjoint of broadcasting."""
+    lead = a.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(
+        lead + i for i, s in enumerate(shape) if s == 1 and a.shape[lead + i] != 1
+    )
+    return jnp.sum(a, axis=axes).reshape(shape) if axes else a.reshape(shape)

@@ -1,0 +1,77 @@
+"""NumPy reference implementations and comparison helpers for the tests."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def compute_dtype(dtype) -> np.dtype:
+    return np.dtype(np.float32) if np.dtype(dtype).itemsize < 4 else np.dtype(dtype)
+
+
+def reference_fake_quant(x, scale, qmin, qmax, zero_point=0, cotangent=None):
+    """NumPy fake quantization: values and, given a cotangent, the gradients of `x`, `scale` and `zero_point`.
+
+    `x / scale` is taken as `x * (1 / scale)` in the compute dtype, which is eqx_quant's documented convention.
+    Gradients for `scale` and `zero_point` are returned at full size (not summed over broadcast axes).
+    """
+    x = np.asarray(x)
+    dtype = compute_dtype(x.dtype)
+    xc = x.astype(dtype)
+    s = np.asarray(scale, dtype=dtype)
+    z = np.asarray(zero_point, dtype=dtype)
+    v = xc * (dtype.type(1) / s)
+    u = v + z
+    levels = np.clip(np.round(v) + z, qmin, qmax)
+    values = (s * (levels - z)).astype(x.dtype)
+    if cotangent is None:
+        return values
+    g = np.asarray(cotangent, dtype=dtype)
+    with np.errstate(invalid="ignore"):
+        inside = (u >= qmin) & (u <= qmax)
+        below = u < qmin
+        above = u > qmax
+        grad_x = np.where(inside, g, 0)
+        d_scale = np.select([inside, below, above], [np.round(v) - v, qmin - z, qmax - z], 0)
+    grad_scale = g * d_scale
+    grad_zp = np.where(below | above, -s * g, 0)
+    return values, grad_x, grad_scale, grad_zp
+
+
+def sum_to_shape(a, shape):
+    """Sums a full-size NumPy array down to `shape` (the adjoint of broadcasting), with an explicit loop."""
+    a = np.asarray(a)
+    while a.ndim > len(shape):
+        a = a.sum(axis=0)
+    for i, s in enumerate(shape):
+        if s == 1 and a.shape[i] != 1:
+            a = a.sum(axis=i, keepdims=True)
+    return a
+
+
+def bits_of(a) -> np.ndarray:
+    """The raw bit patterns of a float array, with -0.0 mapped to 0.0.
+
+    eqx_quant's contract is bit-for-bit equality except for the sign of a zero: XLA may fold `x + 0.0` to `x` under
+    `jit` but not in eager mode, so no library can promise it (see the Concepts page of the docs).
+    """
+    a = np.asarray(a)
+    a = np.where(a == 0, np.zeros((), a.dtype), a)
+    return a.view(np.dtype(f"u{a.dtype.itemsize}"))
+
+
+def assert_bitwise_equal(a, b):
+    """Asserts equal dtypes, shapes and bit patterns (NaNs at the same places; the sign of zero aside)."""
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype, (a.dtype, b.dtype)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    np.testing.assert_array_equal(bits_of(a), bits_of(b))
+
+
+def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8):
+    leaves_x, tree_x = jax.tree_util.tree_flatten(x)
+    leaves_y, tree_y = jax.tree_util.tree_flatten(y)
+    return tree_x == tree_y and all(
+        jnp.shape(a) == jnp.shape(b) and np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
+        for a, b in zip(leaves_x, leaves_y)
+    )
