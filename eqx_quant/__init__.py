@@ -1,8 +1,21 @@
 """Equinox-native fake quantization and quantization-aware training for JAX."""
 
+from . import nn as nn
 from ._clip import clip_passthrough as clip_passthrough
+from ._convert import convert as convert, export_safetensors as export_safetensors, load as load, save as save
 from ._fake_quant import fake_quant as fake_quant, fake_quant_vjp as fake_quant_vjp
+from ._packing import NIBBLE_ORDER as NIBBLE_ORDER, pack_int4 as pack_int4, unpack_int4 as unpack_int4
+from ._quantizers import (
+    AbstractFakeQuantizer as AbstractFakeQuantizer,
+    AbstractQuantizer as AbstractQuantizer,
+    DynamicFakeQuant as DynamicFakeQuant,
+    FakeQuant as FakeQuant,
+    LearnedFakeQuant as LearnedFakeQuant,
+    PassthroughClip as PassthroughClip,
+    QuantGrid as QuantGrid,
+)
 from ._ranges import int_range as int_range
+from ._transform import calibrate as calibrate, dequantize as dequantize, quantize as quantize
 
 
 __version__ = "0.1.0"

@@ -64,20 +64,21 @@ def _fake_quant_fwd(x, scale, zero_point, qmin, qmax):
 def _fake_quant_bwd(qmin, qmax, residuals, g):
     x, scale, zero_point = residuals
     v = scaled(x, scale)
-    u = v if zero_point is None else v + expand_to_rank(zero_point, x.ndim)
-    below = u < qmin
-    above = u > qmax
-    inside = (u >= qmin) & (u <= qmax)  # False for NaN, like `below` and `above`
+    # `v + zero_point` is compared as `v` against `q - zero_point` (exact integers): a sum `x * (1 / s) + z` would be
+    # contracted into a fused multiply-add under `jit` but not in eager mode, and the two would round differently.
+    zp = 0 if zero_point is None else expand_to_rank(zero_point, x.ndim)
+    low, high = qmin - zp, qmax - zp
+    below = v < low
+    above = v > high
+    inside = (v >= low) & (v <= high)  # False for NaN, like `below` and `above`
     zero = jnp.zeros((), g.dtype)
     grad_x = jnp.where(inside, g, zero)
-    zp = 0 if zero_point is None else expand_to_rank(zero_point, x.ndim)
-    d_scale = jnp.where(inside, jnp.round(v) - v, jnp.where(below, qmin - zp, jnp.where(above, qmax - zp, zero)))
+    d_scale = jnp.where(inside, jnp.round(v) - v, jnp.where(below, low, jnp.where(above, high, zero)))
     grad_scale = sum_to_shape(g * d_scale, scale.shape)
     if zero_point is None:
         grad_zero_point = None
     else:
-        outside = below | above
-        d_zp = jnp.where(outside, -expand_to_rank(scale, x.ndim) * g, zero)
+        d_zp = jnp.where(below | above, -expand_to_rank(scale, x.ndim) * g, zero)
         grad_zero_point = sum_to_shape(d_zp, zero_point.shape)
     return grad_x, grad_scale, grad_zero_point
 

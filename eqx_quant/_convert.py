@@ -1,0 +1,208 @@
+import json
+import os
+import struct
+from typing import Any
+
+import equinox as eqx
+import numpy as np
+from jaxtyping import PyTree
+
+from ._packing import NIBBLE_ORDER
+from ._quantizers import AbstractFakeQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
+from ._transform import _map_nodes, _nodes
+from .nn._int_layers import AbstractIntLayer, IntConv, IntEmbedding, IntLinear, QuantizedTensor
+from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear
+
+
+_INT_LAYERS = {QuantLinear: IntLinear, QuantConv: IntConv, QuantEmbedding: IntEmbedding}
+
+
+def _frozen_input_quant(quantizer: Any) -> Any:
+    """A per-tensor learned input quantizer becomes the static quantizer with its current values."""
+    if isinstance(quantizer, LearnedFakeQuant) and quantizer.axis is None:
+        scale = max(float(quantizer.scale), quantizer.min_scale)
+        zero_point = 0
+        if quantizer.zero_point is not None:
+            zero_point = int(np.round(np.clip(float(quantizer.zero_point), quantizer.qmin, quantizer.qmax)))
+        return FakeQuant(scale, quantizer.qmin, quantizer.qmax, zero_point=zero_point)
+    return quantizer
+
+
+def convert(model: PyTree) -> PyTree:
+    """Converts a fake-quantized model into one that stores integer weights.
+
+    Every [`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][] and [`eqx_quant.nn.QuantEmbedding`][] becomes
+    an [`eqx_quant.nn.IntLinear`][], [`eqx_quant.nn.IntConv`][] or [`eqx_quant.nn.IntEmbedding`][]. The weight is
+    stored as the integers that the weight quantizer's forward pass used (same grid, same rounding, same arithmetic),
+    as int8 (int16/int32 for wider grids) or, for grids of at most 4 bits, packed two per byte; plus its float scales
+    and zero points. No float copy of the weight is kept. Biases stay float32.
+
+    Input quantizers are kept; a per-tensor [`eqx_quant.LearnedFakeQuant`][] is frozen into a static
+    [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers with a static per-tensor input quantizer
+    then compute on integers (see [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without
+    a weight quantizer becomes its float layer. All other leaves are kept as they are (shardings included).
+
+    **Arguments:**
+
+    - `model`: a model from [`eqx_quant.quantize`][] (trained or calibrated).
+
+    **Returns:**
+
+    The converted model. Its outputs equal the fake-quant model's up to floating-point summation order.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqx_quant
+
+        mlp = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
+        data = [jax.random.normal(jax.random.key(1), (32, 4))]
+        fake = eqx_quant.calibrate(eqx_quant.quantize(mlp), data)
+        real = eqx_quant.convert(fake)
+        print(real.layers[0].weight.values.dtype)  # int8
+        x = data[0][0]
+        print(jnp.max(jnp.abs(real(x) - fake(x))))
+        ```
+    """
+
+    def to_int(path: str, layer: AbstractQuantLayer) -> Any:
+        if layer.weight_quant is None:
+            return layer.layer
+        if not isinstance(layer.weight_quant, AbstractFakeQuantizer):
+            raise TypeError(
+                f"Layer {path!r} has weight quantizer {type(layer.weight_quant).__name__}, which has no integer "
+                "grid; only fake quantizers (FakeQuant, DynamicFakeQuant, LearnedFakeQuant) can be converted."
+            )
+        weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+        grid = layer.weight_quant.grid(weight)
+        tensor = QuantizedTensor.from_grid(grid, weight.shape, weight.dtype)
+        skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
+        return _INT_LAYERS[type(layer)](skeleton, tensor, _frozen_input_quant(layer.input_quant))
+
+    return _map_nodes(model, (AbstractQuantLayer,), to_int)
+
+
+def save(path: str | os.PathLike, model: PyTree) -> None:
+    """Saves the arrays of a model (integer weights as stored, packed 4-bit weights included) to a file.
+
+    A thin layer over `eqx.tree_serialise_leaves`: 4-bit weights are already packed two per byte in the converted
+    model, so they are written at half a byte per value and read back exactly. Each array carries a NumPy header of
+    about 128 bytes.
+
+    **Arguments:**
+
+    - `path`: the file to write.
+    - `model`: any model, typically from [`eqx_quant.convert`][].
+    """
+    eqx.tree_serialise_leaves(path, model)
+
+
+def load(path: str | os.PathLike, like: PyTree) -> PyTree:
+    """Loads what [`eqx_quant.save`][] wrote.
+
+    **Arguments:**
+
+    - `path`: the file.
+    - `like`: a model with the same structure, e.g. the converted model of a freshly initialised network
+        (`eqx.filter_eval_shape` builds one without computing anything).
+
+    **Returns:**
+
+    `like` with the saved arrays.
+    """
+    return eqx.tree_deserialise_leaves(path, like)
+
+
+def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
+    w = layer.weight
+    info: dict[str, Any] = {
+        "kind": type(layer).__name__,
+        "shape": list(w.shape),
+        "view_shape": list(w.view_shape),
+        "qmin": w.qmin,
+        "qmax": w.qmax,
+        "packed_int4": w.packed,
+        "nibble_order": NIBBLE_ORDER if w.packed else None,
+        "group_size": w.view_shape[-1] if w.view_shape != w.shape else None,
+        "axis": next((i for i, n in enumerate(w.scale.shape) if n > 1), None) if w.view_shape == w.shape else None,
+        "dtype": w.dtype,
+    }
+    quantizer = layer.input_quant
+    if isinstance(quantizer, FakeQuant):
+        info["input"] = {
+            "scale": quantizer.scale,
+            "zero_point": quantizer.zero_point,
+            "qmin": quantizer.qmin,
+            "qmax": quantizer.qmax,
+            "axis": quantizer.axis,
+        }
+    elif isinstance(quantizer, DynamicFakeQuant):
+        info["input"] = {"dynamic_bits": quantizer.bits, "signed": quantizer.signed, "symmetric": quantizer.symmetric}
+    return info
+
+
+_SAFETENSORS_DTYPES = {
+    "int8": "I8", "uint8": "U8", "int16": "I16", "int32": "I32", "float32": "F32", "float16": "F16",
+    "bfloat16": "BF16", "float64": "F64",
+}  # fmt: skip
+
+
+def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
+    """Writes the integer layers of a converted model to a safetensors file.
+
+    For the layer at path `p` (as named by [`eqx_quant.quantize`][]), the file holds `p.weight` (the stored
+    integers: int8/int16/int32, or uint8 with two 4-bit values per byte), `p.weight_scale`, `p.weight_zero_point`
+    (if any) and `p.bias` (if any). The header's metadata maps `p` to a JSON object with the weight's shape, the
+    grid (`qmin`, `qmax`), the per-channel `axis`, the `group_size`, `packed_int4` and its `nibble_order` (element
+    `2i` of a row in the low nibble), and the input quantizer's parameters. It is readable with the `safetensors`
+    library alone (`safetensors.numpy.load_file`).
+
+    **Arguments:**
+
+    - `path`: the file to write.
+    - `model`: a model from [`eqx_quant.convert`][].
+    """
+    layers = _nodes(model, (AbstractIntLayer,))
+    if not layers:
+        raise ValueError("`model` has no integer layer; convert it first with `eqx_quant.convert`.")
+    tensors: dict[str, np.ndarray] = {}
+    metadata: dict[str, str] = {"format": "eqx_quant", "nibble_order": NIBBLE_ORDER}
+    for name, layer in layers:
+        name = name or "layer"
+        w = layer.weight
+        tensors[f"{name}.weight"] = np.asarray(w.values)
+        tensors[f"{name}.weight_scale"] = np.asarray(w.scale)
+        if w.zero_point is not None:
+            tensors[f"{name}.weight_zero_point"] = np.asarray(w.zero_point)
+        bias = getattr(layer.layer, "bias", None)
+        if bias is not None:
+            tensors[f"{name}.bias"] = np.asarray(bias)
+        metadata[name] = json.dumps(_layer_metadata(layer))
+    _write_safetensors(path, tensors, metadata)
+
+
+def _write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """The safetensors format: an 8-byte little-endian header length, a JSON header, then the raw bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    blobs = []
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[array.dtype.name],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+        blobs.append(data)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # align the data to 8 bytes
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for data in blobs:
+            f.write(data)

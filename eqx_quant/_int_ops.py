@@ -1,0 +1,189 @@
+"""Integer matrix products and convolutions with int32 accumulation, shared by training and deployment.
+
+The quantized layers ([`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][]) compute their forward pass with
+these functions when both operands are on integer grids, and the converted layers ([`eqx_quant.nn.IntLinear`][],
+[`eqx_quant.nn.IntConv`][]) call the very same functions on their stored integers, so that the two agree bit for bit.
+"""
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array
+
+from ._fake_quant import prepare_scale, prepare_zero_point, quantize_levels
+from ._misc import compute_dtype
+from ._quantizers import QuantGrid
+
+
+INT32_MAX = 2**31 - 1
+
+
+def int_dtype(lo: int, hi: int) -> np.dtype:
+    """The narrowest of int8, int16 and int32 that holds every integer in `[lo, hi]`."""
+    for dtype in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return np.dtype(dtype)
+    raise ValueError(f"The integer range [{lo}, {hi}] does not fit in int32.")
+
+
+def shifted_range(qmin: int, qmax: int, has_zero_point: bool) -> tuple[int, int]:
+    """The range of `level - zero_point` for levels and zero points in `[qmin, qmax]`."""
+    return (qmin - qmax, qmax - qmin) if has_zero_point else (qmin, qmax)
+
+
+def safe_contraction(w_bound: int, x_bound: int) -> int:
+    """The longest contraction whose int32 accumulator cannot overflow: `K * w_bound * x_bound <= 2**31 - 1`."""
+    return max(1, INT32_MAX // max(1, w_bound * x_bound))
+
+
+class IntOperand(NamedTuple):
+    """An operand on an integer grid: `values` (integers minus the zero point), `scale` (float32, broadcastable to
+    the grid's view) and `bound` (a static bound on `|values|`)."""
+
+    values: Array
+    scale: Array
+    bound: int
+
+
+def integer_operand(grid: QuantGrid) -> IntOperand:
+    """The integers of a grid, computed exactly as [`eqx_quant.fake_quant`][] computes its levels."""
+    view, scale, zero_point, qmin, qmax = grid
+    view, scale, zero_point = (jax.lax.stop_gradient(a) if isinstance(a, jax.Array) else a for a in grid[:3])
+    compute = compute_dtype(view.dtype)
+    scale = prepare_scale(scale, view.shape, compute)
+    zero_point = prepare_zero_point(zero_point, view.shape, compute)
+    levels = quantize_levels(view.astype(compute), scale, zero_point, qmin, qmax)
+    if zero_point is not None:
+        levels = levels - zero_point.reshape((1,) * (view.ndim - zero_point.ndim) + zero_point.shape)
+    lo, hi = shifted_range(qmin, qmax, zero_point is not None)
+    return IntOperand(levels.astype(int_dtype(lo, hi)), scale, max(-lo, hi))
+
+
+def _common_int(a: Array, b: Array) -> tuple[Array, Array]:
+    dtype = jnp.promote_types(a.dtype, b.dtype)
+    return a.astype(dtype), b.astype(dtype)
+
+
+class LinearSpec(NamedTuple):
+    """Static description of an integer matrix-vector product: the longest contraction that int32 holds exactly."""
+
+    chunk: int
+
+
+class ConvSpec(NamedTuple):
+    """Static description of a convolution: the arguments of `jax.lax.conv_general_dilated` that `eqx.nn.Conv`
+    uses."""
+
+    stride: tuple[int, ...]
+    padding: tuple[tuple[int, int], ...]
+    dilation: tuple[int, ...]
+    groups: int
+
+
+def _rescale(acc: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
+    """`(acc + round(bias / s)) * s` with `s = scale_w * scale_x` broadcast along the output channels (axis 0).
+
+    The bias joins the accumulator on its own grid, as integer runtimes add an int32 bias, and the result is
+    rescaled by a single multiplication. Nothing multiplies into a sum, so XLA has no product and addition to fuse
+    into a multiply-add, which it would do under `jit` but not in eager mode: both give the same bits.
+    """
+    scale = (w_scale.reshape(-1) * x_scale).reshape((-1,) + (1,) * (acc.ndim - 1))
+    acc = acc.astype(jnp.float32)
+    if bias is not None:
+        acc = acc + jnp.round(bias.astype(jnp.float32).reshape(acc.shape[:1] + (1,) * (acc.ndim - 1)) * (1 / scale))
+    return acc * scale
+
+
+def int_linear(spec: LinearSpec, w: Array, x: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
+    """`w @ x` on integers with int32 accumulation, plus the bias on the accumulator's grid, rescaled once.
+
+    Contractions longer than `spec.chunk` are split into chunks whose int32 results are summed in float32.
+    """
+    lhs, rhs = _common_int(w, x)
+    dims = (((1,), (0,)), ((), ()))
+    k = rhs.shape[0]
+    if k <= spec.chunk:
+        acc = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32)
+    else:
+        acc = jnp.zeros(lhs.shape[0], jnp.float32)
+        for start in range(0, k, spec.chunk):
+            part = jax.lax.dot_general(
+                lhs[:, start : start + spec.chunk], rhs[start : start + spec.chunk], dims,
+                preferred_element_type=jnp.int32,
+            )  # fmt: skip
+            acc = acc + part.astype(jnp.float32)
+    return _rescale(acc, w_scale, x_scale, bias)
+
+
+def int_conv(spec: ConvSpec, w: Array, x: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
+    """The convolution of integers with int32 accumulation, plus the bias on the accumulator's grid, rescaled once."""
+    lhs, rhs = _common_int(x[None], w)
+    acc = jax.lax.conv_general_dilated(
+        lhs, rhs, window_strides=spec.stride, padding=spec.padding, rhs_dilation=spec.dilation,
+        feature_group_count=spec.groups, preferred_element_type=jnp.int32,
+    )[0]  # fmt: skip
+    return _rescale(acc, w_scale, x_scale, bias)
+
+
+def _float_linear(spec: LinearSpec, w: Array, x: Array, bias: Array | None) -> Array:
+    y = w @ x
+    return y if bias is None else y + bias
+
+
+def _float_conv(spec: ConvSpec, w: Array, x: Array, bias: Array | None) -> Array:
+    y = jax.lax.conv_general_dilated(
+        x[None], w, window_strides=spec.stride, padding=spec.padding, rhs_dilation=spec.dilation,
+        feature_group_count=spec.groups,
+    )[0]  # fmt: skip
+    return y if bias is None else y + bias
+
+
+_FLOAT_OPS = {LinearSpec: _float_linear, ConvSpec: _float_conv}
+_INT_OPS = {LinearSpec: int_linear, ConvSpec: int_conv}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
+    """The integer computation in the forward pass, the float one of the fake-quantized operands in the backward.
+
+    `wq` and `xq` are the fake-quantized weight and input (`scale * (levels - zero_point)`); `w_int`, `x_int` their
+    integers minus zero points. The forward returns the integer product (or convolution); the backward is that of
+    the float `wq @ xq + bias`, so that gradients continue through the quantizers' straight-through estimators.
+    """
+    del wq, xq
+    return _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias)
+
+
+def _integer_forward_fwd(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
+    return _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias), (wq, xq, bias)
+
+
+def _integer_forward_bwd(spec, residuals, g):
+    wq, xq, bias = residuals
+    _, pullback = jax.vjp(functools.partial(_FLOAT_OPS[type(spec)], spec), wq, xq, bias)
+    grad_w, grad_x, grad_bias = pullback(g.astype(wq.dtype))
+    return grad_w, grad_x, grad_bias, None, None, None, None  # scales and integers: their gradients go via wq, xq
+
+
+integer_forward.defvjp(_integer_forward_fwd, _integer_forward_bwd)
+
+
+def per_tensor_grid(grid: QuantGrid, shape: tuple[int, ...]) -> bool:
+    """Whether a grid has one scale and one zero point for a whole input of `shape`."""
+    return grid.view.shape == shape and np.size(grid.scale) == 1 and np.size(grid.zero_point) == 1
+
+
+def per_channel_grid(grid: QuantGrid, shape: tuple[int, ...]) -> bool:
+    """Whether a weight grid has scales and zero points per tensor or per output channel (axis 0): the layouts that
+    an integer product rescales once."""
+    if grid.view.shape != shape:
+        return False
+    for a in (grid.scale, grid.zero_point):
+        a_shape = (1,) * (len(shape) - np.ndim(a)) + np.shape(a)
+        if any(n != 1 for n in a_shape[1:]):
+            return False
+    return True

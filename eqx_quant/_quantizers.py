@@ -1,0 +1,700 @@
+import abc
+import functools
+import math
+from collections.abc import Sequence
+from typing import Literal, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
+
+from ._clip import clip_passthrough
+from ._fake_quant import check_range, fake_quant
+from ._misc import check_int, compute_dtype
+from ._ranges import int_range
+from ._scales import absmax_scale, finite_or, minmax_scale, stats
+
+
+_TINY32 = float(np.finfo(np.float32).tiny)
+
+StaticFloats = float | int | np.number | Sequence[float | int | np.number] | np.ndarray
+StaticInts = int | np.integer | Sequence[int | np.integer] | np.ndarray
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Small helpers.
+
+
+def _normalize_axis(axis: int, ndim: int) -> int:
+    if not -ndim <= axis < ndim:
+        raise ValueError(f"`axis` must be in [{-ndim}, {ndim}) for an input of rank {ndim}, got axis={axis}.")
+    return axis % ndim
+
+
+def _channel_shape(ndim: int, axis: int, n: int) -> tuple[int, ...]:
+    return tuple(n if i == axis else 1 for i in range(ndim))
+
+
+def _as_static_floats(name: str, value: object) -> float | tuple[float, ...]:
+    """A Python float, or a tuple of them for a 1-D sequence: hashable, so that it can be a static field."""
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer):
+        raise TypeError(f"`{name}` must be a Python float or a sequence of floats, got {value!r}.")
+    a = np.asarray(value)
+    if a.dtype.kind not in "iuf":
+        raise TypeError(f"`{name}` must be a Python float or a sequence of floats, got {value!r}.")
+    if a.ndim == 0:
+        return float(a)
+    if a.ndim != 1 or a.size == 0:
+        raise ValueError(f"`{name}` must be a float or a non-empty 1-D sequence of floats, got shape {a.shape}.")
+    return tuple(float(v) for v in a)
+
+
+def _as_static_ints(name: str, value: object) -> int | tuple[int, ...]:
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise TypeError(f"`{name}` must be an int or a sequence of ints, got {value!r}.")
+    values = tuple(check_int(name, v) for v in np.asarray(value, dtype=object).ravel())
+    if np.ndim(value) != 1 or not values:
+        raise ValueError(f"`{name}` must be an int or a non-empty 1-D sequence of ints, got {value!r}.")
+    return values
+
+
+def _as_tuple(value: float | int | tuple) -> tuple:
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _check_scale_values(name: str, values: tuple[float, ...]) -> None:
+    for v in values:
+        if not (math.isfinite(v) and _TINY32 <= v <= 1 / _TINY32):
+            raise ValueError(f"`{name}` must be finite, positive and a normal float32, got {name}={v!r}.")
+
+
+def _per_channel(name: str, value, x: Array, axis: int | None) -> float | int | Array:
+    """A static per-channel tuple as an array that broadcasts along `axis` of `x`; scalars pass through."""
+    if not isinstance(value, tuple):
+        return value
+    assert axis is not None
+    axis = _normalize_axis(axis, x.ndim)
+    if len(value) != x.shape[axis]:
+        raise ValueError(
+            f"`{name}` has {len(value)} entries but `x` has {x.shape[axis]} along axis {axis} (x.shape={x.shape})."
+        )
+    return jnp.asarray(value, compute_dtype(x.dtype)).reshape(_channel_shape(x.ndim, axis, len(value)))
+
+
+def _check_float_input(x: Array) -> None:
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"`x` must be a floating array, got dtype {x.dtype}.")
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scale_gradient(x, factor):
+    return x
+
+
+def _scale_gradient_fwd(x, factor):
+    return x, None
+
+
+def _scale_gradient_bwd(factor, _, g):
+    return (g * factor,)
+
+
+_scale_gradient.defvjp(_scale_gradient_fwd, _scale_gradient_bwd)
+
+
+@jax.custom_jvp
+def _round_ste(x):
+    return jnp.round(x)
+
+
+@_round_ste.defjvp
+def _round_ste_jvp(primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    return _round_ste(x), x_dot
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The quantizers.
+
+
+class AbstractQuantizer(eqx.Module):
+    """Base class of the quantizer modules.
+
+    A quantizer maps an array to an array of the same shape and dtype whose values lie on a quantization grid (or,
+    for [`eqx_quant.PassthroughClip`][], in a range), with gradients defined by [`eqx_quant.fake_quant`][] or
+    [`eqx_quant.clip_passthrough`][].
+    """
+
+    @abc.abstractmethod
+    def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:
+        """Quantizes `x`.
+
+        **Arguments:**
+
+        - `x`: a floating array.
+        - `key`: ignored; present for compatibility with the Equinox layer API.
+
+        **Returns:**
+
+        An array with the shape and dtype of `x`.
+        """
+
+
+class QuantGrid(NamedTuple):
+    """The integer grid that a fake quantizer puts an input on.
+
+    `fake_quant(view, scale, qmin, qmax, zero_point).reshape(x.shape)` is the quantizer's output for `x`; integer
+    conversion uses the same grid, so that the integers it stores are exactly those of the forward pass.
+
+    **Fields:**
+
+    - `view`: the input, reshaped as the scales need it: `x` itself, or `x.reshape(x.shape[:-1] + (n // g, g))`
+        for groups of `g` along the last axis.
+    - `scale`: the step size, a Python float or a float array that broadcasts against `view`.
+    - `zero_point`: 0, or an integer-valued float array that broadcasts against `view`.
+    - `qmin`, `qmax`: the inclusive integer range.
+    """
+
+    view: Array
+    scale: float | Array
+    zero_point: int | Array
+    qmin: int
+    qmax: int
+
+
+def apply_grid(grid: QuantGrid, shape: tuple[int, ...]) -> Array:
+    """[`eqx_quant.fake_quant`][] on a grid, reshaped back to the input's `shape`."""
+    view, scale, zero_point, qmin, qmax = grid
+    return fake_quant(view, scale, qmin, qmax, zero_point).reshape(shape)
+
+
+class AbstractFakeQuantizer(AbstractQuantizer):
+    """Base class of the quantizers that put their input on an integer grid (all but
+    [`eqx_quant.PassthroughClip`][]); their output is [`eqx_quant.fake_quant`][] on the grid that `grid` returns.
+    """
+
+    @abc.abstractmethod
+    def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
+        """The integer grid for the input `x`: see [`eqx_quant.QuantGrid`][]."""
+
+    def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:
+        """Fake-quantizes `x` on `self.grid(x)`.
+
+        **Arguments:**
+
+        - `x`: a floating array.
+        - `key`: ignored; present for compatibility with the Equinox layer API.
+
+        **Returns:**
+
+        An array with the shape and dtype of `x`.
+        """
+        del key
+        _check_float_input(x)
+        with jax.named_scope(f"eqx_quant.{type(self).__name__}"):
+            return apply_grid(self.grid(x), x.shape)
+
+
+_METHODS = ("absmax", "minmax", "percentile", "mse")
+
+
+class FakeQuant(AbstractFakeQuantizer):
+    """A fixed fake quantizer: scale, zero point and integer range are static configuration.
+
+    `FakeQuant(scale, qmin, qmax)(x)` is `fake_quant(x, scale, qmin, qmax)`. Per-channel scales and zero points are
+    tuples with one entry per index of `x.shape[axis]`.
+
+    The module has no array leaves: optimizers never change it and gradients never reach it, which suits a frozen,
+    calibrated quantizer (see [`eqx_quant.FakeQuant.calibrate`][]). Because its configuration is static, it is part of
+    the compiled program: repeated calls under `eqx.filter_jit` with the same module compile once, and a module with
+    another scale compiles again. Use [`eqx_quant.LearnedFakeQuant`][] for scales that change during training.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_quant
+
+        q = eqx_quant.FakeQuant.from_bits(4, 0.5)
+        print(q(jnp.array([0.3, 1.25, 9.0])))  # [0.5 1.  3.5]
+        ```
+    """
+
+    scale: float | tuple[float, ...] = eqx.field(static=True)
+    qmin: int = eqx.field(static=True)
+    qmax: int = eqx.field(static=True)
+    zero_point: int | tuple[int, ...] = eqx.field(static=True)
+    axis: int | None = eqx.field(static=True)
+
+    def __init__(
+        self,
+        scale: StaticFloats,
+        qmin: int | np.integer,
+        qmax: int | np.integer,
+        *,
+        zero_point: StaticInts = 0,
+        axis: int | None = None,
+    ):
+        """**Arguments:**
+
+        - `scale`: the step size, a positive float, or a sequence of them (one per channel along `axis`).
+        - `qmin`, `qmax`: the inclusive integer range; see [`eqx_quant.int_range`][].
+        - `zero_point`: the integer that represents 0, in `[qmin, qmax]`; an int or a sequence of ints (per channel).
+        - `axis`: the channel axis of the input for per-channel `scale` / `zero_point`; negative values count from
+            the end. Required when either is a sequence.
+        """
+        self.scale = _as_static_floats("scale", scale)
+        self.qmin, self.qmax = check_range(qmin, qmax)
+        self.zero_point = _as_static_ints("zero_point", zero_point)
+        self.axis = None if axis is None else check_int("axis", axis)
+
+    def __check_init__(self):
+        _check_scale_values("scale", _as_tuple(self.scale))
+        for zp in _as_tuple(self.zero_point):
+            if not self.qmin <= zp <= self.qmax:
+                raise ValueError(
+                    f"`zero_point` must lie in [qmin, qmax] = [{self.qmin}, {self.qmax}], got zero_point={zp}."
+                )
+        per_channel = [name for name in ("scale", "zero_point") if isinstance(getattr(self, name), tuple)]
+        if per_channel and self.axis is None:
+            raise ValueError(f"`axis` is required for per-channel `{per_channel[0]}`, got axis=None.")
+        if len(per_channel) == 2 and len(self.scale) != len(self.zero_point):
+            raise ValueError(
+                f"`scale` and `zero_point` must have as many entries, got {len(self.scale)} and "
+                f"{len(self.zero_point)}."
+            )
+
+    def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
+        if self.axis is not None:
+            _normalize_axis(self.axis, x.ndim)
+        scale = _per_channel("scale", self.scale, x, self.axis)
+        zero_point = _per_channel("zero_point", self.zero_point, x, self.axis)
+        return QuantGrid(x, scale, zero_point, self.qmin, self.qmax)
+
+    @classmethod
+    def from_bits(
+        cls,
+        bits: int | np.integer,
+        scale: StaticFloats,
+        *,
+        signed: bool = True,
+        narrow: bool = False,
+        axis: int | None = None,
+    ) -> "FakeQuant":
+        """A symmetric quantizer on the `bits`-bit grid of [`eqx_quant.int_range`][].
+
+        **Arguments:**
+
+        - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
+        - `scale`: the step size, a float or a per-channel sequence.
+        - `axis`: the channel axis for a per-channel `scale`.
+
+        **Returns:**
+
+        A [`eqx_quant.FakeQuant`][] with zero point 0.
+        """
+        qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
+        return cls(scale, qmin, qmax, axis=axis)
+
+    @classmethod
+    def calibrate(
+        cls,
+        x: Real[ArrayLike, "..."],
+        bits: int | np.integer,
+        *,
+        signed: bool = True,
+        narrow: bool = False,
+        axis: int | None = None,
+        method: Literal["absmax", "minmax", "percentile", "mse"] = "absmax",
+        percentile: float = 99.99,
+        num_candidates: int = 100,
+    ) -> "FakeQuant":
+        """Fits a quantizer to sample data (post-training quantization).
+
+        The statistics ignore NaN and infinite entries of `x`.
+
+        **Arguments:**
+
+        - `x`: the sample data, e.g. a weight or a batch of activations.
+        - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
+        - `axis`: `None` for one scale for the whole tensor, or the channel axis for one scale per index along it.
+        - `method`:
+            - `"absmax"`: symmetric, `scale ≈ max|x| / qmax`, nudged up by at most a few ulps so that the largest
+                magnitude maps inside `[qmin, qmax]` with the arithmetic of [`eqx_quant.fake_quant`][] (so it lands on
+                the grid and keeps its gradient).
+            - `"minmax"`: asymmetric, covering `[min(x, 0), max(x, 0)]` with an integer zero point, so that 0 is
+                exactly representable and both extremes map inside the range.
+            - `"percentile"`: symmetric, clipping at the `percentile`-th percentile of `|x|`.
+            - `"mse"`: symmetric, the clipping threshold among `num_candidates` fractions of `max|x|` that minimises
+                the mean squared quantization error on `x`.
+        - `percentile`: in `(0, 100]`, for `method="percentile"`.
+        - `num_candidates`: the number of thresholds tried by `method="mse"`.
+
+        **Returns:**
+
+        A [`eqx_quant.FakeQuant`][] with float32-representable scales.
+        """
+        if method not in _METHODS:
+            raise ValueError(f"`method` must be one of {_METHODS}, got method={method!r}.")
+        if not 0 < percentile <= 100:
+            raise ValueError(f"`percentile` must be in (0, 100], got percentile={percentile!r}.")
+        num_candidates = check_int("num_candidates", num_candidates)
+        if num_candidates < 1:
+            raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
+        qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(jnp.float32)
+        if axis is not None:
+            axis = _normalize_axis(check_int("axis", axis), x.ndim)
+        axes = tuple(i for i in range(x.ndim) if i != axis)
+        absmax, lo, hi = stats(x, axes)
+        zero_point = jnp.zeros_like(absmax)
+        if method == "absmax":
+            scale = absmax_scale(absmax, qmax)
+        elif method == "minmax":
+            scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
+        elif method == "percentile":
+            magnitudes = jnp.where(jnp.isfinite(x), jnp.abs(x.astype(jnp.float32)), jnp.nan)
+            clip_at = jnp.nan_to_num(jnp.nanpercentile(magnitudes, percentile, axis=axes, keepdims=True))
+            scale = absmax_scale(clip_at, qmax)
+        else:
+            scale = _mse_scale(x.astype(jnp.float32), absmax, axes, qmin, qmax, num_candidates)
+        scale, zero_point = np.asarray(scale).ravel(), np.asarray(zero_point).ravel().astype(np.int64)
+        if axis is None:
+            return cls(float(scale[0]), qmin, qmax, zero_point=int(zero_point[0]))
+        return cls(tuple(scale.tolist()), qmin, qmax, zero_point=tuple(zero_point.tolist()), axis=axis)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _mse_scale(x, absmax, axes, qmin, qmax, num_candidates):
+    x = finite_or(x, 0.0)
+    fractions = jnp.arange(1, num_candidates + 1, dtype=jnp.float32) / num_candidates
+
+    def error(fraction):
+        scale = absmax_scale(absmax * fraction, qmax)
+        return jnp.mean((fake_quant(x, scale, qmin, qmax) - x) ** 2, axis=axes, keepdims=True)
+
+    errors = jax.lax.map(error, fractions)  # sequential: memory stays that of one candidate
+    best = fractions[jnp.argmin(errors, axis=0)]
+    return absmax_scale(absmax * best, qmax)
+
+
+class PassthroughClip(AbstractQuantizer):
+    """A static clip to `[lo, hi]` whose gradient is the identity: [`eqx_quant.clip_passthrough`][] as a module.
+
+    Forward-mode differentiation (`jax.jvp`, `jax.jacfwd`) works through it, unlike the custom-VJP quantizers.
+
+    !!! example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import eqx_quant
+
+        clip = eqx_quant.PassthroughClip(0.0, 6.0)
+        print(jax.grad(lambda x: clip(x).sum())(jnp.array([-1.0, 3.0, 8.0])))  # [1. 1. 1.]
+        ```
+    """
+
+    lo: float = eqx.field(static=True)
+    hi: float = eqx.field(static=True)
+
+    def __init__(self, lo: float | int, hi: float | int):
+        """**Arguments:**
+
+        - `lo`, `hi`: the bounds, Python numbers with `lo <= hi`; infinite bounds clip on one side only.
+        """
+        self.lo = float(lo)
+        self.hi = float(hi)
+
+    def __check_init__(self):
+        if math.isnan(self.lo) or math.isnan(self.hi) or self.lo > self.hi:
+            raise ValueError(f"`lo` and `hi` must satisfy lo <= hi and not be NaN, got lo={self.lo} and hi={self.hi}.")
+
+    def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:
+        del key
+        _check_float_input(x)
+        with jax.named_scope("eqx_quant.PassthroughClip"):
+            return clip_passthrough(x, self.lo, self.hi)
+
+
+class DynamicFakeQuant(AbstractFakeQuantizer):
+    """A fake quantizer that computes its scale from its input at every call: the usual weight quantizer in QAT.
+
+    The scale is `max|x| / qmax` (symmetric), nudged up by at most a few ulps so that the largest magnitude always
+    maps inside the range and keeps its gradient, whichever way the program is compiled; or, with
+    `symmetric=False`, an asymmetric scale and integer zero point covering `[min(x, 0), max(x, 0)]`. Scale and zero
+    point are computed in float32 from the finite entries of `x` and are `stop_gradient`-ed: gradients reach `x`
+    through the straight-through estimator only. An all-zero tensor (channel, group) quantizes to exact zeros.
+
+    Granularity:
+
+    - per tensor (`axis=None`, `group_size=None`): one scale;
+    - per channel (`axis=k`): one scale per index along axis `k`;
+    - per group (`group_size=g`): the last axis is split into contiguous groups of `g`, and every group of every
+        index of the other axes has its own scale: scales of shape `x.shape[:-1] + (x.shape[-1] // g,)`. These are
+        already separate for every channel, so `axis` (if given) only has to name another axis than the last.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_quant
+
+        q = eqx_quant.DynamicFakeQuant(8, axis=0)  # one scale per row
+        w = jnp.array([[0.1, -0.2, 0.3], [10.0, 5.0, -2.5]])
+        print(q(w))
+        ```
+    """
+
+    bits: int = eqx.field(static=True)
+    signed: bool = eqx.field(static=True)
+    narrow: bool = eqx.field(static=True)
+    axis: int | None = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True)
+    symmetric: bool = eqx.field(static=True)
+
+    def __init__(
+        self,
+        bits: int | np.integer,
+        *,
+        signed: bool = True,
+        narrow: bool = False,
+        axis: int | None = None,
+        group_size: int | None = None,
+        symmetric: bool = True,
+    ):
+        """**Arguments:**
+
+        - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
+        - `axis`: the channel axis for per-channel scales, or `None`.
+        - `group_size`: the size of the groups along the last axis for per-group scales, or `None`.
+        - `symmetric`: `True` for a zero point of 0 and `scale = max|x| / qmax`; `False` for a min/max range with an
+            integer zero point.
+        """
+        self.bits = check_int("bits", bits)
+        self.signed = signed
+        self.narrow = narrow
+        self.axis = None if axis is None else check_int("axis", axis)
+        self.group_size = None if group_size is None else check_int("group_size", group_size)
+        self.symmetric = symmetric
+
+    def __check_init__(self):
+        int_range(self.bits, signed=self.signed, narrow=self.narrow)
+        if not isinstance(self.symmetric, bool):
+            raise TypeError(f"`symmetric` must be a bool, got {self.symmetric!r}.")
+        if self.group_size is not None and self.group_size < 1:
+            raise ValueError(f"`group_size` must be a positive int, got group_size={self.group_size}.")
+
+    @property
+    def qmin(self) -> int:
+        return int_range(self.bits, signed=self.signed, narrow=self.narrow)[0]
+
+    @property
+    def qmax(self) -> int:
+        return int_range(self.bits, signed=self.signed, narrow=self.narrow)[1]
+
+    def _grouped(self, x: Array) -> Array:
+        """`x` reshaped so that per-group scales broadcast: `(..., n) -> (..., n // g, g)`."""
+        g = self.group_size
+        assert g is not None
+        if x.ndim == 0:
+            raise ValueError("`group_size` needs an input with at least one axis, got a scalar.")
+        if self.axis is not None and _normalize_axis(self.axis, x.ndim) == x.ndim - 1:
+            raise ValueError(
+                f"`axis` must not be the last axis when `group_size` is given, got axis={self.axis} for an input of "
+                f"rank {x.ndim}."
+            )
+        n = x.shape[-1]
+        if n % g:
+            raise ValueError(f"`group_size`={g} does not divide the last axis of `x`, of size {n}.")
+        return x.reshape(x.shape[:-1] + (n // g, g))
+
+    def quantization_params(self, x: Float[Array, "*shape"]) -> tuple[Array, Array]:
+        """The scale and zero point that a call on `x` uses.
+
+        **Arguments:**
+
+        - `x`: a floating array.
+
+        **Returns:**
+
+        `(scale, zero_point)`, float32 arrays: of shape `()` per tensor, `(x.shape[axis],)` per channel, and
+        `x.shape[:-1] + (x.shape[-1] // group_size,)` per group. The zero point is integer-valued (0 when symmetric).
+        """
+        _, scale, zero_point, _, _ = self.grid(x)
+        zero_point = jnp.zeros_like(scale) if isinstance(zero_point, int) else zero_point
+        if self.group_size is not None:
+            squeeze: tuple[int, ...] = (x.ndim,)
+        else:
+            axis = None if self.axis is None else _normalize_axis(self.axis, x.ndim)
+            squeeze = tuple(i for i in range(x.ndim) if i != axis)
+        return jnp.squeeze(scale, axis=squeeze), jnp.squeeze(zero_point, axis=squeeze)
+
+    def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
+        if self.group_size is not None:
+            view = self._grouped(x)
+            axes: tuple[int, ...] = (view.ndim - 1,)
+        else:
+            view = x
+            axis = None if self.axis is None else _normalize_axis(self.axis, x.ndim)
+            axes = tuple(i for i in range(x.ndim) if i != axis)
+        absmax, lo, hi = stats(view, axes)
+        qmin, qmax = int_range(self.bits, signed=self.signed, narrow=self.narrow)
+        if self.symmetric:
+            return QuantGrid(view, absmax_scale(absmax, qmax), 0, qmin, qmax)
+        scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
+        return QuantGrid(view, scale, zero_point, qmin, qmax)
+
+
+class LearnedFakeQuant(AbstractFakeQuantizer):
+    """A fake quantizer with a learned step size (LSQ, Esser et al., ICLR 2020), and optionally a learned zero point.
+
+    `scale` is an array leaf, per tensor (shape `()`) or per channel (shape `(channels,)` along `axis`), trained
+    through the scale gradient of [`eqx_quant.fake_quant`][]. That gradient is multiplied by the LSQ gradient scale
+    `1 / sqrt(numel * qmax)`, where `numel` is the number of elements that share one scale in the call (`x.size` per
+    tensor, `x.size / channels` per channel); the forward value is unchanged.
+
+    **Positivity.** The forward pass uses `clip_passthrough(scale, min_scale, inf)`: whatever an optimizer does to the
+    leaf, the step size used is at least `min_scale`, and since the clip passes its gradient straight through, a leaf
+    pushed below the floor still receives gradients and can recover.
+
+    **Zero point (LSQ+).** With a `zero_point` leaf (asked for by `init_from(..., symmetric=False)`), the forward
+    uses `round(clip(zero_point, qmin, qmax))`, with a straight-through gradient for both the round and the clip, and
+    the same gradient scale as the step size. Symmetric quantizers have `zero_point=None`.
+
+    !!! example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import eqx_quant
+
+        x = jax.random.normal(jax.random.key(0), (64,))
+        q = eqx_quant.LearnedFakeQuant.init_from(x, 4)
+        grads = jax.grad(lambda q: jnp.sum((q(x) - x) ** 2))(q)
+        print(q.scale, grads.scale)
+        ```
+    """
+
+    scale: Float[Array, "*channels"]
+    zero_point: Float[Array, "*channels"] | None
+    qmin: int = eqx.field(static=True)
+    qmax: int = eqx.field(static=True)
+    axis: int | None = eqx.field(static=True)
+    min_scale: float = eqx.field(static=True)
+
+    def __init__(
+        self,
+        scale: Real[ArrayLike, "*channels"],
+        qmin: int | np.integer,
+        qmax: int | np.integer,
+        *,
+        zero_point: Real[ArrayLike, "*channels"] | None = None,
+        axis: int | None = None,
+        min_scale: float = 1e-8,
+    ):
+        """**Arguments:**
+
+        - `scale`: the initial step size: a positive scalar, or a 1-D array with one entry per channel along `axis`.
+            Stored as a float32 array.
+        - `qmin`, `qmax`: the inclusive integer range; see [`eqx_quant.int_range`][].
+        - `zero_point`: `None` for a symmetric quantizer, or the initial zero point (same shape as `scale`), stored
+            as a float32 array and learned.
+        - `axis`: the channel axis for a per-channel `scale`, or `None`.
+        - `min_scale`: the smallest step size the forward pass uses; a positive, normal float32.
+        """
+        self.scale = jnp.asarray(scale, jnp.float32)
+        self.zero_point = None if zero_point is None else jnp.asarray(zero_point, jnp.float32)
+        self.qmin, self.qmax = check_range(qmin, qmax)
+        self.axis = None if axis is None else check_int("axis", axis)
+        self.min_scale = float(min_scale)
+
+    def __check_init__(self):
+        _check_scale_values("min_scale", (self.min_scale,))
+        expected_ndim = 0 if self.axis is None else 1
+        if self.scale.ndim != expected_ndim:
+            raise ValueError(
+                f"`scale` must have {expected_ndim} dimension(s) for axis={self.axis}, got shape {self.scale.shape}."
+            )
+        if self.zero_point is not None and self.zero_point.shape != self.scale.shape:
+            raise ValueError(
+                f"`zero_point` must have the shape of `scale`, {self.scale.shape}, got {self.zero_point.shape}."
+            )
+        if not isinstance(self.scale, jax.core.Tracer):
+            s = np.asarray(self.scale)
+            if not np.all(np.isfinite(s) & (s > 0)):
+                raise ValueError(f"`scale` must be finite and positive, got scale={s.tolist()!r}.")
+
+    def _broadcast(self, leaf: Array, x: Array) -> tuple[Array, int]:
+        """`leaf` shaped to broadcast against `x`, and the number of elements of `x` per entry of `leaf`."""
+        if self.axis is None:
+            return leaf, x.size
+        axis = _normalize_axis(self.axis, x.ndim)
+        if leaf.shape[0] != x.shape[axis]:
+            raise ValueError(
+                f"`scale` has {leaf.shape[0]} entries but `x` has {x.shape[axis]} along axis {axis} "
+                f"(x.shape={x.shape})."
+            )
+        return leaf.reshape(_channel_shape(x.ndim, axis, leaf.shape[0])), x.size // max(x.shape[axis], 1)
+
+    def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
+        scale, numel = self._broadcast(self.scale, x)
+        factor = 1.0 / math.sqrt(numel * max(self.qmax, 1)) if numel else 1.0
+        scale = _scale_gradient(clip_passthrough(scale, self.min_scale, math.inf), factor)
+        if self.zero_point is None:
+            return QuantGrid(x, scale, 0, self.qmin, self.qmax)
+        zero_point, _ = self._broadcast(self.zero_point, x)
+        zero_point = _round_ste(clip_passthrough(_scale_gradient(zero_point, factor), self.qmin, self.qmax))
+        return QuantGrid(x, scale, zero_point, self.qmin, self.qmax)
+
+    @classmethod
+    def init_from(
+        cls,
+        x: Real[ArrayLike, "..."],
+        bits: int | np.integer,
+        *,
+        signed: bool = True,
+        narrow: bool = False,
+        axis: int | None = None,
+        symmetric: bool = True,
+        min_scale: float = 1e-8,
+    ) -> "LearnedFakeQuant":
+        """Initialises the step size from data as LSQ does: `2 * mean|x| / sqrt(qmax)`, per tensor or per channel.
+
+        **Arguments:**
+
+        - `x`: sample data (e.g. the weight it will quantize). Non-finite entries are ignored.
+        - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
+        - `axis`: the channel axis for per-channel step sizes, or `None`.
+        - `symmetric`: `False` adds a learned zero point, initialised so that `min(x, 0)` maps to `qmin`.
+        - `min_scale`: as for the constructor; the initial step size is at least this.
+
+        **Returns:**
+
+        A [`eqx_quant.LearnedFakeQuant`][].
+        """
+        qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
+        x = jnp.asarray(x)
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            x = x.astype(jnp.float32)
+        x = x.astype(jnp.float32)
+        if axis is not None:
+            axis = _normalize_axis(check_int("axis", axis), x.ndim)
+        axes = tuple(i for i in range(x.ndim) if i != axis)
+        finite = jnp.isfinite(x)
+        total = jnp.sum(jnp.where(finite, jnp.abs(x), 0.0), axis=axes)
+        count = jnp.maximum(jnp.sum(finite, axis=axes), 1).astype(jnp.float32)
+        scale = jnp.maximum(2 * (total / count) / math.sqrt(qmax), min_scale)
+        zero_point = None
+        if not symmetric:
+            lo = jnp.minimum(jnp.min(finite_or(x, 0.0), axis=axes, initial=0.0), 0.0)
+            zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
+        return cls(scale, qmin, qmax, zero_point=zero_point, axis=axis, min_scale=min_scale)

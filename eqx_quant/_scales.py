@@ -1,0 +1,87 @@
+"""Scale and zero-point fitting shared by calibration (eagerly, on concrete data) and dynamic quantizers (traced).
+
+Every function here is written with `jax.numpy`, so that a scale computed once at calibration time and a scale
+computed at every call of a dynamic quantizer come out of the same arithmetic. Statistics are float32.
+"""
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+
+_TINY = float(jnp.finfo(jnp.float32).tiny)
+_NUDGES = 4  # at most two are ever needed in float32; see `absmax_scale`
+
+
+def _lands_inside(x: Array, scale: Array, zero_point: Array | float, qmin: int, qmax: int) -> Array:
+    """Whether `x / scale + zero_point` lies in `[qmin, qmax]` with the arithmetic of `fake_quant`'s mask."""
+    v = x * (1 / scale)
+    return (v >= qmin - zero_point) & (v <= qmax - zero_point)
+
+
+def absmax_scale(absmax: Float[Array, "*c"], qmax: int) -> Float[Array, "*c"]:
+    """The symmetric scale `absmax / qmax`, nudged up by ulps until `absmax / scale <= qmax` holds in float32.
+
+    A plain `absmax / qmax` puts `absmax` one ulp above `qmax` about one time in seven, which clips the largest
+    value and zeroes its gradient. Scales are floored at the smallest normal float32, so an all-zero tensor gets a
+    valid scale and quantizes to exact zeros.
+    """
+    absmax = absmax.astype(jnp.float32)
+    scale = jnp.maximum(absmax * (1.0 / qmax), _TINY)
+    for _ in range(_NUDGES):
+        scale = jnp.where(absmax * (1 / scale) > qmax, jnp.nextafter(scale, jnp.inf), scale)
+    return scale
+
+
+def minmax_scale(
+    lo: Float[Array, "*c"], hi: Float[Array, "*c"], qmin: int, qmax: int
+) -> tuple[Float[Array, "*c"], Float[Array, "*c"]]:
+    """An asymmetric `(scale, zero_point)` whose grid covers `[min(lo, 0), max(hi, 0)]`.
+
+    The zero point is an integer in `[qmin, qmax]`, so that real 0 is exactly representable. Of the two integers
+    next to the ideal (fractional) zero point, the one that needs the smaller scale to keep both ends inside the range
+    is taken; then the scale is nudged up by ulps until both ends land inside with `fake_quant`'s arithmetic.
+    """
+    lo = jnp.minimum(lo.astype(jnp.float32), 0.0)
+    hi = jnp.maximum(hi.astype(jnp.float32), 0.0)
+    width = hi - lo
+    degenerate = width == 0
+    safe_width = jnp.where(degenerate, 1.0, width)
+    # Written without a product feeding a sum, which XLA would contract into a fused multiply-add under `jit` only.
+    ideal = qmin - (lo * (qmax - qmin)) / safe_width
+
+    def needed_scale(zp):
+        # The smallest scale with lo / scale >= qmin - zp and hi / scale <= qmax - zp.
+        below = jnp.where(lo < 0, -lo / jnp.maximum(zp - qmin, 0.0), 0.0)
+        above = jnp.where(hi > 0, hi / jnp.maximum(qmax - zp, 0.0), 0.0)
+        return jnp.maximum(below, above)
+
+    low_zp = jnp.clip(jnp.floor(ideal), qmin, qmax)
+    high_zp = jnp.clip(jnp.ceil(ideal), qmin, qmax)
+    low_scale, high_scale = needed_scale(low_zp), needed_scale(high_zp)
+    zero_point = jnp.where(low_scale <= high_scale, low_zp, high_zp)
+    scale = jnp.minimum(low_scale, high_scale)
+    zero_point = jnp.where(degenerate, float(min(max(0, qmin), qmax)), zero_point)
+    scale = jnp.maximum(jnp.where(degenerate, 0.0, scale), _TINY)
+    for _ in range(_NUDGES):
+        ok = _lands_inside(lo, scale, zero_point, qmin, qmax) & _lands_inside(hi, scale, zero_point, qmin, qmax)
+        scale = jnp.where(ok, scale, jnp.nextafter(scale, jnp.inf))
+    return scale, zero_point
+
+
+def finite_or(x: Array, fill: float) -> Array:
+    """`x` with its non-finite entries replaced by `fill`, so that statistics ignore NaN and infinity."""
+    return jnp.where(jnp.isfinite(x), x, fill)
+
+
+def stats(x: Array, axes: tuple[int, ...]) -> tuple[Array, Array, Array]:
+    """`(absmax, min, max)` of the finite entries of `x` over `axes` (kept as unit axes), in float32.
+
+    The minimum and maximum include 0 (an empty or all-non-finite slice gives zeros), and no gradient flows
+    through them.
+    """
+    x = jax.lax.stop_gradient(x).astype(jnp.float32)
+    absmax = jnp.max(finite_or(jnp.abs(x), 0.0), axis=axes, keepdims=True, initial=0.0)
+    lo = jnp.min(finite_or(x, 0.0), axis=axes, keepdims=True, initial=0.0)
+    hi = jnp.max(finite_or(x, 0.0), axis=axes, keepdims=True, initial=0.0)
+    return absmax, lo, hi

@@ -1,0 +1,418 @@
+import contextlib
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, Literal, TypeAlias
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from ._misc import check_int
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
+from ._ranges import int_range
+from ._scales import absmax_scale, finite_or, minmax_scale, stats
+from .nn._layers import (
+    AbstractQuantLayer,
+    QuantConv,
+    QuantEmbedding,
+    QuantLinear,
+    default_input_quant,
+    default_weight_quant,
+)
+
+
+Factory: TypeAlias = Callable[[str, eqx.Module], AbstractQuantizer | None]
+QuantizerSpec: TypeAlias = AbstractQuantizer | Factory | Mapping[str, "AbstractQuantizer | Factory | None"] | None
+Where: TypeAlias = Callable[[str, eqx.Module], bool] | str | None
+
+_FLOAT_LAYERS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
+
+
+def path_string(path: tuple) -> str:
+    """A key path as eqx_quant names layers: `layers.0`, `blocks.conv`, `heads.key` (dict keys and attributes alike)."""
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def _map_nodes(model: PyTree, types: tuple[type, ...], fn: Callable[[str, Any], Any]) -> PyTree:
+    """Replaces every node of `model` that is an instance of `types` by `fn(path, node)`; other leaves are kept."""
+    is_node = lambda node: isinstance(node, types)  # noqa: E731
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)
+    new = [fn(path_string(path), leaf) if is_node(leaf) else leaf for path, leaf in leaves]
+    return jax.tree_util.tree_unflatten(treedef, new)
+
+
+def _nodes(model: PyTree, types: tuple[type, ...]) -> list[tuple[str, Any]]:
+    is_node = lambda node: isinstance(node, types)  # noqa: E731
+    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)[0]
+    return [(path_string(path), leaf) for path, leaf in leaves if is_node(leaf)]
+
+
+def _resolve(name: str, spec: object, path: str, layer: eqx.Module) -> AbstractQuantizer | None:
+    if spec is None or isinstance(spec, AbstractQuantizer):
+        return spec
+    if isinstance(spec, Mapping):
+        for pattern, value in spec.items():
+            if re.search(pattern, path):
+                if isinstance(value, Mapping):
+                    raise TypeError(f"`{name}` mappings cannot be nested, got {value!r} under {pattern!r}.")
+                return _resolve(name, value, path, layer)
+        return None
+    if callable(spec):
+        quantizer = spec(path, layer)
+        if quantizer is not None and not isinstance(quantizer, AbstractQuantizer):
+            raise TypeError(f"The `{name}` factory returned {quantizer!r} for layer {path!r}, not a quantizer or None.")
+        return quantizer
+    raise TypeError(f"`{name}` must be a quantizer, a factory, a mapping from patterns to them, or None; got {spec!r}.")
+
+
+def _selector(where: Where) -> Callable[[str, eqx.Module], bool]:
+    if where is None:
+        return lambda path, layer: True
+    if isinstance(where, str):
+        pattern = re.compile(where)
+        return lambda path, layer: pattern.search(path) is not None
+    if callable(where):
+        return where
+    raise TypeError(f"`where` must be None, a regular expression or a predicate on (path, layer), got {where!r}.")
+
+
+def quantize(
+    model: PyTree,
+    *,
+    weights: QuantizerSpec = default_weight_quant(),
+    activations: QuantizerSpec = default_input_quant(),
+    where: Where = None,
+) -> PyTree:
+    """Replaces the layers of a model by their quantized wrappers.
+
+    Every `eqx.nn.Linear`, `eqx.nn.Conv` (any dimensionality) and `eqx.nn.Embedding` in `model` (or only those that
+    `where` selects) becomes a [`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][] or
+    [`eqx_quant.nn.QuantEmbedding`][] holding the original layer. The model can be any PyTree: nested modules, lists,
+    tuples, dicts, `eqx.nn.Sequential`, `eqx.nn.MLP`; every other leaf is kept as it is (shardings included), and
+    layers that are already quantized are left alone.
+
+    Layers are named by their path in the PyTree, as a dotted string: `layers.0` for the first layer of an
+    `eqx.nn.MLP`, `blocks.1.conv` for `model.blocks[1].conv`, `heads.key` for a dict entry.
+
+    **Arguments:**
+
+    - `model`: the float model.
+    - `weights`: the weight quantizer of each layer. One of: a quantizer module (shared by every layer; quantizers
+        hold no per-layer state unless learned); a factory `f(path, layer) -> quantizer | None`; a mapping from
+        regular expressions (searched in the path) to either, where the first matching pattern wins and an unmatched
+        layer gets `None`; or `None` for float weights. By default 8 bits, one scale per output channel.
+    - `activations`: the input quantizer of each `Linear` and `Conv`, in the same forms; by default 8 bits per
+        tensor. Embeddings take integer indices and never get one.
+    - `where`: which layers to quantize: `None` for all, a regular expression searched in the path, or a predicate
+        `f(path, layer) -> bool`.
+
+    **Returns:**
+
+    The model with the selected layers wrapped.
+
+    **Raises:**
+
+    `ValueError` if `where` selects no layer (the message lists the candidate paths) or the model has no layer to
+    quantize; `TypeError` for a malformed `weights`, `activations` or `where`.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import eqx_quant
+
+        mlp = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))
+        qmlp = eqx_quant.quantize(
+            mlp,
+            weights={"layers\\\\.0": eqx_quant.DynamicFakeQuant(4, axis=0), ".*": eqx_quant.DynamicFakeQuant(8, axis=0)},
+            where=r"layers\\.[01]",
+        )
+        print([type(layer).__name__ for layer in qmlp.layers])  # ['QuantLinear', 'QuantLinear', 'Linear']
+        ```
+    """
+    select = _selector(where)
+    candidates = _nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,))
+    candidates = [(path, layer) for path, layer in candidates if isinstance(layer, _FLOAT_LAYERS)]
+    if not candidates:
+        raise ValueError("`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer to quantize.")
+    chosen = {path for path, layer in candidates if select(path, layer)}
+    if not chosen:
+        raise ValueError(
+            f"`where`={where!r} matches none of the layers; the candidate paths are: "
+            + ", ".join(repr(path) for path, _ in candidates)
+            + "."
+        )
+
+    def wrap(path: str, layer: Any) -> Any:
+        if path not in chosen or isinstance(layer, AbstractQuantLayer):
+            return layer
+        weight_quant = _resolve("weights", weights, path, layer)
+        if isinstance(layer, eqx.nn.Embedding):
+            return QuantEmbedding(layer, weight_quant=weight_quant)
+        input_quant = _resolve("activations", activations, path, layer)
+        wrapper = QuantLinear if isinstance(layer, eqx.nn.Linear) else QuantConv
+        return wrapper(layer, weight_quant=weight_quant, input_quant=input_quant)
+
+    return _map_nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,), wrap)
+
+
+def dequantize(model: PyTree) -> PyTree:
+    """Replaces every quantized layer by the float layer it wraps: the inverse of [`eqx_quant.quantize`][].
+
+    **Arguments:**
+
+    - `model`: a model containing [`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][] or
+        [`eqx_quant.nn.QuantEmbedding`][] layers.
+
+    **Returns:**
+
+    The float model, whose leaves are exactly the wrapped layers' leaves (after training, the trained ones).
+    """
+    return _map_nodes(model, (AbstractQuantLayer,), lambda path, layer: layer.layer)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Post-training calibration.
+
+
+class _Recording:
+    """The statistics that observers report during one traced forward pass, and the per-layer inputs they need."""
+
+    def __init__(self, inputs: dict[str, Array] | None):
+        self.inputs = inputs
+        self.records: dict[str, Any] = {}
+
+
+_active: list[_Recording] = []  # the recordings of the calibration traces in progress; empty outside `calibrate`
+
+
+class _Observer(AbstractQuantizer):
+    """Stands in for an input quantizer during calibration: passes `x` through and reports a statistic of it."""
+
+    path: str = eqx.field(static=True)
+    statistic: Callable[[Array, Array | None], dict[str, Array]] = eqx.field(static=True)
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        del key
+        if not _active:
+            raise RuntimeError("A calibration observer was called outside `eqx_quant.calibrate`.")
+        recording = _active[-1]
+        if self.path in recording.records:
+            raise ValueError(
+                f"Layer {self.path!r} was called more than once in one forward pass; `calibrate` needs each layer "
+                "to be called once per example."
+            )
+        inputs = None if recording.inputs is None else recording.inputs[self.path]
+        recording.records[self.path] = self.statistic(x, inputs)
+        return x
+
+
+def _tensor_stats(x: Array, inputs: None) -> dict[str, Array]:
+    del inputs
+    absmax, lo, hi = stats(x, tuple(range(jnp.ndim(x))))
+    return {"absmax": absmax.reshape(()), "min": lo.reshape(()), "max": hi.reshape(())}
+
+
+def _histogram(num_bins: int) -> Callable[[Array, Array | None], dict[str, Array]]:
+    def histogram(x: Array, top: Array | None) -> dict[str, Array]:
+        """Counts of the finite |x| in `num_bins` equal bins over `[0, top]` (values above `top` go to the last)."""
+        assert top is not None
+        x = jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32)).ravel()
+        finite = jnp.isfinite(x)
+        width = jnp.maximum(top, jnp.finfo(jnp.float32).tiny) / num_bins
+        index = jnp.clip(jnp.floor(finite_or(x, 0.0) / width), 0, num_bins - 1).astype(jnp.int32)
+        return {"hist": jnp.zeros(num_bins, jnp.float32).at[index].add(finite.astype(jnp.float32))}
+
+    return histogram
+
+
+_REDUCTIONS = {"absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum}
+
+
+@eqx.filter_jit
+def _calibration_step(observed: PyTree, batch: PyTree, batched: bool, inputs: dict[str, Array] | None) -> dict:
+    """Runs the observed model on one batch and returns the per-layer statistics of the batch.
+
+    `inputs` (the histogram range of each layer) is an argument, so that one compilation serves every batch.
+    """
+
+    def run(example):
+        recording = _Recording(inputs)
+        _active.append(recording)
+        try:
+            observed(example)
+        finally:
+            _active.pop()
+        return recording.records
+
+    if batched:
+        return run(batch)
+    records = jax.vmap(run)(batch)
+    return {path: {name: _REDUCTIONS[name](v, axis=0) for name, v in record.items()} for path, record in records.items()}
+
+
+def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer]]:
+    layers = _nodes(model, (AbstractQuantLayer,))
+    return [(path, layer) for path, layer in layers if isinstance(layer.input_quant, (DynamicFakeQuant, FakeQuant))]
+
+
+def _grid(quantizer: AbstractQuantizer) -> tuple[int, int]:
+    if isinstance(quantizer, DynamicFakeQuant):
+        return int_range(quantizer.bits, signed=quantizer.signed, narrow=quantizer.narrow)
+    assert isinstance(quantizer, FakeQuant)
+    return quantizer.qmin, quantizer.qmax
+
+
+def _observe(model: PyTree, statistic: Callable[[Array, Array | None], dict[str, Array]]) -> PyTree:
+    paths = {path for path, _ in _calibration_targets(model)}
+
+    def swap(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
+        if path not in paths:
+            return layer
+        return eqx.tree_at(lambda l: l.input_quant, layer, _Observer(path, statistic))
+
+    return _map_nodes(model, (AbstractQuantLayer,), swap)
+
+
+def _threshold_from_histogram(
+    counts: np.ndarray, top: float, qmax: int, method: str, percentile: float, num_candidates: int
+) -> float:
+    num_bins = counts.size
+    edges = np.linspace(0.0, top, num_bins + 1, dtype=np.float64)
+    total = counts.sum()
+    if total == 0 or top == 0:
+        return 0.0
+    if method == "percentile":
+        cdf = np.cumsum(counts) / total
+        return float(edges[1 + min(int(np.searchsorted(cdf, percentile / 100.0)), num_bins - 1)])
+    # "mse": the quantization error of the bin centres, weighted by the counts, for each candidate threshold.
+    centres = jnp.asarray((edges[:-1] + edges[1:]) / 2, jnp.float32)
+    weights = jnp.asarray(counts, jnp.float32)
+    thresholds = jnp.arange(1, num_candidates + 1, dtype=jnp.float32) * (top / num_candidates)
+    errors = jax.lax.map(lambda t: _weighted_error(centres, weights, absmax_scale(t, qmax), qmax), thresholds)
+    return float(thresholds[int(jnp.argmin(errors))])
+
+
+def _weighted_error(centres: Array, weights: Array, scale: Array, qmax: int) -> Array:
+    levels = jnp.clip(jnp.round(centres * (1 / scale)), -qmax, qmax)
+    return jnp.sum(weights * (levels * scale - centres) ** 2)
+
+
+def calibrate(
+    model: PyTree,
+    batches: Iterable[PyTree],
+    *,
+    method: Literal["absmax", "minmax", "percentile", "mse"] = "absmax",
+    percentile: float = 99.99,
+    num_bins: int = 2048,
+    num_candidates: int = 100,
+    batched: bool = False,
+) -> PyTree:
+    """Post-training quantization: fixes the activation (input) quantizers of a model from calibration data.
+
+    Every quantized layer whose `input_quant` is a [`eqx_quant.DynamicFakeQuant`][] or a
+    [`eqx_quant.FakeQuant`][] gets a static [`eqx_quant.FakeQuant`][] on the same integer grid, with a per-tensor
+    scale (and, for `"minmax"`, a zero point) from the statistics of that layer's inputs over all batches. Other
+    layers, other quantizers and all weights are unchanged.
+
+    The model runs once per batch (twice for `"percentile"` and `"mse"`) in a jit-compiled step, with its weight
+    quantizers active and its input quantizers replaced by observers. Each step returns the statistics of that batch
+    as a PyTree (per layer: absolute maximum, minimum and maximum, or a histogram of `|x|` with `num_bins` bins),
+    which are folded into running statistics; memory does not grow with the number of batches.
+
+    **Arguments:**
+
+    - `model`: a model from [`eqx_quant.quantize`][]. Each calibrated layer must be called once per example.
+    - `batches`: an iterable of inputs, each with a leading batch axis (a PyTree of arrays is passed to the model as
+        it is). `"percentile"` and `"mse"` read it twice, so it must be re-iterable (a list, not a generator).
+    - `method`: `"absmax"` (symmetric, `max|x|`), `"minmax"` (asymmetric with an integer zero point),
+        `"percentile"` (symmetric, clip at the `percentile`-th percentile of `|x|`, resolved to a histogram bin), or
+        `"mse"` (symmetric, the threshold among `num_candidates` fractions of `max|x|` with the least quantization
+        error on the histogram).
+    - `percentile`, `num_bins`, `num_candidates`: the parameters of those methods.
+    - `batched`: `False` (default) for a model written for one example, as Equinox models are: it is applied with
+        `jax.vmap`. `True` for a model that takes whole batches.
+
+    **Returns:**
+
+    The calibrated model.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqx_quant
+
+        model = eqx_quant.quantize(eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0)))
+        data = [jax.random.normal(jax.random.key(i), (16, 4)) for i in range(3)]
+        model = eqx_quant.calibrate(model, data)
+        print(model.layers[0].input_quant)
+        ```
+    """
+    methods = ("absmax", "minmax", "percentile", "mse")
+    if method not in methods:
+        raise ValueError(f"`method` must be one of {methods}, got method={method!r}.")
+    if not 0 < percentile <= 100:
+        raise ValueError(f"`percentile` must be in (0, 100], got percentile={percentile!r}.")
+    if check_int("num_bins", num_bins) < 1 or check_int("num_candidates", num_candidates) < 1:
+        raise ValueError(f"`num_bins` and `num_candidates` must be >= 1, got {num_bins} and {num_candidates}.")
+    targets = _calibration_targets(model)
+    if not targets:
+        raise ValueError(
+            "`model` has no quantized layer whose input quantizer can be calibrated (a DynamicFakeQuant or a "
+            "FakeQuant); quantize it first with `eqx_quant.quantize`."
+        )
+    two_passes = method in ("percentile", "mse")
+    if two_passes and iter(batches) is batches:
+        raise TypeError(f"`batches` must be re-iterable for method={method!r} (it is read twice), got an iterator.")
+
+    totals = _fold(model, batches, _tensor_stats, batched, None)
+    if two_passes:
+        tops = {path: totals[path]["absmax"] for path in totals}
+        counts = _fold(model, batches, _histogram(num_bins), batched, tops)
+
+    def replace(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
+        if path not in totals:
+            return layer
+        qmin, qmax = _grid(layer.input_quant)  # pyright: ignore[reportArgumentType]
+        t = totals[path]
+        zero_point = 0
+        if method == "absmax":
+            scale = absmax_scale(t["absmax"], qmax)
+        elif method == "minmax":
+            scale, zp = minmax_scale(t["min"], t["max"], qmin, qmax)
+            zero_point = int(zp)
+        else:
+            threshold = _threshold_from_histogram(
+                np.asarray(counts[path]["hist"]), float(t["absmax"]), qmax, method, percentile, num_candidates
+            )
+            scale = absmax_scale(jnp.asarray(threshold, jnp.float32), qmax)
+        return eqx.tree_at(lambda l: l.input_quant, layer, FakeQuant(float(scale), qmin, qmax, zero_point=zero_point))
+
+    return _map_nodes(model, (AbstractQuantLayer,), replace)
+
+
+def _fold(model, batches, statistic, batched, inputs) -> dict[str, dict[str, Array]]:
+    """Runs the calibration step over all batches and folds the per-batch statistics into running ones."""
+    observed = _observe(model, statistic)
+    totals: dict[str, dict[str, Array]] | None = None
+    for batch in batches:
+        step = _calibration_step(observed, batch, batched, inputs)
+        if totals is None:
+            totals = step
+        else:
+            totals = {
+                path: {name: _FOLDS[name](totals[path][name], value) for name, value in record.items()}
+                for path, record in step.items()
+            }
+    if totals is None:
+        raise ValueError("`batches` is empty: calibration needs at least one batch.")
+    return totals
+
+
+_FOLDS = {"absmax": jnp.maximum, "max": jnp.maximum, "min": jnp.minimum, "hist": jnp.add}

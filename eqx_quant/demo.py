@@ -1,0 +1,316 @@
+"""The QAT demo: a small convnet on the 8x8 digits, in float, post-training quantized (PTQ) and quantization-aware
+trained (QAT) at several bit widths.
+
+Run with `python -m eqx_quant.demo` (or `eqx-quant-demo`); `--help` lists the options. It needs the `examples` extra
+(`pip install "eqx_quant[examples]"`): optax, scikit-learn (whose bundled digits dataset is used: nothing is
+downloaded), tqdm and matplotlib. It writes `results.json` and `accuracy.png` to `--out`.
+"""
+
+import argparse
+import json
+import pathlib
+import re
+import time
+from collections.abc import Callable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PRNGKeyArray
+
+import eqx_quant
+
+
+CONFIGS = ("W8A8", "W4A4", "W2A4")
+
+
+class ConvNet(eqx.Module):
+    """Two 3x3 convolutions and two linear layers, for 1x8x8 images and 10 classes."""
+
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+    linear1: eqx.nn.Linear
+    linear2: eqx.nn.Linear
+
+    def __init__(self, key: PRNGKeyArray):
+        k1, k2, k3, k4 = jax.random.split(key, 4)
+        self.conv1 = eqx.nn.Conv2d(1, 16, 3, padding=1, key=k1)
+        self.conv2 = eqx.nn.Conv2d(16, 32, 3, stride=2, padding=1, key=k2)
+        self.linear1 = eqx.nn.Linear(32 * 4 * 4, 64, key=k3)
+        self.linear2 = eqx.nn.Linear(64, 10, key=k4)
+
+    def __call__(self, x: Float[Array, "1 8 8"]) -> Float[Array, "10"]:
+        x = jax.nn.relu(self.conv1(x))
+        x = jax.nn.relu(self.conv2(x))
+        x = jax.nn.relu(self.linear1(x.ravel()))
+        return self.linear2(x)
+
+
+def load_digits(seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """scikit-learn's bundled 8x8 digits, scaled to [0, 1], split 80/20 with a seeded permutation."""
+    from sklearn.datasets import load_digits as _load
+
+    digits = _load()
+    images = (digits.images / 16.0).astype(np.float32)[:, None, :, :]
+    labels = digits.target.astype(np.int32)
+    order = np.random.default_rng(seed).permutation(len(labels))
+    n_train = int(0.8 * len(labels))
+    train, test = order[:n_train], order[n_train:]
+    return images[train], labels[train], images[test], labels[test]
+
+
+def parse_config(name: str) -> tuple[int, int]:
+    """`"W4A8"` -> `(4, 8)`: weight and activation bits."""
+    match = re.fullmatch(r"W(\d+)A(\d+)", name)
+    if match is None:
+        raise ValueError(f"A bit-width configuration looks like 'W4A8', got {name!r}.")
+    return int(match.group(1)), int(match.group(2))
+
+
+def quantized(model: eqx.Module, weight_bits: int, activation_bits: int) -> eqx.Module:
+    """Weights quantized per output channel (dynamic, symmetric); inputs per tensor on an unsigned grid, since every
+    layer of the convnet sees non-negative inputs (pixels, then ReLU outputs); they are calibrated afterwards."""
+    return eqx_quant.quantize(
+        model,
+        weights=eqx_quant.DynamicFakeQuant(weight_bits, axis=0),
+        activations=eqx_quant.DynamicFakeQuant(activation_bits, signed=False),
+    )
+
+
+def calibrated(model: eqx.Module, images: np.ndarray, activation_bits: int) -> eqx.Module:
+    """Static activation scales from the training images: MSE-optimal clipping at low bit widths, absmax at 8."""
+    batches = [jnp.asarray(images[i : i + 256]) for i in range(0, len(images), 256)]
+    return eqx_quant.calibrate(model, batches, method="mse" if activation_bits < 8 else "absmax")
+
+
+def weight_bytes(model: eqx.Module, weight_bits: int | None) -> int:
+    """Bytes of the model's parameters: quantized weights at `weight_bits` (plus one float32 scale per output
+    channel), everything else (biases, float weights) at 4 bytes per value."""
+    total = 0
+    quantized_weights = set()
+    if weight_bits is not None:
+        for layer in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, eqx_quant.nn.AbstractQuantLayer)):
+            if isinstance(layer, eqx_quant.nn.AbstractQuantLayer):
+                w = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+                total += -(-w.size * weight_bits // 8) + 4 * w.shape[0]
+                quantized_weights.add(id(w))
+    for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array)):
+        if id(leaf) not in quantized_weights:
+            total += 4 * leaf.size
+    return total
+
+
+@eqx.filter_jit
+def _accuracy(model: eqx.Module, images: Array, labels: Array) -> Array:
+    logits = jax.vmap(model)(images)
+    return jnp.mean(jnp.argmax(logits, axis=-1) == labels)
+
+
+def accuracy(model: eqx.Module, images: np.ndarray, labels: np.ndarray) -> float:
+    return float(_accuracy(model, jnp.asarray(images), jnp.asarray(labels)))
+
+
+def _loss(model: eqx.Module, images: Float[Array, "b 1 8 8"], labels: Int[Array, " b"]) -> Array:
+    logits = jax.vmap(model)(images)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=-1))
+
+
+def train(
+    model: eqx.Module,
+    images: np.ndarray,
+    labels: np.ndarray,
+    *,
+    epochs: int,
+    learning_rate: float,
+    seed: int,
+    description: str,
+    max_steps: int | None = None,
+    progress: bool = True,
+) -> tuple[eqx.Module, list[float]]:
+    """Adam with a cosine schedule on the softmax cross-entropy, batches of 64, seeded shuffling."""
+    import optax
+    from tqdm.auto import tqdm
+
+    batch_size = 64
+    steps_per_epoch = len(images) // batch_size
+    total = epochs * steps_per_epoch if max_steps is None else min(max_steps, epochs * steps_per_epoch)
+    optimizer = optax.adam(optax.cosine_decay_schedule(learning_rate, max(total, 1)))
+    opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(model, opt_state, x, y):
+        loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
+
+    rng = np.random.default_rng(seed)
+    losses: list[float] = []
+    bar = tqdm(total=total, desc=description, disable=not progress, leave=False)
+    done = 0
+    while done < total:
+        order = rng.permutation(len(images))
+        for i in range(steps_per_epoch):
+            if done == total:
+                break
+            index = order[i * batch_size : (i + 1) * batch_size]
+            model, opt_state, loss = step(model, opt_state, jnp.asarray(images[index]), jnp.asarray(labels[index]))
+            done += 1
+            if done % 20 == 0 or done == total:
+                losses.append(float(loss))
+                bar.set_postfix(loss=f"{losses[-1]:.3f}")
+            bar.update(1)
+    bar.close()
+    return model, losses
+
+
+def _timed(fn: Callable, *args, **kwargs):
+    start = time.perf_counter()
+    out = fn(*args, **kwargs)
+    return out, time.perf_counter() - start
+
+
+def run(
+    *,
+    epochs: int = 30,
+    qat_epochs: int = 15,
+    configs: tuple[str, ...] = CONFIGS,
+    seed: int = 0,
+    out: pathlib.Path = pathlib.Path("eqx_quant_demo_out"),
+    quick: bool = False,
+    progress: bool = True,
+) -> dict:
+    """Trains and evaluates every variant and writes `results.json` and `accuracy.png` to `out`.
+
+    **Returns:**
+
+    The results, as written to `results.json`.
+    """
+    start = time.perf_counter()
+    x_train, y_train, x_test, y_test = load_digits(seed)
+    max_steps = 10 if quick else None
+    if quick:
+        x_test, y_test = x_test[:128], y_test[:128]
+    key = jax.random.key(seed)
+    common = dict(seed=seed, max_steps=max_steps, progress=progress)
+
+    (float_model, float_losses), float_time = _timed(
+        train, ConvNet(key), x_train, y_train, epochs=epochs, learning_rate=3e-3, description="float", **common
+    )
+    results: dict = {
+        "float": {
+            "accuracy": accuracy(float_model, x_test, y_test),
+            "weight_bytes": weight_bytes(float_model, None),
+            "wall_time_s": float_time,
+            "losses": float_losses,
+        },
+        "ptq": {},
+        "qat": {},
+    }
+    for name in configs:
+        w_bits, a_bits = parse_config(name)
+        model, wall = _timed(calibrated, quantized(float_model, w_bits, a_bits), x_train, a_bits)
+        results["ptq"][name] = {
+            "accuracy": accuracy(model, x_test, y_test),
+            "weight_bytes": weight_bytes(model, w_bits),
+            "wall_time_s": wall,
+        }
+    for name in configs:
+        w_bits, a_bits = parse_config(name)
+
+        def qat(w_bits=w_bits, a_bits=a_bits, name=name):
+            model = calibrated(quantized(float_model, w_bits, a_bits), x_train, a_bits)
+            return train(model, x_train, y_train, epochs=qat_epochs, learning_rate=1e-3, description=f"QAT {name}",
+                         **common)
+
+        (model, losses), wall = _timed(qat)
+        results["qat"][name] = {
+            "accuracy": accuracy(model, x_test, y_test),
+            "weight_bytes": weight_bytes(model, w_bits),
+            "wall_time_s": wall,
+            "losses": losses,
+        }
+    results["config"] = {
+        "epochs": epochs,
+        "qat_epochs": qat_epochs,
+        "seed": seed,
+        "quick": quick,
+        "train_examples": int(len(x_train)),
+        "test_examples": int(len(x_test)),
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "total_wall_time_s": time.perf_counter() - start,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    plot(results, out / "accuracy.png")
+    return results
+
+
+def plot(results: dict, path: pathlib.Path) -> None:
+    """Test accuracy against weight bit width: PTQ and QAT, with the float model as a horizontal line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
+    ax.axhline(100 * results["float"]["accuracy"], color="black", linestyle="--", label="float32")
+    for kind, marker in (("ptq", "s"), ("qat", "o")):
+        points = sorted((parse_config(name)[0], 100 * r["accuracy"], name) for name, r in results[kind].items())
+        if points:
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=kind.upper())
+            for bits, acc, name in points:
+                ax.annotate(name, (bits, acc), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.set_xlabel("weight bits")
+    ax.set_ylabel("test accuracy (%)")
+    ax.set_xticks([2, 4, 8])
+    ax.set_title("8x8 digits convnet: PTQ vs QAT")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def table(results: dict) -> str:
+    rows = [("float", "float32", results["float"])]
+    rows += [("PTQ", name, r) for name, r in results["ptq"].items()]
+    rows += [("QAT", name, r) for name, r in results["qat"].items()]
+    lines = [f"{'method':<7}{'bits':<9}{'accuracy':>10}{'weight bytes':>14}{'wall time':>11}"]
+    for method, bits, r in rows:
+        lines.append(
+            f"{method:<7}{bits:<9}{100 * r['accuracy']:>9.2f}%{r['weight_bytes']:>14,}{r['wall_time_s']:>10.1f}s"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="eqx-quant-demo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--epochs", type=int, default=30, help="float training epochs (QAT runs half as many)")
+    parser.add_argument(
+        "--bits", default=",".join(CONFIGS), help="comma-separated bit widths for PTQ and QAT (default: %(default)s)"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("eqx_quant_demo_out"))
+    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (10 steps per training)")
+    args = parser.parse_args(argv)
+    configs = tuple(name.strip() for name in args.bits.split(",") if name.strip())
+    for name in configs:
+        parse_config(name)
+    if args.epochs < 1:
+        parser.error(f"--epochs must be >= 1, got {args.epochs}")
+    results = run(
+        epochs=args.epochs,
+        qat_epochs=max(1, args.epochs // 2),
+        configs=configs,
+        seed=args.seed,
+        out=args.out,
+        quick=args.quick,
+    )
+    print(table(results))
+    print(f"\nwrote {args.out / 'results.json'} and {args.out / 'accuracy.png'}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,238 @@
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+
+from .._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
+from .._int_ops import (
+    LinearSpec,
+    int_conv,
+    int_dtype,
+    int_linear,
+    integer_operand,
+    per_tensor_grid,
+    safe_contraction,
+    shifted_range,
+)
+from .._misc import compute_dtype
+from .._packing import pack_int4, unpack_int4
+from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, QuantGrid
+from ._layers import conv_spec, scalar_output
+
+
+def fits_in_nibble(qmin: int, qmax: int) -> bool:
+    """Whether a grid is stored as 4-bit values: within [-8, 7] (two's complement) or [0, 15] (unsigned)."""
+    return (-8 <= qmin and qmax <= 7) or (0 <= qmin and qmax <= 15)
+
+
+class QuantizedTensor(eqx.Module):
+    """A tensor stored as integers on a quantization grid, with its float scale and zero point.
+
+    The integers are `clip(round(x / scale) + zero_point, qmin, qmax)`, computed by the same arithmetic as
+    [`eqx_quant.fake_quant`][], so that [`eqx_quant.nn.QuantizedTensor.dequantize`][] returns, bit for bit, what the
+    fake quantizer returned. Grids of at most 4 bits are packed two values per byte ([`eqx_quant.pack_int4`][]),
+    wider grids use the narrowest of int8, int16 and int32.
+    """
+
+    values: Int[Array, "..."]
+    scale: Float[Array, "..."]
+    zero_point: Float[Array, "..."] | None
+    shape: tuple[int, ...] = eqx.field(static=True)
+    view_shape: tuple[int, ...] = eqx.field(static=True)
+    qmin: int = eqx.field(static=True)
+    qmax: int = eqx.field(static=True)
+    packed: bool = eqx.field(static=True)
+    dtype: str = eqx.field(static=True)
+
+    @classmethod
+    def from_grid(cls, grid: QuantGrid, shape: tuple[int, ...], dtype: np.dtype) -> "QuantizedTensor":
+        """Quantizes `grid.view` onto its grid and stores the integers.
+
+        **Arguments:**
+
+        - `grid`: a grid from an [`eqx_quant.AbstractFakeQuantizer`][]'s `grid` method.
+        - `shape`: the shape of the tensor (the view may be grouped).
+        - `dtype`: the floating dtype that dequantization returns.
+
+        **Returns:**
+
+        A [`eqx_quant.nn.QuantizedTensor`][].
+        """
+        view, scale, zero_point, qmin, qmax = grid
+        view, scale, zero_point = (
+            jax.lax.stop_gradient(a) if isinstance(a, jax.Array) else a for a in (view, scale, zero_point)
+        )
+        compute = compute_dtype(view.dtype)
+        scale = prepare_scale(scale, view.shape, compute)
+        zp = prepare_zero_point(zero_point, view.shape, compute)
+        levels = quantize_levels(view.astype(compute), scale, zp, qmin, qmax)
+        rank = len(view.shape)
+        scale = scale.reshape((1,) * (rank - scale.ndim) + scale.shape)
+        zp = None if zp is None else zp.reshape((1,) * (rank - zp.ndim) + zp.shape)
+        packed = fits_in_nibble(qmin, qmax)
+        if packed:
+            rows = view.shape[0] if rank else 1
+            values = pack_int4(levels.reshape(rows, -1).astype(jnp.int8))
+        else:
+            values = levels.astype(int_dtype(qmin, qmax))
+        return cls(values, scale, zp, tuple(shape), tuple(view.shape), qmin, qmax, packed, np.dtype(dtype).name)
+
+    def levels(self) -> Int[Array, "..."]:
+        """The integer levels, unpacked, with the shape of the view."""
+        if not self.packed:
+            return self.values
+        per_row = math.prod(self.view_shape[1:]) if self.view_shape else 1
+        return unpack_int4(self.values, per_row, signed=self.qmin < 0).reshape(self.view_shape)
+
+    def dequantize(self) -> Float[Array, "..."]:
+        """`scale * (levels - zero_point)`, reshaped to `shape`: the fake-quantized tensor."""
+        levels = self.levels().astype(self.scale.dtype)
+        return dequantize_levels(levels, self.scale, self.zero_point).reshape(self.shape).astype(self.dtype)
+
+    def dequantize_row(self, index: Int[ArrayLike, ""]) -> Float[Array, "..."]:
+        """Row `index` (along the first axis) of [`eqx_quant.nn.QuantizedTensor.dequantize`][], computed from that
+        row's integers alone."""
+        row_shape = self.view_shape[1:]
+        if self.packed:
+            row = unpack_int4(self.values[index][None], math.prod(row_shape), signed=self.qmin < 0)
+            levels = row.reshape(row_shape)
+        else:
+            levels = self.values[index]
+        pick = lambda a: a[index] if a.shape[0] > 1 else a[0]  # noqa: E731
+        zero_point = None if self.zero_point is None else pick(self.zero_point)
+        row = dequantize_levels(levels.astype(self.scale.dtype), pick(self.scale), zero_point)
+        return row.reshape(self.shape[1:]).astype(self.dtype)
+
+    def shifted(self) -> tuple[Array, int]:
+        """The integers minus the zero point, as [`eqx_quant.nn.QuantLinear`][]'s integer forward computes them,
+        and a bound on their magnitude."""
+        lo, hi = shifted_range(self.qmin, self.qmax, self.zero_point is not None)
+        levels = self.levels()
+        if self.zero_point is not None:
+            levels = levels.astype(self.scale.dtype) - self.zero_point
+        return levels.astype(int_dtype(lo, hi)), max(-lo, hi)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the integers, scales and zero points."""
+        leaves = [self.values, self.scale] + ([] if self.zero_point is None else [self.zero_point])
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+
+
+def _input_operand(quantizer: AbstractQuantizer | None, x: Array):
+    """The input's integers, if its quantizer has one scale and zero point for the whole input; else `None`."""
+    if not isinstance(quantizer, AbstractFakeQuantizer):
+        return None
+    grid = quantizer.grid(x)
+    return integer_operand(grid) if per_tensor_grid(grid, x.shape) else None
+
+
+def _per_channel_scale(weight: QuantizedTensor) -> bool:
+    """Whether the weight has scales per tensor or per output channel, as the integer products need."""
+    return weight.view_shape == weight.shape and all(n == 1 for n in weight.scale.shape[1:])
+
+
+class AbstractIntLayer(eqx.Module):
+    """Base class of the integer layers produced by [`eqx_quant.convert`][].
+
+    `layer` is the float layer with its weight removed (set to `None`): it keeps the configuration (strides,
+    padding, bias, ...) and the bias; `weight` holds the integers. A call runs the integer computation of the
+    quantized layer's integer forward when the input quantizer has a single scale for the whole input, and the
+    dequantized weight in floating point otherwise.
+    """
+
+    layer: eqx.AbstractVar[eqx.Module]
+    weight: eqx.AbstractVar[QuantizedTensor]
+    input_quant: eqx.AbstractVar[AbstractQuantizer | None]
+
+    def dequantized_layer(self) -> eqx.Module:
+        """The float layer with the dequantized weight: what the fake-quant model computed with."""
+        return eqx.tree_at(lambda l: l.weight, self.layer, self.weight.dequantize(), is_leaf=lambda x: x is None)
+
+    def _float_path(self, x: Array, key: PRNGKeyArray | None) -> Array:
+        if self.input_quant is not None:
+            x = self.input_quant(x)
+        return self.dequantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
+
+
+class IntLinear(AbstractIntLayer):
+    """A linear layer with integer weights.
+
+    When its input quantizer has one scale for the whole input (e.g. a calibrated [`eqx_quant.FakeQuant`][]), a call
+    quantizes the input to integers, multiplies the weight's and the input's integers minus their zero points with
+    `jax.lax.dot_general(..., preferred_element_type=jnp.int32)` and rescales once,
+    `y = (scale_w * scale_x) * acc + bias` (per group, then summed in float32, for grouped weights): the same
+    computation as [`eqx_quant.nn.QuantLinear`][]'s integer forward. Otherwise it runs the dequantized weight in
+    floating point.
+
+    **Overflow.** The int32 accumulator is exact while `K * max|w - zw| * max|x - zx| <= 2**31 - 1` for a
+    contraction of length `K`: `K <= 131071` for int8 weights and inputs. Longer contractions are split into chunks
+    within that bound, whose int32 results are summed in float32.
+    """
+
+    layer: eqx.nn.Linear
+    weight: QuantizedTensor
+    input_quant: AbstractQuantizer | None
+
+    def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
+        """Like `eqx.nn.Linear.__call__`."""
+        with jax.named_scope("eqx_quant.IntLinear"):
+            layer = self.layer
+            vector = jnp.broadcast_to(x, (1,)) if layer.in_features == "scalar" else x
+            grouped = self.weight.view_shape != self.weight.shape or not _per_channel_scale(self.weight)
+            x_int = None if grouped else _input_operand(self.input_quant, vector)
+            if x_int is None:
+                return self._float_path(x, key)
+            w_values, w_bound = self.weight.shifted()
+            spec = LinearSpec(safe_contraction(w_bound, x_int.bound))
+            y = int_linear(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias)
+            return scalar_output(layer, y.astype(self.weight.dtype))
+
+
+class IntConv(AbstractIntLayer):
+    """A convolution (any dimensionality) with integer weights.
+
+    With an input quantizer that has one scale for the whole input, zero padding, per-tensor or per-output-channel
+    weight scales and a contraction `K = in_channels / groups * prod(kernel_size)` within the int32 bound of
+    [`eqx_quant.nn.IntLinear`][], a call runs `jax.lax.conv_general_dilated` on the integers minus their zero points
+    (so that padding stays real zero) with `preferred_element_type=jnp.int32`, and rescales once: the computation of
+    [`eqx_quant.nn.QuantConv`][]'s integer forward. Otherwise it runs the dequantized weight in floating point.
+    """
+
+    layer: eqx.nn.Conv
+    weight: QuantizedTensor
+    input_quant: AbstractQuantizer | None
+
+    def __call__(
+        self, x: Float[Array, "in_channels *spatial"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "out_channels *out_spatial"]:
+        """Like `eqx.nn.Conv.__call__`."""
+        with jax.named_scope("eqx_quant.IntConv"):
+            layer = self.layer
+            usable = layer.padding_mode == "ZEROS" and _per_channel_scale(self.weight)
+            x_int = _input_operand(self.input_quant, x) if usable else None
+            if x_int is None:
+                return self._float_path(x, key)
+            w_values, w_bound = self.weight.shifted()
+            if math.prod(self.weight.shape[1:]) > safe_contraction(w_bound, x_int.bound):
+                return self._float_path(x, key)
+            y = int_conv(conv_spec(layer), w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias)
+            return y.astype(self.weight.dtype)
+
+
+class IntEmbedding(AbstractIntLayer):
+    """An embedding with an integer table: a call dequantizes the one row it looks up (bit for bit the row of the
+    fake-quantized table)."""
+
+    layer: eqx.nn.Embedding
+    weight: QuantizedTensor
+    input_quant: None
+
+    def __call__(self, x: Int[ArrayLike, ""], *, key: PRNGKeyArray | None = None) -> Float[Array, " embedding_size"]:
+        """Like `eqx.nn.Embedding.__call__`."""
+        del key
+        with jax.named_scope("eqx_quant.IntEmbedding"):
+            return self.weight.dequantize_row(x)

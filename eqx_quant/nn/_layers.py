@@ -1,0 +1,270 @@
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+
+from .._int_ops import (
+    ConvSpec,
+    LinearSpec,
+    integer_forward,
+    integer_operand,
+    per_channel_grid,
+    per_tensor_grid,
+    safe_contraction,
+)
+from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, apply_grid
+
+
+def default_weight_quant() -> DynamicFakeQuant:
+    """The default weight quantizer: 8 bits, symmetric, one scale per output channel (axis 0 of the weight)."""
+    return DynamicFakeQuant(8, axis=0)
+
+
+def default_input_quant() -> DynamicFakeQuant:
+    """The default input quantizer: 8 bits, symmetric, one scale for the whole input."""
+    return DynamicFakeQuant(8)
+
+
+_MATMULS = ("int", "float")
+
+
+class AbstractQuantLayer(eqx.Module):
+    """Base class of the quantized layers: a float layer, a weight quantizer and an input quantizer.
+
+    The layer is computed on the fake-quantized weight and input, with the wrapped layer's own call signature.
+    Either quantizer may be `None`, which leaves that operand in floating point.
+    """
+
+    layer: eqx.AbstractVar[eqx.Module]
+    weight_quant: eqx.AbstractVar[AbstractQuantizer | None]
+    input_quant: eqx.AbstractVar[AbstractQuantizer | None]
+
+    def quantized_layer(self) -> eqx.Module:
+        """The wrapped layer with its weight replaced by the fake-quantized weight."""
+        if self.weight_quant is None:
+            return self.layer
+        weight = self.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+        return eqx.tree_at(lambda layer: layer.weight, self.layer, self.weight_quant(weight))
+
+    def _float_path(self, x, key):
+        if self.input_quant is not None:
+            x = self.input_quant(x)
+        return self.quantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
+
+
+def _check_quantizer(name: str, value: object) -> None:
+    if value is not None and not isinstance(value, AbstractQuantizer):
+        raise TypeError(f"`{name}` must be a quantizer module or None, got {value!r}.")
+
+
+def _check_matmul(matmul: object) -> None:
+    if matmul not in _MATMULS:
+        raise ValueError(f"`matmul` must be one of {_MATMULS}, got matmul={matmul!r}.")
+
+
+def _integer_operands(layer: AbstractQuantLayer, x: Array):
+    """The grids of the weight and the input, if both allow an integer product; else `None`."""
+    if not (isinstance(layer.weight_quant, AbstractFakeQuantizer) and isinstance(layer.input_quant, AbstractFakeQuantizer)):
+        return None
+    weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+    w_grid = layer.weight_quant.grid(weight)
+    x_grid = layer.input_quant.grid(x)
+    if not (per_channel_grid(w_grid, weight.shape) and per_tensor_grid(x_grid, x.shape)):
+        return None
+    return w_grid, x_grid
+
+
+class QuantLinear(AbstractQuantLayer):
+    """An `eqx.nn.Linear` computed on a fake-quantized weight and input.
+
+    **Integer forward.** With `matmul="int"` (the default), when the weight quantizer has one scale per tensor or per
+    output channel, and the input quantizer one scale for the whole input, the forward pass
+    runs the integer product: the weight's and the input's integers (minus zero points) are multiplied with int32
+    accumulation, the bias is added on the accumulator's grid and the sum is rescaled once,
+    `y = (acc + round(bias / s)) * s` with `s = scale_w * scale_x` — the computation of the converted
+    [`eqx_quant.nn.IntLinear`][], bit for bit, in eager mode and under `jit` alike. The backward pass is that of the fake-quant formulation
+    `y = fake_quant(W) @ fake_quant(x) + b`: the float product's gradients, through the quantizers'
+    straight-through estimators (and learned-scale gradients). Otherwise, or with `matmul="float"`, the forward is
+    that float product.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqx_quant
+
+        linear = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+        qlinear = eqx_quant.nn.QuantLinear(linear, weight_quant=eqx_quant.DynamicFakeQuant(4, axis=0))
+        print(qlinear(jnp.ones(3)))
+        ```
+    """
+
+    layer: eqx.nn.Linear
+    weight_quant: AbstractQuantizer | None
+    input_quant: AbstractQuantizer | None
+    matmul: Literal["int", "float"] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        layer: eqx.nn.Linear,
+        *,
+        weight_quant: AbstractQuantizer | None = default_weight_quant(),
+        input_quant: AbstractQuantizer | None = default_input_quant(),
+        matmul: Literal["int", "float"] = "int",
+    ):
+        """**Arguments:**
+
+        - `layer`: the float layer.
+        - `weight_quant`: the weight quantizer, applied to `layer.weight` of shape `(out_features, in_features)`;
+            by default 8 bits per output channel. `None` keeps the weight in floating point.
+        - `input_quant`: the input quantizer; by default 8 bits per tensor. `None` keeps the input as it is.
+        - `matmul`: `"int"` to compute the forward with the integer product where the quantizers allow it,
+            `"float"` for the float product of the fake-quantized operands.
+        """
+        self.layer = layer
+        self.weight_quant = weight_quant
+        self.input_quant = input_quant
+        self.matmul = matmul
+
+    def __check_init__(self):
+        if not isinstance(self.layer, eqx.nn.Linear):
+            raise TypeError(f"`layer` must be an eqx.nn.Linear, got {type(self.layer).__name__}.")
+        _check_quantizer("weight_quant", self.weight_quant)
+        _check_quantizer("input_quant", self.input_quant)
+        _check_matmul(self.matmul)
+
+    def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
+        """Like `eqx.nn.Linear.__call__`, on the fake-quantized weight and input."""
+        with jax.named_scope("eqx_quant.QuantLinear"):
+            layer = self.layer
+            vector = jnp.broadcast_to(x, (1,)) if layer.in_features == "scalar" else x
+            grids = None if self.matmul == "float" else _integer_operands(self, vector)
+            if grids is None:
+                return self._float_path(x, key)
+            w_grid, x_grid = grids
+            w_int, x_int = integer_operand(w_grid), integer_operand(x_grid)
+            spec = LinearSpec(safe_contraction(w_int.bound, x_int.bound))
+            wq = apply_grid(w_grid, layer.weight.shape)
+            xq = apply_grid(x_grid, vector.shape)
+            y = integer_forward(spec, wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale)
+            return scalar_output(layer, y.astype(layer.weight.dtype))
+
+
+def scalar_output(layer: eqx.nn.Linear, y: Array) -> Array:
+    """Squeezes the output of a layer with `out_features="scalar"`, as `eqx.nn.Linear` does."""
+    return jnp.squeeze(y) if layer.out_features == "scalar" else y
+
+
+def conv_spec(layer: eqx.nn.Conv) -> ConvSpec:
+    return ConvSpec(tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation), layer.groups)
+
+
+class QuantConv(AbstractQuantLayer):
+    """An `eqx.nn.Conv` (`Conv1d`, `Conv2d`, `Conv3d`, or any dimensionality) computed on a fake-quantized weight
+    and input.
+
+    The weight has shape `(out_channels, in_channels // groups, *kernel_size)`; the default weight quantizer has one
+    scale per output channel. With `matmul="int"` (the default), zero padding, a per-tensor or per-output-channel
+    weight grid, a per-tensor input grid and a contraction within the int32 bound, the forward runs the integer
+    convolution of the converted [`eqx_quant.nn.IntConv`][], bit for bit, with the gradients of the float
+    convolution of the fake-quantized operands; see [`eqx_quant.nn.QuantLinear`][].
+    """
+
+    layer: eqx.nn.Conv
+    weight_quant: AbstractQuantizer | None
+    input_quant: AbstractQuantizer | None
+    matmul: Literal["int", "float"] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        layer: eqx.nn.Conv,
+        *,
+        weight_quant: AbstractQuantizer | None = default_weight_quant(),
+        input_quant: AbstractQuantizer | None = default_input_quant(),
+        matmul: Literal["int", "float"] = "int",
+    ):
+        """**Arguments:**
+
+        - `layer`: the float convolution.
+        - `weight_quant`: the weight quantizer; by default 8 bits per output channel. `None` keeps the float weight.
+        - `input_quant`: the input quantizer; by default 8 bits per tensor. `None` keeps the input as it is.
+        - `matmul`: `"int"` for the integer convolution where the quantizers allow it, `"float"` for the float one.
+        """
+        self.layer = layer
+        self.weight_quant = weight_quant
+        self.input_quant = input_quant
+        self.matmul = matmul
+
+    def __check_init__(self):
+        if not isinstance(self.layer, eqx.nn.Conv):
+            raise TypeError(f"`layer` must be an eqx.nn.Conv, got {type(self.layer).__name__}.")
+        _check_quantizer("weight_quant", self.weight_quant)
+        _check_quantizer("input_quant", self.input_quant)
+        _check_matmul(self.matmul)
+
+    def __call__(
+        self, x: Float[Array, "in_channels *spatial"], *, key: PRNGKeyArray | None = None
+    ) -> Float[Array, "out_channels *out_spatial"]:
+        """Like `eqx.nn.Conv.__call__`, on the fake-quantized weight and input."""
+        with jax.named_scope("eqx_quant.QuantConv"):
+            layer = self.layer
+            usable = self.matmul == "int" and layer.padding_mode == "ZEROS" and x.ndim == layer.num_spatial_dims + 1
+            grids = _integer_operands(self, x) if usable else None
+            if grids is None:
+                return self._float_path(x, key)
+            w_grid, x_grid = grids
+            w_int, x_int = integer_operand(w_grid), integer_operand(x_grid)
+            if layer.weight.size // layer.weight.shape[0] > safe_contraction(w_int.bound, x_int.bound):
+                return self._float_path(x, key)
+            wq = apply_grid(w_grid, layer.weight.shape)
+            xq = apply_grid(x_grid, x.shape)
+            y = integer_forward(
+                conv_spec(layer), wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale
+            )
+            return y.astype(layer.weight.dtype)
+
+
+class QuantEmbedding(AbstractQuantLayer):
+    """An `eqx.nn.Embedding` whose table is fake-quantized (by default with one scale per row).
+
+    Its input is an integer index, so `input_quant` must be `None`.
+    """
+
+    layer: eqx.nn.Embedding
+    weight_quant: AbstractQuantizer | None
+    input_quant: None
+
+    def __init__(
+        self,
+        layer: eqx.nn.Embedding,
+        *,
+        weight_quant: AbstractQuantizer | None = default_weight_quant(),
+        input_quant: None = None,
+    ):
+        """**Arguments:**
+
+        - `layer`: the float embedding, with a weight of shape `(num_embeddings, embedding_size)`.
+        - `weight_quant`: the table quantizer; by default 8 bits per row. `None` keeps the float table.
+        - `input_quant`: must be `None` (the input is an index).
+        """
+        self.layer = layer
+        self.weight_quant = weight_quant
+        self.input_quant = input_quant
+
+    def __check_init__(self):
+        if not isinstance(self.layer, eqx.nn.Embedding):
+            raise TypeError(f"`layer` must be an eqx.nn.Embedding, got {type(self.layer).__name__}.")
+        _check_quantizer("weight_quant", self.weight_quant)
+        if self.input_quant is not None:
+            raise ValueError(
+                f"`input_quant` must be None for an embedding (its input is an index), got {self.input_quant!r}."
+            )
+
+    def __call__(self, x: Int[ArrayLike, ""], *, key: PRNGKeyArray | None = None) -> Float[Array, " embedding_size"]:
+        """Like `eqx.nn.Embedding.__call__`: the fake-quantized row `x` of the table."""
+        with jax.named_scope("eqx_quant.QuantEmbedding"):
+            return self.quantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
