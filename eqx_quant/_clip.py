@@ -35,7 +35,7 @@ def _prepare_bound(name: str, bound: object, x: Array) -> Array:
 
 @jaxtyped(typechecker=beartype)
 def clip_passthrough(
-    x: RealLike, lo: Real[ArrayLike, "..."], hi: Real[ArrayLike, "..."]
+    x: RealLike, lo: Real[ArrayLike, "*lo_shape"], hi: Real[ArrayLike, "*hi_shape"]
 ) -> Float[Array, "*shape"]:
     """Clips `x` to `[lo, hi]` in the forward pass, and passes every tangent straight through.
 

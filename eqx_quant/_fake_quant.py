@@ -144,10 +144,10 @@ def check_range(qmin: object, qmax: object) -> tuple[int, int]:
 @jaxtyped(typechecker=beartype)
 def fake_quant(
     x: RealLike,
-    scale: Real[ArrayLike, "..."],
+    scale: Real[ArrayLike, "*scale_shape"],
     qmin: int | np.integer,
     qmax: int | np.integer,
-    zero_point: Real[ArrayLike, "..."] = 0,
+    zero_point: Real[ArrayLike, "*zero_point_shape"] = 0,
 ) -> Float[Array, "*shape"]:
     r"""Fake-quantizes `x`: rounds it onto the integer grid `[qmin, qmax]` with step `scale`, and back to floats.
 
@@ -178,7 +178,8 @@ def fake_quant(
     - `qmin`, `qmax`: the inclusive integer range, Python ints (or NumPy integer scalars) with `qmin <= qmax`; see
         [`eqx_quant.int_range`][].
     - `zero_point`: the integer that represents real zero. A Python int, or an integer-valued array broadcastable to
-        `x`; a float array can be learned, as it receives a gradient.
+        `x`. A float array receives a gradient; a learned zero point must be rounded before it is passed here, as
+        [`eqx_quant.LearnedFakeQuant`][] does with a straight-through rounding.
 
     **Returns:**
 
@@ -229,11 +230,11 @@ def _as_float32(name: str, value: object) -> Array:
 @jaxtyped(typechecker=beartype)
 def fake_quant_vjp(
     x: ArrayLike | Sequence[Any],
-    scale: Real[ArrayLike, "..."],
+    scale: Real[ArrayLike, "*scale_shape"],
     qmin: int | np.integer,
     qmax: int | np.integer,
     cotangent: ArrayLike | Sequence[Any],
-) -> dict[str, Float32[Array, "..."]]:
+) -> dict[str, Float32[Array, "*shape"]]:
     """Runs [`eqx_quant.fake_quant`][] forward and backward in one call, in float32.
 
     A convenience for inspecting the straight-through estimator: it returns the fake-quantized values and the

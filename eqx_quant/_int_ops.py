@@ -36,8 +36,11 @@ def shifted_range(qmin: int, qmax: int, has_zero_point: bool) -> tuple[int, int]
 
 
 def safe_contraction(w_bound: int, x_bound: int) -> int:
-    """The longest contraction whose int32 accumulator cannot overflow: `K * w_bound * x_bound <= 2**31 - 1`."""
-    return max(1, INT32_MAX // max(1, w_bound * x_bound))
+    """The longest contraction whose int32 accumulator cannot overflow: `K * w_bound * x_bound <= 2**31 - 1`.
+
+    0 when a single product may already overflow (e.g. two asymmetric 16-bit grids): no integer product then.
+    """
+    return INT32_MAX // max(1, w_bound * x_bound)
 
 
 class IntOperand(NamedTuple):
@@ -64,7 +67,7 @@ def integer_operand(grid: QuantGrid) -> IntOperand:
 
 
 def _common_int(a: Array, b: Array) -> tuple[Array, Array]:
-    dtype = jnp.promote_types(a.dtype, b.dtype)
+    dtype = np.promote_types(a.dtype, b.dtype)
     return a.astype(dtype), b.astype(dtype)
 
 
@@ -84,17 +87,23 @@ class ConvSpec(NamedTuple):
     groups: int
 
 
-def _rescale(acc: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
-    """`(acc + round(bias / s)) * s` with `s = scale_w * scale_x` broadcast along the output channels (axis 0).
+_BIAS_GRID = 2.0**-16
 
-    The bias joins the accumulator on its own grid, as integer runtimes add an int32 bias, and the result is
-    rescaled by a single multiplication. Nothing multiplies into a sum, so XLA has no product and addition to fuse
-    into a multiply-add, which it would do under `jit` but not in eager mode: both give the same bits.
+
+def _rescale(acc: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
+    """`(acc + bias / s) * s` with `s = scale_w * scale_x` broadcast along the output channels (axis 0).
+
+    The bias joins the accumulator in its units, as `round(bias * (1 / s) * 2**16) * 2**-16` (a grid 65536 times
+    finer than the accumulator's, so the bias keeps about 16 more bits than integer runtimes keep), and the sum is
+    rescaled by a single multiplication. No rounded product feeds a sum: XLA contracts a product and a sum into a fused
+    multiply-add under `jit` but not in eager mode, and a multiplication by a power of two is exact either way, so
+    eager and compiled calls give the same bits.
     """
-    scale = (w_scale.reshape(-1) * x_scale).reshape((-1,) + (1,) * (acc.ndim - 1))
+    scale = (w_scale.reshape(-1) * x_scale.reshape(())).reshape((-1,) + (1,) * (acc.ndim - 1))
     acc = acc.astype(jnp.float32)
     if bias is not None:
-        acc = acc + jnp.round(bias.astype(jnp.float32).reshape(acc.shape[:1] + (1,) * (acc.ndim - 1)) * (1 / scale))
+        units = bias.astype(jnp.float32).reshape(acc.shape[:1] + (1,) * (acc.ndim - 1)) * (1 / scale)
+        acc = acc + jnp.round(units * (1 / _BIAS_GRID)) * _BIAS_GRID
     return acc * scale
 
 

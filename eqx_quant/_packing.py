@@ -31,9 +31,10 @@ def pack_int4(values: Int[Array, "rows n"]) -> UInt8[Array, "rows packed"]:
         import jax.numpy as jnp
         import eqx_quant
 
-        packed = eqx_quant.pack_int4(jnp.array([[1, -2, 7]], jnp.int8))
+        values = jnp.array([[1, -2, 7]], jnp.int8)
+        packed = eqx_quant.pack_int4(values)
         print([hex(int(b)) for b in packed[0]])  # ['0xe1', '0x7']
-        assert (eqx_quant.unpack_int4(packed, 3) == jnp.array([[1, -2, 7]])).all()
+        assert (eqx_quant.unpack_int4(packed, 3) == values).all()
         ```
     """
     rows, n = values.shape

@@ -19,7 +19,7 @@ from ._scales import absmax_scale, finite_or, minmax_scale, stats
 
 _TINY32 = float(np.finfo(np.float32).tiny)
 
-StaticFloats = float | int | np.number | Sequence[float | int | np.number] | np.ndarray
+StaticFloats = float | int | np.number | Sequence[float | int | np.number] | np.ndarray | jax.Array
 StaticInts = int | np.integer | Sequence[int | np.integer] | np.ndarray
 
 
@@ -305,7 +305,7 @@ class FakeQuant(AbstractFakeQuantizer):
     @classmethod
     def calibrate(
         cls,
-        x: Real[ArrayLike, "..."],
+        x: Real[ArrayLike, "*shape"],
         bits: int | np.integer,
         *,
         signed: bool = True,
@@ -351,6 +351,8 @@ class FakeQuant(AbstractFakeQuantizer):
         x = jnp.asarray(x)
         if not jnp.issubdtype(x.dtype, jnp.floating):
             x = x.astype(jnp.float32)
+        if x.size == 0:
+            raise ValueError(f"`x` is empty (shape {x.shape}): calibration needs data.")
         if axis is not None:
             axis = _normalize_axis(check_int("axis", axis), x.ndim)
         axes = tuple(i for i in range(x.ndim) if i != axis)
@@ -611,8 +613,9 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         - `axis`: the channel axis for a per-channel `scale`, or `None`.
         - `min_scale`: the smallest step size the forward pass uses; a positive, normal float32.
         """
-        self.scale = jnp.asarray(scale, jnp.float32)
-        self.zero_point = None if zero_point is None else jnp.asarray(zero_point, jnp.float32)
+        # Through NumPy, so that Python numbers do not make weakly typed leaves (which would recompile once updated).
+        self.scale = jnp.asarray(np.asarray(scale, np.float32))
+        self.zero_point = None if zero_point is None else jnp.asarray(np.asarray(zero_point, np.float32))
         self.qmin, self.qmax = check_range(qmin, qmax)
         self.axis = None if axis is None else check_int("axis", axis)
         self.min_scale = float(min_scale)
@@ -658,7 +661,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
     @classmethod
     def init_from(
         cls,
-        x: Real[ArrayLike, "..."],
+        x: Real[ArrayLike, "*shape"],
         bits: int | np.integer,
         *,
         signed: bool = True,

@@ -52,12 +52,15 @@ def minmax_scale(
 
     def needed_scale(zp):
         # The smallest scale with lo / scale >= qmin - zp and hi / scale <= qmax - zp.
-        below = jnp.where(lo < 0, -lo / jnp.maximum(zp - qmin, 0.0), 0.0)
-        above = jnp.where(hi > 0, hi / jnp.maximum(qmax - zp, 0.0), 0.0)
+        below = jnp.where(lo < 0, -lo / jnp.maximum(zp - qmin, 1.0), 0.0)
+        above = jnp.where(hi > 0, hi / jnp.maximum(qmax - zp, 1.0), 0.0)
         return jnp.maximum(below, above)
 
-    low_zp = jnp.clip(jnp.floor(ideal), qmin, qmax)
-    high_zp = jnp.clip(jnp.ceil(ideal), qmin, qmax)
+    # A negative `lo` needs a zero point above `qmin`, a positive `hi` one below `qmax` (when the grid has room).
+    first = jnp.where(lo < 0, min(qmin + 1, qmax), qmin).astype(jnp.float32)
+    last = jnp.maximum(jnp.where(hi > 0, qmax - 1, qmax).astype(jnp.float32), first)
+    low_zp = jnp.clip(jnp.floor(ideal), first, last)
+    high_zp = jnp.clip(jnp.ceil(ideal), first, last)
     low_scale, high_scale = needed_scale(low_zp), needed_scale(high_zp)
     zero_point = jnp.where(low_scale <= high_scale, low_zp, high_zp)
     scale = jnp.minimum(low_scale, high_scale)

@@ -1,4 +1,4 @@
-import contextlib
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, Literal, TypeAlias
@@ -84,6 +84,7 @@ def quantize(
     weights: QuantizerSpec = default_weight_quant(),
     activations: QuantizerSpec = default_input_quant(),
     where: Where = None,
+    matmul: Literal["int", "float"] = "int",
 ) -> PyTree:
     """Replaces the layers of a model by their quantized wrappers.
 
@@ -107,6 +108,9 @@ def quantize(
         tensor. Embeddings take integer indices and never get one.
     - `where`: which layers to quantize: `None` for all, a regular expression searched in the path, or a predicate
         `f(path, layer) -> bool`.
+    - `matmul`: the `matmul` of every [`eqx_quant.nn.QuantLinear`][] and [`eqx_quant.nn.QuantConv`][]: `"int"` for
+        the integer forward where the quantizers allow it, `"float"` for the float product of the fake-quantized
+        operands.
 
     **Returns:**
 
@@ -115,7 +119,7 @@ def quantize(
     **Raises:**
 
     `ValueError` if `where` selects no layer (the message lists the candidate paths) or the model has no layer to
-    quantize; `TypeError` for a malformed `weights`, `activations` or `where`.
+    quantize (a model whose layers are all quantized already is returned as it is); `TypeError` for a malformed `weights`, `activations` or `where`.
 
     !!! example
 
@@ -133,11 +137,15 @@ def quantize(
         print([type(layer).__name__ for layer in qmlp.layers])  # ['QuantLinear', 'QuantLinear', 'Linear']
         ```
     """
+    if matmul not in ("int", "float"):
+        raise ValueError(f"`matmul` must be 'int' or 'float', got matmul={matmul!r}.")
     select = _selector(where)
-    candidates = _nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,))
-    candidates = [(path, layer) for path, layer in candidates if isinstance(layer, _FLOAT_LAYERS)]
-    if not candidates:
+    layers = _nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,))
+    if not layers:
         raise ValueError("`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer to quantize.")
+    candidates = [(path, layer) for path, layer in layers if isinstance(layer, _FLOAT_LAYERS)]
+    if not candidates:
+        return model  # every layer is quantized already
     chosen = {path for path, layer in candidates if select(path, layer)}
     if not chosen:
         raise ValueError(
@@ -154,7 +162,7 @@ def quantize(
             return QuantEmbedding(layer, weight_quant=weight_quant)
         input_quant = _resolve("activations", activations, path, layer)
         wrapper = QuantLinear if isinstance(layer, eqx.nn.Linear) else QuantConv
-        return wrapper(layer, weight_quant=weight_quant, input_quant=input_quant)
+        return wrapper(layer, weight_quant=weight_quant, input_quant=input_quant, matmul=matmul)
 
     return _map_nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,), wrap)
 
@@ -216,6 +224,7 @@ def _tensor_stats(x: Array, inputs: None) -> dict[str, Array]:
     return {"absmax": absmax.reshape(()), "min": lo.reshape(()), "max": hi.reshape(())}
 
 
+@functools.lru_cache(maxsize=None)  # one function per bin count, so that calibration steps compile once
 def _histogram(num_bins: int) -> Callable[[Array, Array | None], dict[str, Array]]:
     def histogram(x: Array, top: Array | None) -> dict[str, Array]:
         """Counts of the finite |x| in `num_bins` equal bins over `[0, top]` (values above `top` go to the last)."""
@@ -292,13 +301,19 @@ def _threshold_from_histogram(
     centres = jnp.asarray((edges[:-1] + edges[1:]) / 2, jnp.float32)
     weights = jnp.asarray(counts, jnp.float32)
     thresholds = jnp.arange(1, num_candidates + 1, dtype=jnp.float32) * (top / num_candidates)
-    errors = jax.lax.map(lambda t: _weighted_error(centres, weights, absmax_scale(t, qmax), qmax), thresholds)
-    return float(thresholds[int(jnp.argmin(errors))])
+    return float(_least_error_threshold(centres, weights, thresholds, qmax))
 
 
-def _weighted_error(centres: Array, weights: Array, scale: Array, qmax: int) -> Array:
-    levels = jnp.clip(jnp.round(centres * (1 / scale)), -qmax, qmax)
-    return jnp.sum(weights * (levels * scale - centres) ** 2)
+@functools.partial(jax.jit, static_argnums=3)
+def _least_error_threshold(centres: Array, weights: Array, thresholds: Array, qmax: int) -> Array:
+    """The threshold whose absmax scale gives the least count-weighted quantization error of the bin centres."""
+
+    def error(threshold):
+        scale = absmax_scale(threshold, qmax)
+        levels = jnp.clip(jnp.round(centres * (1 / scale)), -qmax, qmax)
+        return jnp.sum(weights * (levels * scale - centres) ** 2)
+
+    return thresholds[jnp.argmin(jax.lax.map(error, thresholds))]
 
 
 def calibrate(
@@ -325,7 +340,8 @@ def calibrate(
 
     **Arguments:**
 
-    - `model`: a model from [`eqx_quant.quantize`][]. Each calibrated layer must be called once per example.
+    - `model`: a model from [`eqx_quant.quantize`][]. Each calibrated layer must be called once per example, and
+        not inside a `jax.vmap` or `jax.lax.scan` of the model's own (such layers cannot be observed: `ValueError`).
     - `batches`: an iterable of inputs, each with a leading batch axis (a PyTree of arrays is passed to the model as
         it is). `"percentile"` and `"mse"` read it twice, so it must be re-iterable (a list, not a generator).
     - `method`: `"absmax"` (symmetric, `max|x|`), `"minmax"` (asymmetric with an integer zero point),
@@ -402,7 +418,14 @@ def _fold(model, batches, statistic, batched, inputs) -> dict[str, dict[str, Arr
     observed = _observe(model, statistic)
     totals: dict[str, dict[str, Array]] | None = None
     for batch in batches:
-        step = _calibration_step(observed, batch, batched, inputs)
+        try:
+            step = _calibration_step(observed, batch, batched, inputs)
+        except jax.errors.UnexpectedTracerError as e:
+            raise ValueError(
+                "`calibrate` observes each quantized layer's input in one forward pass per example, and cannot see "
+                "layers that the model calls inside its own `jax.vmap` or `jax.lax.scan`. Pass the per-example "
+                "model with `batched=False` instead."
+            ) from e
         if totals is None:
             totals = step
         else:

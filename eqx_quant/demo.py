@@ -3,7 +3,8 @@ trained (QAT) at several bit widths.
 
 Run with `python -m eqx_quant.demo` (or `eqx-quant-demo`); `--help` lists the options. It needs the `examples` extra
 (`pip install "eqx_quant[examples]"`): optax, scikit-learn (whose bundled digits dataset is used: nothing is
-downloaded), tqdm and matplotlib. It writes `results.json` and `accuracy.png` to `--out`.
+downloaded), tqdm and matplotlib. It writes `results.json`, `accuracy.png` and the saved models (`models/*.eqx`, float and converted to integers) to
+`--out`.
 """
 
 import argparse
@@ -65,7 +66,10 @@ def parse_config(name: str) -> tuple[int, int]:
     match = re.fullmatch(r"W(\d+)A(\d+)", name)
     if match is None:
         raise ValueError(f"A bit-width configuration looks like 'W4A8', got {name!r}.")
-    return int(match.group(1)), int(match.group(2))
+    weight_bits, activation_bits = int(match.group(1)), int(match.group(2))
+    if not 2 <= weight_bits <= 16 or not 1 <= activation_bits <= 16:
+        raise ValueError(f"Weights take 2 to 16 bits and activations 1 to 16 (unsigned), got {name!r}.")
+    return weight_bits, activation_bits
 
 
 def quantized(model: eqx.Module, weight_bits: int, activation_bits: int) -> eqx.Module:
@@ -79,8 +83,9 @@ def quantized(model: eqx.Module, weight_bits: int, activation_bits: int) -> eqx.
 
 
 def calibrated(model: eqx.Module, images: np.ndarray, activation_bits: int) -> eqx.Module:
-    """Static activation scales from the training images: MSE-optimal clipping at low bit widths, absmax at 8."""
-    batches = [jnp.asarray(images[i : i + 256]) for i in range(0, len(images), 256)]
+    """Static activation scales from training images in batches of 256 (a trailing partial batch is left out):
+    MSE-optimal clipping at low bit widths, absmax at 8."""
+    batches = [jnp.asarray(images[i : i + 256]) for i in range(0, max(len(images) - 255, 1), 256)]
     return eqx_quant.calibrate(model, batches, method="mse" if activation_bits < 8 else "absmax")
 
 
@@ -142,7 +147,9 @@ def train(
     @eqx.filter_jit
     def step(model, opt_state, x, y):
         loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
-        updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
+        # optax mixes Python floats with its int32 step count, which strict dtype promotion would reject.
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_inexact_array))
         return eqx.apply_updates(model, updates), opt_state, loss
 
     rng = np.random.default_rng(seed)
@@ -163,6 +170,22 @@ def train(
             bar.update(1)
     bar.close()
     return model, losses
+
+
+def file_bytes(model: eqx.Module, path: pathlib.Path) -> int:
+    """The size of the file that [`eqx_quant.save`][] writes for `model`."""
+    eqx_quant.save(path, model)
+    return path.stat().st_size
+
+
+def deployed(model: eqx.Module, images: np.ndarray, labels: np.ndarray, out: pathlib.Path, name: str) -> dict:
+    """Converts a fake-quantized model to integers and measures its accuracy and file size beside the float ones."""
+    converted = eqx_quant.convert(model)
+    return {
+        "int_accuracy": accuracy(converted, images, labels),
+        "int_file_bytes": file_bytes(converted, out / f"{name}.int.eqx"),
+        "file_bytes": file_bytes(model, out / f"{name}.fake.eqx"),
+    }
 
 
 def _timed(fn: Callable, *args, **kwargs):
@@ -188,8 +211,12 @@ def run(
     The results, as written to `results.json`.
     """
     start = time.perf_counter()
+    out.mkdir(parents=True, exist_ok=True)
+    models = out / "models"
+    models.mkdir(exist_ok=True)
     x_train, y_train, x_test, y_test = load_digits(seed)
     max_steps = 10 if quick else None
+    x_calibration = x_train[: 256 if quick else 1024]
     if quick:
         x_test, y_test = x_test[:128], y_test[:128]
     key = jax.random.key(seed)
@@ -203,33 +230,37 @@ def run(
             "accuracy": accuracy(float_model, x_test, y_test),
             "weight_bytes": weight_bytes(float_model, None),
             "wall_time_s": float_time,
+            "file_bytes": file_bytes(float_model, models / "float.eqx"),
             "losses": float_losses,
         },
         "ptq": {},
         "qat": {},
     }
+    ptq_models = {}
     for name in configs:
         w_bits, a_bits = parse_config(name)
-        model, wall = _timed(calibrated, quantized(float_model, w_bits, a_bits), x_train, a_bits)
+        model, wall = _timed(calibrated, quantized(float_model, w_bits, a_bits), x_calibration, a_bits)
+        ptq_models[name] = model
         results["ptq"][name] = {
             "accuracy": accuracy(model, x_test, y_test),
             "weight_bytes": weight_bytes(model, w_bits),
             "wall_time_s": wall,
+            **deployed(model, x_test, y_test, models, f"ptq_{name}"),
         }
     for name in configs:
         w_bits, a_bits = parse_config(name)
 
-        def qat(w_bits=w_bits, a_bits=a_bits, name=name):
-            model = calibrated(quantized(float_model, w_bits, a_bits), x_train, a_bits)
-            return train(model, x_train, y_train, epochs=qat_epochs, learning_rate=1e-3, description=f"QAT {name}",
-                         **common)
-
-        (model, losses), wall = _timed(qat)
+        # QAT starts from the calibrated (PTQ) model and fine-tunes its float weights through the quantizers.
+        (model, losses), wall = _timed(
+            train, ptq_models[name], x_train, y_train, epochs=qat_epochs, learning_rate=1e-3,
+            description=f"QAT {name}", **common,
+        )  # fmt: skip
         results["qat"][name] = {
             "accuracy": accuracy(model, x_test, y_test),
             "weight_bytes": weight_bytes(model, w_bits),
             "wall_time_s": wall,
             "losses": losses,
+            **deployed(model, x_test, y_test, models, f"qat_{name}"),
         }
     results["config"] = {
         "epochs": epochs,
@@ -242,7 +273,6 @@ def run(
         "backend": jax.default_backend(),
         "total_wall_time_s": time.perf_counter() - start,
     }
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=2))
     plot(results, out / "accuracy.png")
     return results
@@ -274,13 +304,18 @@ def plot(results: dict, path: pathlib.Path) -> None:
 
 
 def table(results: dict) -> str:
+    """The results as a text table: fake-quant and integer (converted) accuracy, weight bytes, file sizes, time."""
     rows = [("float", "float32", results["float"])]
     rows += [("PTQ", name, r) for name, r in results["ptq"].items()]
     rows += [("QAT", name, r) for name, r in results["qat"].items()]
-    lines = [f"{'method':<7}{'bits':<9}{'accuracy':>10}{'weight bytes':>14}{'wall time':>11}"]
+    header = f"{'method':<7}{'bits':<9}{'accuracy':>9}{'int acc.':>9}{'weight B':>10}{'file B':>9}{'int file B':>11}{'time':>7}"
+    lines = [header, "-" * len(header)]
     for method, bits, r in rows:
+        int_acc = f"{100 * r['int_accuracy']:>8.2f}%" if "int_accuracy" in r else f"{'-':>9}"
+        int_file = f"{r['int_file_bytes']:>11,}" if "int_file_bytes" in r else f"{'-':>11}"
         lines.append(
-            f"{method:<7}{bits:<9}{100 * r['accuracy']:>9.2f}%{r['weight_bytes']:>14,}{r['wall_time_s']:>10.1f}s"
+            f"{method:<7}{bits:<9}{100 * r['accuracy']:>8.2f}%{int_acc}{r['weight_bytes']:>10,}"
+            f"{r['file_bytes']:>9,}{int_file}{r['wall_time_s']:>6.1f}s"
         )
     return "\n".join(lines)
 
@@ -297,7 +332,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     configs = tuple(name.strip() for name in args.bits.split(",") if name.strip())
     for name in configs:
-        parse_config(name)
+        try:
+            parse_config(name)
+        except ValueError as e:
+            parser.error(f"--bits: {e}")
+    if not configs:
+        parser.error("--bits names no configuration")
     if args.epochs < 1:
         parser.error(f"--epochs must be >= 1, got {args.epochs}")
     results = run(

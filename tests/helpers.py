@@ -21,16 +21,16 @@ def reference_fake_quant(x, scale, qmin, qmax, zero_point=0, cotangent=None):
     s = np.asarray(scale, dtype=dtype)
     z = np.asarray(zero_point, dtype=dtype)
     v = xc * (dtype.type(1) / s)
-    u = v + z
     levels = np.clip(np.round(v) + z, qmin, qmax)
     values = (s * (levels - z)).astype(x.dtype)
     if cotangent is None:
         return values
     g = np.asarray(cotangent, dtype=dtype)
     with np.errstate(invalid="ignore"):
-        inside = (u >= qmin) & (u <= qmax)
-        below = u < qmin
-        above = u > qmax
+        # the mask on v + z, evaluated exactly as v against the integers qmin - z and qmax - z
+        inside = (v >= qmin - z) & (v <= qmax - z)
+        below = v < qmin - z
+        above = v > qmax - z
         grad_x = np.where(inside, g, 0)
         d_scale = np.select([inside, below, above], [np.round(v) - v, qmin - z, qmax - z], 0)
     grad_scale = g * d_scale

@@ -4,7 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
+from jaxtyping import Array, ArrayLike, Float, Int, Integer, PRNGKeyArray
 
 from .._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
 from .._int_ops import (
@@ -37,9 +37,9 @@ class QuantizedTensor(eqx.Module):
     wider grids use the narrowest of int8, int16 and int32.
     """
 
-    values: Int[Array, "..."]
-    scale: Float[Array, "..."]
-    zero_point: Float[Array, "..."] | None
+    values: Integer[Array, "*values_shape"]
+    scale: Float[Array, "*scale_shape"]
+    zero_point: Float[Array, "*zero_point_shape"] | None
     shape: tuple[int, ...] = eqx.field(static=True)
     view_shape: tuple[int, ...] = eqx.field(static=True)
     qmin: int = eqx.field(static=True)
@@ -80,19 +80,19 @@ class QuantizedTensor(eqx.Module):
             values = levels.astype(int_dtype(qmin, qmax))
         return cls(values, scale, zp, tuple(shape), tuple(view.shape), qmin, qmax, packed, np.dtype(dtype).name)
 
-    def levels(self) -> Int[Array, "..."]:
+    def levels(self) -> Int[Array, "*view_shape"]:
         """The integer levels, unpacked, with the shape of the view."""
         if not self.packed:
             return self.values
         per_row = math.prod(self.view_shape[1:]) if self.view_shape else 1
         return unpack_int4(self.values, per_row, signed=self.qmin < 0).reshape(self.view_shape)
 
-    def dequantize(self) -> Float[Array, "..."]:
+    def dequantize(self) -> Float[Array, "*shape"]:
         """`scale * (levels - zero_point)`, reshaped to `shape`: the fake-quantized tensor."""
         levels = self.levels().astype(self.scale.dtype)
         return dequantize_levels(levels, self.scale, self.zero_point).reshape(self.shape).astype(self.dtype)
 
-    def dequantize_row(self, index: Int[ArrayLike, ""]) -> Float[Array, "..."]:
+    def dequantize_row(self, index: Int[ArrayLike, ""]) -> Float[Array, "*row_shape"]:
         """Row `index` (along the first axis) of [`eqx_quant.nn.QuantizedTensor.dequantize`][], computed from that
         row's integers alone."""
         row_shape = self.view_shape[1:]
@@ -170,7 +170,8 @@ class IntLinear(AbstractIntLayer):
 
     **Overflow.** The int32 accumulator is exact while `K * max|w - zw| * max|x - zx| <= 2**31 - 1` for a
     contraction of length `K`: `K <= 131071` for int8 weights and inputs. Longer contractions are split into chunks
-    within that bound, whose int32 results are summed in float32.
+    within that bound, whose int32 results are summed in float32; where a single product can exceed int32 (two
+    asymmetric 16-bit grids), the layer runs in floating point.
     """
 
     layer: eqx.nn.Linear
@@ -188,6 +189,8 @@ class IntLinear(AbstractIntLayer):
                 return self._float_path(x, key)
             w_values, w_bound = self.weight.shifted()
             spec = LinearSpec(safe_contraction(w_bound, x_int.bound))
+            if spec.chunk < 1:
+                return self._float_path(x, key)
             y = int_linear(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias)
             return scalar_output(layer, y.astype(self.weight.dtype))
 

@@ -82,9 +82,11 @@ class QuantLinear(AbstractQuantLayer):
     **Integer forward.** With `matmul="int"` (the default), when the weight quantizer has one scale per tensor or per
     output channel, and the input quantizer one scale for the whole input, the forward pass
     runs the integer product: the weight's and the input's integers (minus zero points) are multiplied with int32
-    accumulation, the bias is added on the accumulator's grid and the sum is rescaled once,
-    `y = (acc + round(bias / s)) * s` with `s = scale_w * scale_x` — the computation of the converted
-    [`eqx_quant.nn.IntLinear`][], bit for bit, in eager mode and under `jit` alike. The backward pass is that of the fake-quant formulation
+    accumulation, the bias is added in the accumulator's units and the sum is rescaled once,
+    `y = (acc + bias / s) * s` with `s = scale_w * scale_x` (the bias rounded to `2**-16` of a unit) — the
+    computation of the converted [`eqx_quant.nn.IntLinear`][], bit for bit, in eager mode and under `jit` alike.
+    It differs from the float product `fake_quant(W) @ fake_quant(x) + b` only by that product's rounding errors,
+    which the exact integer sum does not make. The backward pass is that of the fake-quant formulation
     `y = fake_quant(W) @ fake_quant(x) + b`: the float product's gradients, through the quantizers'
     straight-through estimators (and learned-scale gradients). Otherwise, or with `matmul="float"`, the forward is
     that float product.
@@ -148,6 +150,8 @@ class QuantLinear(AbstractQuantLayer):
             w_grid, x_grid = grids
             w_int, x_int = integer_operand(w_grid), integer_operand(x_grid)
             spec = LinearSpec(safe_contraction(w_int.bound, x_int.bound))
+            if spec.chunk < 1:
+                return self._float_path(x, key)
             wq = apply_grid(w_grid, layer.weight.shape)
             xq = apply_grid(x_grid, vector.shape)
             y = integer_forward(spec, wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale)

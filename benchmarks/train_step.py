@@ -1,0 +1,117 @@
+"""QAT training-step time and compile time against the float model, measured in one process.
+
+Run with `python benchmarks/train_step.py`. For the MLP 784-1024-1024-10 (ReLU, batch 256, softmax cross-entropy,
+SGD) and for the demo convnet (batch 64), it times the float model and the same model quantized with
+`eqx_quant.quantize` at W8A8 and W4A4 (weights per output channel, inputs per tensor, integer forward) and at W8A8
+with the float-matmul fallback (`matmul="float"`). Step times are medians of interleaved rounds; compile times are
+ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians over rounds.
+"""
+
+import argparse
+import statistics
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqx_quant
+from eqx_quant.demo import ConvNet
+
+
+def _loss(model, x, y):
+    logits = jax.vmap(model)(x)
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=-1))
+
+
+def _step(model, x, y):
+    loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y)
+    model = eqx.apply_updates(model, jax.tree.map(lambda g: -0.01 * g, grads))
+    return model, loss
+
+
+def _variants(model):
+    def q(bits, matmul="int"):
+        return eqx_quant.quantize(
+            model,
+            weights=eqx_quant.DynamicFakeQuant(bits, axis=0),
+            activations=eqx_quant.DynamicFakeQuant(bits),
+            matmul=matmul,
+        )
+
+    return {"float": model, "W8A8": q(8), "W4A4": q(4), "W8A8 float-matmul": q(8, "float")}
+
+
+def _split(model):
+    return eqx.partition(model, eqx.is_inexact_array)
+
+
+def _measure(name, model, x, y, rounds, repeats):
+    params, static = _split(model)
+
+    @jax.jit
+    def step(params, x, y):
+        new, loss = _step(eqx.combine(params, static), x, y)
+        return eqx.filter(new, eqx.is_inexact_array), loss
+
+    compile_times = []
+    for _ in range(rounds):
+        jax.clear_caches()
+        t0 = time.perf_counter()
+        compiled = step.lower(params, x, y).compile()
+        compile_times.append(time.perf_counter() - t0)
+    return compiled, params, compile_times
+
+
+def _bench(title, model, x, y, rounds, repeats):
+    variants = _variants(model)
+    compiled = {}
+    compile_times = {}
+    for name, m in variants.items():
+        fn, params, times = _measure(name, m, x, y, rounds, repeats)
+        compiled[name] = (fn, params)
+        compile_times[name] = statistics.median(times)
+    step_times = {name: [] for name in variants}
+    for _ in range(rounds):  # interleaved, so that drifts in machine load hit every variant alike
+        for name, (fn, params) in compiled.items():
+            jax.block_until_ready(fn(params, x, y))
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fn(params, x, y))
+                step_times[name].append(time.perf_counter() - t0)
+    base_step = statistics.median(step_times["float"])
+    base_compile = compile_times["float"]
+    print(f"\n{title}")
+    print(f"{'variant':<20}{'step ms':>9}{'step ratio':>12}{'compile s':>11}{'compile ratio':>15}")
+    for name in variants:
+        step = statistics.median(step_times[name])
+        print(
+            f"{name:<20}{1e3 * step:>9.2f}{step / base_step:>12.3f}{compile_times[name]:>11.2f}"
+            f"{compile_times[name] / base_compile:>15.3f}"
+        )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+    rng = np.random.default_rng(0)
+    key = jax.random.key(0)
+
+    mlp = eqx.nn.MLP(784, 10, 1024, 2, activation=jax.nn.relu, key=key)
+    x = jnp.asarray(rng.standard_normal((256, 784), dtype=np.float32))
+    y = jnp.asarray(rng.integers(0, 10, 256, dtype=np.int32))
+    _bench("MLP 784-1024-1024-10, batch 256", mlp, x, y, args.rounds, args.repeats)
+
+    convnet = ConvNet(key)
+    x = jnp.asarray(rng.uniform(0, 1, (64, 1, 8, 8)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, 10, 64, dtype=np.int32))
+    _bench("demo convnet, batch 64", convnet, x, y, args.rounds, args.repeats * 4)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+import json
+import pathlib
+import struct
+import subprocess
+import sys
+
+import equinox as eqx
+import jax
+import numpy as np
+import pytest
+
+from eqx_quant import demo
+
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_writes_results_and_plot(tmp_path):
+    # optax's Adam mixes its int32 step count with Python floats, which strict promotion (set in conftest.py) rejects.
+    with jax.numpy_dtype_promotion("standard"):
+        demo.main(["--quick", "--out", str(tmp_path)])
+    results = json.loads((tmp_path / "results.json").read_text())
+    config = results["config"]
+    assert config["quick"] is True
+    n = config["test_examples"]
+    assert 0 < n <= 128
+    accuracies = {
+        "float.accuracy": results["float"]["accuracy"],
+        **{f"{kind}.{name}.accuracy": r["accuracy"] for kind in ("ptq", "qat") for name, r in results[kind].items()},
+    }
+    assert set(accuracies) == {
+        "float.accuracy",
+        "ptq.W8A8.accuracy",
+        "ptq.W4A4.accuracy",
+        "ptq.W2A4.accuracy",
+        "qat.W8A8.accuracy",
+        "qat.W4A4.accuracy",
+        "qat.W2A4.accuracy",
+    }
+    for name, value in accuracies.items():
+        assert isinstance(value, float) and 0.0 <= value <= 1.0, (name, value)
+        assert abs(value * n - round(value * n)) < 1e-3, (name, value)  # a fraction of the test examples
+    # Ten steps of training already beat chance (10 classes) by a wide margin.
+    assert accuracies["float.accuracy"] > 0.2 and accuracies["qat.W8A8.accuracy"] > 0.2
+    # Parameter bytes, counted by hand for the convnet: weights 1*16*9 + 16*32*9 + 512*64 + 64*10 = 38160 values,
+    # biases 16 + 32 + 64 + 10 = 122 values, output channels 122 (one float32 scale each when quantized).
+    expected_bytes = {"W8A8": 38160 + 4 * 122 + 4 * 122, "W4A4": 38160 // 2 + 8 * 122, "W2A4": 38160 // 4 + 8 * 122}
+    assert results["float"]["weight_bytes"] == 4 * (38160 + 122)
+    for kind in ("ptq", "qat"):
+        for name, value in expected_bytes.items():
+            assert results[kind][name]["weight_bytes"] == value, (kind, name)
+    png = (tmp_path / "accuracy.png").read_bytes()
+    assert len(png) > 100 and png[:8] == PNG_SIGNATURE
+    assert png[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", png[16:24])
+    assert (width, height) == (660, 432)  # 5.5 x 3.6 inches at 120 dpi
+
+
+def test_help_exits_cleanly():
+    result = subprocess.run(
+        [sys.executable, "-m", "eqx_quant.demo", "--help"], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    assert "--quick" in result.stdout and "--bits" in result.stdout and "--out" in result.stdout
+
+
+class _Trained(Exception):
+    pass
+
+
+@pytest.mark.parametrize("bits", ["W4", "W8A8,8bit", "W1A4", "W8A0"])
+def test_bad_bits_fail_before_any_training(tmp_path, monkeypatch, bits):
+    def train(*args, **kwargs):
+        raise _Trained
+
+    monkeypatch.setattr(demo, "train", train)
+    with pytest.raises((ValueError, SystemExit)) as info:
+        demo.main(["--quick", "--bits", bits, "--out", str(tmp_path)])
+    if isinstance(info.value, SystemExit):
+        assert info.value.code not in (0, None)
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_accuracy_against_numpy():
+    model = eqx.nn.Linear(3, 4, key=jax.random.key(0))
+    images = np.asarray(jax.random.normal(jax.random.key(1), (8, 3)))
+    logits = images @ np.asarray(model.weight).T + np.asarray(model.bias)
+    predictions = np.argmax(logits, axis=1)
+    labels = predictions.astype(np.int32)
+    labels[[1, 4, 6]] = (labels[[1, 4, 6]] + 1) % 4
+    assert demo.accuracy(model, images, labels) == np.count_nonzero(predictions == labels) / 8 == 0.625
+    labels[:] = predictions
+    assert demo.accuracy(model, images, labels) == 1.0
