@@ -85,19 +85,37 @@ def convert(model: PyTree) -> PyTree:
     return _map_nodes(model, (AbstractQuantLayer,), to_int)
 
 
-def save(path: str | os.PathLike, model: PyTree) -> None:
-    """Saves the arrays of a model (integer weights as stored, packed 4-bit weights included) to a file.
+_MAGIC = b"EQXQUANT"
 
-    A thin layer over `eqx.tree_serialise_leaves`: 4-bit weights are already packed two per byte in the converted
-    model, so they are written at half a byte per value and read back exactly. Each array carries a NumPy header of
-    about 128 bytes.
+
+def _static_quantizers(model: PyTree) -> dict[str, dict[str, Any]]:
+    """The configuration of every static [`eqx_quant.FakeQuant`][] in `model`, by path: it lives in the treedef,
+    which `eqx.tree_serialise_leaves` does not write."""
+    return {
+        path: {"scale": q.scale, "qmin": q.qmin, "qmax": q.qmax, "zero_point": q.zero_point, "axis": q.axis}
+        for path, q in _nodes(model, (FakeQuant,))
+    }
+
+
+def save(path: str | os.PathLike, model: PyTree) -> None:
+    """Saves a model (integer weights as stored, packed 4-bit weights included) to a file.
+
+    The file starts with a small JSON header holding the static configuration that the arrays alone do not carry:
+    the scales, zero points and ranges of every static [`eqx_quant.FakeQuant`][] (e.g. calibrated input
+    quantizers). The arrays follow, written by `eqx.tree_serialise_leaves`; 4-bit weights are already packed two per
+    byte in a converted model, so they take half a byte per value and read back exactly. Each array carries a NumPy
+    header of about 128 bytes.
 
     **Arguments:**
 
     - `path`: the file to write.
     - `model`: any model, typically from [`eqx_quant.convert`][].
     """
-    eqx.tree_serialise_leaves(path, model)
+    header = json.dumps({"format": "eqx_quant", "version": 1, "static_quantizers": _static_quantizers(model)})
+    encoded = header.encode()
+    with open(path, "wb") as f:
+        f.write(_MAGIC + struct.pack("<Q", len(encoded)) + encoded)
+        eqx.tree_serialise_leaves(f, model)
 
 
 def load(path: str | os.PathLike, like: PyTree) -> PyTree:
@@ -106,14 +124,37 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
     **Arguments:**
 
     - `path`: the file.
-    - `like`: a model with the same structure, e.g. the converted model of a freshly initialised network
-        (`eqx.filter_eval_shape` builds one without computing anything).
+    - `like`: a model with the same structure, e.g. the converted model of a freshly initialised and calibrated
+        network. Its arrays and the configuration of its static [`eqx_quant.FakeQuant`][]s are replaced by the
+        saved ones, so its calibration need not match.
 
     **Returns:**
 
-    `like` with the saved arrays.
+    The saved model.
+
+    **Raises:**
+
+    `ValueError` if the file was not written by [`eqx_quant.save`][] or its static quantizers do not match the
+    places of those in `like`.
     """
-    return eqx.tree_deserialise_leaves(path, like)
+    with open(path, "rb") as f:
+        if f.read(len(_MAGIC)) != _MAGIC:
+            raise ValueError(f"`path`={str(path)!r} is not a file written by `eqx_quant.save`.")
+        (length,) = struct.unpack("<Q", f.read(8))
+        saved = json.loads(f.read(length).decode())["static_quantizers"]
+        expected = set(_static_quantizers(like))
+        if set(saved) != expected:
+            raise ValueError(
+                f"The static quantizers saved in {str(path)!r} are at {sorted(saved)}, but `like` has them at "
+                f"{sorted(expected)}."
+            )
+
+        def restore(name: str, quantizer: FakeQuant) -> FakeQuant:
+            c = saved[name]
+            return FakeQuant(c["scale"], c["qmin"], c["qmax"], zero_point=c["zero_point"], axis=c["axis"])
+
+        like = _map_nodes(like, (FakeQuant,), restore)
+        return eqx.tree_deserialise_leaves(f, like)
 
 
 def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:

@@ -160,6 +160,8 @@ def fake_quant(
     eqx_quant: eager calls, `jax.jit`, `jax.vmap`, scalar or array scales, the quantizer modules and the integer
     conversion all give bit-identical results.
 
+    Subnormal numbers count as zeros, in inputs and in `x / scale`: XLA flushes them on CPU and GPU.
+
     The backward is a clipped straight-through estimator. With $v = x / s$ and $u = v + z$:
 
     - `x` receives `g` where $q_{\min} \le u \le q_{\max}$ (both ends included, on the unrounded value) and exactly

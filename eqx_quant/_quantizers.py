@@ -87,6 +87,16 @@ def _per_channel(name: str, value, x: Array, axis: int | None) -> float | int | 
     return jnp.asarray(value, compute_dtype(x.dtype)).reshape(_channel_shape(x.ndim, axis, len(value)))
 
 
+def _sample_data(x: object, axis: int | None) -> tuple[Array, int | None, tuple[int, ...]]:
+    """Calibration data as float32, its channel axis (normalized) and the axes that statistics reduce over."""
+    x = jnp.asarray(x).astype(jnp.float32)
+    if x.size == 0:
+        raise ValueError(f"`x` is empty (shape {x.shape}): fitting a scale needs data.")
+    if axis is not None:
+        axis = _normalize_axis(check_int("axis", axis), x.ndim)
+    return x, axis, tuple(i for i in range(x.ndim) if i != axis)
+
+
 def _check_float_input(x: Array) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"`x` must be a floating array, got dtype {x.dtype}.")
@@ -348,14 +358,7 @@ class FakeQuant(AbstractFakeQuantizer):
         if num_candidates < 1:
             raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
         qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
-        x = jnp.asarray(x)
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(jnp.float32)
-        if x.size == 0:
-            raise ValueError(f"`x` is empty (shape {x.shape}): calibration needs data.")
-        if axis is not None:
-            axis = _normalize_axis(check_int("axis", axis), x.ndim)
-        axes = tuple(i for i in range(x.ndim) if i != axis)
+        x, axis, axes = _sample_data(x, axis)
         absmax, lo, hi = stats(x, axes)
         zero_point = jnp.zeros_like(absmax)
         if method == "absmax":
@@ -363,11 +366,11 @@ class FakeQuant(AbstractFakeQuantizer):
         elif method == "minmax":
             scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
         elif method == "percentile":
-            magnitudes = jnp.where(jnp.isfinite(x), jnp.abs(x.astype(jnp.float32)), jnp.nan)
+            magnitudes = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.nan)
             clip_at = jnp.nan_to_num(jnp.nanpercentile(magnitudes, percentile, axis=axes, keepdims=True))
             scale = absmax_scale(clip_at, qmax)
         else:
-            scale = _mse_scale(x.astype(jnp.float32), absmax, axes, qmin, qmax, num_candidates)
+            scale = _mse_scale(x, absmax, axes, qmin, qmax, num_candidates)
         scale, zero_point = np.asarray(scale).ravel(), np.asarray(zero_point).ravel().astype(np.int64)
         if axis is None:
             return cls(float(scale[0]), qmin, qmax, zero_point=int(zero_point[0]))
@@ -685,13 +688,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         A [`eqx_quant.LearnedFakeQuant`][].
         """
         qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
-        x = jnp.asarray(x)
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            x = x.astype(jnp.float32)
-        x = x.astype(jnp.float32)
-        if axis is not None:
-            axis = _normalize_axis(check_int("axis", axis), x.ndim)
-        axes = tuple(i for i in range(x.ndim) if i != axis)
+        x, axis, axes = _sample_data(x, axis)
         finite = jnp.isfinite(x)
         total = jnp.sum(jnp.where(finite, jnp.abs(x), 0.0), axis=axes)
         count = jnp.maximum(jnp.sum(finite, axis=axes), 1).astype(jnp.float32)

@@ -1,6 +1,6 @@
 import functools
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal, TypeAlias
 
 import equinox as eqx
@@ -224,7 +224,7 @@ def _tensor_stats(x: Array, inputs: None) -> dict[str, Array]:
     return {"absmax": absmax.reshape(()), "min": lo.reshape(()), "max": hi.reshape(())}
 
 
-@functools.lru_cache(maxsize=None)  # one function per bin count, so that calibration steps compile once
+@functools.cache  # one function per bin count, so that calibration steps compile once
 def _histogram(num_bins: int) -> Callable[[Array, Array | None], dict[str, Array]]:
     def histogram(x: Array, top: Array | None) -> dict[str, Array]:
         """Counts of the finite |x| in `num_bins` equal bins over `[0, top]` (values above `top` go to the last)."""

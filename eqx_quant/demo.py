@@ -24,6 +24,7 @@ import eqx_quant
 
 
 CONFIGS = ("W8A8", "W4A4", "W2A4")
+QAT_LEARNING_RATE = 5e-4  # QAT fine-tunes the calibrated model, more gently than the float training (3e-3)
 
 
 class ConvNet(eqx.Module):
@@ -252,7 +253,7 @@ def run(
 
         # QAT starts from the calibrated (PTQ) model and fine-tunes its float weights through the quantizers.
         (model, losses), wall = _timed(
-            train, ptq_models[name], x_train, y_train, epochs=qat_epochs, learning_rate=1e-3,
+            train, ptq_models[name], x_train, y_train, epochs=qat_epochs, learning_rate=QAT_LEARNING_RATE,
             description=f"QAT {name}", **common,
         )  # fmt: skip
         results["qat"][name] = {

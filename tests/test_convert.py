@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import safetensors.numpy
 
+import eqx_quant
 from eqx_quant import (
     NIBBLE_ORDER,
     DynamicFakeQuant,
@@ -817,3 +818,24 @@ def test_export_needs_an_integer_layer(tmp_path):
     with pytest.raises(ValueError, match="no integer layer"):
         export_safetensors(tmp_path / "b.safetensors", quantize([linear]))
     assert not (tmp_path / "a.safetensors").exists() and not (tmp_path / "b.safetensors").exists()
+
+
+def test_load_restores_static_quantizers_and_rejects_foreign_files(tmp_path):
+    # Calibrated input scales are static configuration, not arrays: `save` records them, `load` puts them back
+    # even when `like` was calibrated on other data.
+    mlp = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(3))
+    data = [normal(1, (16, 4))]
+    model = convert(eqx_quant.calibrate(eqx_quant.quantize(mlp), data))
+    like = convert(eqx_quant.calibrate(eqx_quant.quantize(mlp), [normal(2, (16, 4)) * 3]))
+    assert like.layers[0].input_quant.scale != model.layers[0].input_quant.scale
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, model)
+    restored = eqx_quant.load(path, like)
+    assert restored.layers[0].input_quant == model.layers[0].input_quant
+    assert_bitwise_equal(jax.vmap(restored)(data[0]), jax.vmap(model)(data[0]))
+    foreign = tmp_path / "leaves.eqx"
+    eqx.tree_serialise_leaves(foreign, model)
+    with pytest.raises(ValueError, match="eqx_quant.save"):
+        eqx_quant.load(foreign, like)
+    with pytest.raises(ValueError, match="static quantizers"):
+        eqx_quant.load(path, convert(eqx_quant.quantize(mlp)))

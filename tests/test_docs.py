@@ -10,6 +10,7 @@ only run.
 
 import ast
 import contextlib
+import inspect
 import io
 import pathlib
 import re
@@ -203,3 +204,39 @@ def test_stated_output_is_checked(tmp_path: pathlib.Path) -> None:
     page.write_text("```python\nprint(1 + 1)  # 3\n```\n")
     with pytest.raises(AssertionError, match="the comment says '3'"):
         _run_file(page)
+
+
+def _docstrings() -> dict[str, str]:
+    """`NAME -> docstring` for every public name and the public methods of public classes."""
+    found = {}
+    for name in _public_names():
+        obj = eqx_quant
+        for part in name.split("."):
+            obj = getattr(obj, part)
+        members = [(name, obj)]
+        if isinstance(obj, type):
+            members += [
+                (f"{name}.{attr}", value)
+                for attr, value in vars(obj).items()
+                if (not attr.startswith("_") or attr in ("__init__", "__call__")) and getattr(value, "__doc__", None)
+            ]
+        for member, value in members:
+            doc = getattr(value, "__func__", value).__doc__
+            if doc and "```python" in doc:
+                found[member] = inspect.cleandoc(doc)
+    return found
+
+
+_DOCSTRINGS = _docstrings()
+
+
+def test_docstrings_with_examples_found() -> None:
+    assert {"fake_quant", "quantize", "convert", "FakeQuant"} <= set(_DOCSTRINGS)
+
+
+@pytest.mark.parametrize("name", sorted(_DOCSTRINGS))
+def test_docstring_examples_run(name: str, tmp_path: pathlib.Path) -> None:
+    # The examples in the docstrings are shown in the API reference, so they run like the pages' code blocks.
+    page = tmp_path / f"{name}.md"
+    page.write_text(_DOCSTRINGS[name], encoding="utf-8")
+    _run_file(page)

@@ -447,3 +447,12 @@ def test_traced_scale_is_not_checked_but_shapes_are():
     assert np.isnan(np.asarray(out)[2])
     with pytest.raises(ValueError, match="`scale`"):
         jax.jit(lambda s: fake_quant(jnp.ones((2, 3)), s, -4, 3))(jnp.ones(4))
+
+
+def test_subnormals_count_as_zero():
+    # XLA flushes subnormal inputs and results to zero, so -2e-44 is inside the unsigned range [0, 3], like 0.
+    out = fake_quant_vjp([-2e-44, 1e-38], 1.0, 0, 3, [1.0, 1.0])
+    np.testing.assert_array_equal(out["values"], [0.0, 0.0])
+    np.testing.assert_array_equal(out["grads"], [1.0, 1.0])
+    # ... and so is a product x / scale that would be subnormal: -1e-38 / 100.
+    np.testing.assert_array_equal(fake_quant_vjp([-1e-38], 100.0, 0, 3, [1.0])["grads"], [1.0])

@@ -1,15 +1,15 @@
 """Quantized layers: Equinox layers computed on fake-quantized weights and inputs."""
 
-from ._layers import (
-    AbstractQuantLayer as AbstractQuantLayer,
-    QuantConv as QuantConv,
-    QuantEmbedding as QuantEmbedding,
-    QuantLinear as QuantLinear,
-)
 from ._int_layers import (
     AbstractIntLayer as AbstractIntLayer,
     IntConv as IntConv,
     IntEmbedding as IntEmbedding,
     IntLinear as IntLinear,
     QuantizedTensor as QuantizedTensor,
+)
+from ._layers import (
+    AbstractQuantLayer as AbstractQuantLayer,
+    QuantConv as QuantConv,
+    QuantEmbedding as QuantEmbedding,
+    QuantLinear as QuantLinear,
 )

@@ -1,0 +1,70 @@
+"""Inference throughput of converted (integer) W8A8 models against their float32 originals, on this machine.
+
+Run with `python benchmarks/inference.py`. For an MLP 784-1024-1024-10 (batch 256) and the demo convnet (batch 256),
+it builds the float model, quantizes it (weights 8 bits per output channel, inputs 8 bits per tensor, calibrated on
+random data), converts it with `eqx_quant.convert`, and times jitted batched inference of both, interleaved, printing
+examples per second and the ratio integer / float.
+"""
+
+import argparse
+import statistics
+import time
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import eqx_quant
+from eqx_quant.demo import ConvNet
+
+
+def _throughput(fn, x, rounds, repeats):
+    jax.block_until_ready(fn(x))
+    times = []
+    for _ in range(rounds):
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(x))
+            times.append(time.perf_counter() - t0)
+    return x.shape[0] / statistics.median(times)
+
+
+def _bench(title, model, x, rounds, repeats):
+    quantized = eqx_quant.quantize(
+        model, weights=eqx_quant.DynamicFakeQuant(8, axis=0), activations=eqx_quant.DynamicFakeQuant(8)
+    )
+    quantized = eqx_quant.calibrate(quantized, [x])
+    converted = eqx_quant.convert(quantized)
+    float_fn = eqx.filter_jit(jax.vmap(model))
+    int_fn = eqx.filter_jit(jax.vmap(converted))
+    fake_fn = eqx.filter_jit(jax.vmap(quantized))
+    rates = {"float32": [], "int8 (converted)": [], "fake-quant": []}
+    for _ in range(rounds):  # interleaved
+        rates["float32"].append(_throughput(lambda v: float_fn(v), x, 1, repeats))
+        rates["int8 (converted)"].append(_throughput(lambda v: int_fn(v), x, 1, repeats))
+        rates["fake-quant"].append(_throughput(lambda v: fake_fn(v), x, 1, repeats))
+    base = statistics.median(rates["float32"])
+    print(f"\n{title}")
+    print(f"{'model':<20}{'examples/s':>14}{'ratio to float32':>18}")
+    for name, r in rates.items():
+        print(f"{name:<20}{statistics.median(r):>14,.0f}{statistics.median(r) / base:>18.3f}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+    rng = np.random.default_rng(0)
+    key = jax.random.key(0)
+    mlp = eqx.nn.MLP(784, 10, 1024, 2, activation=jax.nn.relu, key=key)
+    _bench("MLP 784-1024-1024-10, batch 256", mlp, jnp.asarray(rng.standard_normal((256, 784), np.float32)),
+           args.rounds, args.repeats)  # fmt: skip
+    images = jnp.asarray(rng.uniform(0, 1, (256, 1, 8, 8)).astype(np.float32))
+    _bench("demo convnet, batch 256", ConvNet(key), images, args.rounds, args.repeats * 4)
+
+
+if __name__ == "__main__":
+    main()
