@@ -52,14 +52,21 @@ class IntOperand(NamedTuple):
     bound: int
 
 
-def integer_operand(grid: QuantGrid) -> IntOperand:
-    """The integers of a grid, computed exactly as [`eqx_quant.fake_quant`][] computes its levels."""
+def grid_levels(grid: QuantGrid) -> tuple[Array, Array, Array | None]:
+    """`(levels, scale, zero_point)` of a grid, computed exactly as [`eqx_quant.fake_quant`][] computes them (the
+    levels as floats of the compute dtype; the zero point `None` when it is 0). No gradient flows through them."""
     view, scale, zero_point, qmin, qmax = grid
     view, scale, zero_point = (jax.lax.stop_gradient(a) if isinstance(a, jax.Array) else a for a in grid[:3])
     compute = compute_dtype(view.dtype)
     scale = prepare_scale(scale, view.shape, compute)
     zero_point = prepare_zero_point(zero_point, view.shape, compute)
-    levels = quantize_levels(view.astype(compute), scale, zero_point, qmin, qmax)
+    return quantize_levels(view.astype(compute), scale, zero_point, qmin, qmax), scale, zero_point
+
+
+def integer_operand(grid: QuantGrid) -> IntOperand:
+    """The integers of a grid minus its zero point, as [`eqx_quant.fake_quant`][] computes its levels."""
+    view, qmin, qmax = grid.view, grid.qmin, grid.qmax
+    levels, scale, zero_point = grid_levels(grid)
     if zero_point is not None:
         levels = levels - zero_point.reshape((1,) * (view.ndim - zero_point.ndim) + zero_point.shape)
     lo, hi = shifted_range(qmin, qmax, zero_point is not None)

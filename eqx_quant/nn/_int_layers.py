@@ -6,9 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, Integer, PRNGKeyArray
 
-from .._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
+from .._fake_quant import dequantize_levels
 from .._int_ops import (
     LinearSpec,
+    grid_levels,
     int_conv,
     int_dtype,
     int_linear,
@@ -17,7 +18,6 @@ from .._int_ops import (
     safe_contraction,
     shifted_range,
 )
-from .._misc import compute_dtype
 from .._packing import pack_int4, unpack_int4
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, QuantGrid
 from ._layers import conv_spec, scalar_output
@@ -61,14 +61,8 @@ class QuantizedTensor(eqx.Module):
 
         A [`eqx_quant.nn.QuantizedTensor`][].
         """
-        view, scale, zero_point, qmin, qmax = grid
-        view, scale, zero_point = (
-            jax.lax.stop_gradient(a) if isinstance(a, jax.Array) else a for a in (view, scale, zero_point)
-        )
-        compute = compute_dtype(view.dtype)
-        scale = prepare_scale(scale, view.shape, compute)
-        zp = prepare_zero_point(zero_point, view.shape, compute)
-        levels = quantize_levels(view.astype(compute), scale, zp, qmin, qmax)
+        view, qmin, qmax = grid.view, grid.qmin, grid.qmax
+        levels, scale, zp = grid_levels(grid)
         rank = len(view.shape)
         scale = scale.reshape((1,) * (rank - scale.ndim) + scale.shape)
         zp = None if zp is None else zp.reshape((1,) * (rank - zp.ndim) + zp.shape)
