@@ -4,7 +4,9 @@ import struct
 from typing import Any
 
 import equinox as eqx
+import jax
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
 from ._packing import NIBBLE_ORDER
@@ -28,6 +30,33 @@ def _frozen_input_quant(quantizer: Any) -> Any:
     return quantizer
 
 
+def _sharded_like(tensor: QuantizedTensor, weight: Any) -> QuantizedTensor:
+    """`tensor` with its integers, scales and zero points sharded like the weight they come from.
+
+    An axis of a leaf that has the length of the weight's axis in the same position (the weight's own axes, and the
+    channel axis of a per-channel scale) takes that axis' partitioning; the other axes are replicated. Packed
+    integers keep the partitioning of the weight's first axis. A weight without a `NamedSharding` (on one device,
+    or traced) leaves `tensor` as it is.
+    """
+    sharding = getattr(weight, "sharding", None) if isinstance(weight, jax.Array) else None
+    if isinstance(weight, jax.core.Tracer) or not isinstance(sharding, NamedSharding):
+        return tensor
+    spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
+    if tensor.view_shape != weight.shape:  # grouped: the view's axes are not the weight's
+        return tensor
+
+    def place(leaf: Any) -> Any:
+        if not isinstance(leaf, jax.Array):
+            return leaf
+        if tensor.packed and leaf is tensor.values:
+            leaf_spec = (spec[0], None)
+        else:
+            leaf_spec = tuple(s if n == m else None for s, n, m in zip(spec, leaf.shape, weight.shape, strict=True))
+        return jax.device_put(leaf, NamedSharding(sharding.mesh, PartitionSpec(*leaf_spec)))
+
+    return jax.tree.map(place, tensor)
+
+
 def convert(model: PyTree) -> PyTree:
     """Converts a fake-quantized model into one that stores integer weights.
 
@@ -38,9 +67,12 @@ def convert(model: PyTree) -> PyTree:
     and zero points. No float copy of the weight is kept. Biases stay float32.
 
     Input quantizers are kept; a per-tensor [`eqx_quant.LearnedFakeQuant`][] is frozen into a static
-    [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers with a static per-tensor input quantizer
-    then compute on integers (see [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without
-    a weight quantizer becomes its float layer. All other leaves are kept as they are (shardings included).
+    [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers whose input quantizer has one scale for the whole
+    input (static, or a per-tensor dynamic one) and whose weight has one scale per tensor or per output channel then
+    compute on integers (see [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without
+    a weight quantizer becomes its float layer. All other leaves are kept as they are (shardings included). The
+    integers, scales and zero points of a weight with a `NamedSharding` are sharded like it: the weight's axes keep
+    their partitioning, per-channel scales follow their channels (see [Sharded training](../how-to/sharded.md)).
 
     **Arguments:**
 
@@ -78,7 +110,7 @@ def convert(model: PyTree) -> PyTree:
             )
         weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
         grid = layer.weight_quant.grid(weight)
-        tensor = QuantizedTensor.from_grid(grid, weight.shape, weight.dtype)
+        tensor = _sharded_like(QuantizedTensor.from_grid(grid, weight.shape, weight.dtype), weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
         return _INT_LAYERS[type(layer)](skeleton, tensor, _frozen_input_quant(layer.input_quant))
 

@@ -15,6 +15,7 @@ from ._misc import (
     expand_to_rank,
     is_concrete,
     sum_to_shape,
+    vary_alike,
 )
 
 
@@ -215,7 +216,8 @@ def fake_quant(
     scale = prepare_scale(scale, x.shape, dtype)
     zero_point = prepare_zero_point(zero_point, x.shape, dtype)
     with jax.named_scope("eqx_quant.fake_quant"):
-        return _fake_quant(x.astype(dtype), scale, zero_point, qmin, qmax).astype(x.dtype)
+        xc, scale, zero_point = vary_alike(x.astype(dtype), scale, zero_point)
+        return _fake_quant(xc, scale, zero_point, qmin, qmax).astype(x.dtype)
 
 
 def _as_float32(name: str, value: object) -> Array:

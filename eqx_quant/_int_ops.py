@@ -14,7 +14,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ._fake_quant import prepare_scale, prepare_zero_point, quantize_levels
-from ._misc import compute_dtype
+from ._misc import compute_dtype, vary_alike
 from ._quantizers import QuantGrid
 
 
@@ -162,7 +162,6 @@ _FLOAT_OPS = {LinearSpec: _float_linear, ConvSpec: _float_conv}
 _INT_OPS = {LinearSpec: int_linear, ConvSpec: int_conv}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
     """The integer computation in the forward pass, the float one of the fake-quantized operands in the backward.
 
@@ -170,6 +169,11 @@ def integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
     integers minus zero points. The forward returns the integer product (or convolution); the backward is that of
     the float `wq @ xq + bias`, so that gradients continue through the quantizers' straight-through estimators.
     """
+    return _integer_forward(spec, *vary_alike(wq, xq, bias, w_int, x_int, w_scale, x_scale))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
     del wq, xq
     return _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias)
 
@@ -185,7 +189,7 @@ def _integer_forward_bwd(spec, residuals, g):
     return grad_w, grad_x, grad_bias, None, None, None, None  # scales and integers: their gradients go via wq, xq
 
 
-integer_forward.defvjp(_integer_forward_fwd, _integer_forward_bwd)
+_integer_forward.defvjp(_integer_forward_fwd, _integer_forward_bwd)
 
 
 def per_tensor_grid(grid: QuantGrid, shape: tuple[int, ...]) -> bool:

@@ -59,3 +59,29 @@ def sum_to_shape(a: Array, shape: tuple[int, ...]) -> Array:
         lead + i for i, s in enumerate(shape) if s == 1 and a.shape[lead + i] != 1
     )
     return jnp.sum(a, axis=axes).reshape(shape) if axes else a.reshape(shape)
+
+
+def _varying_axes(a: Array) -> frozenset[str]:
+    manual = getattr(jax.typeof(a), "manual_axis_type", None)
+    return frozenset(manual.varying) if manual is not None else frozenset()
+
+
+def vary_alike(*arrays: Array | None) -> tuple[Array | None, ...]:
+    """`arrays` (`None` entries kept), each marked as varying over every manual mesh axis that any of them varies over.
+
+    Inside `jax.shard_map`, a value that is the same on every device (a replicated scale) and one that differs
+    (a shard of `x`) have different types, and a custom derivative rule must return cotangents of its inputs'
+    types. Casting the replicated inputs to varying first (`jax.lax.pcast`, whose transpose is a `psum`) makes the
+    rule's per-device cotangents correct, and sums them across devices on the way back. Outside `shard_map` this
+    returns `arrays` unchanged.
+    """
+    present = [a for a in arrays if a is not None]
+    union = frozenset().union(*(_varying_axes(a) for a in present))
+    if not union:
+        return arrays
+
+    def cast(a: Array | None) -> Array | None:
+        missing = None if a is None else tuple(sorted(union - _varying_axes(a)))
+        return jax.lax.pcast(a, missing, to="varying") if missing else a
+
+    return tuple(cast(a) for a in arrays)

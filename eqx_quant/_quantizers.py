@@ -102,6 +102,41 @@ def _check_float_input(x: Array) -> None:
         raise TypeError(f"`x` must be a floating array, got dtype {x.dtype}.")
 
 
+AxisName = str | tuple[str, ...]
+
+
+def _check_axis_name(axis_name: object) -> None:
+    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    if axis_name is not None and not (names and all(isinstance(n, str) and n for n in names)):
+        raise TypeError(f"`axis_name` must be None, a non-empty str or a tuple of them, got axis_name={axis_name!r}.")
+
+
+def _unbound(axis_name: AxisName, error: NameError) -> ValueError:
+    return ValueError(
+        f"`axis_name`={axis_name!r} names an axis that is not bound here: call the quantizer inside the "
+        f"`jax.shard_map` (or `jax.vmap(..., axis_name=...)`) that defines it. ({error})"
+    )
+
+
+def _shards(axis_name: AxisName | None) -> int:
+    """The number of shards that `x` is split into along the named axes (1 for none)."""
+    names = () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    try:
+        return math.prod(jax.lax.axis_size(name) for name in names)
+    except NameError as error:
+        raise _unbound(axis_name, error) from error  # pyright: ignore[reportArgumentType]
+
+
+def _across_shards(axis_name: AxisName | None, absmax: Array, lo: Array, hi: Array) -> tuple[Array, Array, Array]:
+    """The statistics of the whole tensor from those of each shard."""
+    if axis_name is None:
+        return absmax, lo, hi
+    try:
+        return jax.lax.pmax(absmax, axis_name), jax.lax.pmin(lo, axis_name), jax.lax.pmax(hi, axis_name)
+    except NameError as error:
+        raise _unbound(axis_name, error) from error
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
 def _scale_gradient(x, factor):
     return x
@@ -465,6 +500,7 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
     axis: int | None = eqx.field(static=True)
     group_size: int | None = eqx.field(static=True)
     symmetric: bool = eqx.field(static=True)
+    axis_name: AxisName | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -475,6 +511,7 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
         axis: int | None = None,
         group_size: int | None = None,
         symmetric: bool = True,
+        axis_name: AxisName | None = None,
     ):
         """**Arguments:**
 
@@ -483,6 +520,11 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
         - `group_size`: the size of the groups along the last axis for per-group scales, or `None`.
         - `symmetric`: `True` for a zero point of 0 and `scale = max|x| / qmax`; `False` for a min/max range with an
             integer zero point.
+        - `axis_name`: for calls inside `jax.shard_map` (or a `jax.vmap` with an `axis_name`) where `x` is one shard
+            of a larger tensor: the named axes along which the tensor is split. The statistics are then reduced
+            across them (`jax.lax.pmax`, `jax.lax.pmin`), so that every shard uses the scale of the whole tensor. Name
+            only axes that split the elements sharing a scale, never the channel axis. Not needed under `jax.jit`
+            with sharded arrays, where reductions are global already.
         """
         self.bits = check_int("bits", bits)
         self.signed = signed
@@ -490,9 +532,11 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
         self.axis = None if axis is None else check_int("axis", axis)
         self.group_size = None if group_size is None else check_int("group_size", group_size)
         self.symmetric = symmetric
+        self.axis_name = axis_name
 
     def __check_init__(self):
         int_range(self.bits, signed=self.signed, narrow=self.narrow)
+        _check_axis_name(self.axis_name)
         if not isinstance(self.symmetric, bool):
             raise TypeError(f"`symmetric` must be a bool, got {self.symmetric!r}.")
         if self.group_size is not None and self.group_size < 1:
@@ -551,7 +595,7 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
             view = x
             axis = None if self.axis is None else _normalize_axis(self.axis, x.ndim)
             axes = tuple(i for i in range(x.ndim) if i != axis)
-        absmax, lo, hi = stats(view, axes)
+        absmax, lo, hi = _across_shards(self.axis_name, *stats(view, axes))
         qmin, qmax = int_range(self.bits, signed=self.signed, narrow=self.narrow)
         if self.symmetric:
             return QuantGrid(view, absmax_scale(absmax, qmax), 0, qmin, qmax)
@@ -595,6 +639,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
     qmax: int = eqx.field(static=True)
     axis: int | None = eqx.field(static=True)
     min_scale: float = eqx.field(static=True)
+    axis_name: AxisName | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -605,6 +650,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         zero_point: Real[ArrayLike, "*channels"] | None = None,
         axis: int | None = None,
         min_scale: float = 1e-8,
+        axis_name: AxisName | None = None,
     ):
         """**Arguments:**
 
@@ -615,16 +661,23 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
             as a float32 array and learned.
         - `axis`: the channel axis for a per-channel `scale`, or `None`.
         - `min_scale`: the smallest step size the forward pass uses; a positive, normal float32.
+        - `axis_name`: for calls inside `jax.shard_map` where `x` is one shard of a larger tensor: the named axes
+            along which the elements sharing a scale are split. The gradient scale then counts the elements of
+            every shard, as it would for the whole tensor. (The scale's gradient itself is summed across shards by
+            `shard_map`'s transpose when the scale is replicated along those axes.)
         """
-        # Through NumPy, so that Python numbers do not make weakly typed leaves (which would recompile once updated).
-        self.scale = jnp.asarray(np.asarray(scale, np.float32))
-        self.zero_point = None if zero_point is None else jnp.asarray(np.asarray(zero_point, np.float32))
+        # An explicit dtype: Python numbers would otherwise make weakly typed leaves (which recompile once updated).
+        # A JAX array stays where it is, so a scale computed from a sharded weight keeps the weight's sharding.
+        self.scale = jnp.asarray(scale, jnp.float32)
+        self.zero_point = None if zero_point is None else jnp.asarray(zero_point, jnp.float32)
         self.qmin, self.qmax = check_range(qmin, qmax)
         self.axis = None if axis is None else check_int("axis", axis)
         self.min_scale = float(min_scale)
+        self.axis_name = axis_name
 
     def __check_init__(self):
         _check_scale_values("min_scale", (self.min_scale,))
+        _check_axis_name(self.axis_name)
         expected_ndim = 0 if self.axis is None else 1
         if self.scale.ndim != expected_ndim:
             raise ValueError(
@@ -653,6 +706,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
 
     def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
         scale, numel = self._broadcast(self.scale, x)
+        numel *= _shards(self.axis_name)
         factor = 1.0 / math.sqrt(numel * max(self.qmax, 1)) if numel else 1.0
         scale = _scale_gradient(clip_passthrough(scale, self.min_scale, math.inf), factor)
         if self.zero_point is None:
@@ -672,6 +726,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         axis: int | None = None,
         symmetric: bool = True,
         min_scale: float = 1e-8,
+        axis_name: AxisName | None = None,
     ) -> "LearnedFakeQuant":
         """Initialises the step size from data as LSQ does: `2 * mean|x| / sqrt(qmax)`, per tensor or per channel.
 
@@ -682,6 +737,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         - `axis`: the channel axis for per-channel step sizes, or `None`.
         - `symmetric`: `False` adds a learned zero point, initialised so that `min(x, 0)` maps to `qmin`.
         - `min_scale`: as for the constructor; the initial step size is at least this.
+        - `axis_name`: as for the constructor (the initial step size is computed from `x` as given).
 
         **Returns:**
 
@@ -697,4 +753,4 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         if not symmetric:
             lo = jnp.minimum(jnp.min(finite_or(x, 0.0), axis=axes, initial=0.0), 0.0)
             zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
-        return cls(scale, qmin, qmax, zero_point=zero_point, axis=axis, min_scale=min_scale)
+        return cls(scale, qmin, qmax, zero_point=zero_point, axis=axis, min_scale=min_scale, axis_name=axis_name)

@@ -1123,3 +1123,61 @@ def test_named_scopes_appear_in_the_lowered_program():
         text = jax.jit(lambda x_, m=module: m(x_)).lower(x).as_text(debug_info=True)
         assert name in text
         assert name in jax.make_jaxpr(lambda x_, m=module: m(x_))(x).pretty_print(name_stack=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# `axis_name`: statistics of a tensor split along named axes (a batch under `jax.vmap` here; `jax.shard_map` in
+# tests/sharded/check_sharding.py).
+
+
+@pytest.mark.parametrize("cls", [DynamicFakeQuant, LearnedFakeQuant])
+@pytest.mark.parametrize("bad", [3, "", (), ("batch", 1), ["batch"]])
+def test_axis_name_must_be_names(cls, bad):
+    # Wrong types are caught by the signature's type check, empty names by the constructor: both name the argument.
+    with pytest.raises(TypeError, match="axis_name"):
+        cls(8, axis_name=bad) if cls is DynamicFakeQuant else cls(0.1, -8, 7, axis_name=bad)
+
+
+@pytest.mark.parametrize(
+    "q", [DynamicFakeQuant(8, axis_name="batch"), LearnedFakeQuant(0.1, -8, 7, axis_name=("batch", "other"))]
+)
+def test_unbound_axis_name_is_a_value_error(q):
+    with pytest.raises(ValueError, match="`axis_name`=.* names an axis that is not bound here"):
+        q(jnp.ones(3))
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_dynamic_axis_name_under_vmap_uses_the_whole_batch(symmetric):
+    rng = np.random.default_rng(40)
+    x_np = (rng.normal(size=(4, 6)) * rng.uniform(0.1, 5.0, size=(4, 1))).astype(np.float32)  # rows of unlike sizes
+    x_np[2, 3] = np.nan  # ignored by the statistics, as for the whole tensor
+    named = DynamicFakeQuant(4, symmetric=symmetric, axis_name="batch")
+    whole = DynamicFakeQuant(4, symmetric=symmetric)
+    out = jax.vmap(named, axis_name="batch")(jnp.asarray(x_np))
+    scale, zero_point = whole.quantization_params(jnp.asarray(x_np))
+    assert_bitwise_equal(out, reference_fake_quant(x_np, np.asarray(scale), -8, 7, np.asarray(zero_point)))
+    per_row = jax.vmap(whole)(jnp.asarray(x_np))  # without the name: one scale per row
+    assert not np.array_equal(np.asarray(per_row), np.asarray(out), equal_nan=True)
+
+
+def test_learned_axis_name_counts_every_shard_in_the_gradient_scale():
+    rng = np.random.default_rng(41)
+    x_np = rng.normal(size=(5, 6)).astype(np.float32)
+    cot = rng.normal(size=x_np.shape).astype(np.float32)
+    _, _, grad_s, _ = reference_fake_quant(x_np, np.float32(0.2), -8, 7, cotangent=cot)
+
+    def grads(q):
+        loss = lambda q_, x, c: jnp.sum(q_(x) * c)  # noqa: E731
+        return jax.vmap(jax.grad(loss), in_axes=(None, 0, 0), axis_name="batch")(q, jnp.asarray(x_np), cot).scale
+
+    named = grads(LearnedFakeQuant(0.2, -8, 7, axis_name="batch"))
+    # Each row is one shard of a (5, 6) tensor: its gradient is scaled by 1 / sqrt(30 * 7), not 1 / sqrt(6 * 7).
+    np.testing.assert_allclose(named, grad_s.sum(axis=1) / math.sqrt(30 * 7), rtol=1e-5, atol=1e-7)
+
+
+def test_learned_leaves_are_float32_and_not_weakly_typed():
+    for value in (0.25, jnp.asarray(0.25), np.float64(0.25), jnp.asarray([0.25, 0.5], jnp.bfloat16)):
+        q = LearnedFakeQuant(value, -8, 7, axis=None if np.ndim(value) == 0 else 0, zero_point=None)
+        assert q.scale.dtype == jnp.float32 and not q.scale.weak_type
+    q = LearnedFakeQuant(0.25, 0, 15, zero_point=jnp.asarray(3))
+    assert q.zero_point is not None and q.zero_point.dtype == jnp.float32 and not q.zero_point.weak_type

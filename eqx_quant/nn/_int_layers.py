@@ -155,12 +155,13 @@ class AbstractIntLayer(eqx.Module):
 class IntLinear(AbstractIntLayer):
     """A linear layer with integer weights.
 
-    When its input quantizer has one scale for the whole input (e.g. a calibrated [`eqx_quant.FakeQuant`][]), a call
-    quantizes the input to integers, multiplies the weight's and the input's integers minus their zero points with
-    `jax.lax.dot_general(..., preferred_element_type=jnp.int32)` and rescales once,
-    `y = (scale_w * scale_x) * acc + bias` (per group, then summed in float32, for grouped weights): the same
-    computation as [`eqx_quant.nn.QuantLinear`][]'s integer forward. Otherwise it runs the dequantized weight in
-    floating point.
+    When its input quantizer has one scale for the whole input (a calibrated [`eqx_quant.FakeQuant`][], or a
+    per-tensor [`eqx_quant.DynamicFakeQuant`][], which computes it at every call) and the weight has one scale per
+    tensor or per output channel, a call quantizes the input to integers, multiplies the weight's and the input's
+    integers minus their zero points with `jax.lax.dot_general(..., preferred_element_type=jnp.int32)`, adds the
+    bias in the accumulator's units and rescales once, `y = (acc + bias / s) * s` with `s = scale_w * scale_x`: the
+    same computation as [`eqx_quant.nn.QuantLinear`][]'s integer forward, bit for bit. Otherwise (grouped weights,
+    per-channel inputs) it runs the dequantized weight in floating point, as the quantized layer does.
 
     **Overflow.** The int32 accumulator is exact while `K * max|w - zw| * max|x - zx| <= 2**31 - 1` for a
     contraction of length `K`: `K <= 131071` for int8 weights and inputs. Longer contractions are split into chunks

@@ -1,0 +1,353 @@
+"""QAT on a `(data=4, model=2)` mesh of 8 CPU devices, checked against the same computation on one device.
+
+Weights are tensor parallel: output channels (axis 0) on `model`, except the MLP's middle layer, whose input
+features (axis 1) are: a row-parallel layer, whose contraction and per-channel statistics span both `model` devices.
+Batches are split along `data`.
+"""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import eqx_quant
+from eqx_quant.demo import ConvNet
+from eqx_quant.nn import AbstractQuantLayer, IntConv, IntLinear
+
+
+if jax.device_count() != 8:
+    pytest.fail(
+        f"The sharded tests need 8 devices, found {jax.device_count()}. Run them through tests/test_sharding.py, or "
+        "as `XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest -o python_files='check_*.py' tests/sharded`.",
+        pytrace=False,
+    )
+
+AUTO = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+EXPLICIT = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+BATCH = 16
+ROW_PARALLEL = ("layers.1",)  # in the MLP
+
+
+def _name(path) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator=".")
+
+
+def weight_spec(name: str, ndim: int, row_parallel: tuple[str, ...]) -> P:
+    """The partitioning of a float model's leaf, from its path."""
+    layer = name.rsplit(".", 1)[0]
+    if layer in row_parallel:
+        return P(None, "model") if name.endswith("weight") else P()
+    return P("model", *([None] * (ndim - 1)))
+
+
+def shard(model, mesh, row_parallel=ROW_PARALLEL):
+    def place(path, leaf):
+        if not eqx.is_array(leaf):
+            return leaf
+        return jax.device_put(leaf, NamedSharding(mesh, weight_spec(_name(path), leaf.ndim, row_parallel)))
+
+    return jax.tree_util.tree_map_with_path(place, model)
+
+
+def float_model(kind: str):
+    key = jax.random.key(0)
+    if kind == "mlp":
+        return eqx.nn.MLP(64, 16, 128, 2, activation=jax.nn.relu, key=key)
+    return ConvNet(key)
+
+
+def batch(kind: str):
+    rng = np.random.default_rng(1)
+    shape = (BATCH, 64) if kind == "mlp" else (BATCH, 1, 8, 8)
+    x = rng.standard_normal(shape, dtype=np.float32)
+    y = rng.integers(0, 16 if kind == "mlp" else 10, BATCH, dtype=np.int32)
+    return jnp.asarray(x), jnp.asarray(y)
+
+
+def shard_batch(x, y, mesh):
+    return (
+        jax.device_put(x, NamedSharding(mesh, P("data", *([None] * (x.ndim - 1))))),
+        jax.device_put(y, NamedSharding(mesh, P("data"))),
+    )
+
+
+def quantizers(variant: str):
+    """`(weights, activations, matmul)` for `eqx_quant.quantize`."""
+    if variant == "dynamic":
+        return eqx_quant.DynamicFakeQuant(8, axis=0), eqx_quant.DynamicFakeQuant(8), "int"
+    if variant == "per-tensor":
+        return eqx_quant.DynamicFakeQuant(8), eqx_quant.DynamicFakeQuant(8), "int"
+    if variant == "w4a4":
+        return eqx_quant.DynamicFakeQuant(4, axis=0), eqx_quant.DynamicFakeQuant(4), "int"
+    if variant == "float-matmul":
+        return eqx_quant.DynamicFakeQuant(8, axis=0), eqx_quant.DynamicFakeQuant(8), "float"
+    if variant == "learned":
+        return (
+            lambda path, layer: eqx_quant.LearnedFakeQuant.init_from(layer.weight, 8, axis=0),
+            eqx_quant.LearnedFakeQuant(0.05, -128, 127),
+            "int",
+        )
+    if variant == "static":
+        return (
+            lambda path, layer: eqx_quant.FakeQuant.calibrate(layer.weight, 8, axis=0),
+            eqx_quant.FakeQuant(0.05, -128, 127),
+            "int",
+        )
+    raise AssertionError(variant)
+
+
+def quantized(kind: str, variant: str, mesh=None, row_parallel=ROW_PARALLEL):
+    model = float_model(kind)
+    if mesh is not None:
+        model = shard(model, mesh, row_parallel)
+    weights, activations, matmul = quantizers(variant)
+    model = eqx_quant.quantize(model, weights=weights, activations=activations, matmul=matmul)
+    if mesh is not None:  # the learned input scales, made on one device, are replicated
+        model = jax.tree.map(lambda a: replicate(a, mesh) if eqx.is_array(a) else a, model)
+    return model
+
+
+def replicate(a, mesh):
+    if isinstance(a.sharding, NamedSharding):
+        return a
+    return jax.device_put(a, NamedSharding(mesh, P()))
+
+
+def _loss(model, x, y, explicit):
+    logits = jax.vmap(model)(x)
+    if explicit:  # with Explicit axes the gather below needs the class axis whole
+        logits = jax.sharding.reshard(logits, P("data", None))
+    log_probs = jax.nn.log_softmax(logits, axis=-1)
+    return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=-1))
+
+
+@eqx.filter_jit
+def train_step(model, x, y, explicit=False):
+    loss, grads = eqx.filter_value_and_grad(_loss)(model, x, y, explicit)
+    model = eqx.apply_updates(model, jax.tree.map(lambda g: -0.1 * g, grads))
+    return model, loss, grads
+
+
+@eqx.filter_jit
+def forward(model, x):
+    return jax.vmap(model)(x)
+
+
+def arrays(tree):
+    return jax.tree.leaves(eqx.filter(tree, eqx.is_array))
+
+
+def assert_trees_close(actual, expected):
+    actual, expected = arrays(actual), arrays(expected)
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        a, e = np.asarray(a), np.asarray(e)
+        assert a.shape == e.shape and a.dtype == e.dtype
+        np.testing.assert_allclose(a, e, rtol=1e-5, atol=1e-6 * max(1.0, float(np.max(np.abs(e), initial=0.0))))
+
+
+def assert_same_shardings(actual, expected):
+    for a, e in zip(arrays(actual), arrays(expected), strict=True):
+        assert a.sharding.is_equivalent_to(e.sharding, a.ndim), (a.shape, a.sharding, e.sharding)
+
+
+@functools.cache
+def trained(kind: str, variant: str):
+    """One training step on one device and on the mesh: `(single, sharded, sharded model before the step)`."""
+    x, y = batch(kind)
+    single = train_step(quantized(kind, variant), x, y)
+    model = quantized(kind, variant, AUTO)
+    sharded = train_step(model, *shard_batch(x, y, AUTO))
+    return single, sharded, model
+
+
+STEP_CASES = [
+    ("mlp", "dynamic"),
+    ("mlp", "per-tensor"),
+    ("mlp", "learned"),
+    ("mlp", "static"),
+    ("mlp", "w4a4"),
+    ("mlp", "float-matmul"),
+    ("convnet", "dynamic"),
+    ("convnet", "learned"),
+]
+
+
+@pytest.mark.parametrize("kind, variant", STEP_CASES)
+def test_sharded_step_matches_single_device(kind, variant):
+    (model_1, loss_1, grads_1), (model_8, loss_8, grads_8), before = trained(kind, variant)
+    np.testing.assert_allclose(float(loss_8), float(loss_1), rtol=1e-6)
+    assert_trees_close(grads_8, grads_1)
+    assert_trees_close(model_8, model_1)
+    # No silent replication: every parameter and gradient keeps the sharding of the parameter it belongs to.
+    assert_same_shardings(model_8, before)
+    assert_same_shardings(grads_8, eqx.filter(before, eqx.is_inexact_array))
+
+
+@pytest.mark.parametrize("kind, variant", [case for case in STEP_CASES if case[1] != "float-matmul"])
+def test_sharded_integer_forward_is_bitwise_single_device(kind, variant):
+    """Integer accumulation is exact, so splitting a contraction across devices changes no bit of the output."""
+    _, _, model_8 = trained(kind, variant)
+    model_1 = quantized(kind, variant)
+    x, y = batch(kind)
+    sx, _ = shard_batch(x, y, AUTO)
+    np.testing.assert_array_equal(np.asarray(forward(model_8, sx)), np.asarray(forward(model_1, x)))
+
+
+def test_quantize_keeps_shardings_and_places_learned_scales_with_their_channels():
+    float_sharded = shard(float_model("mlp"), AUTO)
+    model = quantized("mlp", "learned", AUTO)
+    for path, layer in [("layers.0", model.layers[0]), ("layers.1", model.layers[1]), ("layers.2", model.layers[2])]:
+        original = float_sharded.layers[int(path[-1])]
+        assert layer.layer.weight.sharding.is_equivalent_to(original.weight.sharding, 2)
+        assert layer.layer.bias.sharding.is_equivalent_to(original.bias.sharding, 1)
+        # One scale per output channel: sharded on `model` where the output channels are, replicated otherwise.
+        expected = P() if path in ROW_PARALLEL else P("model")
+        scale = layer.weight_quant.scale
+        assert scale.sharding.is_equivalent_to(NamedSharding(AUTO, expected), 1), (path, scale.sharding)
+        # and equal to the scales computed on one device, up to the summation order of `mean|w|`
+        single = eqx_quant.LearnedFakeQuant.init_from(jnp.asarray(np.asarray(original.weight)), 8, axis=0)
+        np.testing.assert_allclose(np.asarray(scale), np.asarray(single.scale), rtol=1e-6)
+
+
+def _int_layers(model):
+    return [leaf for leaf in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, IntLinear | IntConv))
+            if isinstance(leaf, IntLinear | IntConv)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind, variant", [c for c in STEP_CASES if c[1] in ("dynamic", "static", "w4a4", "learned")])
+def test_convert_shards_integers_like_weights(kind, variant):
+    (_, _, _), (model_8, _, _), _ = trained(kind, variant)
+    converted = eqx_quant.convert(model_8)
+    quant_layers = [
+        leaf for leaf in jax.tree.leaves(model_8, is_leaf=lambda n: isinstance(n, AbstractQuantLayer))
+        if isinstance(leaf, AbstractQuantLayer)
+    ]  # fmt: skip
+    int_layers = _int_layers(converted)
+    assert len(int_layers) == len(quant_layers) > 0
+    for quant, integer in zip(quant_layers, int_layers, strict=True):
+        weight = quant.layer.weight
+        spec = tuple(weight.sharding.spec) + (None,) * (weight.ndim - len(weight.sharding.spec))
+        tensor = integer.weight
+        expected_values = P(spec[0], None) if tensor.packed else P(*spec)
+        assert tensor.values.sharding.is_equivalent_to(NamedSharding(AUTO, expected_values), tensor.values.ndim)
+        per_channel = tensor.scale.shape[0] > 1
+        expected_scale = P(spec[0] if per_channel else None, *([None] * (tensor.scale.ndim - 1)))
+        assert tensor.scale.sharding.is_equivalent_to(NamedSharding(AUTO, expected_scale), tensor.scale.ndim)
+        if quant.layer.bias is not None:
+            assert integer.layer.bias.sharding.is_equivalent_to(quant.layer.bias.sharding, 1)
+    # The converted model computes, sharded, what the fake-quantized model computes.
+    x, y = batch(kind)
+    sx, _ = shard_batch(x, y, AUTO)
+    expected = np.asarray(forward(model_8, sx))
+    np.testing.assert_array_equal(np.asarray(forward(converted, sx)), expected)
+
+
+def test_dynamic_scales_follow_their_channels():
+    w = jax.random.normal(jax.random.key(2), (8, 6))
+    params = jax.jit(lambda q, w: q.quantization_params(w), static_argnums=0)
+    column = jax.device_put(w, NamedSharding(AUTO, P("model", None)))
+    row = jax.device_put(w, NamedSharding(AUTO, P(None, "model")))
+    per_channel = eqx_quant.DynamicFakeQuant(8, axis=0)
+    expected = np.max(np.abs(np.asarray(w)), axis=1)
+    scale, _ = params(per_channel, column)
+    assert scale.sharding.is_equivalent_to(NamedSharding(AUTO, P("model")), 1)
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(per_channel.quantization_params(w)[0]))
+    # Reduced across the devices that hold a channel's elements: the maximum of the whole row.
+    scale, _ = params(per_channel, row)
+    np.testing.assert_array_equal(np.asarray(scale), np.asarray(per_channel.quantization_params(w)[0]))
+    assert np.all(np.asarray(scale) * 127 >= expected)
+    # Per tensor: the maximum over the whole sharded tensor, not over one device's shard.
+    per_tensor = eqx_quant.DynamicFakeQuant(8)
+    for sharded in (column, row):
+        scale, _ = params(per_tensor, sharded)
+        assert float(scale) == float(per_tensor.quantization_params(w)[0])
+        assert float(scale) * 127 >= np.max(np.abs(np.asarray(w)))
+
+
+def test_explicit_axes():
+    """With Explicit mesh axes the quantized layers train where the float layers do; the loss reshards its logits."""
+    x, y = batch("mlp")
+    (model_1, loss_1, grads_1), _, _ = trained("mlp", "learned")
+    with jax.set_mesh(EXPLICIT):
+        model = quantized("mlp", "learned", EXPLICIT, row_parallel=())
+        model_8, loss_8, grads_8 = train_step(model, *shard_batch(x, y, EXPLICIT), explicit=True)
+    np.testing.assert_allclose(float(loss_8), float(loss_1), rtol=1e-6)
+    assert_trees_close(grads_8, grads_1)
+    assert_trees_close(model_8, model_1)
+    assert_same_shardings(model_8, model)
+    converted = eqx_quant.convert(model_8)
+    with jax.set_mesh(EXPLICIT):
+        sx, _ = shard_batch(x, y, EXPLICIT)
+        np.testing.assert_array_equal(np.asarray(forward(converted, sx)), np.asarray(forward(model_8, sx)))
+
+
+def test_explicit_axes_row_parallel_needs_an_output_sharding_like_float():
+    """A contraction over an Explicit-sharded axis has no unambiguous output sharding: `eqx.nn.Linear` raises, and
+    so does its quantized wrapper, with JAX's own error."""
+    x, y = batch("mlp")
+    with jax.set_mesh(EXPLICIT):
+        batch_8 = shard_batch(x, y, EXPLICIT)
+        for model in (shard(float_model("mlp"), EXPLICIT), quantized("mlp", "dynamic", EXPLICIT)):
+            with pytest.raises(Exception, match="Contracting dimensions are sharded"):  # JAX's ShardingTypeError
+                train_step(model, *batch_8, explicit=True)
+
+
+def test_calibrate_sharded_model_matches_single_device():
+    x, _ = batch("convnet")
+    batches = [x[:8], x[8:]]
+    single = eqx_quant.calibrate(quantized("convnet", "dynamic"), batches)
+    sharded_batches = [jax.device_put(b, NamedSharding(AUTO, P("data", None, None, None))) for b in batches]
+    sharded = eqx_quant.calibrate(quantized("convnet", "dynamic", AUTO), sharded_batches)
+    for a, b in zip(_quant_layers(sharded), _quant_layers(single), strict=True):
+        # The statistics are those of float activations, whose sums depend on the layout: equal up to rounding.
+        assert (a.input_quant.qmin, a.input_quant.qmax) == (b.input_quant.qmin, b.input_quant.qmax)
+        np.testing.assert_allclose(a.input_quant.scale, b.input_quant.scale, rtol=1e-6)
+        assert a.layer.weight.sharding.spec == P("model", *([None] * (a.layer.weight.ndim - 1)))
+
+
+def _quant_layers(model):
+    is_layer = lambda n: isinstance(n, AbstractQuantLayer)  # noqa: E731
+    return [leaf for leaf in jax.tree.leaves(model, is_leaf=is_layer) if is_layer(leaf)]
+
+
+def test_shard_map_per_tensor_statistics_with_axis_name():
+    """Inside `shard_map` a quantizer sees one shard; `axis_name` makes its statistics those of the whole tensor."""
+    whole_w = jnp.concatenate([jnp.full((4, 3), 0.5), jnp.full((4, 3), 2.0)]).at[0, 0].set(-0.3)
+    w = jax.device_put(whole_w, NamedSharding(AUTO, P("model", None)))
+
+    def on_shards(quantizer):
+        fn = jax.shard_map(quantizer, mesh=AUTO, in_specs=P("model", None), out_specs=P("model", None))
+        return np.asarray(jax.jit(fn)(w))
+
+    whole = np.asarray(eqx_quant.DynamicFakeQuant(4)(whole_w))
+    np.testing.assert_array_equal(on_shards(eqx_quant.DynamicFakeQuant(4, axis_name="model")), whole)
+    # Without it each shard has its own scale: the first half (max 0.5) is quantized on a finer grid.
+    local = on_shards(eqx_quant.DynamicFakeQuant(4))
+    assert not np.array_equal(local, whole)
+    np.testing.assert_array_equal(local[:4], np.asarray(eqx_quant.DynamicFakeQuant(4)(whole_w[:4])))
+
+
+def test_shard_map_learned_scale_gradient_with_axis_name():
+    w = jax.random.normal(jax.random.key(3), (8, 4))
+    target = jax.random.normal(jax.random.key(4), (8, 4))
+
+    def loss(q, w, target):
+        return jnp.sum((q(w) - target) ** 2)
+
+    q = eqx_quant.LearnedFakeQuant(0.3, -8, 7)
+    expected = jax.grad(loss)(q, w, target).scale
+
+    def sharded_loss(q, w, target):
+        return jax.lax.psum(loss(q, w, target), "model")
+
+    q_named = eqx_quant.LearnedFakeQuant(0.3, -8, 7, axis_name="model")
+    fn = jax.shard_map(
+        jax.grad(sharded_loss), mesh=AUTO, in_specs=(P(), P("model", None), P("model", None)), out_specs=P()
+    )
+    grad = jax.jit(fn)(q_named, w, target).scale
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5)

@@ -1,0 +1,50 @@
+"""Sharded training on 8 virtual CPU devices, in subprocesses so that this process keeps its single device.
+
+`tests/sharded/check_sharding.py` holds the tests proper; it is run here by a pytest of its own with
+`XLA_FLAGS=--xla_force_host_platform_device_count=8`, and this test fails with that run's report unless every one of
+its tests passed (none skipped).
+"""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
+
+
+def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + EIGHT_DEVICES).strip())
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_sharded_suite_on_eight_devices():
+    result = _run(
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=check_*.py", "tests/sharded"],
+        timeout=600,
+    )
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report
+    summary = report.strip().splitlines()[-1]
+    match = re.fullmatch(r"=*\s*(\d+) passed in [\d.]+s( \([\d:]+\))?\s*=*", summary)
+    assert match is not None, f"expected every sharded test to pass and none to be skipped, got: {summary}\n{report}"
+    assert int(match[1]) >= 20, report
+
+
+def test_sharded_example_runs():
+    result = _run(["examples/sharded_qat.py", "--steps", "40"], timeout=300)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "8 devices, mesh {'data': 4, 'model': 2}" in out
+    assert "layers.0: weight (256, 64) P('model', None), step sizes (256,) P('model',)" in out
+    assert "layers.1: weight (256, 256) P(None, 'model'), step sizes (256,) P()" in out
+    assert "every parameter kept its sharding: True" in out
+    assert "converted layers.0: int8 (256, 64) P('model', None), scales P('model', None)" in out
+    assert "converted logits equal the QAT model's bit for bit: True" in out
+    accuracy = float(re.search(r"test accuracy of the converted model: ([\d.]+)%", out)[1])
+    assert accuracy > 50.0  # 40 steps of Adam on the digits: far above the 10% of chance
