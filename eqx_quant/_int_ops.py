@@ -6,6 +6,7 @@ these functions when both operands are on integer grids, and the converted layer
 """
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -85,13 +86,14 @@ class LinearSpec(NamedTuple):
 
 
 class ConvSpec(NamedTuple):
-    """Static description of a convolution: the arguments of `jax.lax.conv_general_dilated` that `eqx.nn.Conv`
-    uses."""
+    """Static description of an integer convolution: the arguments of `jax.lax.conv_general_dilated` that
+    `eqx.nn.Conv` uses, and `product_bound`, a bound on `|w * x|` for one weight and one input integer."""
 
     stride: tuple[int, ...]
     padding: tuple[tuple[int, int], ...]
     dilation: tuple[int, ...]
     groups: int
+    product_bound: int
 
 
 _BIAS_GRID = 2.0**-16
@@ -135,14 +137,37 @@ def int_linear(spec: LinearSpec, w: Array, x: Array, w_scale: Array, x_scale: Ar
     return _rescale(acc, w_scale, x_scale, bias)
 
 
+FLOAT32_EXACT = 2**24  # every integer of magnitude up to this is a float32
+
+
 def int_conv(spec: ConvSpec, w: Array, x: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
-    """The convolution of integers with int32 accumulation, plus the bias on the accumulator's grid, rescaled once."""
+    """The convolution of integers with int32 accumulation, plus the bias on the accumulator's grid, rescaled once.
+
+    When every partial sum is at most `2**24` in magnitude (`K * product_bound <= 2**24` for a contraction of
+    length `K`: 8-bit convolutions up to `K = 1024`), a float32 convolution of the same integers computes every sum
+    exactly, in any order, and so gives the int32 result bit for bit. On CPU that convolution is used instead, at
+    `Precision.HIGHEST`: XLA's CPU integer convolution is an order of magnitude slower than its float one. Other
+    platforms, whose float convolutions may use reduced precision or transform-based algorithms, keep the integer
+    convolution.
+    """
     lhs, rhs = _common_int(x[None], w)
-    acc = jax.lax.conv_general_dilated(
-        lhs, rhs, window_strides=spec.stride, padding=spec.padding, rhs_dilation=spec.dilation,
-        feature_group_count=spec.groups, preferred_element_type=jnp.int32,
-    )[0]  # fmt: skip
-    return _rescale(acc, w_scale, x_scale, bias)
+    conv = functools.partial(
+        jax.lax.conv_general_dilated, window_strides=spec.stride, padding=spec.padding, rhs_dilation=spec.dilation,
+        feature_group_count=spec.groups,
+    )  # fmt: skip
+
+    def integer(lhs, rhs):
+        return conv(lhs, rhs, preferred_element_type=jnp.int32).astype(jnp.float32)
+
+    def exact_float(lhs, rhs):
+        f32 = jnp.float32
+        return conv(lhs.astype(f32), rhs.astype(f32), precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
+
+    if math.prod(rhs.shape[1:]) * spec.product_bound <= FLOAT32_EXACT:
+        acc = jax.lax.platform_dependent(lhs, rhs, cpu=exact_float, default=integer)
+    else:
+        acc = integer(lhs, rhs)
+    return _rescale(acc[0], w_scale, x_scale, bias)
 
 
 def _float_linear(spec: LinearSpec, w: Array, x: Array, bias: Array | None) -> Array:
@@ -163,33 +188,34 @@ _INT_OPS = {LinearSpec: int_linear, ConvSpec: int_conv}
 
 
 def integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
-    """The integer computation in the forward pass, the float one of the fake-quantized operands in the backward.
+    """The integer computation in the forward pass, the float one of the fake-quantized operands for derivatives.
 
     `wq` and `xq` are the fake-quantized weight and input (`scale * (levels - zero_point)`); `w_int`, `x_int` their
-    integers minus zero points. The forward returns the integer product (or convolution); the backward is that of
-    the float `wq @ xq + bias`, so that gradients continue through the quantizers' straight-through estimators.
+    integers minus zero points. The value is the integer product (or convolution); the derivative is that of the
+    float `wq @ xq + bias`, so that gradients continue through the quantizers' straight-through estimators.
+
+    The derivative is given as a JVP rule, which JAX transposes for reverse mode: under `jax.vmap`, the weight's
+    gradient is then one matrix product over the batch, as for a float layer, never a per-example outer product
+    summed afterwards.
     """
     return _integer_forward(spec, *vary_alike(wq, xq, bias, w_int, x_int, w_scale, x_scale))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
     del wq, xq
     return _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias)
 
 
-def _integer_forward_fwd(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
-    return _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias), (wq, xq, bias)
-
-
-def _integer_forward_bwd(spec, residuals, g):
-    wq, xq, bias = residuals
-    _, pullback = jax.vjp(functools.partial(_FLOAT_OPS[type(spec)], spec), wq, xq, bias)
-    grad_w, grad_x, grad_bias = pullback(g.astype(wq.dtype))
-    return grad_w, grad_x, grad_bias, None, None, None, None  # scales and integers: their gradients go via wq, xq
-
-
-_integer_forward.defvjp(_integer_forward_fwd, _integer_forward_bwd)
+@_integer_forward.defjvp
+def _integer_forward_jvp(spec, primals, tangents):
+    wq, xq, bias, w_int, x_int, w_scale, x_scale = primals
+    y = _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias)
+    # The integers and scales carry no derivative of their own: the scales' reaches `wq` and `xq` through the
+    # quantizers, and counting it here as well would count it twice.
+    float_op = functools.partial(_FLOAT_OPS[type(spec)], spec)
+    _, dy = jax.jvp(float_op, (wq, xq, bias), tuple(tangents[:3]))
+    return y, dy.astype(y.dtype)
 
 
 def per_tensor_grid(grid: QuantGrid, shape: tuple[int, ...]) -> bool:

@@ -4,6 +4,8 @@ Every function here is written with `jax.numpy`, so that a scale computed once a
 computed at every call of a dynamic quantizer come out of the same arithmetic. Statistics are float32.
 """
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
@@ -19,6 +21,20 @@ def _lands_inside(x: Array, scale: Array, zero_point: Array | float, qmin: int, 
     return (v >= qmin - zero_point) & (v <= qmax - zero_point)
 
 
+def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
+    """The first of `scale` and the `_NUDGES` float32 values above it for which `fits` holds (else the last of them).
+
+    This is the loop `scale = where(fits(scale), scale, nextafter(scale, inf))` run `_NUDGES` times, written so that
+    XLA fuses it into one small kernel. `fits` must be monotone (once true, true for every larger scale), so that the
+    number of candidates that do not fit is the number of steps up. For positive floats the order of the bit
+    patterns is the order of the values: the `k`-th float above `scale` is its bit pattern plus `k`.
+    """
+    bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
+    up = lambda k: jax.lax.bitcast_convert_type(bits + k, jnp.float32)  # noqa: E731
+    steps = sum(jnp.where(fits(up(k)), 0, 1) for k in range(_NUDGES))
+    return up(steps)
+
+
 def absmax_scale(absmax: Float[Array, "*c"], qmax: int) -> Float[Array, "*c"]:
     """The symmetric scale `absmax / qmax`, nudged up by ulps until `absmax / scale <= qmax` holds in float32.
 
@@ -28,9 +44,7 @@ def absmax_scale(absmax: Float[Array, "*c"], qmax: int) -> Float[Array, "*c"]:
     """
     absmax = absmax.astype(jnp.float32)
     scale = jnp.maximum(absmax * (1.0 / qmax), _TINY)
-    for _ in range(_NUDGES):
-        scale = jnp.where(absmax * (1 / scale) > qmax, jnp.nextafter(scale, jnp.inf), scale)
-    return scale
+    return _first_fitting(scale, lambda s: absmax * (1 / s) <= qmax)
 
 
 def minmax_scale(
@@ -66,10 +80,8 @@ def minmax_scale(
     scale = jnp.minimum(low_scale, high_scale)
     zero_point = jnp.where(degenerate, float(min(max(0, qmin), qmax)), zero_point)
     scale = jnp.maximum(jnp.where(degenerate, 0.0, scale), _TINY)
-    for _ in range(_NUDGES):
-        ok = _lands_inside(lo, scale, zero_point, qmin, qmax) & _lands_inside(hi, scale, zero_point, qmin, qmax)
-        scale = jnp.where(ok, scale, jnp.nextafter(scale, jnp.inf))
-    return scale, zero_point
+    fits = lambda s: _lands_inside(lo, s, zero_point, qmin, qmax) & _lands_inside(hi, s, zero_point, qmin, qmax)  # noqa: E731
+    return _first_fitting(scale, fits), zero_point
 
 
 def finite_or(x: Array, fill: float) -> Array:

@@ -27,7 +27,7 @@ from eqx_quant import (
     save,
     unpack_int4,
 )
-from eqx_quant._int_ops import safe_contraction
+from eqx_quant._int_ops import ConvSpec, int_conv, safe_contraction
 from eqx_quant.nn import IntConv, IntEmbedding, IntLinear, QuantConv, QuantEmbedding, QuantizedTensor, QuantLinear
 
 from .helpers import assert_bitwise_equal, reference_fake_quant
@@ -570,6 +570,59 @@ def test_lsq_gradients_reach_the_learned_scales_with_the_int_path():
     assert np.asarray(g_model.input_quant.scale) != 0 and np.asarray(g_model.input_quant.zero_point) != 0
 
 
+def _batched_loss(model, xs, c):
+    return jnp.sum(jax.vmap(model)(xs) * c)
+
+
+def test_batched_int_path_gradients_equal_fake_quant_gradients_and_sum_over_the_batch():
+    """Under `jax.vmap` (how models see batches) the integer forward's gradients are the float formulation's, and the
+    weight's gradient is one product over the batch: no per-example `(batch, out, in)` array anywhere."""
+    mlp = init(lambda k: eqx.nn.MLP(12, 5, 16, 1, activation=jax.nn.relu, key=k), 41)
+    xs, c = normal(41, (6, 12)) * 2, normal(42, (6, 5))
+    weights = lambda path, layer: LearnedFakeQuant.init_from(layer.weight, 4, axis=0)  # noqa: E731
+    as_int, as_float = (
+        eqx_quant.quantize(mlp, weights=weights, activations=DynamicFakeQuant(8), matmul=m) for m in ("int", "float")
+    )
+    assert uses_int_product(as_int.layers[0], xs[0])
+    value_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(_batched_loss))
+    (loss_int, g_int), (loss_float, g_float) = value_and_grad(as_int, xs, c), value_and_grad(as_float, xs, c)
+    np.testing.assert_allclose(float(loss_int), float(loss_float), rtol=1e-5)
+    leaves_int, leaves_float = jax.tree.leaves(g_int), jax.tree.leaves(g_float)
+    assert len(leaves_int) == len(leaves_float) == 6  # two layers: weight, bias, learned weight scales (none else)
+    for a, b in zip(leaves_int, leaves_float, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6 * float(np.max(np.abs(b))))
+    # the weight's gradient against a loop over the examples, each with the float formulation
+    expected = sum(eqx.filter_grad(lambda m, x, cc: jnp.sum(m(x) * cc))(as_float, x, cc).layers[0].layer.weight
+                   for x, cc in zip(xs, c))  # fmt: skip
+    np.testing.assert_allclose(g_int.layers[0].layer.weight, expected, rtol=1e-5, atol=1e-6)
+    program = value_and_grad.lower(as_int, xs, c).as_text()  # the StableHLO that JAX emits, before XLA's rewrites
+    assert "tensor<6x16x12xf32>" not in program and "tensor<6x5x16xf32>" not in program
+    assert "tensor<16x12xf32>" in program  # (the weight's gradient is there, summed)
+
+
+def test_qat_training_loop_traces_once():
+    mlp = init(lambda k: eqx.nn.MLP(8, 3, 8, 1, activation=jax.nn.relu, key=k), 43)
+    model = eqx_quant.quantize(
+        mlp,
+        weights=lambda path, layer: LearnedFakeQuant.init_from(layer.weight, 8, axis=0),
+        activations=DynamicFakeQuant(8),
+    )
+    traces = 0
+
+    @eqx.filter_jit
+    def step(model, xs, c):
+        nonlocal traces
+        traces += 1
+        grads = eqx.filter_grad(_batched_loss)(model, xs, c)
+        return eqx.apply_updates(model, jax.tree.map(lambda g: -0.01 * g, grads))
+
+    for i in range(4):
+        before = model.layers[0].weight_quant.scale
+        model = step(model, normal(44 + i, (4, 8)), normal(50 + i, (4, 3)))
+        assert not np.array_equal(np.asarray(model.layers[0].weight_quant.scale), np.asarray(before))  # it learns
+    assert traces == 1
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # int32 overflow.
 
@@ -648,6 +701,32 @@ def test_16_bit_asymmetric_contraction_does_not_wrap():
     expected = np_rescale(exact.astype(np.float64).astype(np.float32), sw, sx, f32(linear.bias))
     for y in (convert(quant)(jnp.asarray(x)), quant(jnp.asarray(x))):
         np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-6)
+
+
+def test_integer_convolution_is_exact_at_the_float32_bound():
+    """`int_conv` may compute on float32 when every partial sum is at most 2**24 in magnitude: K = 64 * 4 * 4 = 1024
+    int8 products of up to 2**14, one output being 2**24 itself. Exact against int64."""
+    rng = np.random.default_rng(64)
+    w = rng.choice(np.array([-128, 127, -127, 1], np.int8), size=(3, 64, 4, 4))
+    x = rng.choice(np.array([-128, 127, -127, 1], np.int8), size=(64, 6, 6))
+    w[0], x[:, :4, :4] = -128, -128  # one output is the largest sum, 128 * 128 * 1024
+    spec = ConvSpec((1, 1), ((0, 0), (0, 0)), (1, 1), 1, 128 * 128)
+    expected = np_int_conv(w, x, (1, 1), ((0, 0), (0, 0)), (1, 1), 1)
+    assert expected.max() == 2**24
+    y = jax.jit(int_conv, static_argnums=0)(spec, jnp.asarray(w), jnp.asarray(x), jnp.ones(3), jnp.ones(()), None)
+    assert_bitwise_equal(y, expected.astype(np.float32))
+
+
+def test_integer_convolution_beyond_the_float32_bound_accumulates_in_int32():
+    """Odd 12-bit products whose sums pass 2**24: a float32 accumulation would round, int32 does not."""
+    rng = np.random.default_rng(65)
+    w = (rng.integers(1000, 1500, size=(2, 4, 3, 3)) * 2 + 1).astype(np.int16)  # odd, up to 3001
+    x = (rng.integers(1000, 1500, size=(4, 5, 5)) * 2 + 1).astype(np.int16)
+    spec = ConvSpec((1, 1), ((1, 1), (1, 1)), (1, 1), 1, 3001 * 3001)
+    expected = np_int_conv(w, x, (1, 1), ((1, 1), (1, 1)), (1, 1), 1)
+    assert np.any(expected.astype(np.float32).astype(np.int64) != expected)  # float32 cannot hold these sums
+    y = jax.jit(int_conv, static_argnums=0)(spec, jnp.asarray(w), jnp.asarray(x), jnp.ones(2), jnp.ones(()), None)
+    assert_bitwise_equal(y, expected.astype(np.float32))  # rounded once, from the exact sum
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -217,7 +217,8 @@ class IntConv(AbstractIntLayer):
             w_values, w_bound = self.weight.shifted()
             if math.prod(self.weight.shape[1:]) > safe_contraction(w_bound, x_int.bound):
                 return self._float_path(x, key)
-            y = int_conv(conv_spec(layer), w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias)
+            spec = conv_spec(layer, w_bound, x_int.bound)
+            y = int_conv(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias)
             return y.astype(self.weight.dtype)
 
 

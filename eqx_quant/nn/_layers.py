@@ -163,8 +163,8 @@ def scalar_output(layer: eqx.nn.Linear, y: Array) -> Array:
     return jnp.squeeze(y) if layer.out_features == "scalar" else y
 
 
-def conv_spec(layer: eqx.nn.Conv) -> ConvSpec:
-    return ConvSpec(tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation), layer.groups)
+def conv_spec(layer: eqx.nn.Conv, w_bound: int, x_bound: int) -> ConvSpec:
+    return ConvSpec(tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation), layer.groups, w_bound * x_bound)
 
 
 class QuantConv(AbstractQuantLayer):
@@ -175,7 +175,9 @@ class QuantConv(AbstractQuantLayer):
     scale per output channel. With `matmul="int"` (the default), zero padding, a per-tensor or per-output-channel
     weight grid, a per-tensor input grid and a contraction within the int32 bound, the forward runs the integer
     convolution of the converted [`eqx_quant.nn.IntConv`][], bit for bit, with the gradients of the float
-    convolution of the fake-quantized operands; see [`eqx_quant.nn.QuantLinear`][].
+    convolution of the fake-quantized operands; see [`eqx_quant.nn.QuantLinear`][]. (On CPU, where XLA's integer
+    convolution is slow, a convolution whose partial sums stay within `2**24` runs as an exact float32 convolution of
+    the same integers: see [Parity with integer inference](../concepts/parity.md#the-integer-forward).)
     """
 
     layer: eqx.nn.Conv
@@ -227,7 +229,7 @@ class QuantConv(AbstractQuantLayer):
             wq = apply_grid(w_grid, layer.weight.shape)
             xq = apply_grid(x_grid, x.shape)
             y = integer_forward(
-                conv_spec(layer), wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale
+                conv_spec(layer, w_int.bound, x_int.bound), wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale
             )
             return y.astype(layer.weight.dtype)
 
