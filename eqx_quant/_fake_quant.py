@@ -196,9 +196,10 @@ def fake_quant(
 
     !!! note "Values known only at run time"
 
-        Inside `jax.jit` (or any other transformation in which `scale` or `zero_point` is a tracer) their values
-        cannot be inspected, so they are not checked: a zero, negative or non-finite traced scale is used as it
-        stands (a zero scale, for instance, maps every nonzero entry to zero and zeros to NaN) instead of raising. Their types and shapes are still checked.
+        Inside `jax.jit` (or any other transformation in which `scale` or `zero_point` is a tracer) their values cannot
+        be inspected, so they are not checked: a zero, negative or non-finite traced scale is used as it stands (a zero
+        scale, for instance, maps every nonzero entry to zero and zeros to NaN) instead of raising. Their types and
+        shapes are still checked.
 
     !!! example
 

@@ -41,7 +41,7 @@ def as_float_input(name: str, x: object) -> Array:
 def check_broadcastable(name: str, shape: tuple[int, ...], x_shape: tuple[int, ...]) -> None:
     """Raises a `ValueError` unless an array of `shape` broadcasts to `x_shape` without changing it."""
     ok = len(shape) <= len(x_shape) and all(
-        s in (1, t) for s, t in zip(reversed(shape), reversed(x_shape))
+        s in (1, t) for s, t in zip(reversed(shape), reversed(x_shape), strict=False)
     )
     if not ok:
         raise ValueError(f"`{name}` of shape {shape} does not broadcast to the shape of `x`, {x_shape}.")

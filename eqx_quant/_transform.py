@@ -119,7 +119,8 @@ def quantize(
     **Raises:**
 
     `ValueError` if `where` selects no layer (the message lists the candidate paths) or the model has no layer to
-    quantize (a model whose layers are all quantized already is returned as it is); `TypeError` for a malformed `weights`, `activations` or `where`.
+    quantize (a model whose layers are all quantized already is returned as it is); `TypeError` for a malformed
+    `weights`, `activations` or `where`.
 
     !!! example
 

@@ -3,8 +3,8 @@ trained (QAT) at several bit widths.
 
 Run with `python -m eqx_quant.demo` (or `eqx-quant-demo`); `--help` lists the options. It needs the `examples` extra
 (`pip install "eqx_quant[examples]"`): optax, scikit-learn (whose bundled digits dataset is used: nothing is
-downloaded), tqdm and matplotlib. It writes `results.json`, `accuracy.png` and the saved models (`models/*.eqx`, float and converted to integers) to
-`--out`.
+downloaded), tqdm and matplotlib. It writes `results.json`, `accuracy.png` and the saved models (`models/*.eqx`, float
+and converted to integers) to `--out`.
 """
 
 import argparse

@@ -81,7 +81,9 @@ def main():
     )
     for i, layer in enumerate(model.layers):
         weight, scale = layer.layer.weight, layer.weight_quant.scale
-        print(f"layers.{i}: weight {weight.shape} {weight.sharding.spec}, step sizes {scale.shape} {scale.sharding.spec}")
+        print(
+            f"layers.{i}: weight {weight.shape} {weight.sharding.spec}, step sizes {scale.shape} {scale.sharding.spec}"
+        )
 
     # 3. Training: batches split along `data`.
     optimizer = optax.adam(1e-3)
@@ -103,15 +105,14 @@ def main():
         model, opt_state, loss = step(model, opt_state, x, y)
         if (i + 1) % 100 == 0 or i + 1 == args.steps:
             print(f"step {i + 1}: loss {float(loss):.4f}")
-    after = [leaf.sharding for leaf in jax.tree.leaves(eqx.filter(model, eqx.is_array))]
-    kept = all(a.is_equivalent_to(b, leaf.ndim) for a, b, leaf in zip(
-        after, before, jax.tree.leaves(eqx.filter(model, eqx.is_array)), strict=True))  # fmt: skip
+    after = jax.tree.leaves(eqx.filter(model, eqx.is_array))
+    kept = all(leaf.sharding.is_equivalent_to(b, leaf.ndim) for leaf, b in zip(after, before, strict=True))
     print(f"every parameter kept its sharding: {kept}")
 
     # 4. Conversion to integer weights, sharded like the float ones.
     converted = eqx_quant.convert(model)
-    w = converted.layers[0].weight
-    print(f"converted layers.0: {w.values.dtype} {w.values.shape} {w.values.sharding.spec}, scales {w.scale.sharding.spec}")
+    values, scale = converted.layers[0].weight.values, converted.layers[0].weight.scale
+    print(f"converted layers.0: {values.dtype} {values.shape} {values.sharding.spec}, scales {scale.sharding.spec}")
     forward = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
     x = jax.device_put(test_x[: len(test_x) // 8 * 8], batch_sharding)
     fake, real = forward(model, x), forward(converted, x)

@@ -14,6 +14,7 @@ import inspect
 import io
 import pathlib
 import re
+import subprocess
 import sys
 import types
 
@@ -240,3 +241,24 @@ def test_docstring_examples_run(name: str, tmp_path: pathlib.Path) -> None:
     page = tmp_path / f"{name}.md"
     page.write_text(_DOCSTRINGS[name], encoding="utf-8")
     _run_file(page)
+
+
+def test_built_site_renders_every_public_name(tmp_path: pathlib.Path) -> None:
+    """`mkdocs build --strict` succeeds and the API pages it writes hold an entry (an anchor with the name's full
+    path, which mkdocstrings gives every object it renders) for every public name; the pages have their titles and
+    the MathJax bundle is served from the site itself."""
+    site = tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stdout + build.stderr
+    api_html = "".join(page.read_text(encoding="utf-8") for page in (site / "api").rglob("index.html"))
+    assert ":::" not in api_html  # every `::: name` directive was rendered
+    missing = [name for name in _public_names() if f'id="eqx_quant.{name}"' not in api_html]
+    assert not missing, f"public names without an entry in the built API pages: {missing}"
+    assert '<h1 id="eqx_quant">eqx_quant' in (site / "index.html").read_text(encoding="utf-8")
+    sharded = (site / "how-to" / "sharded" / "index.html").read_text(encoding="utf-8")
+    assert '<h1 id="sharded-training">Sharded training' in sharded
+    assert (site / "assets" / "mathjax" / "tex-chtml.js").is_file()
+    assert (site / "search" / "search_index.json").is_file()

@@ -66,7 +66,8 @@ def _check_matmul(matmul: object) -> None:
 
 def _integer_operands(layer: AbstractQuantLayer, x: Array):
     """The grids of the weight and the input, if both allow an integer product; else `None`."""
-    if not (isinstance(layer.weight_quant, AbstractFakeQuantizer) and isinstance(layer.input_quant, AbstractFakeQuantizer)):
+    quantizers = (layer.weight_quant, layer.input_quant)
+    if not all(isinstance(q, AbstractFakeQuantizer) for q in quantizers):
         return None
     weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
     w_grid = layer.weight_quant.grid(weight)
@@ -228,9 +229,8 @@ class QuantConv(AbstractQuantLayer):
                 return self._float_path(x, key)
             wq = apply_grid(w_grid, layer.weight.shape)
             xq = apply_grid(x_grid, x.shape)
-            y = integer_forward(
-                conv_spec(layer, w_int.bound, x_int.bound), wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale
-            )
+            spec = conv_spec(layer, w_int.bound, x_int.bound)
+            y = integer_forward(spec, wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale)
             return y.astype(layer.weight.dtype)
 
 
