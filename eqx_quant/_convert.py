@@ -30,6 +30,20 @@ def _frozen_input_quant(quantizer: Any) -> Any:
     return quantizer
 
 
+def _whole_tensor(quantizer: AbstractFakeQuantizer) -> AbstractFakeQuantizer:
+    """The quantizer as it applies to a whole weight: without the `axis_name` that let it see one shard of it inside
+    `jax.shard_map` (conversion sees the whole weight, and the grid is the same)."""
+    if isinstance(quantizer, DynamicFakeQuant) and quantizer.axis_name is not None:
+        q = quantizer
+        return DynamicFakeQuant(
+            q.bits, signed=q.signed, narrow=q.narrow, axis=q.axis, group_size=q.group_size, symmetric=q.symmetric
+        )
+    if isinstance(quantizer, LearnedFakeQuant) and quantizer.axis_name is not None:
+        q = quantizer
+        return LearnedFakeQuant(q.scale, q.qmin, q.qmax, zero_point=q.zero_point, axis=q.axis, min_scale=q.min_scale)
+    return quantizer
+
+
 def _sharded_like(tensor: QuantizedTensor, weight: Any) -> QuantizedTensor:
     """`tensor` with its integers, scales and zero points sharded like the weight they come from.
 
@@ -70,9 +84,14 @@ def convert(model: PyTree) -> PyTree:
     [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers whose input quantizer has one scale for the
     whole input (static, or a per-tensor dynamic one) and whose weight has one scale per tensor or per output channel
     then compute on integers (see [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without a
-    weight quantizer becomes its float layer. All other leaves are kept as they are (shardings included). The integers,
-    scales and zero points of a weight with a `NamedSharding` are sharded like it: the weight's axes keep their
-    partitioning, per-channel scales follow their channels (see [Sharded training](../how-to/sharded.md)).
+    weight quantizer becomes its float layer. All other leaves are kept as they are (shardings included).
+
+    **Sharding.** The integers, scales and zero points of a weight with a `NamedSharding` are sharded like it: the
+    weight's axes keep their partitioning and per-channel scales follow their channels; packed 4-bit integers (one
+    row of bytes per output channel) keep only the partitioning of the first axis, and grouped weights are left where
+    the conversion put them. A weight quantizer's `axis_name` (for statistics across the shards of a
+    `jax.shard_map`) is dropped: conversion sees the whole weight. Input quantizers keep theirs. See
+    [Sharded training](../how-to/sharded.md).
 
     **Arguments:**
 
@@ -109,7 +128,7 @@ def convert(model: PyTree) -> PyTree:
                 "grid; only fake quantizers (FakeQuant, DynamicFakeQuant, LearnedFakeQuant) can be converted."
             )
         weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
-        grid = layer.weight_quant.grid(weight)
+        grid = _whole_tensor(layer.weight_quant).grid(weight)
         tensor = _sharded_like(QuantizedTensor.from_grid(grid, weight.shape, weight.dtype), weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
         return _INT_LAYERS[type(layer)](skeleton, tensor, _frozen_input_quant(layer.input_quant))

@@ -144,8 +144,9 @@ def int_conv(spec: ConvSpec, w: Array, x: Array, w_scale: Array, x_scale: Array,
     """The convolution of integers with int32 accumulation, plus the bias on the accumulator's grid, rescaled once.
 
     When every partial sum is at most `2**24` in magnitude (`K * product_bound <= 2**24` for a contraction of
-    length `K`: 8-bit convolutions up to `K = 1024`), a float32 convolution of the same integers computes every sum
-    exactly, in any order, and so gives the int32 result bit for bit. On CPU that convolution is used instead, at
+    length `K`: symmetric 8-bit convolutions up to `K = 1024`, up to `K = 514` with an asymmetric 8-bit input), a
+    float32 convolution of the same integers computes every sum exactly, in any order, and so gives the int32 result
+    bit for bit. On CPU that convolution is used instead, at
     `Precision.HIGHEST`: XLA's CPU integer convolution is an order of magnitude slower than its float one. Other
     platforms, whose float convolutions may use reduced precision or transform-based algorithms, keep the integer
     convolution.

@@ -62,8 +62,12 @@ def sum_to_shape(a: Array, shape: tuple[int, ...]) -> Array:
 
 
 def _varying_axes(a: Array) -> frozenset[str]:
-    manual = getattr(jax.typeof(a), "manual_axis_type", None)
-    return frozenset(manual.varying) if manual is not None else frozenset()
+    """The manual mesh axes that `a` varies over inside `jax.shard_map` (empty outside it)."""
+    aval = jax.typeof(a)
+    manual = getattr(aval, "manual_axis_type", None)  # JAX 0.10
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))  # the same set, under its name in earlier JAX releases
 
 
 def vary_alike(*arrays: Array | None) -> tuple[Array | None, ...]:

@@ -27,10 +27,14 @@ def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
     This is the loop `scale = where(fits(scale), scale, nextafter(scale, inf))` run `_NUDGES` times, written so that
     XLA fuses it into one small kernel. `fits` must be monotone (once true, true for every larger scale), so that the
     number of candidates that do not fit is the number of steps up. For positive floats the order of the bit
-    patterns is the order of the values: the `k`-th float above `scale` is its bit pattern plus `k`.
+    patterns is the order of the values: the `k`-th float above `scale` is its bit pattern plus `k`, up to infinity,
+    where `nextafter` stops too (and a NaN stays NaN).
     """
     bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
-    up = lambda k: jax.lax.bitcast_convert_type(bits + k, jnp.float32)  # noqa: E731
+    inf_bits = jnp.int32(0x7F800000)
+    up = lambda k: jax.lax.bitcast_convert_type(  # noqa: E731
+        jnp.where(bits >= inf_bits, bits, jnp.minimum(bits + k, inf_bits)), jnp.float32
+    )
     steps = sum(jnp.where(fits(up(k)), 0, 1) for k in range(_NUDGES))
     return up(steps)
 

@@ -2,6 +2,7 @@
 `save` / `load` and the safetensors export."""
 
 import json
+import re
 import struct
 
 import equinox as eqx
@@ -703,6 +704,13 @@ def test_16_bit_asymmetric_contraction_does_not_wrap():
         np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-6)
 
 
+def convolution_types(spec, w, x) -> set[str]:
+    """The result element types of the convolutions in `int_conv`'s program as XLA compiles it for this backend."""
+    args = (spec, jnp.asarray(w), jnp.asarray(x), jnp.ones(w.shape[0]), jnp.ones(()), None)
+    hlo = jax.jit(int_conv, static_argnums=0).lower(*args).compile().as_text()
+    return set(re.findall(r"= (\w+)\[[^\]]*\]\S* convolution\(", hlo))
+
+
 def test_integer_convolution_is_exact_at_the_float32_bound():
     """`int_conv` may compute on float32 when every partial sum is at most 2**24 in magnitude: K = 64 * 4 * 4 = 1024
     int8 products of up to 2**14, one output being 2**24 itself. Exact against int64."""
@@ -715,6 +723,8 @@ def test_integer_convolution_is_exact_at_the_float32_bound():
     assert expected.max() == 2**24
     y = jax.jit(int_conv, static_argnums=0)(spec, jnp.asarray(w), jnp.asarray(x), jnp.ones(3), jnp.ones(()), None)
     assert_bitwise_equal(y, expected.astype(np.float32))
+    # On CPU the float32 convolution runs (XLA's integer one is much slower); elsewhere the int32 one.
+    assert convolution_types(spec, w, x) == ({"f32"} if jax.default_backend() == "cpu" else {"s32"})
 
 
 def test_integer_convolution_beyond_the_float32_bound_accumulates_in_int32():
@@ -727,6 +737,7 @@ def test_integer_convolution_beyond_the_float32_bound_accumulates_in_int32():
     assert np.any(expected.astype(np.float32).astype(np.int64) != expected)  # float32 cannot hold these sums
     y = jax.jit(int_conv, static_argnums=0)(spec, jnp.asarray(w), jnp.asarray(x), jnp.ones(2), jnp.ones(()), None)
     assert_bitwise_equal(y, expected.astype(np.float32))  # rounded once, from the exact sum
+    assert convolution_types(spec, w, x) == {"s32"}
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -918,3 +929,21 @@ def test_load_restores_static_quantizers_and_rejects_foreign_files(tmp_path):
         eqx_quant.load(foreign, like)
     with pytest.raises(ValueError, match="static quantizers"):
         eqx_quant.load(path, convert(eqx_quant.quantize(mlp)))
+
+
+@pytest.mark.parametrize(
+    "named, plain",
+    [
+        (LearnedFakeQuant(0.02, -8, 7, axis_name="model"), LearnedFakeQuant(0.02, -8, 7)),
+        (DynamicFakeQuant(8, axis=0, axis_name=("a", "b")), DynamicFakeQuant(8, axis=0)),
+    ],
+)
+def test_convert_drops_a_weight_quantizers_axis_name(named, plain):
+    """`axis_name` serves calls inside `jax.shard_map`; conversion sees the whole weight, outside any named axis."""
+    linear = init(lambda k: eqx.nn.Linear(6, 4, key=k), 61)
+    input_quant = FakeQuant(0.05, -128, 127)
+    converted = convert(QuantLinear(linear, weight_quant=named, input_quant=input_quant))
+    expected = convert(QuantLinear(linear, weight_quant=plain, input_quant=input_quant))
+    assert_bitwise_equal(converted.weight.values, expected.weight.values)
+    x = normal(62, (6,))
+    assert_bitwise_equal(converted(x), expected(x))

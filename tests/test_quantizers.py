@@ -1181,3 +1181,27 @@ def test_learned_leaves_are_float32_and_not_weakly_typed():
         assert q.scale.dtype == jnp.float32 and not q.scale.weak_type
     q = LearnedFakeQuant(0.25, 0, 15, zero_point=jnp.asarray(3))
     assert q.zero_point is not None and q.zero_point.dtype == jnp.float32 and not q.zero_point.weak_type
+
+
+def test_scale_nudges_match_nextafter_loop_up_to_the_largest_float():
+    """The scale fitting steps up by bit patterns; it must equal the plain `nextafter` loop everywhere, including
+    next to the largest float32 and at infinity, where stepping up stops."""
+    from eqx_quant._scales import _NUDGES, absmax_scale, minmax_scale
+
+    def nextafter_loop(absmax, qmax):
+        scale = jnp.maximum(absmax * (1.0 / qmax), _TINY)
+        for _ in range(_NUDGES):
+            scale = jnp.where(absmax * (1 / scale) > qmax, jnp.nextafter(scale, jnp.inf), scale)
+        return scale
+
+    big = np.finfo(np.float32).max
+    rng = np.random.default_rng(42)
+    absmax = np.concatenate(
+        [np.float32([big, np.nextafter(big, 0), np.inf, 3e38, 1.0, 0.0]), rng.lognormal(0, 20, 200).astype(np.float32)]
+    )
+    for qmax in (1, 7, 127, 255):
+        fitted = jax.jit(absmax_scale, static_argnums=1)(jnp.asarray(absmax), qmax)
+        assert_bitwise_equal(fitted, jax.jit(nextafter_loop, static_argnums=1)(jnp.asarray(absmax), qmax))
+        assert np.all(np.isfinite(np.asarray(fitted)[absmax < np.inf]) | (absmax[absmax < np.inf] > big / 2))
+    scale, zero_point = minmax_scale(jnp.float32(0.0), jnp.float32(big), 0, 1)
+    assert float(scale) == big and float(zero_point) == 0.0

@@ -17,7 +17,8 @@ EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
 
 
 def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + EIGHT_DEVICES).strip())
+    flags = (os.environ.get("XLA_FLAGS", "") + " " + EIGHT_DEVICES).strip()
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")  # virtual devices are CPU devices, even next to a GPU
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
