@@ -4,7 +4,8 @@ Run with `python benchmarks/train_step.py`. For the MLP 784-1024-1024-10 (ReLU, 
 SGD) and for the demo convnet (batch 64), it times the float model and the same model quantized with
 `eqx_quant.quantize` at W8A8 and W4A4 (weights per output channel, inputs per tensor, integer forward) and at W8A8
 with the float-matmul fallback (`matmul="float"`). Step times are medians of interleaved rounds; compile times are
-ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians over rounds.
+ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians over rounds. `temp MB` is the size
+of the temporary buffers XLA allocates for one step (`Compiled.memory_analysis()`).
 """
 
 import argparse
@@ -69,10 +70,12 @@ def _bench(title, model, x, y, rounds, repeats):
     variants = _variants(model)
     compiled = {}
     compile_times = {}
+    temp_bytes = {}
     for name, m in variants.items():
         fn, params, times = _measure(name, m, x, y, rounds, repeats)
         compiled[name] = (fn, params)
         compile_times[name] = statistics.median(times)
+        temp_bytes[name] = fn.memory_analysis().temp_size_in_bytes
     step_times = {name: [] for name in variants}
     for _ in range(rounds):  # interleaved, so that drifts in machine load hit every variant alike
         for name, (fn, params) in compiled.items():
@@ -84,12 +87,12 @@ def _bench(title, model, x, y, rounds, repeats):
     base_step = statistics.median(step_times["float"])
     base_compile = compile_times["float"]
     print(f"\n{title}")
-    print(f"{'variant':<20}{'step ms':>9}{'step ratio':>12}{'compile s':>11}{'compile ratio':>15}")
+    print(f"{'variant':<20}{'step ms':>9}{'step ratio':>12}{'compile s':>11}{'compile ratio':>15}{'temp MB':>9}")
     for name in variants:
         step = statistics.median(step_times[name])
         print(
             f"{name:<20}{1e3 * step:>9.2f}{step / base_step:>12.3f}{compile_times[name]:>11.2f}"
-            f"{compile_times[name] / base_compile:>15.3f}"
+            f"{compile_times[name] / base_compile:>15.3f}{temp_bytes[name] / 1e6:>9.2f}"
         )
 
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from ._fake_quant import prepare_scale, prepare_zero_point, quantize_levels
+from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
 from ._misc import compute_dtype, vary_alike
 from ._quantizers import QuantGrid
 
@@ -212,11 +212,27 @@ def _integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
 def _integer_forward_jvp(spec, primals, tangents):
     wq, xq, bias, w_int, x_int, w_scale, x_scale = primals
     y = _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias)
-    # The integers and scales carry no derivative of their own: the scales' reaches `wq` and `xq` through the
-    # quantizers, and counting it here as well would count it twice.
     float_op = functools.partial(_FLOAT_OPS[type(spec)], spec)
-    _, dy = jax.jvp(float_op, (wq, xq, bias), tuple(tangents[:3]))
+
+    # The tangent of the float formulation at the fake-quantized operands, which are rebuilt from the integers (bit
+    # for bit) inside `jax.checkpoint`: the backward pass keeps the integers and recomputes the float operands where
+    # it multiplies with them, so no full-size float copy of them is kept from the forward pass for it (nor made
+    # there at all: the forward computes on the integers). The integers and scales carry no derivative of their own:
+    # the scales' reaches `wq` and `xq` through the quantizers, and counting it here as well would count it twice.
+    @jax.checkpoint
+    def tangent(w_int, x_int, w_scale, x_scale, dw, dx, dbias):
+        operands = (_dequantized(w_int, w_scale, wq), _dequantized(x_int, x_scale, xq), bias)
+        return jax.jvp(float_op, operands, (dw, dx, dbias))[1]
+
+    dy = tangent(w_int, x_int, w_scale, x_scale, *tangents[:3])
     return y, dy.astype(y.dtype)
+
+
+def _dequantized(values: Array, scale: Array, like: Array) -> Array:
+    """`scale * values` with the dtype and shape of `like`: a fake-quantized operand, from its integers minus zero
+    point, computed as [`eqx_quant.fake_quant`][] computes it."""
+    compute = compute_dtype(like.dtype)
+    return dequantize_levels(values.astype(compute), scale, None).astype(like.dtype).reshape(like.shape)
 
 
 def per_tensor_grid(grid: QuantGrid, shape: tuple[int, ...]) -> bool:

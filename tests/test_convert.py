@@ -947,3 +947,33 @@ def test_convert_drops_a_weight_quantizers_axis_name(named, plain):
     assert_bitwise_equal(converted.weight.values, expected.weight.values)
     x = normal(62, (6,))
     assert_bitwise_equal(converted(x), expected(x))
+
+
+def test_integer_forward_keeps_integers_not_float_operands_for_the_backward():
+    """The backward pass multiplies with the fake-quantized operands, but keeps their integers from the forward pass
+    and rebuilds them: what `jax.vjp` keeps is the float model's residuals, the weights (for the straight-through
+    masks) and int8 arrays, and no second float array of a weight's or an activation's shape."""
+    mlp = init(lambda k: eqx.nn.MLP(12, 5, 16, 2, activation=jax.nn.relu, key=k), 71)
+    xs, c = normal(71, (6, 12)), normal(72, (6, 5))
+
+    def residuals(model):
+        params, static = eqx.partition(model, eqx.is_inexact_array)
+        _, pullback = jax.vjp(lambda p: _batched_loss(eqx.combine(p, static), xs, c), params)
+        leaves = [leaf for leaf in jax.tree.leaves(pullback) if isinstance(leaf, jax.Array) and leaf.ndim == 2]
+        count = {}
+        for leaf in leaves:
+            count[(leaf.dtype.name, leaf.shape)] = count.get((leaf.dtype.name, leaf.shape), 0) + 1
+        return count
+
+    float_res = residuals(mlp)
+    quant_res = residuals(eqx_quant.quantize(mlp, weights=DynamicFakeQuant(8, axis=0), activations=DynamicFakeQuant(8)))
+    weight_shapes = {(16, 12), (16, 16), (5, 16)}
+    for (dtype, shape), n in quant_res.items():
+        if 1 in shape:
+            continue  # scales: one per channel, or per example
+        if dtype == "float32":
+            allowed = float_res.get((dtype, shape), 0) + (1 if shape in weight_shapes else 0)
+            assert n <= allowed, (shape, n, float_res)
+        else:
+            assert dtype in ("int8", "bool"), dtype
+    assert ("int8", (16, 16)) in quant_res and ("int8", (6, 16)) in quant_res
