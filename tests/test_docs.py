@@ -10,6 +10,7 @@ only run.
 
 import ast
 import contextlib
+import html
 import inspect
 import io
 import pathlib
@@ -255,6 +256,9 @@ def test_built_site_renders_every_public_name(tmp_path: pathlib.Path) -> None:
     assert build.returncode == 0, build.stdout + build.stderr
     api_html = "".join(page.read_text(encoding="utf-8") for page in (site / "api").rglob("index.html"))
     assert ":::" not in api_html  # every `::: name` directive was rendered
+    # Signatures show their jaxtyping annotations, shapes included (the page's text without its markup).
+    primitives = html.unescape(re.sub(r"<[^>]+>", "", (site / "api" / "primitives" / "index.html").read_text("utf-8")))
+    assert 'scale: Real[ArrayLike, "*scale_shape"]' in primitives and '-> Float[Array, "*shape"]' in primitives
     missing = [name for name in _public_names() if f'id="eqx_quant.{name}"' not in api_html]
     assert not missing, f"public names without an entry in the built API pages: {missing}"
     assert '<h1 id="eqx_quant">eqx_quant' in (site / "index.html").read_text(encoding="utf-8")
