@@ -1,8 +1,8 @@
 """Sharded QAT: an MLP quantized with learned step sizes, trained on a `(data=4, model=2)` mesh of 8 devices.
 
-Run with `python examples/sharded_qat.py` (needs the `examples` extra for optax and scikit-learn's digits). On a
-machine with one CPU, XLA is asked for 8 virtual CPU devices; on a machine with 8 accelerators, the same code runs on
-them.
+Run with `python examples/sharded_qat.py` (needs the `examples` extra for optax and scikit-learn's digits). It needs
+8 devices: XLA is asked for 8 virtual CPU devices, which a CPU-only machine uses (next to an accelerator, set
+`JAX_PLATFORMS=cpu` to use them); on a machine with 8 accelerators the same code runs on those.
 
 The recipe:
 
