@@ -6,28 +6,16 @@ random data), converts it with `eqx_quant.convert`, and times jitted batched inf
 examples per second and the ratio integer / float.
 """
 
-import argparse
 import statistics
-import time
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import arguments, interleaved_times
 
 import eqx_quant
 from eqx_quant.demo import ConvNet
-
-
-def _throughput(fn, x, rounds, repeats):
-    jax.block_until_ready(fn(x))
-    times = []
-    for _ in range(rounds):
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(x))
-            times.append(time.perf_counter() - t0)
-    return x.shape[0] / statistics.median(times)
 
 
 def _bench(title, model, x, rounds, repeats):
@@ -39,11 +27,8 @@ def _bench(title, model, x, rounds, repeats):
     float_fn = eqx.filter_jit(jax.vmap(model))
     int_fn = eqx.filter_jit(jax.vmap(converted))
     fake_fn = eqx.filter_jit(jax.vmap(quantized))
-    rates = {"float32": [], "int8 (converted)": [], "fake-quant": []}
-    for _ in range(rounds):  # interleaved
-        rates["float32"].append(_throughput(lambda v: float_fn(v), x, 1, repeats))
-        rates["int8 (converted)"].append(_throughput(lambda v: int_fn(v), x, 1, repeats))
-        rates["fake-quant"].append(_throughput(lambda v: fake_fn(v), x, 1, repeats))
+    calls = {"float32": lambda: float_fn(x), "int8 (converted)": lambda: int_fn(x), "fake-quant": lambda: fake_fn(x)}
+    rates = {name: [x.shape[0] / t for t in times] for name, times in interleaved_times(calls, rounds, repeats).items()}
     base = statistics.median(rates["float32"])
     print(f"\n{title}")
     print(f"{'model':<20}{'examples/s':>14}{'ratio to float32':>18}")
@@ -52,11 +37,7 @@ def _bench(title, model, x, rounds, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+    args = arguments(__doc__, repeats=10)
     rng = np.random.default_rng(0)
     key = jax.random.key(0)
     mlp = eqx.nn.MLP(784, 10, 1024, 2, activation=jax.nn.relu, key=key)

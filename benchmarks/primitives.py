@@ -6,13 +6,12 @@ memory traffic: it reads `x` and `g` and writes two arrays of the same size. Tim
 of many repeats is reported.
 """
 
-import argparse
 import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import arguments, interleaved_times
 
 import eqx_quant
 
@@ -40,32 +39,16 @@ def floor_forward_backward(x, g):
     return jnp.clip(x, -1.0, 1.0), jnp.where(x > 0, g, 0.0)
 
 
-def _time(fn, *args, repeats):
-    jax.block_until_ready(fn(*args))  # compile and warm up
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        out.append(time.perf_counter() - t0)
-    return out
-
-
 def _median_pair(fn_a, fn_b, args, rounds, repeats):
-    a, b = [], []
-    for _ in range(rounds):  # interleave so that drifts in machine load hit both sides alike
-        a += _time(fn_a, *args, repeats=repeats)
-        b += _time(fn_b, *args, repeats=repeats)
-    return statistics.median(a), statistics.median(b)
+    times = interleaved_times({"a": lambda: fn_a(*args), "b": lambda: fn_b(*args)}, rounds, repeats)
+    return statistics.median(times["a"]), statistics.median(times["b"])
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=40)
-    args = parser.parse_args()
+    args = arguments(__doc__, repeats=40)
     rng = np.random.default_rng(0)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
-    print(f"{'elements':>10} {'fwd ms':>9} {'floor ms':>9} {'ratio':>6} {'fwd+bwd ms':>11} {'floor ms':>9} {'ratio':>6}")
+    print(f"{'elements':>10} {'fwd ms':>9} {'floor ms':>9} {'ratio':>6}", end=" ")
+    print(f"{'fwd+bwd ms':>11} {'floor ms':>9} {'ratio':>6}")
     for log2 in (16, 20, 22):
         n = 2**log2
         x = jnp.asarray(rng.standard_normal(n, dtype=np.float32))

@@ -8,7 +8,7 @@ ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians o
 of the temporary buffers XLA allocates for one step (`Compiled.memory_analysis()`).
 """
 
-import argparse
+import functools
 import statistics
 import time
 
@@ -16,6 +16,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from _timing import arguments, interleaved_times
 
 import eqx_quant
 from eqx_quant.demo import ConvNet
@@ -45,12 +46,10 @@ def _variants(model):
     return {"float": model, "W8A8": q(8), "W4A4": q(4), "W8A8 float-matmul": q(8, "float")}
 
 
-def _split(model):
-    return eqx.partition(model, eqx.is_inexact_array)
-
-
-def _measure(name, model, x, y, rounds, repeats):
-    params, static = _split(model)
+def _compiled_step(model, x, y, rounds):
+    """The jitted SGD step on the model's float arrays, compiled ahead of time, its arrays, and the compile times
+    (one per round, each after clearing JAX's caches)."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
 
     @jax.jit
     def step(params, x, y):
@@ -68,22 +67,13 @@ def _measure(name, model, x, y, rounds, repeats):
 
 def _bench(title, model, x, y, rounds, repeats):
     variants = _variants(model)
-    compiled = {}
-    compile_times = {}
-    temp_bytes = {}
+    calls, compile_times, temp_bytes = {}, {}, {}
     for name, m in variants.items():
-        fn, params, times = _measure(name, m, x, y, rounds, repeats)
-        compiled[name] = (fn, params)
+        fn, params, times = _compiled_step(m, x, y, rounds)
+        calls[name] = functools.partial(fn, params, x, y)
         compile_times[name] = statistics.median(times)
         temp_bytes[name] = fn.memory_analysis().temp_size_in_bytes
-    step_times = {name: [] for name in variants}
-    for _ in range(rounds):  # interleaved, so that drifts in machine load hit every variant alike
-        for name, (fn, params) in compiled.items():
-            jax.block_until_ready(fn(params, x, y))
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                jax.block_until_ready(fn(params, x, y))
-                step_times[name].append(time.perf_counter() - t0)
+    step_times = interleaved_times(calls, rounds, repeats)
     base_step = statistics.median(step_times["float"])
     base_compile = compile_times["float"]
     print(f"\n{title}")
@@ -97,11 +87,7 @@ def _bench(title, model, x, y, rounds, repeats):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+    args = arguments(__doc__, repeats=10)
     rng = np.random.default_rng(0)
     key = jax.random.key(0)
 

@@ -1,3 +1,4 @@
+import dataclasses
 import json
 import os
 import struct
@@ -33,15 +34,9 @@ def _frozen_input_quant(quantizer: Any) -> Any:
 def _whole_tensor(quantizer: AbstractFakeQuantizer) -> AbstractFakeQuantizer:
     """The quantizer as it applies to a whole weight: without the `axis_name` that let it see one shard of it inside
     `jax.shard_map` (conversion sees the whole weight, and the grid is the same)."""
-    if isinstance(quantizer, DynamicFakeQuant) and quantizer.axis_name is not None:
-        q = quantizer
-        return DynamicFakeQuant(
-            q.bits, signed=q.signed, narrow=q.narrow, axis=q.axis, group_size=q.group_size, symmetric=q.symmetric
-        )
-    if isinstance(quantizer, LearnedFakeQuant) and quantizer.axis_name is not None:
-        q = quantizer
-        return LearnedFakeQuant(q.scale, q.qmin, q.qmax, zero_point=q.zero_point, axis=q.axis, min_scale=q.min_scale)
-    return quantizer
+    if getattr(quantizer, "axis_name", None) is None:
+        return quantizer
+    return dataclasses.replace(quantizer, axis_name=None)  # pyright: ignore[reportArgumentType]
 
 
 def _sharded_like(tensor: QuantizedTensor, weight: Any) -> QuantizedTensor:

@@ -15,7 +15,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
-from ._misc import compute_dtype, vary_alike
+from ._misc import compute_dtype, expand_to_rank, vary_alike
 from ._quantizers import QuantGrid
 
 
@@ -64,14 +64,20 @@ def grid_levels(grid: QuantGrid) -> tuple[Array, Array, Array | None]:
     return quantize_levels(view.astype(compute), scale, zero_point, qmin, qmax), scale, zero_point
 
 
+def shift_levels(levels: Array, zero_point: Array | None, qmin: int, qmax: int) -> tuple[Array, int]:
+    """`levels - zero_point` for levels in `[qmin, qmax]` (a zero point of `None` is 0), in the narrowest integer dtype
+    that holds it, and a bound on its magnitude: an operand of the integer products."""
+    if zero_point is not None:
+        levels = levels.astype(zero_point.dtype) - expand_to_rank(zero_point, levels.ndim)
+    lo, hi = shifted_range(qmin, qmax, zero_point is not None)
+    return levels.astype(int_dtype(lo, hi)), max(-lo, hi)
+
+
 def integer_operand(grid: QuantGrid) -> IntOperand:
     """The integers of a grid minus its zero point, as [`eqx_quant.fake_quant`][] computes its levels."""
-    view, qmin, qmax = grid.view, grid.qmin, grid.qmax
     levels, scale, zero_point = grid_levels(grid)
-    if zero_point is not None:
-        levels = levels - zero_point.reshape((1,) * (view.ndim - zero_point.ndim) + zero_point.shape)
-    lo, hi = shifted_range(qmin, qmax, zero_point is not None)
-    return IntOperand(levels.astype(int_dtype(lo, hi)), scale, max(-lo, hi))
+    values, bound = shift_levels(levels, zero_point, grid.qmin, grid.qmax)
+    return IntOperand(values, scale, bound)
 
 
 def _common_int(a: Array, b: Array) -> tuple[Array, Array]:
@@ -83,6 +89,13 @@ class LinearSpec(NamedTuple):
     """Static description of an integer matrix-vector product: the longest contraction that int32 holds exactly."""
 
     chunk: int
+
+
+def linear_spec(w_bound: int, x_bound: int) -> LinearSpec | None:
+    """The spec of an integer product of operands bounded by `w_bound` and `x_bound` in magnitude, or `None` when a
+    single product may already overflow int32 (no integer product then)."""
+    chunk = safe_contraction(w_bound, x_bound)
+    return LinearSpec(chunk) if chunk >= 1 else None
 
 
 class ConvSpec(NamedTuple):
@@ -146,10 +159,9 @@ def int_conv(spec: ConvSpec, w: Array, x: Array, w_scale: Array, x_scale: Array,
     When every partial sum is at most `2**24` in magnitude (`K * product_bound <= 2**24` for a contraction of
     length `K`: symmetric 8-bit convolutions up to `K = 1024`, up to `K = 514` with an asymmetric 8-bit input), a
     float32 convolution of the same integers computes every sum exactly, in any order, and so gives the int32 result
-    bit for bit. On CPU that convolution is used instead, at
-    `Precision.HIGHEST`: XLA's CPU integer convolution is an order of magnitude slower than its float one. Other
-    platforms, whose float convolutions may use reduced precision or transform-based algorithms, keep the integer
-    convolution.
+    bit for bit. On CPU that convolution is used instead, at `Precision.HIGHEST`: XLA's CPU integer convolution is an
+    order of magnitude slower than its float one. Other platforms, whose float convolutions may use reduced precision
+    or transform-based algorithms, keep the integer convolution.
     """
     lhs, rhs = _common_int(x[None], w)
     conv = functools.partial(
@@ -193,7 +205,9 @@ def integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
 
     `wq` and `xq` are the fake-quantized weight and input (`scale * (levels - zero_point)`); `w_int`, `x_int` their
     integers minus zero points. The value is the integer product (or convolution); the derivative is that of the
-    float `wq @ xq + bias`, so that gradients continue through the quantizers' straight-through estimators.
+    float `wq @ xq + bias`, so that gradients continue through the quantizers' straight-through estimators. Only the
+    tangents of `wq` and `xq` (and their dtypes and shapes) are used: their values, where the derivative needs them,
+    are rebuilt from the integers, so that under `jit` the forward pass never computes them.
 
     The derivative is given as a JVP rule, which JAX transposes for reverse mode: under `jax.vmap`, the weight's
     gradient is then one matrix product over the batch, as for a float layer, never a per-example outer product

@@ -105,8 +105,12 @@ def _check_float_input(x: Array) -> None:
 AxisName = str | tuple[str, ...]
 
 
+def _axis_names(axis_name: object) -> tuple:
+    return () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
 def _check_axis_name(axis_name: object) -> None:
-    names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+    names = _axis_names(axis_name)
     if axis_name is not None and not (names and all(isinstance(n, str) and n for n in names)):
         raise TypeError(f"`axis_name` must be None, a non-empty str or a tuple of them, got axis_name={axis_name!r}.")
 
@@ -120,9 +124,8 @@ def _unbound(axis_name: AxisName, error: NameError) -> ValueError:
 
 def _shards(axis_name: AxisName | None) -> int:
     """The number of shards that `x` is split into along the named axes (1 for none)."""
-    names = () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
     try:
-        return math.prod(jax.lax.axis_size(name) for name in names)
+        return math.prod(jax.lax.axis_size(name) for name in _axis_names(axis_name))
     except NameError as error:
         raise _unbound(axis_name, error) from error  # pyright: ignore[reportArgumentType]
 

@@ -237,17 +237,21 @@ def run(
         "ptq": {},
         "qat": {},
     }
+
+    def summary(model: eqx.Module, w_bits: int, wall: float, tag: str) -> dict:
+        return {
+            "accuracy": accuracy(model, x_test, y_test),
+            "weight_bytes": weight_bytes(model, w_bits),
+            "wall_time_s": wall,
+            **deployed(model, x_test, y_test, models, tag),
+        }
+
     ptq_models = {}
     for name in configs:
         w_bits, a_bits = parse_config(name)
         model, wall = _timed(calibrated, quantized(float_model, w_bits, a_bits), x_calibration, a_bits)
         ptq_models[name] = model
-        results["ptq"][name] = {
-            "accuracy": accuracy(model, x_test, y_test),
-            "weight_bytes": weight_bytes(model, w_bits),
-            "wall_time_s": wall,
-            **deployed(model, x_test, y_test, models, f"ptq_{name}"),
-        }
+        results["ptq"][name] = summary(model, w_bits, wall, f"ptq_{name}")
     for name in configs:
         w_bits, a_bits = parse_config(name)
 
@@ -256,13 +260,7 @@ def run(
             train, ptq_models[name], x_train, y_train, epochs=qat_epochs, learning_rate=QAT_LEARNING_RATE,
             description=f"QAT {name}", **common,
         )  # fmt: skip
-        results["qat"][name] = {
-            "accuracy": accuracy(model, x_test, y_test),
-            "weight_bytes": weight_bytes(model, w_bits),
-            "wall_time_s": wall,
-            "losses": losses,
-            **deployed(model, x_test, y_test, models, f"qat_{name}"),
-        }
+        results["qat"][name] = {**summary(model, w_bits, wall, f"qat_{name}"), "losses": losses}
     results["config"] = {
         "epochs": epochs,
         "qat_epochs": qat_epochs,

@@ -8,15 +8,14 @@ from jaxtyping import Array, ArrayLike, Float, Int, Integer, PRNGKeyArray
 
 from .._fake_quant import dequantize_levels
 from .._int_ops import (
-    LinearSpec,
     grid_levels,
     int_conv,
     int_dtype,
     int_linear,
     integer_operand,
+    linear_spec,
     per_tensor_grid,
-    safe_contraction,
-    shifted_range,
+    shift_levels,
 )
 from .._packing import pack_int4, unpack_int4
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, QuantGrid
@@ -103,11 +102,7 @@ class QuantizedTensor(eqx.Module):
     def shifted(self) -> tuple[Array, int]:
         """The integers minus the zero point, as [`eqx_quant.nn.QuantLinear`][]'s integer forward computes them,
         and a bound on their magnitude."""
-        lo, hi = shifted_range(self.qmin, self.qmax, self.zero_point is not None)
-        levels = self.levels()
-        if self.zero_point is not None:
-            levels = levels.astype(self.scale.dtype) - self.zero_point
-        return levels.astype(int_dtype(lo, hi)), max(-lo, hi)
+        return shift_levels(self.levels(), self.zero_point, self.qmin, self.qmax)
 
     @property
     def nbytes(self) -> int:
@@ -183,8 +178,8 @@ class IntLinear(AbstractIntLayer):
             if x_int is None:
                 return self._float_path(x, key)
             w_values, w_bound = self.weight.shifted()
-            spec = LinearSpec(safe_contraction(w_bound, x_int.bound))
-            if spec.chunk < 1:
+            spec = linear_spec(w_bound, x_int.bound)
+            if spec is None:
                 return self._float_path(x, key)
             y = int_linear(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias)
             return scalar_output(layer, y.astype(self.weight.dtype))
@@ -215,9 +210,9 @@ class IntConv(AbstractIntLayer):
             if x_int is None:
                 return self._float_path(x, key)
             w_values, w_bound = self.weight.shifted()
-            if math.prod(self.weight.shape[1:]) > safe_contraction(w_bound, x_int.bound):
+            spec = conv_spec(layer, self.weight.shape, w_bound, x_int.bound)
+            if spec is None:
                 return self._float_path(x, key)
-            spec = conv_spec(layer, w_bound, x_int.bound)
             y = int_conv(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias)
             return y.astype(self.weight.dtype)
 

@@ -1,3 +1,4 @@
+import math
 from typing import Literal
 
 import equinox as eqx
@@ -7,9 +8,9 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import (
     ConvSpec,
-    LinearSpec,
     integer_forward,
     integer_operand,
+    linear_spec,
     per_channel_grid,
     per_tensor_grid,
     safe_contraction,
@@ -150,8 +151,8 @@ class QuantLinear(AbstractQuantLayer):
                 return self._float_path(x, key)
             w_grid, x_grid = grids
             w_int, x_int = integer_operand(w_grid), integer_operand(x_grid)
-            spec = LinearSpec(safe_contraction(w_int.bound, x_int.bound))
-            if spec.chunk < 1:
+            spec = linear_spec(w_int.bound, x_int.bound)
+            if spec is None:
                 return self._float_path(x, key)
             wq = apply_grid(w_grid, layer.weight.shape)
             xq = apply_grid(x_grid, vector.shape)
@@ -164,7 +165,11 @@ def scalar_output(layer: eqx.nn.Linear, y: Array) -> Array:
     return jnp.squeeze(y) if layer.out_features == "scalar" else y
 
 
-def conv_spec(layer: eqx.nn.Conv, w_bound: int, x_bound: int) -> ConvSpec:
+def conv_spec(layer: eqx.nn.Conv, weight_shape: tuple[int, ...], w_bound: int, x_bound: int) -> ConvSpec | None:
+    """The spec of `layer`'s integer convolution with a weight of `weight_shape` and operands bounded by `w_bound`
+    and `x_bound`, or `None` when its contraction is longer than int32 holds exactly (a convolution is not split)."""
+    if math.prod(weight_shape[1:]) > safe_contraction(w_bound, x_bound):
+        return None
     return ConvSpec(tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation), layer.groups, w_bound * x_bound)
 
 
@@ -225,11 +230,11 @@ class QuantConv(AbstractQuantLayer):
                 return self._float_path(x, key)
             w_grid, x_grid = grids
             w_int, x_int = integer_operand(w_grid), integer_operand(x_grid)
-            if layer.weight.size // layer.weight.shape[0] > safe_contraction(w_int.bound, x_int.bound):
+            spec = conv_spec(layer, layer.weight.shape, w_int.bound, x_int.bound)
+            if spec is None:
                 return self._float_path(x, key)
             wq = apply_grid(w_grid, layer.weight.shape)
             xq = apply_grid(x_grid, x.shape)
-            spec = conv_spec(layer, w_int.bound, x_int.bound)
             y = integer_forward(spec, wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale)
             return y.astype(layer.weight.dtype)
 

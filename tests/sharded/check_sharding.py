@@ -214,20 +214,18 @@ def test_quantize_keeps_shardings_and_places_learned_scales_with_their_channels(
         np.testing.assert_allclose(np.asarray(scale), np.asarray(single.scale), rtol=1e-6)
 
 
-def _int_layers(model):
-    return [leaf for leaf in jax.tree.leaves(model, is_leaf=lambda n: isinstance(n, IntLinear | IntConv))
-            if isinstance(leaf, IntLinear | IntConv)]  # fmt: skip
+def layers_of(model, types):
+    """The nodes of `model` that are instances of `types`, in order."""
+    is_layer = lambda n: isinstance(n, types)  # noqa: E731
+    return [leaf for leaf in jax.tree.leaves(model, is_leaf=is_layer) if is_layer(leaf)]
 
 
 @pytest.mark.parametrize("kind, variant", [c for c in STEP_CASES if c[1] in ("dynamic", "static", "w4a4", "learned")])
 def test_convert_shards_integers_like_weights(kind, variant):
     (_, _, _), (model_8, _, _), _ = trained(kind, variant)
     converted = eqx_quant.convert(model_8)
-    quant_layers = [
-        leaf for leaf in jax.tree.leaves(model_8, is_leaf=lambda n: isinstance(n, AbstractQuantLayer))
-        if isinstance(leaf, AbstractQuantLayer)
-    ]  # fmt: skip
-    int_layers = _int_layers(converted)
+    quant_layers = layers_of(model_8, AbstractQuantLayer)
+    int_layers = layers_of(converted, IntLinear | IntConv)
     assert len(int_layers) == len(quant_layers) > 0
     for quant, integer in zip(quant_layers, int_layers, strict=True):
         weight = quant.layer.weight
@@ -303,16 +301,11 @@ def test_calibrate_sharded_model_matches_single_device():
     single = eqx_quant.calibrate(quantized("convnet", "dynamic"), batches)
     sharded_batches = [jax.device_put(b, NamedSharding(AUTO, P("data", None, None, None))) for b in batches]
     sharded = eqx_quant.calibrate(quantized("convnet", "dynamic", AUTO), sharded_batches)
-    for a, b in zip(_quant_layers(sharded), _quant_layers(single), strict=True):
+    for a, b in zip(layers_of(sharded, AbstractQuantLayer), layers_of(single, AbstractQuantLayer), strict=True):
         # The statistics are those of float activations, whose sums depend on the layout: equal up to rounding.
         assert (a.input_quant.qmin, a.input_quant.qmax) == (b.input_quant.qmin, b.input_quant.qmax)
         np.testing.assert_allclose(a.input_quant.scale, b.input_quant.scale, rtol=1e-6)
         assert a.layer.weight.sharding.spec == P("model", *([None] * (a.layer.weight.ndim - 1)))
-
-
-def _quant_layers(model):
-    is_layer = lambda n: isinstance(n, AbstractQuantLayer)  # noqa: E731
-    return [leaf for leaf in jax.tree.leaves(model, is_leaf=is_layer) if is_layer(leaf)]
 
 
 def test_shard_map_per_tensor_statistics_with_axis_name():
