@@ -6,6 +6,10 @@ SGD) and for the demo convnet (batch 64), it times the float model and the same 
 with the float-matmul fallback (`matmul="float"`). Step times are medians of interleaved rounds; compile times are
 ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians over rounds. `temp MB` is the size
 of the temporary buffers XLA allocates for one step (`Compiled.memory_analysis()`).
+
+For the MLP, a last row times a floor: the least work that a W8A8 step with an integer forward and the float
+backward of the fake-quant formulation must do. Each layer only casts its weight and input to int8 (no scales,
+rounding, clipping or straight-through masks) for the int8 product, and its backward is the float layer's.
 """
 
 import functools
@@ -46,6 +50,34 @@ def _variants(model):
     return {"float": model, "W8A8": q(8), "W4A4": q(4), "W8A8 float-matmul": q(8, "float")}
 
 
+class _CastLinear(eqx.Module):
+    """The floor of a W8A8 training step with an integer forward: an `eqx.nn.Linear` whose forward casts its weight
+    and input to int8 (no scale, no rounding, no clipping: the least work that produces int8 operands) and multiplies
+    them with int32 accumulation, and whose derivative is the float layer's, as in eqx_quant's integer forward."""
+
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        return _cast_product(self.linear.weight, x) + self.linear.bias
+
+
+@jax.custom_jvp
+def _cast_product(w, x):
+    dims = (((0,), (1,)), ((), ()))
+    acc = jax.lax.dot_general(x.astype(jnp.int8), w.astype(jnp.int8), dims, preferred_element_type=jnp.int32)
+    return acc.astype(jnp.float32)
+
+
+@_cast_product.defjvp
+def _cast_product_jvp(primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    return _cast_product(w, x), dw @ x + w @ dx
+
+
+def _floor(mlp: eqx.nn.MLP) -> eqx.nn.MLP:
+    return eqx.tree_at(lambda m: m.layers, mlp, tuple(_CastLinear(layer) for layer in mlp.layers))
+
+
 def _compiled_step(model, x, y, rounds):
     """The jitted SGD step on the model's float arrays, compiled ahead of time, its arrays, and the compile times
     (one per round, each after clearing JAX's caches)."""
@@ -65,8 +97,10 @@ def _compiled_step(model, x, y, rounds):
     return compiled, params, compile_times
 
 
-def _bench(title, model, x, y, rounds, repeats):
+def _bench(title, model, x, y, rounds, repeats, floor=None):
     variants = _variants(model)
+    if floor is not None:
+        variants["floor (casts only)"] = floor
     calls, compile_times, temp_bytes = {}, {}, {}
     for name, m in variants.items():
         fn, params, times = _compiled_step(m, x, y, rounds)
@@ -94,7 +128,7 @@ def main():
     mlp = eqx.nn.MLP(784, 10, 1024, 2, activation=jax.nn.relu, key=key)
     x = jnp.asarray(rng.standard_normal((256, 784), dtype=np.float32))
     y = jnp.asarray(rng.integers(0, 10, 256, dtype=np.int32))
-    _bench("MLP 784-1024-1024-10, batch 256", mlp, x, y, args.rounds, args.repeats)
+    _bench("MLP 784-1024-1024-10, batch 256", mlp, x, y, args.rounds, args.repeats, floor=_floor(mlp))
 
     convnet = ConvNet(key)
     x = jnp.asarray(rng.uniform(0, 1, (64, 1, 8, 8)).astype(np.float32))

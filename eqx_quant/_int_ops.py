@@ -134,16 +134,18 @@ def int_linear(spec: LinearSpec, w: Array, x: Array, w_scale: Array, x_scale: Ar
 
     Contractions longer than `spec.chunk` are split into chunks whose int32 results are summed in float32.
     """
-    lhs, rhs = _common_int(w, x)
-    dims = (((1,), (0,)), ((), ()))
-    k = rhs.shape[0]
+    # `x` is the left operand: under `jax.vmap` over inputs, XLA's CPU integer product is faster with the batch as
+    # the rows of its result than as the columns (as `w @ x` would give). An exact sum does not depend on the order.
+    x, w = _common_int(x, w)
+    dims = (((0,), (1,)), ((), ()))
+    k = x.shape[0]
     if k <= spec.chunk:
-        acc = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32)
+        acc = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)
     else:
-        acc = jnp.zeros(lhs.shape[0], jnp.float32)
+        acc = jnp.zeros(w.shape[0], jnp.float32)
         for start in range(0, k, spec.chunk):
             part = jax.lax.dot_general(
-                lhs[:, start : start + spec.chunk], rhs[start : start + spec.chunk], dims,
+                x[start : start + spec.chunk], w[:, start : start + spec.chunk], dims,
                 preferred_element_type=jnp.int32,
             )  # fmt: skip
             acc = acc + part.astype(jnp.float32)

@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from ._misc import expand_to_rank
+
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
 _NUDGES = 4  # at most two are ever needed in float32; see `absmax_scale`
@@ -17,7 +19,8 @@ _NUDGES = 4  # at most two are ever needed in float32; see `absmax_scale`
 
 def _lands_inside(x: Array, scale: Array, zero_point: Array | float, qmin: int, qmax: int) -> Array:
     """Whether `x / scale + zero_point` lies in `[qmin, qmax]` with the arithmetic of `fake_quant`'s mask."""
-    v = x * (1 / scale)
+    v = expand_to_rank(x, scale.ndim) * (1 / scale)
+    zero_point = expand_to_rank(jnp.asarray(zero_point), scale.ndim)
     return (v >= qmin - zero_point) & (v <= qmax - zero_point)
 
 
@@ -25,17 +28,21 @@ def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
     """The first of `scale` and the `_NUDGES` float32 values above it for which `fits` holds (else the last of them).
 
     This is the loop `scale = where(fits(scale), scale, nextafter(scale, inf))` run `_NUDGES` times, written so that
-    XLA fuses it into one small kernel. `fits` must be monotone (once true, true for every larger scale), so that the
-    number of candidates that do not fit is the number of steps up. For positive floats the order of the bit
-    patterns is the order of the values: the `k`-th float above `scale` is its bit pattern plus `k`, up to infinity,
-    where `nextafter` stops too (and a NaN stays NaN).
+    XLA compiles it into one small kernel: `fits` is called once, on every candidate at once, stacked along a new
+    leading axis (to whose rank it must expand its other operands). `fits` must be monotone (once true, true for
+    every larger scale), so that the number of candidates that do not fit is the number of steps up. For positive
+    floats the order of the bit patterns is the order of the values: the `k`-th float above `scale` is its bit
+    pattern plus `k`, up to infinity, where `nextafter` stops too (and a NaN stays NaN).
     """
-    bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
     inf_bits = jnp.int32(0x7F800000)
-    up = lambda k: jax.lax.bitcast_convert_type(  # noqa: E731
-        jnp.where(bits >= inf_bits, bits, jnp.minimum(bits + k, inf_bits)), jnp.float32
-    )
-    steps = sum(jnp.where(fits(up(k)), 0, 1) for k in range(_NUDGES))
+
+    def up(k):  # the `k`-th float above `scale`, stopping at infinity; `k` may have more axes (leading)
+        bits = expand_to_rank(jax.lax.bitcast_convert_type(scale, jnp.int32), k.ndim)
+        bits = jnp.where(bits >= inf_bits, bits, jnp.minimum(bits + k, inf_bits))
+        return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+    k = jnp.arange(_NUDGES, dtype=jnp.int32).reshape((_NUDGES,) + (1,) * scale.ndim)
+    steps = jnp.sum(~fits(up(k)), axis=0, dtype=jnp.int32)
     return up(steps)
 
 
@@ -48,7 +55,7 @@ def absmax_scale(absmax: Float[Array, "*c"], qmax: int) -> Float[Array, "*c"]:
     """
     absmax = absmax.astype(jnp.float32)
     scale = jnp.maximum(absmax * (1.0 / qmax), _TINY)
-    return _first_fitting(scale, lambda s: absmax * (1 / s) <= qmax)
+    return _first_fitting(scale, lambda s: expand_to_rank(absmax, s.ndim) * (1 / s) <= qmax)
 
 
 def minmax_scale(

@@ -599,6 +599,8 @@ def test_batched_int_path_gradients_equal_fake_quant_gradients_and_sum_over_the_
     program = value_and_grad.lower(as_int, xs, c).as_text()  # the StableHLO that JAX emits, before XLA's rewrites
     assert "tensor<6x16x12xf32>" not in program and "tensor<6x5x16xf32>" not in program
     assert "tensor<16x12xf32>" in program  # (the weight's gradient is there, summed)
+    # the integer product has the batch along its rows (XLA's CPU int8 product is faster that way)
+    assert "tensor<6x16xi32>" in program and "tensor<16x6xi32>" not in program
 
 
 def test_qat_training_loop_traces_once():
