@@ -4,8 +4,10 @@ Run with `python benchmarks/train_step.py`. For the MLP 784-1024-1024-10 (ReLU, 
 SGD) and for the demo convnet (batch 64), it times the float model and the same model quantized with
 `eqx_quant.quantize` at W8A8 and W4A4 (weights per output channel, inputs per tensor, integer forward) and at W8A8
 with the float-matmul fallback (`matmul="float"`). Step times are medians of interleaved rounds; compile times are
-ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians over rounds. `temp MB` is the size
-of the temporary buffers XLA allocates for one step (`Compiled.memory_analysis()`).
+ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians over rounds; `trace s` is the part
+of it before XLA (JAX tracing the step and lowering it), and `kernels` the number of fused kernels in XLA's
+optimised program. `temp MB` is the size of the temporary buffers XLA allocates for one step
+(`Compiled.memory_analysis()`).
 
 For the MLP, a last row times a floor: the least work that a W8A8 step with an integer forward and the float
 backward of the fake-quant formulation must do. Each layer only casts its weight and input to int8 (no scales,
@@ -79,8 +81,8 @@ def _floor(mlp: eqx.nn.MLP) -> eqx.nn.MLP:
 
 
 def _compiled_step(model, x, y, rounds):
-    """The jitted SGD step on the model's float arrays, compiled ahead of time, its arrays, and the compile times
-    (one per round, each after clearing JAX's caches)."""
+    """The jitted SGD step on the model's float arrays, compiled ahead of time, its arrays, and per round (each after
+    clearing JAX's caches) the time JAX takes to trace and lower it and the time XLA takes to compile that."""
     params, static = eqx.partition(model, eqx.is_inexact_array)
 
     @jax.jit
@@ -88,35 +90,44 @@ def _compiled_step(model, x, y, rounds):
         new, loss = _step(eqx.combine(params, static), x, y)
         return eqx.filter(new, eqx.is_inexact_array), loss
 
-    compile_times = []
+    trace_times, xla_times = [], []
     for _ in range(rounds):
         jax.clear_caches()
         t0 = time.perf_counter()
-        compiled = step.lower(params, x, y).compile()
-        compile_times.append(time.perf_counter() - t0)
-    return compiled, params, compile_times
+        lowered = step.lower(params, x, y)
+        t1 = time.perf_counter()
+        compiled = lowered.compile()
+        trace_times.append(t1 - t0)
+        xla_times.append(time.perf_counter() - t1)
+    return compiled, params, trace_times, xla_times
 
 
 def _bench(title, model, x, y, rounds, repeats, floor=None):
     variants = _variants(model)
     if floor is not None:
         variants["floor (casts only)"] = floor
-    calls, compile_times, temp_bytes = {}, {}, {}
+    calls, compile_times, trace_times, kernels, temp_bytes = {}, {}, {}, {}, {}
     for name, m in variants.items():
-        fn, params, times = _compiled_step(m, x, y, rounds)
+        fn, params, traces, xla = _compiled_step(m, x, y, rounds)
         calls[name] = functools.partial(fn, params, x, y)
-        compile_times[name] = statistics.median(times)
+        compile_times[name] = statistics.median(t + c for t, c in zip(traces, xla))
+        trace_times[name] = statistics.median(traces)
+        kernels[name] = fn.as_text().count(" fusion(")  # XLA's fused kernels in the optimised program
         temp_bytes[name] = fn.memory_analysis().temp_size_in_bytes
     step_times = interleaved_times(calls, rounds, repeats)
     base_step = statistics.median(step_times["float"])
     base_compile = compile_times["float"]
     print(f"\n{title}")
-    print(f"{'variant':<20}{'step ms':>9}{'step ratio':>12}{'compile s':>11}{'compile ratio':>15}{'temp MB':>9}")
+    print(
+        f"{'variant':<20}{'step ms':>9}{'step ratio':>12}{'compile s':>11}{'compile ratio':>15}{'trace s':>9}"
+        f"{'kernels':>9}{'temp MB':>9}"
+    )
     for name in variants:
         step = statistics.median(step_times[name])
         print(
             f"{name:<20}{1e3 * step:>9.2f}{step / base_step:>12.3f}{compile_times[name]:>11.2f}"
-            f"{compile_times[name] / base_compile:>15.3f}{temp_bytes[name] / 1e6:>9.2f}"
+            f"{compile_times[name] / base_compile:>15.3f}{trace_times[name]:>9.2f}{kernels[name]:>9}"
+            f"{temp_bytes[name] / 1e6:>9.2f}"
         )
 
 
