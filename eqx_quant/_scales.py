@@ -17,10 +17,10 @@ _TINY = float(jnp.finfo(jnp.float32).tiny)
 _NUDGES = 4  # at most two are ever needed in float32; see `absmax_scale`
 
 
-def _lands_inside(x: Array, scale: Array, zero_point: Array | float, qmin: int, qmax: int) -> Array:
+def _lands_inside(x: Array, scale: Array, zero_point: Array, qmin: int, qmax: int) -> Array:
     """Whether `x / scale + zero_point` lies in `[qmin, qmax]` with the arithmetic of `fake_quant`'s mask."""
     v = expand_to_rank(x, scale.ndim) * (1 / scale)
-    zero_point = expand_to_rank(jnp.asarray(zero_point), scale.ndim)
+    zero_point = expand_to_rank(zero_point, scale.ndim)
     return (v >= qmin - zero_point) & (v <= qmax - zero_point)
 
 
@@ -34,10 +34,11 @@ def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
     floats the order of the bit patterns is the order of the values: the `k`-th float above `scale` is its bit
     pattern plus `k`, up to infinity, where `nextafter` stops too (and a NaN stays NaN).
     """
+    scale_bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
     inf_bits = jnp.int32(0x7F800000)
 
     def up(k):  # the `k`-th float above `scale`, stopping at infinity; `k` may have more axes (leading)
-        bits = expand_to_rank(jax.lax.bitcast_convert_type(scale, jnp.int32), k.ndim)
+        bits = expand_to_rank(scale_bits, k.ndim)
         bits = jnp.where(bits >= inf_bits, bits, jnp.minimum(bits + k, inf_bits))
         return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
