@@ -13,6 +13,7 @@ from ._misc import check_int
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
 from ._ranges import int_range
 from ._scales import absmax_scale, finite_or, minmax_scale, stats
+from ._tree import nodes
 from .nn._layers import (
     AbstractQuantLayer,
     QuantConv,
@@ -28,25 +29,6 @@ QuantizerSpec: TypeAlias = AbstractQuantizer | Factory | Mapping[str, "AbstractQ
 Where: TypeAlias = Callable[[str, eqx.Module], bool] | str | None
 
 _FLOAT_LAYERS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
-
-
-def path_string(path: tuple) -> str:
-    """A key path as eqx_quant names layers: `layers.0`, `blocks.conv`, `heads.key` (dict keys and attributes alike)."""
-    return jax.tree_util.keystr(path, simple=True, separator=".")
-
-
-def _map_nodes(model: PyTree, types: tuple[type, ...], fn: Callable[[str, Any], Any]) -> PyTree:
-    """Replaces every node of `model` that is an instance of `types` by `fn(path, node)`; other leaves are kept."""
-    is_node = lambda node: isinstance(node, types)  # noqa: E731
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)
-    new = [fn(path_string(path), leaf) if is_node(leaf) else leaf for path, leaf in leaves]
-    return jax.tree_util.tree_unflatten(treedef, new)
-
-
-def _nodes(model: PyTree, types: tuple[type, ...]) -> list[tuple[str, Any]]:
-    is_node = lambda node: isinstance(node, types)  # noqa: E731
-    leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)[0]
-    return [(path_string(path), leaf) for path, leaf in leaves if is_node(leaf)]
 
 
 def _resolve(name: str, spec: object, path: str, layer: eqx.Module) -> AbstractQuantizer | None:
@@ -141,7 +123,7 @@ def quantize(
     if matmul not in ("int", "float"):
         raise ValueError(f"`matmul` must be 'int' or 'float', got matmul={matmul!r}.")
     select = _selector(where)
-    layers = _nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,))
+    layers = nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,))
     if not layers:
         raise ValueError("`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer to quantize.")
     candidates = [(path, layer) for path, layer in layers if isinstance(layer, _FLOAT_LAYERS)]
@@ -165,7 +147,7 @@ def quantize(
         wrapper = QuantLinear if isinstance(layer, eqx.nn.Linear) else QuantConv
         return wrapper(layer, weight_quant=weight_quant, input_quant=input_quant, matmul=matmul)
 
-    return _map_nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,), wrap)
+    return mapnodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,), wrap)
 
 
 def dequantize(model: PyTree) -> PyTree:
@@ -180,7 +162,7 @@ def dequantize(model: PyTree) -> PyTree:
 
     The float model, whose leaves are exactly the wrapped layers' leaves (after training, the trained ones).
     """
-    return _map_nodes(model, (AbstractQuantLayer,), lambda path, layer: layer.layer)
+    return mapnodes(model, (AbstractQuantLayer,), lambda path, layer: layer.layer)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -265,7 +247,7 @@ def _calibration_step(observed: PyTree, batch: PyTree, batched: bool, inputs: di
 
 
 def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer]]:
-    layers = _nodes(model, (AbstractQuantLayer,))
+    layers = nodes(model, (AbstractQuantLayer,))
     return [(path, layer) for path, layer in layers if isinstance(layer.input_quant, (DynamicFakeQuant, FakeQuant))]
 
 
@@ -284,7 +266,7 @@ def _observe(model: PyTree, statistic: Callable[[Array, Array | None], dict[str,
             return layer
         return eqx.tree_at(lambda l: l.input_quant, layer, _Observer(path, statistic))
 
-    return _map_nodes(model, (AbstractQuantLayer,), swap)
+    return mapnodes(model, (AbstractQuantLayer,), swap)
 
 
 def _threshold_from_histogram(
@@ -411,7 +393,7 @@ def calibrate(
             scale = absmax_scale(jnp.asarray(threshold, jnp.float32), qmax)
         return eqx.tree_at(lambda l: l.input_quant, layer, FakeQuant(float(scale), qmin, qmax, zero_point=zero_point))
 
-    return _map_nodes(model, (AbstractQuantLayer,), replace)
+    return mapnodes(model, (AbstractQuantLayer,), replace)
 
 
 def _fold(model, batches, statistic, batched, inputs) -> dict[str, dict[str, Array]]:

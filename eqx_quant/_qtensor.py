@@ -1,0 +1,102 @@
+"""A tensor stored as integers on a quantization grid."""
+
+import math
+
+import equinox as eqx
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, ArrayLike, Float, Int, Integer
+
+from ._fake_quant import dequantize_levels
+from ._int_ops import grid_levels, int_dtype, shift_levels
+from ._packing import pack_int4, unpack_int4
+from ._quantizers import QuantGrid
+
+
+def fits_in_nibble(qmin: int, qmax: int) -> bool:
+    """Whether a grid is stored as 4-bit values: within [-8, 7] (two's complement) or [0, 15] (unsigned)."""
+    return (-8 <= qmin and qmax <= 7) or (0 <= qmin and qmax <= 15)
+
+
+class QuantizedTensor(eqx.Module):
+    """A tensor stored as integers on a quantization grid, with its float scale and zero point.
+
+    The integers are `clip(round(x / scale) + zero_point, qmin, qmax)`, computed by the same arithmetic as
+    [`eqx_quant.fake_quant`][], so that [`eqx_quant.nn.QuantizedTensor.dequantize`][] returns, bit for bit, what the
+    fake quantizer returned. Grids of at most 4 bits are packed two values per byte ([`eqx_quant.pack_int4`][]),
+    wider grids use the narrowest of int8, int16 and int32.
+    """
+
+    values: Integer[Array, "*values_shape"]
+    scale: Float[Array, "*scale_shape"]
+    zero_point: Float[Array, "*zero_point_shape"] | None
+    shape: tuple[int, ...] = eqx.field(static=True)
+    view_shape: tuple[int, ...] = eqx.field(static=True)
+    qmin: int = eqx.field(static=True)
+    qmax: int = eqx.field(static=True)
+    packed: bool = eqx.field(static=True)
+    dtype: str = eqx.field(static=True)
+
+    @classmethod
+    def from_grid(cls, grid: QuantGrid, shape: tuple[int, ...], dtype: np.dtype) -> "QuantizedTensor":
+        """Quantizes `grid.view` onto its grid and stores the integers.
+
+        **Arguments:**
+
+        - `grid`: a grid from an [`eqx_quant.AbstractFakeQuantizer`][]'s `grid` method.
+        - `shape`: the shape of the tensor (the view may be grouped).
+        - `dtype`: the floating dtype that dequantization returns.
+
+        **Returns:**
+
+        A [`eqx_quant.nn.QuantizedTensor`][].
+        """
+        view, qmin, qmax = grid.view, grid.qmin, grid.qmax
+        levels, scale, zp = grid_levels(grid)
+        rank = len(view.shape)
+        scale = scale.reshape((1,) * (rank - scale.ndim) + scale.shape)
+        zp = None if zp is None else zp.reshape((1,) * (rank - zp.ndim) + zp.shape)
+        packed = fits_in_nibble(qmin, qmax)
+        if packed:
+            rows = view.shape[0] if rank else 1
+            values = pack_int4(levels.reshape(rows, -1).astype(jnp.int8))
+        else:
+            values = levels.astype(int_dtype(qmin, qmax))
+        return cls(values, scale, zp, tuple(shape), tuple(view.shape), qmin, qmax, packed, np.dtype(dtype).name)
+
+    def levels(self) -> Int[Array, "*view_shape"]:
+        """The integer levels, unpacked, with the shape of the view."""
+        if not self.packed:
+            return self.values
+        per_row = math.prod(self.view_shape[1:]) if self.view_shape else 1
+        return unpack_int4(self.values, per_row, signed=self.qmin < 0).reshape(self.view_shape)
+
+    def dequantize(self) -> Float[Array, "*shape"]:
+        """`scale * (levels - zero_point)`, reshaped to `shape`: the fake-quantized tensor."""
+        levels = self.levels().astype(self.scale.dtype)
+        return dequantize_levels(levels, self.scale, self.zero_point).reshape(self.shape).astype(self.dtype)
+
+    def dequantize_row(self, index: Int[ArrayLike, ""]) -> Float[Array, "*row_shape"]:
+        """Row `index` (along the first axis) of [`eqx_quant.nn.QuantizedTensor.dequantize`][], computed from that
+        row's integers alone."""
+        row_shape = self.view_shape[1:]
+        if self.packed:
+            row = unpack_int4(self.values[index][None], math.prod(row_shape), signed=self.qmin < 0)
+            levels = row.reshape(row_shape)
+        else:
+            levels = self.values[index]
+        pick = lambda a: a[index] if a.shape[0] > 1 else a[0]  # noqa: E731
+        zero_point = None if self.zero_point is None else pick(self.zero_point)
+        row = dequantize_levels(levels.astype(self.scale.dtype), pick(self.scale), zero_point)
+        return row.reshape(self.shape[1:]).astype(self.dtype)
+
+    def shifted(self) -> tuple[Array, int]:
+        """The integers minus the zero point, as [`eqx_quant.nn.QuantLinear`][]'s integer forward computes them,
+        and a bound on their magnitude."""
+        return shift_levels(self.levels(), self.zero_point, self.qmin, self.qmax)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the integers, scales and zero points."""
+        leaves = [self.values, self.scale] + ([] if self.zero_point is None else [self.zero_point])
+        return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
