@@ -83,7 +83,7 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
             c = saved[name]
             return FakeQuant(c["scale"], c["qmin"], c["qmax"], zero_point=c["zero_point"], axis=c["axis"])
 
-        like = mapnodes(like, (FakeQuant,), restore)
+        like = map_nodes(like, (FakeQuant,), restore)
         return eqx.tree_deserialise_leaves(f, like)
 
 

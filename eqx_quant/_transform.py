@@ -147,7 +147,7 @@ def quantize(
         wrapper = QuantLinear if isinstance(layer, eqx.nn.Linear) else QuantConv
         return wrapper(layer, weight_quant=weight_quant, input_quant=input_quant, matmul=matmul)
 
-    return mapnodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,), wrap)
+    return map_nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,), wrap)
 
 
 def dequantize(model: PyTree) -> PyTree:
@@ -162,7 +162,7 @@ def dequantize(model: PyTree) -> PyTree:
 
     The float model, whose leaves are exactly the wrapped layers' leaves (after training, the trained ones).
     """
-    return mapnodes(model, (AbstractQuantLayer,), lambda path, layer: layer.layer)
+    return map_nodes(model, (AbstractQuantLayer,), lambda path, layer: layer.layer)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -266,7 +266,7 @@ def _observe(model: PyTree, statistic: Callable[[Array, Array | None], dict[str,
             return layer
         return eqx.tree_at(lambda l: l.input_quant, layer, _Observer(path, statistic))
 
-    return mapnodes(model, (AbstractQuantLayer,), swap)
+    return map_nodes(model, (AbstractQuantLayer,), swap)
 
 
 def _threshold_from_histogram(
@@ -393,7 +393,7 @@ def calibrate(
             scale = absmax_scale(jnp.asarray(threshold, jnp.float32), qmax)
         return eqx.tree_at(lambda l: l.input_quant, layer, FakeQuant(float(scale), qmin, qmax, zero_point=zero_point))
 
-    return mapnodes(model, (AbstractQuantLayer,), replace)
+    return map_nodes(model, (AbstractQuantLayer,), replace)
 
 
 def _fold(model, batches, statistic, batched, inputs) -> dict[str, dict[str, Array]]:
