@@ -11,7 +11,7 @@ from jaxtyping import PyTree
 
 from ._packing import NIBBLE_ORDER
 from ._quantizers import DynamicFakeQuant, FakeQuant
-from ._tree import nodes
+from ._tree import map_nodes, nodes
 from .nn._int_layers import AbstractIntLayer
 
 

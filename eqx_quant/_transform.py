@@ -13,7 +13,7 @@ from ._misc import check_int
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
 from ._ranges import int_range
 from ._scales import absmax_scale, finite_or, minmax_scale, stats
-from ._tree import nodes
+from ._tree import map_nodes, nodes
 from .nn._layers import (
     AbstractQuantLayer,
     QuantConv,

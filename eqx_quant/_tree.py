@@ -21,6 +21,7 @@ def map_nodes(model: PyTree, types: tuple[type, ...], fn: Callable[[str, Any], A
 
 
 def nodes(model: PyTree, types: tuple[type, ...]) -> list[tuple[str, Any]]:
+    """The `(path, node)` pairs of every node of `model` that is an instance of `types`, in tree order."""
     is_node = lambda node: isinstance(node, types)  # noqa: E731
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)[0]
     return [(path_string(path), leaf) for path, leaf in leaves if is_node(leaf)]
