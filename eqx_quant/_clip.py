@@ -22,15 +22,18 @@ def _clip_passthrough_jvp(primals, tangents):
 
 
 def _prepare_bound(name: str, bound: object, x: Array) -> Array:
+    """`bound` as an array (not yet cast to the dtype of `x`), its type, shape and (when concrete) value checked."""
     if isinstance(bound, (bool, np.bool_)):
         raise TypeError(f"`{name}` must be a real number or array, got {bound!r}.")
+    if not isinstance(bound, jax.Array) and np.asarray(bound).dtype.kind in "iu":
+        bound = np.asarray(bound, np.float64)  # Python ints beyond int32 are valid bounds
     bound = jnp.asarray(bound)
     if not (jnp.issubdtype(bound.dtype, jnp.floating) or jnp.issubdtype(bound.dtype, jnp.integer)):
         raise TypeError(f"`{name}` must be a real number or array, got dtype {bound.dtype}.")
     check_broadcastable(name, bound.shape, x.shape)
     if is_concrete(bound) and np.isnan(np.asarray(bound, dtype=np.float64)).any():
         raise ValueError(f"`{name}` must not be NaN, got {name}={np.asarray(bound)!r}.")
-    return bound.astype(x.dtype)
+    return bound
 
 
 @jaxtyped(typechecker=beartype)
@@ -78,13 +81,16 @@ def clip_passthrough(
     x = as_float_input("x", x)
     lo = _prepare_bound("lo", lo, x)
     hi = _prepare_bound("hi", hi, x)
+    # Compared as given, before the cast to the dtype of `x`, which can make crossed bounds equal (both `inf` in
+    # float16, say).
     if is_concrete(lo) and is_concrete(hi):
-        lo_np, hi_np = np.broadcast_arrays(np.asarray(lo), np.asarray(hi))
+        lo_np, hi_np = np.broadcast_arrays(np.asarray(lo, np.float64), np.asarray(hi, np.float64))
         if np.any(lo_np > hi_np):
             bad = np.argwhere(lo_np > hi_np)[0]
             raise ValueError(
                 f"`lo` must be <= `hi`, got lo={lo_np[tuple(bad)].item()!r} > hi={hi_np[tuple(bad)].item()!r}"
                 + (f" at index {tuple(int(i) for i in bad)}." if lo_np.ndim else ".")
             )
+    lo, hi = lo.astype(x.dtype), hi.astype(x.dtype)
     with jax.named_scope("eqx_quant.clip_passthrough"):
         return _clip_passthrough(x, expand_to_rank(lo, x.ndim), expand_to_rank(hi, x.ndim))

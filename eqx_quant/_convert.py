@@ -69,8 +69,9 @@ def convert(model: PyTree) -> PyTree:
     Every [`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][] and [`eqx_quant.nn.QuantEmbedding`][] becomes
     an [`eqx_quant.nn.IntLinear`][], [`eqx_quant.nn.IntConv`][] or [`eqx_quant.nn.IntEmbedding`][]. The weight is
     stored as the integers that the weight quantizer's forward pass used (same grid, same rounding, same arithmetic),
-    as int8 (int16/int32 for wider grids) or, for grids of at most 4 bits, packed two per byte; plus its float scales
-    and zero points. No float copy of the weight is kept. Biases stay float32.
+    as int8 (int16/int32 for wider grids) or, for grids of at most 4 bits, packed at their width (see
+    [`eqx_quant.pack_bits`][]); plus its float scales and zero points. No float copy of the weight is kept. Biases
+    stay float32.
 
     Input quantizers are kept; a per-tensor [`eqx_quant.LearnedFakeQuant`][] is frozen into a static
     [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers whose input quantizer has one scale for the
@@ -92,6 +93,11 @@ def convert(model: PyTree) -> PyTree:
     **Returns:**
 
     The converted model. Its outputs equal the fake-quant model's up to floating-point summation order.
+
+    **Raises:**
+
+    `ValueError`, naming the layer, if a weight holds NaN (which no integer represents; the check needs concrete
+    weights, so call `convert` outside `jax.jit`); `TypeError` for a weight quantizer without an integer grid.
 
     !!! example
 
@@ -120,6 +126,12 @@ def convert(model: PyTree) -> PyTree:
                 "grid; only fake quantizers (FakeQuant, DynamicFakeQuant, LearnedFakeQuant) can be converted."
             )
         weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+        if not isinstance(weight, jax.core.Tracer) and np.isnan(np.asarray(weight)).any():
+            index = tuple(int(i) for i in np.argwhere(np.isnan(np.asarray(weight)))[0])
+            raise ValueError(
+                f"Layer {path!r} has a NaN weight entry at index {index}, which no integer can store; the fake-quant "
+                "weight is NaN there. Replace the NaN entries of the weight before converting."
+            )
         grid = _whole_tensor(layer.weight_quant).grid(weight)
         tensor = _sharded_like(QuantizedTensor.from_grid(grid, weight.shape, weight.dtype), weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)

@@ -75,7 +75,8 @@ def _fake_quant_bwd(qmin, qmax, residuals, g):
     zero = jnp.zeros((), g.dtype)
     grad_x = jnp.where(inside, g, zero)
     d_scale = jnp.where(inside, jnp.round(v) - v, jnp.where(below, low, jnp.where(above, high, zero)))
-    grad_scale = sum_to_shape(g * d_scale, scale.shape)
+    # NaN entries of `x` contribute nothing to the scale, even where their incoming gradient is NaN too.
+    grad_scale = sum_to_shape(jnp.where(jnp.isnan(v), zero, g * d_scale), scale.shape)
     if zero_point is None:
         grad_zero_point = None
     else:
@@ -92,13 +93,17 @@ def _check_values(name: str, a: np.ndarray, ok: np.ndarray | np.bool_, requireme
         if a.ndim == 0:
             raise ValueError(f"`{name}` must be {requirement}, got {name}={a.item()!r}.")
         index = tuple(int(i) for i in np.argwhere(~ok)[0])
-        raise ValueError(f"`{name}` must be {requirement}, got {name}[{', '.join(map(str, index))}]={a[index].item()!r}.")
+        raise ValueError(
+            f"`{name}` must be {requirement}, got {name}[{', '.join(map(str, index))}]={a[index].item()!r}."
+        )
 
 
 def prepare_scale(scale: object, x_shape: tuple[int, ...], dtype: np.dtype) -> Array:
     """Validates `scale` (type, broadcasting, and its value when concrete) and returns it as an array of `dtype`."""
     if isinstance(scale, (bool, np.bool_)):
         raise TypeError(f"`scale` must be a float or a float array, got {scale!r}.")
+    if not isinstance(scale, jax.Array) and np.asarray(scale).dtype.kind in "iu":
+        scale = np.asarray(scale, np.float64)  # a Python int such as 2**40 is a valid step, beyond int32
     scale = jnp.asarray(scale)
     if not (jnp.issubdtype(scale.dtype, jnp.floating) or jnp.issubdtype(scale.dtype, jnp.integer)):
         raise TypeError(f"`scale` must be a float or a float array, got dtype {scale.dtype}.")
@@ -133,10 +138,16 @@ def prepare_zero_point(zero_point: object, x_shape: tuple[int, ...], dtype: np.d
     return zero_point
 
 
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
 def check_range(qmin: object, qmax: object) -> tuple[int, int]:
     """Validates an integer grid and returns it as Python ints."""
     qmin = check_int("qmin", qmin)
     qmax = check_int("qmax", qmax)
+    for name, value in (("qmin", qmin), ("qmax", qmax)):
+        if not _INT32_MIN <= value <= _INT32_MAX:
+            raise ValueError(f"`{name}` must be an int32, in [{_INT32_MIN}, {_INT32_MAX}], got {name}={value}.")
     if qmin > qmax:
         raise ValueError(f"`qmin` must be <= `qmax`, got qmin={qmin} and qmax={qmax}.")
     return qmin, qmax
@@ -168,7 +179,8 @@ def fake_quant(
     - `x` receives `g` where $q_{\min} \le u \le q_{\max}$ (both ends included, on the unrounded value) and exactly
       0 elsewhere, NaN entries included;
     - an array `scale` receives, summed down to its shape, `g * (round(v) - v)` inside the range,
-      `g * (qmin - z)` below it and `g * (qmax - z)` above it (the learned-step-size gradient), and 0 for NaN entries;
+      `g * (qmin - z)` below it and `g * (qmax - z)` above it (the learned-step-size gradient), and 0 for NaN entries
+      (whatever `g` is there, NaN included);
     - an array `zero_point` receives, summed down to its shape, `-scale * g` outside the range and 0 inside;
     - `qmin` and `qmax` are static Python ints and receive nothing.
 

@@ -46,11 +46,13 @@ def safe_contraction(w_bound: int, x_bound: int) -> int:
 
 class IntOperand(NamedTuple):
     """An operand on an integer grid: `values` (integers minus the zero point), `scale` (float32, broadcastable to
-    the grid's view) and `bound` (a static bound on `|values|`)."""
+    the grid's view), `bound` (a static bound on `|values|`) and `nan` (where the operand is NaN: an integer has no
+    NaN, so the integer kernels take these positions apart and make the outputs they touch NaN)."""
 
     values: Array
     scale: Array
     bound: int
+    nan: Array
 
 
 def grid_levels(grid: QuantGrid) -> tuple[Array, Array, Array | None]:
@@ -77,7 +79,7 @@ def integer_operand(grid: QuantGrid) -> IntOperand:
     """The integers of a grid minus its zero point, as [`eqx_quant.fake_quant`][] computes its levels."""
     levels, scale, zero_point = grid_levels(grid)
     values, bound = shift_levels(levels, zero_point, grid.qmin, grid.qmax)
-    return IntOperand(values, scale, bound)
+    return IntOperand(values, scale, bound, jnp.isnan(levels))
 
 
 def _common_int(a: Array, b: Array) -> tuple[Array, Array]:
@@ -110,6 +112,7 @@ class ConvSpec(NamedTuple):
 
 
 _BIAS_GRID = 2.0**-16
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _rescale(acc: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
@@ -120,19 +123,46 @@ def _rescale(acc: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> 
     rescaled by a single multiplication. No rounded product feeds a sum: XLA contracts a product and a sum into a fused
     multiply-add under `jit` but not in eager mode, and a multiplication by a power of two is exact either way, so
     eager and compiled calls give the same bits.
+
+    Where `s` is below the smallest normal float32 (it flushes to zero: an all-zero input gets the smallest normal
+    scale) or the bias in accumulator units overflows, the accumulator is far below the bias's last bit
+    (`|acc * s| <= 2**31 * s`), and the output is the bias itself; without a bias (or with a zero one) it is
+    `(acc * scale_w) * scale_x`, which keeps a product that `s` alone would lose.
     """
-    scale = (w_scale.reshape(-1) * x_scale.reshape(())).reshape((-1,) + (1,) * (acc.ndim - 1))
+    w_scale = w_scale.reshape((-1,) + (1,) * (acc.ndim - 1))
+    x_scale = x_scale.reshape(())
+    scale = w_scale * x_scale
     acc = acc.astype(jnp.float32)
-    if bias is not None:
-        units = bias.astype(jnp.float32).reshape(acc.shape[:1] + (1,) * (acc.ndim - 1)) * (1 / scale)
-        acc = acc + jnp.round(units * (1 / _BIAS_GRID)) * _BIAS_GRID
-    return acc * scale
+    split = (acc * w_scale) * x_scale
+    if bias is None:
+        return jnp.where(scale >= _TINY, acc * scale, split)
+    bias = bias.astype(jnp.float32).reshape(acc.shape[:1] + (1,) * (acc.ndim - 1))
+    units = bias * (1 / scale) * (1 / _BIAS_GRID)
+    fits = jnp.isfinite(units)  # False where `scale` flushed to zero or the bias overflows the accumulator's units
+    y = (acc + jnp.round(jnp.where(fits, units, 0.0)) * _BIAS_GRID) * scale
+    return jnp.where(fits, y, jnp.where(bias == 0, split, bias))
 
 
-def int_linear(spec: LinearSpec, w: Array, x: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
+def _with_nan(y: Array, nan: Array | None) -> Array:
+    """`y` with NaN where `nan` (broadcast against it) is true."""
+    return y if nan is None else jnp.where(nan, jnp.nan, y)
+
+
+def int_linear(
+    spec: LinearSpec,
+    w: Array,
+    x: Array,
+    w_scale: Array,
+    x_scale: Array,
+    bias: Array | None,
+    w_nan: Array | None = None,
+    x_nan: Array | None = None,
+) -> Array:
     """`w @ x` on integers with int32 accumulation, plus the bias on the accumulator's grid, rescaled once.
 
-    Contractions longer than `spec.chunk` are split into chunks whose int32 results are summed in float32.
+    Contractions longer than `spec.chunk` are split into chunks whose int32 results are summed in float32. `w_nan`
+    and `x_nan` mark the operands' NaN entries (an integer holds none): as in the float product, a NaN in `x` makes
+    every output NaN, and a NaN in row `i` of `w` makes output `i` NaN.
     """
     # `x` is the left operand: under `jax.vmap` over inputs, XLA's CPU integer product is faster with the batch as
     # the rows of its result than as the columns (as `w @ x` would give). An exact sum does not depend on the order.
@@ -149,14 +179,29 @@ def int_linear(spec: LinearSpec, w: Array, x: Array, w_scale: Array, x_scale: Ar
                 preferred_element_type=jnp.int32,
             )  # fmt: skip
             acc = acc + part.astype(jnp.float32)
-    return _rescale(acc, w_scale, x_scale, bias)
+    y = _rescale(acc, w_scale, x_scale, bias)
+    y = _with_nan(y, None if w_nan is None else jnp.any(w_nan, axis=1))
+    return _with_nan(y, None if x_nan is None else jnp.any(x_nan))
 
 
 FLOAT32_EXACT = 2**24  # every integer of magnitude up to this is a float32
 
 
-def int_conv(spec: ConvSpec, w: Array, x: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
+def int_conv(
+    spec: ConvSpec,
+    w: Array,
+    x: Array,
+    w_scale: Array,
+    x_scale: Array,
+    bias: Array | None,
+    w_nan: Array | None = None,
+    x_nan: Array | None = None,
+) -> Array:
     """The convolution of integers with int32 accumulation, plus the bias on the accumulator's grid, rescaled once.
+
+    `w_nan` and `x_nan` mark the operands' NaN entries, as for `int_linear`: as in the float
+    convolution, a NaN in `x` makes NaN every output whose window covers it (in every output channel of its group),
+    and a NaN in the weight of an output channel makes that whole channel NaN.
 
     When every partial sum is at most `2**24` in magnitude (`K * product_bound <= 2**24` for a contraction of
     length `K`: symmetric 8-bit convolutions up to `K = 1024`, up to `K = 514` with an asymmetric 8-bit input), a
@@ -182,7 +227,16 @@ def int_conv(spec: ConvSpec, w: Array, x: Array, w_scale: Array, x_scale: Array,
         acc = jax.lax.platform_dependent(lhs, rhs, cpu=exact_float, default=integer)
     else:
         acc = integer(lhs, rhs)
-    return _rescale(acc[0], w_scale, x_scale, bias)
+    y = _rescale(acc[0], w_scale, x_scale, bias)
+    if w_nan is not None:
+        y = _with_nan(y, jnp.any(w_nan.reshape(w_nan.shape[0], -1), axis=1).reshape((-1,) + (1,) * (y.ndim - 1)))
+    if x_nan is not None:
+        # The windows that cover a NaN: a convolution of the NaN mask with a kernel of ones, one output per group.
+        ones = jnp.ones((spec.groups,) + w.shape[1:], jnp.float32)
+        hits = conv(x_nan.astype(jnp.float32)[None], ones, precision=jax.lax.Precision.HIGHEST)[0] > 0
+        per_group = y.reshape((spec.groups, -1) + y.shape[1:])
+        y = _with_nan(per_group, hits[:, None]).reshape(y.shape)
+    return y
 
 
 def _float_linear(spec: LinearSpec, w: Array, x: Array, bias: Array | None) -> Array:
@@ -202,12 +256,12 @@ _FLOAT_OPS = {LinearSpec: _float_linear, ConvSpec: _float_conv}
 _INT_OPS = {LinearSpec: int_linear, ConvSpec: int_conv}
 
 
-def integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
+def integer_forward(spec, wq: Array, xq: Array, bias: Array | None, w: IntOperand, x: IntOperand) -> Array:
     """The integer computation in the forward pass, the float one of the fake-quantized operands for derivatives.
 
-    `wq` and `xq` are the fake-quantized weight and input (`scale * (levels - zero_point)`); `w_int`, `x_int` their
-    integers minus zero points. The value is the integer product (or convolution); the derivative is that of the
-    float `wq @ xq + bias`, so that gradients continue through the quantizers' straight-through estimators. Only the
+    `wq` and `xq` are the fake-quantized weight and input (`scale * (levels - zero_point)`); `w`, `x` their integers
+    minus zero points. The value is the integer product (or convolution); the derivative is that of the float
+    `wq @ xq + bias`, so that gradients continue through the quantizers' straight-through estimators. Only the
     tangents of `wq` and `xq` (and their dtypes and shapes) are used: their values, where the derivative needs them,
     are rebuilt from the integers, so that under `jit` the forward pass never computes them.
 
@@ -215,19 +269,20 @@ def integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
     gradient is then one matrix product over the batch, as for a float layer, never a per-example outer product
     summed afterwards.
     """
-    return _integer_forward(spec, *vary_alike(wq, xq, bias, w_int, x_int, w_scale, x_scale))
+    operands = (w.values, x.values, w.scale, x.scale, w.nan, x.nan)
+    return _integer_forward(spec, *vary_alike(wq, xq, bias, *operands))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale):
+def _integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale, w_nan, x_nan):
     del wq, xq
-    return _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias)
+    return _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias, w_nan, x_nan)
 
 
 @_integer_forward.defjvp
 def _integer_forward_jvp(spec, primals, tangents):
-    wq, xq, bias, w_int, x_int, w_scale, x_scale = primals
-    y = _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias)
+    wq, xq, bias, w_int, x_int, w_scale, x_scale, w_nan, x_nan = primals
+    y = _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias, w_nan, x_nan)
     float_op = functools.partial(_FLOAT_OPS[type(spec)], spec)
 
     # The tangent of the float formulation at the fake-quantized operands, which are rebuilt from the integers (bit
@@ -236,19 +291,20 @@ def _integer_forward_jvp(spec, primals, tangents):
     # there at all: the forward computes on the integers). The integers and scales carry no derivative of their own:
     # the scales' reaches `wq` and `xq` through the quantizers, and counting it here as well would count it twice.
     @jax.checkpoint
-    def tangent(w_int, x_int, w_scale, x_scale, dw, dx, dbias):
-        operands = (_dequantized(w_int, w_scale, wq), _dequantized(x_int, x_scale, xq), bias)
+    def tangent(w_int, x_int, w_scale, x_scale, w_nan, x_nan, dw, dx, dbias):
+        operands = (_dequantized(w_int, w_scale, w_nan, wq), _dequantized(x_int, x_scale, x_nan, xq), bias)
         return jax.jvp(float_op, operands, (dw, dx, dbias))[1]
 
-    dy = tangent(w_int, x_int, w_scale, x_scale, *tangents[:3])
+    dy = tangent(w_int, x_int, w_scale, x_scale, w_nan, x_nan, *tangents[:3])
     return y, dy.astype(y.dtype)
 
 
-def _dequantized(values: Array, scale: Array, like: Array) -> Array:
-    """`scale * values` with the dtype and shape of `like`: a fake-quantized operand, from its integers minus zero
-    point, computed as [`eqx_quant.fake_quant`][] computes it."""
+def _dequantized(values: Array, scale: Array, nan: Array, like: Array) -> Array:
+    """`scale * values` (NaN where `nan`) with the dtype and shape of `like`: a fake-quantized operand, from its
+    integers minus zero point, computed as [`eqx_quant.fake_quant`][] computes it."""
     compute = compute_dtype(like.dtype)
-    return dequantize_levels(values.astype(compute), scale, None).astype(like.dtype).reshape(like.shape)
+    operand = _with_nan(dequantize_levels(values.astype(compute), scale, None), nan)
+    return operand.astype(like.dtype).reshape(like.shape)
 
 
 def per_tensor_grid(grid: QuantGrid, shape: tuple[int, ...]) -> bool:

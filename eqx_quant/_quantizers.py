@@ -12,7 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from ._clip import clip_passthrough
 from ._fake_quant import check_range, fake_quant
-from ._misc import check_int, compute_dtype
+from ._misc import as_float_input, check_int, compute_dtype
 from ._ranges import int_range
 from ._scales import absmax_scale, finite_or, minmax_scale, stats
 
@@ -89,7 +89,7 @@ def _per_channel(name: str, value, x: Array, axis: int | None) -> float | int | 
 
 def _sample_data(x: object, axis: int | None) -> tuple[Array, int | None, tuple[int, ...]]:
     """Calibration data as float32, its channel axis (normalized) and the axes that statistics reduce over."""
-    x = jnp.asarray(x).astype(jnp.float32)
+    x = as_float_input("x", x).astype(jnp.float32)
     if x.size == 0:
         raise ValueError(f"`x` is empty (shape {x.shape}): fitting a scale needs data.")
     if axis is not None:
@@ -400,13 +400,13 @@ class FakeQuant(AbstractFakeQuantizer):
         absmax, lo, hi = stats(x, axes)
         zero_point = jnp.zeros_like(absmax)
         if method == "absmax":
-            scale = absmax_scale(absmax, qmax)
+            scale = absmax_scale(absmax, qmin, qmax)
         elif method == "minmax":
             scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
         elif method == "percentile":
             magnitudes = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.nan)
             clip_at = jnp.nan_to_num(jnp.nanpercentile(magnitudes, percentile, axis=axes, keepdims=True))
-            scale = absmax_scale(clip_at, qmax)
+            scale = absmax_scale(clip_at, qmin, qmax)
         else:
             scale = _mse_scale(x, absmax, axes, qmin, qmax, num_candidates)
         scale, zero_point = np.asarray(scale).ravel(), np.asarray(zero_point).ravel().astype(np.int64)
@@ -421,12 +421,12 @@ def _mse_scale(x, absmax, axes, qmin, qmax, num_candidates):
     fractions = jnp.arange(1, num_candidates + 1, dtype=jnp.float32) / num_candidates
 
     def error(fraction):
-        scale = absmax_scale(absmax * fraction, qmax)
+        scale = absmax_scale(absmax * fraction, qmin, qmax)
         return jnp.mean((fake_quant(x, scale, qmin, qmax) - x) ** 2, axis=axes, keepdims=True)
 
     errors = jax.lax.map(error, fractions)  # sequential: memory stays that of one candidate
     best = fractions[jnp.argmin(errors, axis=0)]
-    return absmax_scale(absmax * best, qmax)
+    return absmax_scale(absmax * best, qmin, qmax)
 
 
 class PassthroughClip(AbstractQuantizer):
@@ -601,7 +601,7 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
         absmax, lo, hi = _across_shards(self.axis_name, *stats(view, axes))
         qmin, qmax = int_range(self.bits, signed=self.signed, narrow=self.narrow)
         if self.symmetric:
-            return QuantGrid(view, absmax_scale(absmax, qmax), 0, qmin, qmax)
+            return QuantGrid(view, absmax_scale(absmax, qmin, qmax), 0, qmin, qmax)
         scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
         return QuantGrid(view, scale, zero_point, qmin, qmax)
 

@@ -4,16 +4,19 @@ Every function here is written with `jax.numpy`, so that a scale computed once a
 computed at every call of a dynamic quantizer come out of the same arithmetic. Statistics are float32.
 """
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from ._misc import expand_to_rank
 
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
+_HUGE = 1 / _TINY  # 2**126: the largest scale whose reciprocal is a normal float32 (a larger one's flushes to 0)
 _NUDGES = 4  # at most two are ever needed in float32; see `absmax_scale`
 
 
@@ -47,16 +50,46 @@ def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
     return up(steps)
 
 
-def absmax_scale(absmax: Float[Array, "*c"], qmax: int) -> Float[Array, "*c"]:
-    """The symmetric scale `absmax / qmax`, nudged up by ulps until `absmax / scale <= qmax` holds in float32.
+def symmetric_bound(qmin: int, qmax: int) -> int:
+    """The level that a symmetric scale maps the largest magnitude to: `qmax`, or `-qmin` on a grid with no positive
+    level (such as `[-8, 0]`), or 1 on the one-level grid `[0, 0]`."""
+    return qmax if qmax > 0 else max(-qmin, 1)
 
-    A plain `absmax / qmax` puts `absmax` one ulp above `qmax` about one time in seven, which clips the largest
-    value and zeroes its gradient. Scales are floored at the smallest normal float32, so an all-zero tensor gets a
-    valid scale and quantizes to exact zeros.
+
+@functools.cache
+def largest_scale(largest_level: int) -> float:
+    """The largest scale, at most `2**126` (whose reciprocal is the last normal float32), that maps `largest_level`
+    to a finite float32: larger scales would make the reciprocal or the dequantized value unusable."""
+    level, top = np.float32(largest_level), np.float32(_HUGE)
+    scale = min(np.float32(float(np.finfo(np.float32).max) / max(largest_level, 1)), top)  # within an ulp or two
+    with np.errstate(over="ignore"):
+        while not np.isfinite(scale * level):
+            scale = np.nextafter(scale, np.float32(0))
+        while scale < top and np.isfinite(np.nextafter(scale, top) * level):
+            scale = np.nextafter(scale, top)
+    return float(scale)
+
+
+def _bounded(scale: Array, largest_level: int) -> Array:
+    """`scale` floored at the smallest normal float32 and capped at `largest_scale(largest_level)`."""
+    return jnp.clip(scale, _TINY, largest_scale(largest_level))
+
+
+def absmax_scale(absmax: Float[Array, "*c"], qmin: int, qmax: int) -> Float[Array, "*c"]:
+    """The symmetric scale `absmax / bound`, nudged up by ulps until `absmax / scale <= bound` holds in float32.
+
+    `bound` is `symmetric_bound(qmin, qmax)`, the grid's `qmax` when it is positive. A plain `absmax / bound` puts
+    `absmax` one ulp above `bound` about one time in seven, which clips the largest value and zeroes its gradient.
+    Scales are floored at the smallest normal float32, so an all-zero tensor gets a valid scale and quantizes to exact
+    zeros, and capped where a larger one would make its reciprocal subnormal or a level's value overflow (see
+    `largest_scale`): on grids of 3 bits or fewer, magnitudes above about `bound * 2**126` (`8.5e37` for 2 bits) then
+    saturate instead of making the scale unusable.
     """
+    bound = symmetric_bound(qmin, qmax)
     absmax = absmax.astype(jnp.float32)
-    scale = jnp.maximum(absmax * (1.0 / qmax), _TINY)
-    return _first_fitting(scale, lambda s: expand_to_rank(absmax, s.ndim) * (1 / s) <= qmax)
+    scale = jnp.maximum(absmax * (1.0 / bound), _TINY)
+    scale = _first_fitting(scale, lambda s: expand_to_rank(absmax, s.ndim) * (1 / s) <= bound)
+    return _bounded(scale, max(-qmin, qmax))
 
 
 def minmax_scale(
@@ -66,7 +99,8 @@ def minmax_scale(
 
     The zero point is an integer in `[qmin, qmax]`, so that real 0 is exactly representable. Of the two integers
     next to the ideal (fractional) zero point, the one that needs the smaller scale to keep both ends inside the range
-    is taken; then the scale is nudged up by ulps until both ends land inside with `fake_quant`'s arithmetic.
+    is taken; then the scale is nudged up by ulps until both ends land inside with `fake_quant`'s arithmetic. It is
+    bounded like `absmax_scale`'s.
     """
     lo = jnp.minimum(lo.astype(jnp.float32), 0.0)
     hi = jnp.maximum(hi.astype(jnp.float32), 0.0)
@@ -75,6 +109,9 @@ def minmax_scale(
     safe_width = jnp.where(degenerate, 1.0, width)
     # Written without a product feeding a sum, which XLA would contract into a fused multiply-add under `jit` only.
     ideal = qmin - (lo * (qmax - qmin)) / safe_width
+    # Past float32's range (`hi - lo` or `lo * (qmax - qmin)` overflows), the same ratio from halved operands.
+    half_width = jnp.where(degenerate, 1.0, hi * 0.5 - lo * 0.5)
+    ideal = jnp.where(jnp.isfinite(ideal), ideal, qmin - (lo / half_width) * ((qmax - qmin) * 0.5))
 
     def needed_scale(zp):
         # The smallest scale with lo / scale >= qmin - zp and hi / scale <= qmax - zp.
@@ -93,7 +130,7 @@ def minmax_scale(
     zero_point = jnp.where(degenerate, float(min(max(0, qmin), qmax)), zero_point)
     scale = jnp.maximum(jnp.where(degenerate, 0.0, scale), _TINY)
     fits = lambda s: _lands_inside(lo, s, zero_point, qmin, qmax) & _lands_inside(hi, s, zero_point, qmin, qmax)  # noqa: E731
-    return _first_fitting(scale, fits), zero_point
+    return _bounded(_first_fitting(scale, fits), qmax - qmin), zero_point
 
 
 def finite_or(x: Array, fill: float) -> Array:

@@ -12,7 +12,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._misc import check_int
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
 from ._ranges import int_range
-from ._scales import absmax_scale, finite_or, minmax_scale, stats
+from ._scales import absmax_scale, finite_or, minmax_scale, stats, symmetric_bound
 from ._tree import map_nodes, nodes
 from .nn._layers import (
     AbstractQuantLayer,
@@ -29,6 +29,22 @@ QuantizerSpec: TypeAlias = AbstractQuantizer | Factory | Mapping[str, "AbstractQ
 Where: TypeAlias = Callable[[str, eqx.Module], bool] | str | None
 
 _FLOAT_LAYERS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
+
+
+def _compiled(name: str, pattern: object) -> re.Pattern:
+    """`pattern` compiled, or a `ValueError` naming the argument it came from."""
+    if not isinstance(pattern, str):
+        raise TypeError(f"The layer patterns of `{name}` must be strings, got {pattern!r}.")
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"`{name}`: {pattern!r} is not a valid regular expression ({error}).") from None
+
+
+def _check_patterns(name: str, spec: object) -> None:
+    if isinstance(spec, Mapping):
+        for pattern in spec:
+            _compiled(name, pattern)
 
 
 def _resolve(name: str, spec: object, path: str, layer: eqx.Module) -> AbstractQuantizer | None:
@@ -53,7 +69,7 @@ def _selector(where: Where) -> Callable[[str, eqx.Module], bool]:
     if where is None:
         return lambda path, layer: True
     if isinstance(where, str):
-        pattern = re.compile(where)
+        pattern = _compiled("where", where)
         return lambda path, layer: pattern.search(path) is not None
     if callable(where):
         return where
@@ -79,17 +95,22 @@ def quantize(
     Layers are named by their path in the PyTree, as a dotted string: `layers.0` for the first layer of an
     `eqx.nn.MLP`, `blocks.1.conv` for `model.blocks[1].conv`, `heads.key` for a dict entry.
 
+    **Patterns.** A layer pattern (a key of a `weights` or `activations` mapping, or a string `where`) is a regular
+    expression *searched* anywhere in the path (`re.search`): `r"layers\\.1"` selects `layers.1`, but also
+    `layers.10` and `encoder.layers.1.conv`. Anchor it to name one layer: `r"^layers\\.1$"`.
+
     **Arguments:**
 
     - `model`: the float model.
     - `weights`: the weight quantizer of each layer. One of: a quantizer module (shared by every layer; quantizers
         hold no per-layer state unless learned); a factory `f(path, layer) -> quantizer | None`; a mapping from
-        regular expressions (searched in the path) to either, where the first matching pattern wins and an unmatched
-        layer gets `None`; or `None` for float weights. By default 8 bits, one scale per output channel.
+        patterns (regular expressions searched in the path, see above) to either, where the first matching pattern
+        wins and an unmatched layer gets `None`; or `None` for float weights. By default 8 bits, one scale per output
+        channel.
     - `activations`: the input quantizer of each `Linear` and `Conv`, in the same forms; by default 8 bits per
         tensor. Embeddings take integer indices and never get one.
-    - `where`: which layers to quantize: `None` for all, a regular expression searched in the path, or a predicate
-        `f(path, layer) -> bool`.
+    - `where`: which layers to quantize: `None` for all, a pattern (a regular expression searched in the path, see
+        above), or a predicate `f(path, layer) -> bool`.
     - `matmul`: the `matmul` of every [`eqx_quant.nn.QuantLinear`][] and [`eqx_quant.nn.QuantConv`][]: `"int"` for
         the integer forward where the quantizers allow it, `"float"` for the float product of the fake-quantized
         operands.
@@ -100,9 +121,9 @@ def quantize(
 
     **Raises:**
 
-    `ValueError` if `where` selects no layer (the message lists the candidate paths) or the model has no layer to
-    quantize (a model whose layers are all quantized already is returned as it is); `TypeError` for a malformed
-    `weights`, `activations` or `where`.
+    `ValueError` if `where` selects no layer (the message lists the candidate paths), if a pattern is not a valid
+    regular expression, or if the model has no layer to quantize (a model whose layers are all quantized already is
+    returned as it is); `TypeError` for a malformed `weights`, `activations` or `where`.
 
     !!! example
 
@@ -114,8 +135,9 @@ def quantize(
         mlp = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))
         qmlp = eqx_quant.quantize(
             mlp,
-            weights={"layers\\\\.0": eqx_quant.DynamicFakeQuant(4, axis=0), ".*": eqx_quant.DynamicFakeQuant(8, axis=0)},
-            where=r"layers\\.[01]",
+            # The first matching pattern wins; anchored, so that "layers.0" cannot match "layers.01" or "a.layers.0".
+            weights={r"^layers\\.0$": eqx_quant.DynamicFakeQuant(4, axis=0), "": eqx_quant.DynamicFakeQuant(8, axis=0)},
+            where=r"^layers\\.[01]$",
         )
         print([type(layer).__name__ for layer in qmlp.layers])  # ['QuantLinear', 'QuantLinear', 'Linear']
         ```
@@ -123,6 +145,8 @@ def quantize(
     if matmul not in ("int", "float"):
         raise ValueError(f"`matmul` must be 'int' or 'float', got matmul={matmul!r}.")
     select = _selector(where)
+    _check_patterns("weights", weights)
+    _check_patterns("activations", activations)
     layers = nodes(model, _FLOAT_LAYERS + (AbstractQuantLayer,))
     if not layers:
         raise ValueError("`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer to quantize.")
@@ -270,7 +294,7 @@ def _observe(model: PyTree, statistic: Callable[[Array, Array | None], dict[str,
 
 
 def _threshold_from_histogram(
-    counts: np.ndarray, top: float, qmax: int, method: str, percentile: float, num_candidates: int
+    counts: np.ndarray, top: float, bound: int, method: str, percentile: float, num_candidates: int
 ) -> float:
     num_bins = counts.size
     edges = np.linspace(0.0, top, num_bins + 1, dtype=np.float64)
@@ -284,16 +308,17 @@ def _threshold_from_histogram(
     centres = jnp.asarray((edges[:-1] + edges[1:]) / 2, jnp.float32)
     weights = jnp.asarray(counts, jnp.float32)
     thresholds = jnp.arange(1, num_candidates + 1, dtype=jnp.float32) * (top / num_candidates)
-    return float(_least_error_threshold(centres, weights, thresholds, qmax))
+    return float(_least_error_threshold(centres, weights, thresholds, bound))
 
 
 @functools.partial(jax.jit, static_argnums=3)
-def _least_error_threshold(centres: Array, weights: Array, thresholds: Array, qmax: int) -> Array:
-    """The threshold whose absmax scale gives the least count-weighted quantization error of the bin centres."""
+def _least_error_threshold(centres: Array, weights: Array, thresholds: Array, bound: int) -> Array:
+    """The threshold whose absmax scale gives the least count-weighted quantization error of the (non-negative) bin
+    centres on a symmetric grid `[-bound, bound]`."""
 
     def error(threshold):
-        scale = absmax_scale(threshold, qmax)
-        levels = jnp.clip(jnp.round(centres * (1 / scale)), -qmax, qmax)
+        scale = absmax_scale(threshold, -bound, bound)
+        levels = jnp.clip(jnp.round(centres * (1 / scale)), -bound, bound)
         return jnp.sum(weights * (levels * scale - centres) ** 2)
 
     return thresholds[jnp.argmin(jax.lax.map(error, thresholds))]
@@ -379,18 +404,19 @@ def calibrate(
         if path not in totals:
             return layer
         qmin, qmax = _grid(layer.input_quant)  # pyright: ignore[reportArgumentType]
+        bound = symmetric_bound(qmin, qmax)
         t = totals[path]
         zero_point = 0
         if method == "absmax":
-            scale = absmax_scale(t["absmax"], qmax)
+            scale = absmax_scale(t["absmax"], qmin, qmax)
         elif method == "minmax":
             scale, zp = minmax_scale(t["min"], t["max"], qmin, qmax)
             zero_point = int(zp)
         else:
             threshold = _threshold_from_histogram(
-                np.asarray(counts[path]["hist"]), float(t["absmax"]), qmax, method, percentile, num_candidates
+                np.asarray(counts[path]["hist"]), float(t["absmax"]), bound, method, percentile, num_candidates
             )
-            scale = absmax_scale(jnp.asarray(threshold, jnp.float32), qmax)
+            scale = absmax_scale(jnp.asarray(threshold, jnp.float32), qmin, qmax)
         return eqx.tree_at(lambda l: l.input_quant, layer, FakeQuant(float(scale), qmin, qmax, zero_point=zero_point))
 
     return map_nodes(model, (AbstractQuantLayer,), replace)

@@ -1184,8 +1184,9 @@ def test_learned_leaves_are_float32_and_not_weakly_typed():
 
 
 def test_scale_nudges_match_nextafter_loop_up_to_the_largest_float():
-    """The scale fitting steps up by bit patterns; it must equal the plain `nextafter` loop everywhere, including
-    next to the largest float32 and at infinity, where stepping up stops."""
+    """The scale fitting steps up by bit patterns; it must equal the plain `nextafter` loop everywhere, up to the cap
+    on scales (2**126, or below it where the largest level times the scale would overflow), including next to the
+    largest float32 and at infinity, where stepping up stops."""
     from eqx_quant._scales import _NUDGES, absmax_scale, minmax_scale
 
     def nextafter_loop(absmax, qmax):
@@ -1194,14 +1195,27 @@ def test_scale_nudges_match_nextafter_loop_up_to_the_largest_float():
             scale = jnp.where(absmax * (1 / scale) > qmax, jnp.nextafter(scale, jnp.inf), scale)
         return scale
 
+    def cap(largest_level):  # the largest float32 <= 2**126 whose product with the level is finite, by bisection
+        def finite(bits):
+            with np.errstate(over="ignore"):
+                return np.isfinite(np.uint32(bits).view(np.float32) * np.float32(largest_level))
+
+        lo, hi = 0, int(np.float32(2.0**126).view(np.uint32))  # bit patterns of positive floats are in value order
+        if finite(hi):
+            return np.float32(2.0**126)
+        while hi - lo > 1:
+            lo, hi = ((lo + hi) // 2, hi) if finite((lo + hi) // 2) else (lo, (lo + hi) // 2)
+        return np.uint32(lo).view(np.float32)
+
     big = np.finfo(np.float32).max
     rng = np.random.default_rng(42)
     absmax = np.concatenate(
         [np.float32([big, np.nextafter(big, 0), np.inf, 3e38, 1.0, 0.0]), rng.lognormal(0, 20, 200).astype(np.float32)]
     )
-    for qmax in (1, 7, 127, 255):
-        fitted = jax.jit(absmax_scale, static_argnums=1)(jnp.asarray(absmax), qmax)
-        assert_bitwise_equal(fitted, jax.jit(nextafter_loop, static_argnums=1)(jnp.asarray(absmax), qmax))
-        assert np.all(np.isfinite(np.asarray(fitted)[absmax < np.inf]) | (absmax[absmax < np.inf] > big / 2))
+    for qmin, qmax in ((-2, 1), (-8, 7), (-128, 127), (0, 255)):
+        fitted = jax.jit(absmax_scale, static_argnums=(1, 2))(jnp.asarray(absmax), qmin, qmax)
+        loop = jax.jit(nextafter_loop, static_argnums=1)(jnp.asarray(absmax), qmax)
+        assert_bitwise_equal(fitted, jnp.minimum(loop, cap(max(-qmin, qmax))))
+        assert np.all(np.isfinite(np.asarray(fitted)))
     scale, zero_point = minmax_scale(jnp.float32(0.0), jnp.float32(big), 0, 1)
-    assert float(scale) == big and float(zero_point) == 0.0
+    assert float(scale) == 2.0**126 and float(zero_point) == 0.0

@@ -1,4 +1,3 @@
-
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -7,7 +6,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 from .._int_ops import int_conv, int_linear, integer_operand, linear_spec, per_tensor_grid
 from .._qtensor import QuantizedTensor
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer
-from ._layers import conv_spec, scalar_output
+from ._layers import check_input, conv_spec, scalar_output
 
 
 def _input_operand(quantizer: AbstractQuantizer | None, x: Array):
@@ -71,6 +70,7 @@ class IntLinear(AbstractIntLayer):
         """Like `eqx.nn.Linear.__call__`."""
         with jax.named_scope("eqx_quant.IntLinear"):
             layer = self.layer
+            check_input(layer, x)
             vector = jnp.broadcast_to(x, (1,)) if layer.in_features == "scalar" else x
             grouped = self.weight.view_shape != self.weight.shape or not _per_channel_scale(self.weight)
             x_int = None if grouped else _input_operand(self.input_quant, vector)
@@ -80,7 +80,7 @@ class IntLinear(AbstractIntLayer):
             spec = linear_spec(w_bound, x_int.bound)
             if spec is None:
                 return self._float_path(x, key)
-            y = int_linear(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias)
+            y = int_linear(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias, x_nan=x_int.nan)
             return scalar_output(layer, y.astype(self.weight.dtype))
 
 
@@ -104,6 +104,7 @@ class IntConv(AbstractIntLayer):
         """Like `eqx.nn.Conv.__call__`."""
         with jax.named_scope("eqx_quant.IntConv"):
             layer = self.layer
+            check_input(layer, x)
             usable = layer.padding_mode == "ZEROS" and _per_channel_scale(self.weight)
             x_int = _input_operand(self.input_quant, x) if usable else None
             if x_int is None:
@@ -112,7 +113,7 @@ class IntConv(AbstractIntLayer):
             spec = conv_spec(layer, self.weight.shape, w_bound, x_int.bound)
             if spec is None:
                 return self._float_path(x, key)
-            y = int_conv(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias)
+            y = int_conv(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias, x_nan=x_int.nan)
             return y.astype(self.weight.dtype)
 
 

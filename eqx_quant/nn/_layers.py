@@ -65,6 +65,25 @@ def _check_matmul(matmul: object) -> None:
         raise ValueError(f"`matmul` must be one of {_MATMULS}, got matmul={matmul!r}.")
 
 
+def check_input(layer: eqx.Module, x: Array) -> None:
+    """Raises a `ValueError` unless `x` is one example for the float `layer` (a `Linear` or a `Conv`): the check that
+    the quantized layer and its converted integer layer both make first, so that they fail alike."""
+    if isinstance(layer, eqx.nn.Linear):
+        expected = () if layer.in_features == "scalar" else (layer.in_features,)
+        if x.shape != expected:
+            raise ValueError(
+                f"`x` must have shape {expected} for a linear layer with in_features={layer.in_features!r}, got shape "
+                f"{x.shape}. Layers take one example: map a batch with `jax.vmap`."
+            )
+    elif isinstance(layer, eqx.nn.Conv):
+        if x.ndim != layer.num_spatial_dims + 1 or x.shape[0] != layer.in_channels:
+            raise ValueError(
+                f"`x` must have shape (in_channels, *spatial) = ({layer.in_channels}, ...) with "
+                f"{layer.num_spatial_dims} spatial axes for this convolution, got shape {x.shape}. Layers take one "
+                "example: map a batch with `jax.vmap`."
+            )
+
+
 def _integer_operands(layer: AbstractQuantLayer, x: Array):
     """The grids of the weight and the input, if both allow an integer product; else `None`."""
     quantizers = (layer.weight_quant, layer.input_quant)
@@ -145,6 +164,7 @@ class QuantLinear(AbstractQuantLayer):
         """Like `eqx.nn.Linear.__call__`, on the fake-quantized weight and input."""
         with jax.named_scope("eqx_quant.QuantLinear"):
             layer = self.layer
+            check_input(layer, x)
             vector = jnp.broadcast_to(x, (1,)) if layer.in_features == "scalar" else x
             grids = None if self.matmul == "float" else _integer_operands(self, vector)
             if grids is None:
@@ -156,7 +176,7 @@ class QuantLinear(AbstractQuantLayer):
                 return self._float_path(x, key)
             wq = apply_grid(w_grid, layer.weight.shape)
             xq = apply_grid(x_grid, vector.shape)
-            y = integer_forward(spec, wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale)
+            y = integer_forward(spec, wq, xq, layer.bias, w_int, x_int)
             return scalar_output(layer, y.astype(layer.weight.dtype))
 
 
@@ -224,7 +244,8 @@ class QuantConv(AbstractQuantLayer):
         """Like `eqx.nn.Conv.__call__`, on the fake-quantized weight and input."""
         with jax.named_scope("eqx_quant.QuantConv"):
             layer = self.layer
-            usable = self.matmul == "int" and layer.padding_mode == "ZEROS" and x.ndim == layer.num_spatial_dims + 1
+            check_input(layer, x)
+            usable = self.matmul == "int" and layer.padding_mode == "ZEROS"
             grids = _integer_operands(self, x) if usable else None
             if grids is None:
                 return self._float_path(x, key)
@@ -235,7 +256,7 @@ class QuantConv(AbstractQuantLayer):
                 return self._float_path(x, key)
             wq = apply_grid(w_grid, layer.weight.shape)
             xq = apply_grid(x_grid, x.shape)
-            y = integer_forward(spec, wq, xq, layer.bias, w_int.values, x_int.values, w_int.scale, x_int.scale)
+            y = integer_forward(spec, wq, xq, layer.bias, w_int, x_int)
             return y.astype(layer.weight.dtype)
 
 

@@ -1,0 +1,359 @@
+"""Zero, tiny, huge, NaN and infinite data, degenerate grids and malformed arguments: each with a defined result.
+
+The contract these tests hold is stated on the Edge cases page of the documentation (`docs/concepts/edge-cases.md`).
+Expected values come from NumPy or from the float Equinox layers, never from the library under test.
+"""
+
+import pathlib
+import re
+import subprocess
+import sys
+
+import equinox as eqx
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+
+import eqx_quant
+from eqx_quant._qtensor import QuantizedTensor
+
+from .helpers import assert_bitwise_equal
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+F32 = np.float32
+TINY = F32(np.finfo(np.float32).tiny)
+
+
+@eqx.filter_jit
+def jitted(model, x):
+    return model(x)
+
+
+def linear(seed: int = 0, in_features: int = 6, out_features: int = 3) -> eqx.nn.Linear:
+    layer = eqx.nn.Linear(in_features, out_features, key=jax.random.key(seed))
+    # A bias far from zero, so that "the output is the bias" is a real check.
+    return eqx.tree_at(lambda l: l.bias, layer, jnp.array([-0.75, 0.5, 2.0][:out_features], jnp.float32))
+
+
+def conv(groups: int = 1, stride: int = 1) -> eqx.nn.Conv2d:
+    return eqx.nn.Conv2d(4, 4, 3, stride=stride, padding=1, groups=groups, key=jax.random.key(1))
+
+
+def all_paths(float_layer, x, **quantize_kwargs):
+    """The outputs of a quantized layer (integer forward, eager and jit), of its converted layer (eager and jit) and
+    of the float-product forward, for the input `x`."""
+    fake = eqx_quant.quantize(float_layer, **quantize_kwargs)
+    real = eqx_quant.convert(fake)
+    floaty = eqx_quant.quantize(float_layer, matmul="float", **quantize_kwargs)
+    return {
+        "fake": fake(x),
+        "fake_jit": jitted(fake, x),
+        "converted": real(x),
+        "converted_jit": jitted(real, x),
+        "float_product": floaty(x),
+    }
+
+
+def same_bits_or_both_nan(a, b):
+    """Equal bit patterns where both are numbers (sign of zero aside), NaN at the same places."""
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_array_equal(np.isnan(a), np.isnan(b))
+    assert_bitwise_equal(np.where(np.isnan(a), 0, a), np.where(np.isnan(b), 0, b))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Zero and tiny inputs through the integer forward.
+
+
+def test_zero_input_gives_the_bias_on_every_path():
+    layer = linear()
+    for name, y in all_paths(layer, jnp.zeros(6)).items():
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(layer.bias), err_msg=name)
+    c = conv()
+    x = jnp.zeros((4, 5, 5))
+    expected = np.broadcast_to(np.asarray(c.bias), (4, 5, 5))
+    for name, y in all_paths(c, x).items():
+        np.testing.assert_array_equal(np.asarray(y), expected, err_msg=name)
+
+
+def test_zero_input_without_bias_gives_zeros():
+    layer = eqx.nn.Linear(6, 3, use_bias=False, key=jax.random.key(0))
+    for name, y in all_paths(layer, jnp.zeros(6)).items():
+        np.testing.assert_array_equal(np.asarray(y), np.zeros(3, F32), err_msg=name)
+
+
+def test_layer_calibrated_on_zeros_stays_finite():
+    # A dead ReLU: the calibration data are all zero, so the input scale is the smallest normal float32. Every later
+    # input then lands on qmax * tiny (about 1.5e-36), and the float result is the bias up to far below its last bit.
+    layer = linear()
+    fake = eqx_quant.calibrate(eqx_quant.quantize(layer), [jnp.zeros((4, 6))])
+    assert fake.input_quant.scale == float(TINY)
+    real = eqx_quant.convert(fake)
+    x = jnp.linspace(-1.0, 1.0, 6)
+    for y in (fake(x), jitted(fake, x), real(x), jitted(real, x)):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(layer.bias))
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-36])
+def test_tiny_inputs_give_the_float_result(magnitude):
+    layer = linear()
+    x = jnp.asarray(np.linspace(-1.0, 1.0, 6, dtype=F32) * F32(magnitude))
+    # Reference in float64 from NumPy: per-channel weight and per-tensor input quantization, then the product.
+    w = np.asarray(layer.weight, np.float64)
+    w_scale = np.abs(w).max(axis=1, keepdims=True) / 127
+    w_q = np.clip(np.round(w / w_scale), -128, 127) * w_scale
+    x64 = np.asarray(x, np.float64)
+    x_scale = np.abs(x64).max() / 127
+    x_q = np.clip(np.round(x64 / x_scale), -128, 127) * x_scale
+    expected = w_q @ x_q + np.asarray(layer.bias, np.float64)
+    outputs = all_paths(layer, x)
+    for name, y in outputs.items():
+        assert np.all(np.isfinite(y)), name
+        np.testing.assert_allclose(np.asarray(y, np.float64), expected, rtol=1e-6, err_msg=name)
+    for name in ("fake_jit", "converted", "converted_jit"):
+        assert_bitwise_equal(outputs[name], outputs["fake"])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# NaN and infinity through the integer forward.
+
+
+def test_nan_input_makes_every_linear_output_nan():
+    layer = linear()
+    x = jnp.array([0.5, jnp.nan, -1.0, 2.0, 0.0, 1.0])
+    reference = np.asarray(layer(x))  # Equinox's float layer: NaN spreads to every output
+    assert np.isnan(reference).all()
+    for name, y in all_paths(layer, x).items():
+        assert np.isnan(np.asarray(y)).all(), name
+
+
+@pytest.mark.parametrize("groups, stride", [(1, 1), (2, 2), (4, 1)])
+def test_nan_input_makes_nan_the_conv_outputs_whose_window_covers_it(groups, stride):
+    c = conv(groups, stride)
+    x = np.array(jax.random.normal(jax.random.key(2), (4, 6, 6)))
+    x[1, 0, 3] = np.nan  # channel 1: group 0 of two, group 1 of four
+    x[3, 5, 5] = np.nan
+    x = jnp.asarray(x)
+    expected_nan = np.isnan(np.asarray(c(x)))  # where Equinox's float convolution is NaN
+    assert expected_nan.any() and not expected_nan.all()
+    outputs = all_paths(c, x)
+    for name, y in outputs.items():
+        np.testing.assert_array_equal(np.isnan(np.asarray(y)), expected_nan, err_msg=name)
+    for name in ("fake_jit", "converted", "converted_jit"):
+        same_bits_or_both_nan(outputs[name], outputs["fake"])
+
+
+def test_nan_weight_makes_its_output_channel_nan_in_training():
+    layer = linear()
+    weight = np.asarray(layer.weight).copy()
+    weight[1, 4] = np.nan
+    layer = eqx.tree_at(lambda l: l.weight, layer, jnp.asarray(weight))
+    expected_nan = np.isnan(np.asarray(layer(jnp.ones(6))))
+    np.testing.assert_array_equal(expected_nan, [False, True, False])
+    for matmul in ("int", "float"):
+        fake = eqx_quant.quantize(layer, matmul=matmul)
+        for y in (fake(jnp.ones(6)), jitted(fake, jnp.ones(6))):
+            np.testing.assert_array_equal(np.isnan(np.asarray(y)), expected_nan)
+    c = conv()
+    weight = np.asarray(c.weight).copy()
+    weight[2, 0, 1, 1] = np.nan
+    c = eqx.tree_at(lambda l: l.weight, c, jnp.asarray(weight))
+    x = jnp.ones((4, 5, 5))
+    expected_nan = np.isnan(np.asarray(c(x)))
+    assert expected_nan[2].all() and not expected_nan[[0, 1, 3]].any()
+    np.testing.assert_array_equal(np.isnan(np.asarray(eqx_quant.quantize(c)(x))), expected_nan)
+
+
+def test_convert_refuses_a_nan_weight_naming_the_layer():
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    mlp = eqx.tree_at(lambda m: m.layers[1].weight, mlp, mlp.layers[1].weight.at[0, 2].set(jnp.nan))
+    with pytest.raises(ValueError, match=r"'layers\.1'.*NaN.*\(0, 2\)"):
+        eqx_quant.convert(eqx_quant.quantize(mlp))
+
+
+def test_infinite_inputs_saturate_like_the_float_product():
+    # fake_quant maps +inf to qmax * scale and -inf to qmin * scale (the scale ignores them), on every path.
+    layer = linear()
+    x = jnp.array([jnp.inf, -jnp.inf, 0.5, -0.25, 1.0, 0.0])
+    outputs = all_paths(layer, x)
+    for name, y in outputs.items():
+        assert np.all(np.isfinite(np.asarray(y))), name
+    np.testing.assert_allclose(outputs["fake"], outputs["float_product"], rtol=1e-5)
+    for name in ("fake_jit", "converted", "converted_jit"):
+        assert_bitwise_equal(outputs[name], outputs["fake"])
+
+
+def test_nan_gradient_at_a_nan_entry_does_not_reach_the_learned_scale():
+    q = eqx_quant.LearnedFakeQuant(0.5, -8, 7)
+    x = jnp.array([np.nan, 0.7, 9.0, -1.3])
+    cotangent = jnp.array([np.nan, 1.0, 2.0, -1.0])  # a NaN arrives exactly where x is NaN
+    grads = jax.grad(lambda q: jnp.sum(cotangent * q(x)))(q)
+    # LSQ by hand on the finite entries, v = x / 0.5: 1.4 -> round(v) - v = -0.4; 18 -> above, qmax = 7;
+    # -2.6 -> round(v) - v = -0.4; times the LSQ gradient scale 1 / sqrt(4 * 7).
+    expected = (1.0 * -0.4 + 2.0 * 7 + -1.0 * -0.4) / np.sqrt(4 * 7)
+    np.testing.assert_allclose(float(grads.scale), expected, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Extreme data on narrow grids.
+
+
+@pytest.mark.parametrize("bits", [2, 3])
+def test_huge_data_on_narrow_grids_saturates_at_the_largest_usable_scale(bits):
+    x = jnp.array([3e38, -1e38, 9e37, 1.0, 0.0, -np.inf], jnp.float32)
+    qmin, qmax = eqx_quant.int_range(bits)
+    # max|x| / qmax exceeds 2**126, whose reciprocal is the last normal float32: the scale stops there, or (3 bits)
+    # one ulp below it, so that the level -4 times the scale is still finite (4 * 2**126 = 2**128 overflows).
+    scale = np.float64(2.0**126) if bits == 2 else np.float64(np.nextafter(F32(2.0**126), F32(0)))
+    finite = np.asarray(x, np.float64)
+    expected = (np.clip(np.round(finite / scale), qmin, qmax) * scale).astype(F32)
+    q = eqx_quant.DynamicFakeQuant(bits)
+    for y in (q(x), jax.jit(q)(x)):
+        np.testing.assert_array_equal(np.asarray(y), expected)
+    calibrated = eqx_quant.FakeQuant.calibrate(x, bits)
+    assert calibrated.scale == scale
+    assert np.all(np.isfinite(expected))
+    np.testing.assert_array_equal(np.asarray(calibrated(x)), expected)
+    asymmetric = eqx_quant.FakeQuant.calibrate(x, bits, method="minmax")
+    assert np.isfinite(asymmetric.scale) and asymmetric.scale <= 2.0**126
+    assert np.all(np.isfinite(np.asarray(asymmetric(x))))
+
+
+def test_calibrate_on_a_grid_without_positive_levels():
+    # The grid [-8, 0] has no positive level: a symmetric scale maps the largest magnitude to -qmin = 8 instead.
+    layer = linear()
+    fake = eqx_quant.quantize(layer, activations=eqx_quant.FakeQuant(1.0, -8, 0))
+    data = jnp.asarray(np.linspace(-3.0, 2.0, 24, dtype=F32).reshape(4, 6))
+    for method in ("absmax", "percentile", "mse", "minmax"):
+        q = eqx_quant.calibrate(fake, [data], method=method).input_quant
+        assert (q.qmin, q.qmax) == (-8, 0) and np.isfinite(q.scale) and q.scale > 0, method
+    q = eqx_quant.calibrate(fake, [data]).input_quant
+    assert F32(-3.0) * (F32(1) / F32(q.scale)) >= -8 and q.scale <= 3.0 / 8 * (1 + 1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Argument checks.
+
+
+def test_python_int_scale_beyond_int32():
+    x = jnp.array([2.0**41, -(2.0**43), 2.0**39], jnp.float32)
+    expected = (np.clip(np.round(np.asarray(x, np.float64) / 2.0**40), -8, 7) * 2.0**40).astype(F32)
+    np.testing.assert_array_equal(np.asarray(eqx_quant.fake_quant(x, 2**40, -8, 7)), expected)
+    assert eqx_quant.FakeQuant(2**40, -8, 7).scale == 2.0**40
+    assert float(eqx_quant.LearnedFakeQuant(2**40, -8, 7).scale) == 2.0**40
+
+
+@pytest.mark.parametrize("qmin, qmax, name", [(-(2**40), 7, "qmin"), (0, 2**31, "qmax")])
+def test_grids_beyond_int32_are_value_errors(qmin, qmax, name):
+    with pytest.raises(ValueError, match=f"`{name}` must be an int32"):
+        eqx_quant.fake_quant(jnp.ones(2), 1.0, qmin, qmax)
+    with pytest.raises(ValueError, match=f"`{name}` must be an int32"):
+        eqx_quant.FakeQuant(1.0, qmin, qmax)
+
+
+def test_clip_passthrough_checks_bounds_before_the_cast():
+    x = jnp.ones(3, jnp.float16)
+    with pytest.raises(ValueError, match="`lo` must be <= `hi`, got lo=100000.0 > hi=70000.0"):
+        eqx_quant.clip_passthrough(x, 1e5, 7e4)  # both are inf in float16
+    np.testing.assert_array_equal(np.asarray(eqx_quant.clip_passthrough(x, 2**40, 2**41)), np.full(3, np.inf))
+
+
+def test_argument_errors_without_the_jaxtyping_hook():
+    # Users run without the import hook that this suite runs under, which would answer many bad arguments with
+    # beartype's error before the library's own: `tests/unhooked/check_errors.py` checks the library's messages.
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", "-o",
+         "python_files=check_*.py", "tests/unhooked"],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    report = result.stdout + result.stderr
+    assert result.returncode == 0, report
+    match = re.search(r"(\d+) passed in", report.strip().splitlines()[-1])
+    assert match is not None and int(match[1]) >= 2 and "skipped" not in report, report
+
+
+@pytest.mark.parametrize(
+    "kwargs, name, pattern",
+    [({"where": "layers.("}, "where", "layers.("), ({"weights": {"[": None}}, "weights", "[")],
+)
+def test_invalid_patterns_are_value_errors(kwargs, name, pattern):
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    with pytest.raises(ValueError, match=f"`{name}`: '{pattern}' is not a valid regular expression".replace("[", r"\[")
+                       .replace("(", r"\(")):  # fmt: skip
+        eqx_quant.quantize(mlp, **kwargs)
+
+
+def test_training_and_converted_layers_guard_their_input_alike():
+    c = conv()
+    fake = eqx_quant.calibrate(eqx_quant.quantize(c), [jnp.ones((2, 4, 5, 5))])
+    real = eqx_quant.convert(fake)
+    batched = jnp.ones((2, 4, 5, 5))
+    messages = []
+    for layer in (fake, real):
+        with pytest.raises(ValueError, match=r"`x` must have shape \(in_channels, \*spatial\)") as info:
+            layer(batched)
+        messages.append(str(info.value))
+    assert messages[0] == messages[1]
+    lin = linear()
+    fake = eqx_quant.quantize(lin)
+    real = eqx_quant.convert(fake)
+    square = jnp.ones((6, 6))  # a batch as long as the input: a product would silently contract the wrong axis
+    for layer in (fake, real):
+        with pytest.raises(ValueError, match=r"`x` must have shape \(6,\)"):
+            layer(square)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A property: every path gives the same bits, finite data stay finite, NaN positions are kept.
+
+
+@st.composite
+def _quantizer_cases(draw):
+    dtype = draw(st.sampled_from([jnp.float32, jnp.float16, jnp.bfloat16]))
+    rows = draw(st.sampled_from([1, 3]))
+    cols = draw(st.sampled_from([4, 8]))
+    bits = draw(st.sampled_from([2, 3, 4, 8]))
+    signed = draw(st.booleans())
+    symmetric = draw(st.booleans())
+    granularity = draw(st.sampled_from(["tensor", "channel", "group"]))
+    log_scale = draw(st.sampled_from([-30.0, -3.0, 0.0, 3.0, 30.0]))
+    seed = draw(st.integers(0, 2**16))
+    with_nan = draw(st.booleans())
+    return dtype, rows, cols, bits, signed, symmetric, granularity, log_scale, seed, with_nan
+
+
+@settings(max_examples=15, deadline=None, derandomize=True)
+@given(_quantizer_cases())
+def test_property_paths_agree_and_keep_finite_and_nan_data(case):
+    dtype, rows, cols, bits, signed, symmetric, granularity, log_scale, seed, with_nan = case
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((2, rows, cols)) * 10.0**log_scale).astype(np.float32)
+    if with_nan:
+        x[rng.integers(2), rng.integers(rows), rng.integers(cols)] = np.nan
+    x = jnp.asarray(x).astype(dtype)
+    q = eqx_quant.DynamicFakeQuant(
+        bits,
+        signed=signed,
+        symmetric=symmetric,
+        axis=0 if granularity == "channel" else None,
+        group_size=cols // 2 if granularity == "group" else None,
+    )
+    eager = [q(x[i]) for i in range(2)]
+    jitted_ = [jax.jit(q)(x[i]) for i in range(2)]
+    batched = jax.vmap(q)(x)
+    for i in range(2):
+        assert eager[i].dtype == dtype
+        assert_bitwise_equal(jitted_[i], eager[i])
+        assert_bitwise_equal(batched[i], eager[i])
+        np.testing.assert_array_equal(
+            np.isnan(np.asarray(eager[i], np.float32)), np.isnan(np.asarray(x[i], np.float32))
+        )
+        assert np.all(np.isfinite(np.asarray(eager[i], np.float32)[~np.isnan(np.asarray(x[i], np.float32))]))
+    # The stored integers of a finite tensor give the fake-quantized tensor back, bit for bit.
+    finite = jnp.where(jnp.isnan(x[0]), jnp.zeros((), dtype), x[0])
+    stored = QuantizedTensor.from_grid(q.grid(finite), finite.shape, finite.dtype)
+    assert_bitwise_equal(stored.dequantize(), q(finite))

@@ -1,0 +1,59 @@
+"""The library's own argument errors, as users meet them: without the jaxtyping import hook.
+
+Under the hook that the main suite runs with, beartype rejects a wrong `Literal` or `bool` argument before the
+library's own check runs, so these messages would never be seen by a test. `tests/test_edge_cases.py` runs this file
+in a pytest of its own, with the hook off.
+"""
+
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import pytest
+
+import eqx_quant
+
+
+def test_the_hook_is_off():
+    # Under the hook, this call would raise beartype's error instead of ours.
+    with pytest.raises(TypeError, match=re.escape("`signed` must be a bool, got 'yes'.")):
+        eqx_quant.int_range(8, signed="yes")
+
+
+def test_literal_and_bool_arguments():
+    x = jnp.linspace(-1.0, 1.0, 8)
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    linear = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+    cases = [
+        (ValueError, "`method` must be one of ('absmax', 'minmax', 'percentile', 'mse'), got method='max'.",
+         lambda: eqx_quant.FakeQuant.calibrate(x, 8, method="max")),
+        (ValueError, "`method` must be one of ('absmax', 'minmax', 'percentile', 'mse'), got method='mean'.",
+         lambda: eqx_quant.calibrate(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], method="mean")),
+        (ValueError, "`matmul` must be 'int' or 'float', got matmul='int8'.",
+         lambda: eqx_quant.quantize(mlp, matmul="int8")),
+        (ValueError, "`matmul` must be one of ('int', 'float'), got matmul='fp'.",
+         lambda: eqx_quant.nn.QuantLinear(linear, matmul="fp")),
+        (TypeError, "`symmetric` must be a bool, got 1.",
+         lambda: eqx_quant.DynamicFakeQuant(8, symmetric=1)),
+        (TypeError, "`narrow` must be a bool, got 1.",
+         lambda: eqx_quant.int_range(8, narrow=1)),
+        (TypeError, "`x` must have a real dtype, got complex64.",
+         lambda: eqx_quant.FakeQuant.calibrate(jnp.ones(3, jnp.complex64), 8)),
+        (TypeError, "`x` must have a real dtype, got complex64.",
+         lambda: eqx_quant.LearnedFakeQuant.init_from(jnp.ones(3, jnp.complex64), 8)),
+        (TypeError, "`layer` must be an eqx.nn.Linear, got Conv2d.",
+         lambda: eqx_quant.nn.QuantLinear(eqx.nn.Conv2d(1, 1, 1, key=jax.random.key(0)))),
+        (TypeError, "`weight_quant` must be a quantizer module or None, got 'int8'.",
+         lambda: eqx_quant.nn.QuantLinear(linear, weight_quant="int8")),
+        (TypeError, "`axis_name` must be None, a non-empty str or a tuple of them, got axis_name=3.",
+         lambda: eqx_quant.DynamicFakeQuant(8, axis_name=3)),
+        (TypeError, "`bits` must be an int, got 8.0 of type float.",
+         lambda: eqx_quant.DynamicFakeQuant(8.0)),
+        (TypeError, "`qmin` must be an int, got 1.5 of type float.",
+         lambda: eqx_quant.FakeQuant(1.0, 1.5, 7)),
+    ]  # fmt: skip
+    for error, message, call in cases:
+        with pytest.raises(error) as info:
+            call()
+        assert str(info.value) == message, (str(info.value), message)
