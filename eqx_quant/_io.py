@@ -1,51 +1,149 @@
 """Saving, loading and exporting (converted) models."""
 
+import dataclasses
 import json
 import os
+import secrets
 import struct
 from typing import Any
 
 import equinox as eqx
+import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from ._packing import NIBBLE_ORDER
+from ._packing import BIT_ORDER, NIBBLE_ORDER
+from ._qtensor import QuantizedTensor
 from ._quantizers import DynamicFakeQuant, FakeQuant
-from ._tree import map_nodes, nodes
+from ._tree import map_nodes, nodes, path_string
 from .nn._int_layers import AbstractIntLayer
 
 
 _MAGIC = b"EQXQUANT"
+_VERSION = 2
 
 
-def _static_quantizers(model: PyTree) -> dict[str, dict[str, Any]]:
-    """The configuration of every static [`eqx_quant.FakeQuant`][] in `model`, by path: it lives in the treedef,
-    which `eqx.tree_serialise_leaves` does not write."""
+def _header_nodes(model: PyTree, name: str) -> dict[str, Any]:
+    """The static [`eqx_quant.FakeQuant`][]s and [`eqx_quant.nn.QuantizedTensor`][]s of `model` by path; raises if
+    two of them have the same path (a dict key with a dot, `{"a.b": ...}`, reads like the attributes `a.b`)."""
+    is_node = lambda node: isinstance(node, (FakeQuant, QuantizedTensor))  # noqa: E731
+    found: dict[str, tuple[Any, Any]] = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)[0]:
+        if not is_node(leaf):
+            continue
+        path = path_string(key_path)
+        if path in found:
+            first = jax.tree_util.keystr(found[path][0])
+            raise ValueError(
+                f"`{name}` has two quantizers or quantized tensors at the path {path!r}: at {first} and at "
+                f"{jax.tree_util.keystr(key_path)}. Paths join keys with '.', so rename the dict key that holds a "
+                f"'.' (or that reads like another key)."
+            )
+        found[path] = (key_path, leaf)
+    return {path: leaf for path, (_, leaf) in found.items()}
+
+
+def _static_quantizers(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The configuration of every static [`eqx_quant.FakeQuant`][] by path: it lives in the treedef, which
+    `eqx.tree_serialise_leaves` does not write."""
     return {
         path: {"scale": q.scale, "qmin": q.qmin, "qmax": q.qmax, "zero_point": q.zero_point, "axis": q.axis}
-        for path, q in nodes(model, (FakeQuant,))
+        for path, q in found.items()
+        if isinstance(q, FakeQuant)
     }
 
 
+def _tensor_descriptions(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The static fields (shape, grid, packing, dtype) of every [`eqx_quant.nn.QuantizedTensor`][] by path, and
+    whether it has a zero point: what the stored integers mean, which the arrays alone do not say."""
+    out = {}
+    for path, tensor in found.items():
+        if isinstance(tensor, QuantizedTensor):
+            info = {f.name: getattr(tensor, f.name) for f in dataclasses.fields(tensor) if f.metadata.get("static")}
+            info["zero_point"] = tensor.zero_point is not None
+            out[path] = json.loads(json.dumps(info))  # as the header reads back: tuples become lists
+    return out
+
+
+def _tensor_table(descriptions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The descriptions as the header stores them: the field names once, then a row of values per tensor."""
+    fields = sorted({field for info in descriptions.values() for field in info})
+    return {"fields": fields, "tensors": {path: [info[f] for f in fields] for path, info in descriptions.items()}}
+
+
+def _from_table(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    fields = table["fields"]
+    return {path: dict(zip(fields, row, strict=True)) for path, row in table["tensors"].items()}
+
+
 def save(path: str | os.PathLike, model: PyTree) -> None:
-    """Saves a model (integer weights as stored, packed 4-bit weights included) to a file.
+    """Saves a model (integer weights as stored, packed 2-, 3- and 4-bit weights included) to a file.
 
     The file starts with a small JSON header holding the static configuration that the arrays alone do not carry:
     the scales, zero points and ranges of every static [`eqx_quant.FakeQuant`][] (e.g. calibrated input
-    quantizers). The arrays follow, written by `eqx.tree_serialise_leaves`; 4-bit weights are already packed two per
-    byte in a converted model, so they take half a byte per value and read back exactly. Each array carries a NumPy
-    header of about 128 bytes.
+    quantizers), and the shape, grid (`qmin`, `qmax`), packing width and dtype of every
+    [`eqx_quant.nn.QuantizedTensor`][], which [`eqx_quant.load`][] checks against the model it loads into. The
+    arrays follow, written by `eqx.tree_serialise_leaves`; weights of at most 4 bits are already packed at their
+    width in a converted model, so they read back exactly. Each array carries a NumPy header of about 128 bytes.
+
+    The file is written to a temporary file beside `path` and then renamed over it, so a save that fails leaves an
+    existing file at `path` as it was.
+
+    Quantizers and quantized tensors are named in the header by their path, keys joined with `.` as
+    [`eqx_quant.quantize`][] names layers: a dict key holding a `.` may make two of them share a name (the key
+    `"a.b"` and the attributes `a.b`), which is refused.
 
     **Arguments:**
 
     - `path`: the file to write.
     - `model`: any model, typically from [`eqx_quant.convert`][].
+
+    **Raises:**
+
+    `ValueError` if two static quantizers or quantized tensors of `model` have the same path (nothing is written).
     """
-    header = json.dumps({"format": "eqx_quant", "version": 1, "static_quantizers": _static_quantizers(model)})
-    encoded = header.encode()
-    with open(path, "wb") as f:
-        f.write(_MAGIC + struct.pack("<Q", len(encoded)) + encoded)
-        eqx.tree_serialise_leaves(f, model)
+    found = _header_nodes(model, "model")
+    header = {
+        "format": "eqx_quant",
+        "version": _VERSION,
+        "static_quantizers": _static_quantizers(found),
+        "quantized_tensors": _tensor_table(_tensor_descriptions(found)),
+    }
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    directory, base = os.path.split(os.path.abspath(os.fspath(path)))
+    while True:  # a fresh name beside `path`, created with the permissions `open(path, "wb")` would give
+        temporary = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(_MAGIC + struct.pack("<Q", len(encoded)) + encoded)
+            eqx.tree_serialise_leaves(f, model)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def _check_tensors(saved: dict[str, Any], like: dict[str, Any], path: str | os.PathLike) -> None:
+    if set(saved) != set(like):
+        raise ValueError(
+            f"The quantized tensors saved in {str(path)!r} are at {sorted(saved)}, but `like` has them at "
+            f"{sorted(like)}."
+        )
+    for name, expected in like.items():
+        for field in sorted(set(saved[name]) | set(expected)):
+            if saved[name].get(field) != expected.get(field):
+                raise ValueError(
+                    f"The quantized tensor at {name!r} has `{field}`={saved[name].get(field)!r} in {str(path)!r} but "
+                    f"{expected.get(field)!r} in `like`: the file holds integers of another grid, shape or packing."
+                )
 
 
 def load(path: str | os.PathLike, like: PyTree) -> PyTree:
@@ -56,7 +154,9 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
     - `path`: the file.
     - `like`: a model with the same structure, e.g. the converted model of a freshly initialised and calibrated
         network. Its arrays and the configuration of its static [`eqx_quant.FakeQuant`][]s are replaced by the
-        saved ones, so its calibration need not match.
+        saved ones, so its calibration need not match; its [`eqx_quant.nn.QuantizedTensor`][]s must have the shapes,
+        grids (`qmin`, `qmax`), packing widths and dtypes of the saved ones, since the stored integers mean nothing
+        on another grid.
 
     **Returns:**
 
@@ -64,27 +164,66 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
 
     **Raises:**
 
-    `ValueError` if the file was not written by [`eqx_quant.save`][] or its static quantizers do not match the
-    places of those in `like`.
+    `ValueError` if the file was not written by [`eqx_quant.save`][], is cut short or holds more than `like` reads;
+    if its static quantizers or quantized tensors are not at the places of those in `like`, or a quantized tensor
+    differs from the one in `like` (the message names the path and the field); or if an array does not match the
+    one in `like`.
+
+    !!! note
+
+        Files of format version 1, written before weights of 2 and 3 bits were packed at their width, carry no
+        description of their quantized tensors: they load into a `like` whose grids are all wider than 3 bits, and
+        raise `ValueError` for one with a 2- or 3-bit grid (save them again from the model).
     """
     with open(path, "rb") as f:
         if f.read(len(_MAGIC)) != _MAGIC:
             raise ValueError(f"`path`={str(path)!r} is not a file written by `eqx_quant.save`.")
-        (length,) = struct.unpack("<Q", f.read(8))
-        saved = json.loads(f.read(length).decode())["static_quantizers"]
-        expected = set(_static_quantizers(like))
+        length_bytes = f.read(8)
+        length = struct.unpack("<Q", length_bytes)[0] if len(length_bytes) == 8 else None
+        encoded = b"" if length is None else f.read(length)
+        if length is None or len(encoded) < length:
+            raise ValueError(f"`path`={str(path)!r} is cut short within its `eqx_quant.save` header.")
+        try:
+            header = json.loads(encoded.decode())
+            version, saved = header["version"], header["static_quantizers"]
+            tensors = _from_table(header["quantized_tensors"]) if version == _VERSION else None
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"`path`={str(path)!r} has a damaged `eqx_quant.save` header.") from error
+        if version not in (1, _VERSION):
+            raise ValueError(f"`path`={str(path)!r} has format version {version!r}; this version reads 1 and 2.")
+        found = _header_nodes(like, "like")
+        expected = set(_static_quantizers(found))
         if set(saved) != expected:
             raise ValueError(
                 f"The static quantizers saved in {str(path)!r} are at {sorted(saved)}, but `like` has them at "
                 f"{sorted(expected)}."
             )
+        if tensors is not None:
+            _check_tensors(tensors, _tensor_descriptions(found), path)
+        else:
+            narrow = [p for p, t in found.items() if isinstance(t, QuantizedTensor) and t.packed_bits in (2, 3)]
+            if narrow:
+                raise ValueError(
+                    f"`path`={str(path)!r} has format version 1, which stored grids of at most 4 bits as 4-bit "
+                    f"values, but `like` has 2- or 3-bit weights at {narrow}; save the model again."
+                )
 
         def restore(name: str, quantizer: FakeQuant) -> FakeQuant:
             c = saved[name]
             return FakeQuant(c["scale"], c["qmin"], c["qmax"], zero_point=c["zero_point"], axis=c["axis"])
 
         like = map_nodes(like, (FakeQuant,), restore)
-        return eqx.tree_deserialise_leaves(f, like)
+        try:
+            model = eqx.tree_deserialise_leaves(f, like)
+        except (ValueError, EOFError, RuntimeError) as error:
+            raise ValueError(
+                f"The arrays in `path`={str(path)!r} are cut short or do not match those of `like`: {error}"
+            ) from error
+        if f.read(1):
+            raise ValueError(
+                f"`path`={str(path)!r} holds more data than `like` reads: it was saved from another model."
+            )
+        return model
 
 
 def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
@@ -95,8 +234,10 @@ def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
         "view_shape": list(w.view_shape),
         "qmin": w.qmin,
         "qmax": w.qmax,
-        "packed_int4": w.packed,
-        "nibble_order": NIBBLE_ORDER if w.packed else None,
+        "packed_bits": w.packed_bits,
+        "bit_order": BIT_ORDER if w.packed else None,
+        "packed_int4": w.packed_bits == 4,
+        "nibble_order": NIBBLE_ORDER if w.packed_bits == 4 else None,
         "group_size": w.view_shape[-1] if w.view_shape != w.shape else None,
         "axis": next((i for i, n in enumerate(w.scale.shape) if n > 1), None) if w.view_shape == w.shape else None,
         "dtype": w.dtype,
@@ -125,10 +266,13 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
     """Writes the integer layers of a converted model to a safetensors file.
 
     For the layer at path `p` (as named by [`eqx_quant.quantize`][]), the file holds `p.weight` (the stored
-    integers: int8/int16/int32, or uint8 with two 4-bit values per byte), `p.weight_scale`, `p.weight_zero_point`
-    (if any) and `p.bias` (if any). The header's metadata maps `p` to a JSON object with the weight's shape, the
-    grid (`qmin`, `qmax`), the per-channel `axis`, the `group_size`, `packed_int4` and its `nibble_order` (element
-    `2i` of a row in the low nibble), and the input quantizer's parameters. It is readable with the `safetensors`
+    integers: int8/int16/int32, or uint8 rows of 2-, 3- or 4-bit values packed by [`eqx_quant.pack_bits`][]),
+    `p.weight_scale`, `p.weight_zero_point` (if any) and `p.bias` (if any). The header's metadata maps `p` to a JSON
+    object with the weight's shape, the grid (`qmin`, `qmax`), the per-channel `axis`, the `group_size`,
+    `packed_bits` (2, 3, 4, or `null` for unpacked integers) and its `bit_order` (`"low-first"`: element `j` of a
+    row in bits `j * packed_bits` onwards of the row's little-endian bit stream), and the input quantizer's
+    parameters. For readers of 4-bit files, `packed_int4` (whether the weight holds two 4-bit values per byte) and
+    its `nibble_order` (element `2i` of a row in the low nibble) are kept. It is readable with the `safetensors`
     library alone (`safetensors.numpy.load_file`).
 
     **Arguments:**
@@ -140,7 +284,7 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
     if not layers:
         raise ValueError("`model` has no integer layer; convert it first with `eqx_quant.convert`.")
     tensors: dict[str, np.ndarray] = {}
-    metadata: dict[str, str] = {"format": "eqx_quant", "nibble_order": NIBBLE_ORDER}
+    metadata: dict[str, str] = {"format": "eqx_quant", "nibble_order": NIBBLE_ORDER, "bit_order": BIT_ORDER}
     for name, layer in layers:
         name = name or "layer"
         w = layer.weight

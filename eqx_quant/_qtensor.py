@@ -9,13 +9,18 @@ from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
 from ._fake_quant import dequantize_levels
 from ._int_ops import grid_levels, int_dtype, shift_levels
-from ._packing import pack_int4, unpack_int4
+from ._packing import PACKED_WIDTHS, pack_bits, unpack_bits
 from ._quantizers import QuantGrid
 
 
-def fits_in_nibble(qmin: int, qmax: int) -> bool:
-    """Whether a grid is stored as 4-bit values: within [-8, 7] (two's complement) or [0, 15] (unsigned)."""
-    return (-8 <= qmin and qmax <= 7) or (0 <= qmin and qmax <= 15)
+def packed_width(qmin: int, qmax: int) -> int | None:
+    """The width at which a grid is packed: the narrowest of 2, 3 and 4 bits whose signed (`qmin < 0`) or unsigned
+    range holds `[qmin, qmax]`, or `None` for a wider grid (stored as int8, int16 or int32)."""
+    for bits in PACKED_WIDTHS:
+        half = 1 << (bits - 1)
+        if (-half <= qmin and qmax < half) if qmin < 0 else qmax < 2 * half:
+            return bits
+    return None
 
 
 class QuantizedTensor(eqx.Module):
@@ -23,8 +28,10 @@ class QuantizedTensor(eqx.Module):
 
     The integers are `clip(round(x / scale) + zero_point, qmin, qmax)`, computed by the same arithmetic as
     [`eqx_quant.fake_quant`][], so that [`eqx_quant.nn.QuantizedTensor.dequantize`][] returns, bit for bit, what the
-    fake quantizer returned. Grids of at most 4 bits are packed two values per byte ([`eqx_quant.pack_int4`][]),
-    wider grids use the narrowest of int8, int16 and int32.
+    fake quantizer returned. Grids of at most 4 bits are packed at their width, row by row along the first axis
+    ([`eqx_quant.pack_bits`][]): 2-bit grids (`[-2, 1]` or within `[0, 3]`) four values per byte, 3-bit grids
+    (`[-4, 3]` or within `[0, 7]`) eight values in three bytes, 4-bit grids two values per byte; wider grids use the
+    narrowest of int8, int16 and int32. `packed_bits` is the packed width, or `None` for unpacked integers.
     """
 
     values: Integer[Array, "*values_shape"]
@@ -34,7 +41,7 @@ class QuantizedTensor(eqx.Module):
     view_shape: tuple[int, ...] = eqx.field(static=True)
     qmin: int = eqx.field(static=True)
     qmax: int = eqx.field(static=True)
-    packed: bool = eqx.field(static=True)
+    packed_bits: int | None = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
 
     @classmethod
@@ -56,20 +63,30 @@ class QuantizedTensor(eqx.Module):
         rank = len(view.shape)
         scale = scale.reshape((1,) * (rank - scale.ndim) + scale.shape)
         zp = None if zp is None else zp.reshape((1,) * (rank - zp.ndim) + zp.shape)
-        packed = fits_in_nibble(qmin, qmax)
-        if packed:
+        bits = packed_width(qmin, qmax)
+        if bits is not None:
             rows = view.shape[0] if rank else 1
-            values = pack_int4(levels.reshape(rows, -1).astype(jnp.int8))
+            values = pack_bits(levels.reshape(rows, -1).astype(jnp.int8), bits)
         else:
             values = levels.astype(int_dtype(qmin, qmax))
-        return cls(values, scale, zp, tuple(shape), tuple(view.shape), qmin, qmax, packed, np.dtype(dtype).name)
+        return cls(values, scale, zp, tuple(shape), tuple(view.shape), qmin, qmax, bits, np.dtype(dtype).name)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the integers are packed (`packed_bits` is not `None`)."""
+        return self.packed_bits is not None
+
+    def _unpack(self, rows: Array) -> Array:
+        """The levels of packed `rows` (shape `(rows, bytes)`), one row of the view each, as `(rows, values)`."""
+        assert self.packed_bits is not None
+        per_row = math.prod(self.view_shape[1:]) if self.view_shape else 1
+        return unpack_bits(rows, per_row, self.packed_bits, signed=self.qmin < 0)
 
     def levels(self) -> Int[Array, "*view_shape"]:
         """The integer levels, unpacked, with the shape of the view."""
-        if not self.packed:
+        if self.packed_bits is None:
             return self.values
-        per_row = math.prod(self.view_shape[1:]) if self.view_shape else 1
-        return unpack_int4(self.values, per_row, signed=self.qmin < 0).reshape(self.view_shape)
+        return self._unpack(self.values).reshape(self.view_shape)
 
     def dequantize(self) -> Float[Array, "*shape"]:
         """`scale * (levels - zero_point)`, reshaped to `shape`: the fake-quantized tensor."""
@@ -80,9 +97,8 @@ class QuantizedTensor(eqx.Module):
         """Row `index` (along the first axis) of [`eqx_quant.nn.QuantizedTensor.dequantize`][], computed from that
         row's integers alone."""
         row_shape = self.view_shape[1:]
-        if self.packed:
-            row = unpack_int4(self.values[index][None], math.prod(row_shape), signed=self.qmin < 0)
-            levels = row.reshape(row_shape)
+        if self.packed_bits is not None:
+            levels = self._unpack(self.values[index][None]).reshape(row_shape)
         else:
             levels = self.values[index]
         pick = lambda a: a[index] if a.shape[0] > 1 else a[0]  # noqa: E731

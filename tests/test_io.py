@@ -1,0 +1,227 @@
+"""`save` / `load`: damaged and foreign files, files of another grid, failing saves, colliding paths."""
+
+import io
+import json
+import os
+import struct
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_quant
+from eqx_quant import DynamicFakeQuant
+from eqx_quant.nn import QuantLinear
+
+
+MAGIC = b"EQXQUANT"  # the first 8 bytes of a saved file, then the header length as a little-endian uint64
+
+
+def linear(seed: int, n_in: int = 6, n_out: int = 4) -> eqx.nn.Linear:
+    """A linear layer with NumPy-random parameters (no random initialisation to compile)."""
+    rng = np.random.default_rng(seed)
+    layer = eqx.filter_eval_shape(lambda: eqx.nn.Linear(n_in, n_out, key=jax.random.key(0)))
+    weight = jnp.asarray(rng.uniform(-1, 1, (n_out, n_in)).astype(np.float32))
+    bias = jnp.asarray(rng.uniform(-1, 1, (n_out,)).astype(np.float32))
+    return eqx.tree_at(lambda l: (l.weight, l.bias), layer, (weight, bias))
+
+
+def converted(quantizer=None, seed: int = 0):
+    """A converted model of two linear layers, its weights on the grid of `quantizer`."""
+    quantizer = DynamicFakeQuant(4, axis=0) if quantizer is None else quantizer
+    layers = [linear(seed), linear(seed + 1, 4, 3)]
+    return eqx_quant.convert([QuantLinear(layer, weight_quant=quantizer) for layer in layers])
+
+
+def zeros_like(tree):
+    return jax.tree.map(lambda a: jnp.zeros_like(a) if isinstance(a, jax.Array) else a, tree)
+
+
+def assert_same_arrays(a, b):
+    leaves_a, tree_a = jax.tree.flatten(a)
+    leaves_b, tree_b = jax.tree.flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        assert isinstance(x, jax.Array) and x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def header_end(data: bytes) -> int:
+    (length,) = struct.unpack("<Q", data[8:16])
+    return 16 + length
+
+
+@pytest.fixture(scope="module")
+def model():
+    return converted()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Damaged files.
+
+
+def test_header_cut_short(model, tmp_path):
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, model)
+    data = path.read_bytes()
+    assert data.startswith(MAGIC)
+    cut = tmp_path / "cut.eqx"
+    for length in (len(MAGIC), len(MAGIC) + 3, 16, 16 + 5, header_end(data) - 1):
+        cut.write_bytes(data[:length])
+        with pytest.raises(ValueError, match=rf"`path`='{str(cut)}' is cut short within its `eqx_quant.save` header"):
+            eqx_quant.load(cut, model)
+
+
+def test_header_damaged(model, tmp_path):
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, model)
+    data = path.read_bytes()
+    end = header_end(data)
+    damaged = tmp_path / "damaged.eqx"
+    for header in (b"{" * (end - 16), json.dumps([1]).encode().ljust(end - 16), b"\xff" * (end - 16)):
+        damaged.write_bytes(data[:16] + header + data[end:])
+        with pytest.raises(ValueError, match="damaged `eqx_quant.save` header"):
+            eqx_quant.load(damaged, model)
+    newer = json.dumps({"format": "eqx_quant", "version": 3, "static_quantizers": {}}).encode()
+    damaged.write_bytes(MAGIC + struct.pack("<Q", len(newer)) + newer + data[end:])
+    with pytest.raises(ValueError, match="format version 3"):
+        eqx_quant.load(damaged, model)
+
+
+def test_arrays_cut_short(model, tmp_path):
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, model)
+    data = path.read_bytes()
+    cut = tmp_path / "cut.eqx"
+    # right after the header, inside the first array's NumPy header, inside the last array's data
+    for length in (header_end(data), header_end(data) + 20, len(data) - 1):
+        cut.write_bytes(data[:length])
+        with pytest.raises(ValueError, match="are cut short or do not match those of `like`"):
+            eqx_quant.load(cut, model)
+
+
+def test_more_data_than_like_reads(model, tmp_path):
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, model)
+    assert_same_arrays(eqx_quant.load(path, zeros_like(model)), model)
+    longer = tmp_path / "longer.eqx"
+    longer.write_bytes(path.read_bytes() + b"\0")
+    with pytest.raises(ValueError, match="holds more data than `like` reads"):
+        eqx_quant.load(longer, model)
+    # A model with one more array after those of `like` (its quantized tensors are the same).
+    extended = tmp_path / "extended.eqx"
+    eqx_quant.save(extended, model + [jnp.arange(3.0)])
+    with pytest.raises(ValueError, match="holds more data than `like` reads"):
+        eqx_quant.load(extended, model + [None])
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Files of another grid.
+
+
+@pytest.mark.parametrize(
+    "saved, like, field, saved_value, like_value",
+    [
+        # signed 4-bit levels read as unsigned ones would be other numbers in the same bytes
+        (DynamicFakeQuant(4, axis=0), DynamicFakeQuant(4, axis=0, signed=False, symmetric=False), "qmax", 7, 15),
+        (DynamicFakeQuant(8, axis=0), DynamicFakeQuant(4, axis=0), "packed_bits", None, 4),
+        (DynamicFakeQuant(2, axis=0), DynamicFakeQuant(3, axis=0), "packed_bits", 2, 3),
+        (DynamicFakeQuant(4, group_size=2), DynamicFakeQuant(4, axis=0), "view_shape", [4, 3, 2], [4, 6]),
+    ],
+)
+def test_another_grid_is_refused(saved, like, field, saved_value, like_value, tmp_path):
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, converted(saved))
+    expected = rf"The quantized tensor at '0.weight' has `{field}`={saved_value!r} in '{str(path)}' but {like_value!r}"
+    with pytest.raises(ValueError, match=expected.replace("[", r"\[")):
+        eqx_quant.load(path, converted(like, seed=5))
+    assert_same_arrays(eqx_quant.load(path, converted(saved, seed=5)), converted(saved))
+
+
+def test_quantized_tensors_elsewhere_are_refused(model, tmp_path):
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, model)
+    with pytest.raises(ValueError, match=r"quantized tensors saved in .* are at \['0.weight', '1.weight'\]"):
+        eqx_quant.load(path, [None, *model])
+
+
+def test_version_1_files(model, tmp_path):
+    """A file as format version 1 wrote it: no description of the quantized tensors."""
+    leaves = io.BytesIO()
+    eqx.tree_serialise_leaves(leaves, model)
+    header = json.dumps({"format": "eqx_quant", "version": 1, "static_quantizers": {}}).encode()
+    path = tmp_path / "v1.eqx"
+    path.write_bytes(MAGIC + struct.pack("<Q", len(header)) + header + leaves.getvalue())
+    assert_same_arrays(eqx_quant.load(path, zeros_like(model)), model)
+    with pytest.raises(ValueError, match=r"format version 1, .* 2- or 3-bit weights at \['0.weight', '1.weight'\]"):
+        eqx_quant.load(path, converted(DynamicFakeQuant(2, axis=0)))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# A failing save leaves the old file.
+
+
+def test_failing_save_keeps_the_old_file(model, tmp_path, monkeypatch):
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, model)
+    old = path.read_bytes()
+
+    # A leaf that cannot be written: a deleted array, after the others.
+    gone = jnp.arange(3.0)
+    gone.delete()
+    with pytest.raises(RuntimeError):  # raised by the writing of the third leaf
+        eqx_quant.save(path, model + [gone])
+    assert path.read_bytes() == old
+    assert os.listdir(tmp_path) == ["model.eqx"]
+
+    # The disk fills up halfway through the arrays.
+    def fill_up(f, tree):
+        f.write(b"\0" * 100)
+        raise OSError("No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(eqx, "tree_serialise_leaves", fill_up)
+        with pytest.raises(OSError, match="No space left"):
+            eqx_quant.save(path, converted(seed=9))
+        with pytest.raises(OSError, match="No space left"):
+            eqx_quant.save(tmp_path / "new.eqx", model)
+    assert path.read_bytes() == old
+    assert os.listdir(tmp_path) == ["model.eqx"]
+    assert_same_arrays(eqx_quant.load(path, zeros_like(model)), model)
+
+
+def test_save_replaces_the_file_with_the_usual_permissions(model, tmp_path):
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, converted(seed=9))
+    eqx_quant.save(path, model)
+    assert_same_arrays(eqx_quant.load(path, zeros_like(model)), model)
+    plain = tmp_path / "plain"
+    with open(plain, "wb"):
+        pass
+    assert os.stat(path).st_mode == os.stat(plain).st_mode
+    assert sorted(os.listdir(tmp_path)) == ["model.eqx", "plain"]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Paths.
+
+
+def test_colliding_paths_are_refused(tmp_path):
+    lin_a, lin_b = converted()
+    path = tmp_path / "model.eqx"
+    path.write_bytes(b"old")
+    colliding = {"a.b": lin_a, "a": {"b": lin_b}}  # both weights are named 'a.b.weight'
+    with pytest.raises(ValueError, match=r"`model` has two .* at the path 'a.b.weight'") as error:
+        eqx_quant.save(path, colliding)
+    assert "['a.b'].weight" in str(error.value) and "['a']['b'].weight" in str(error.value)
+    assert path.read_bytes() == b"old"
+    assert os.listdir(tmp_path) == ["model.eqx"]
+
+    # A dotted key that names nothing else is fine.
+    dotted = {"a.b": lin_a, "c": lin_b}
+    eqx_quant.save(path, dotted)
+    assert_same_arrays(eqx_quant.load(path, zeros_like(dotted)), dotted)
+    with pytest.raises(ValueError, match="`like` has two"):
+        eqx_quant.load(path, colliding)
