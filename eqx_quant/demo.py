@@ -2,9 +2,10 @@
 trained (QAT) at several bit widths.
 
 Run with `python -m eqx_quant.demo` (or `eqx-quant-demo`); `--help` lists the options. It needs the `examples` extra
-(`pip install "eqx_quant[examples]"`): optax, scikit-learn (whose bundled digits dataset is used: nothing is
-downloaded), tqdm and matplotlib. It writes `results.json`, `accuracy.png` and the saved models (`models/*.eqx`, float
-and converted to integers) to `--out`.
+(from a checkout, `pip install -e ".[examples]"`): optax, scikit-learn (whose bundled digits dataset is used: nothing
+is downloaded), tqdm and matplotlib. It prints a one-line summary of every phase as it ends and a table of the results,
+and writes `results.json`, `accuracy.png` and the saved models (`models/*.eqx`, float and converted to integers) to
+`--out`.
 """
 
 import argparse
@@ -24,6 +25,7 @@ import eqx_quant
 
 
 CONFIGS = ("W8A8", "W4A4", "W2A4")
+BATCH_SIZE = 64
 QAT_LEARNING_RATE = 5e-4  # QAT fine-tunes the calibrated model, more gently than the float training (3e-3)
 
 
@@ -123,6 +125,13 @@ def _loss(model: eqx.Module, images: Float[Array, "b 1 8 8"], labels: Int[Array,
     return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=-1))
 
 
+def total_steps(examples: int, epochs: int, max_steps: int | None) -> int:
+    """The number of steps `train` takes: `epochs` passes over `examples` in whole batches of `BATCH_SIZE`, or
+    `max_steps` if that is fewer."""
+    total = epochs * (examples // BATCH_SIZE)
+    return total if max_steps is None else min(max_steps, total)
+
+
 def train(
     model: eqx.Module,
     images: np.ndarray,
@@ -139,9 +148,9 @@ def train(
     import optax
     from tqdm.auto import tqdm
 
-    batch_size = 64
+    batch_size = BATCH_SIZE
     steps_per_epoch = len(images) // batch_size
-    total = epochs * steps_per_epoch if max_steps is None else min(max_steps, epochs * steps_per_epoch)
+    total = total_steps(len(images), epochs, max_steps)
     optimizer = optax.adam(optax.cosine_decay_schedule(learning_rate, max(total, 1)))
     opt_state = optimizer.init(eqx.filter(model, eqx.is_inexact_array))
 
@@ -180,19 +189,26 @@ def file_bytes(model: eqx.Module, path: pathlib.Path) -> int:
 
 
 def deployed(model: eqx.Module, images: np.ndarray, labels: np.ndarray, out: pathlib.Path, name: str) -> dict:
-    """Converts a fake-quantized model to integers and measures its accuracy and file size beside the float ones."""
+    """Converts a fake-quantized model to integers and measures its accuracy and file size beside the float ones, and
+    the time all this took (`convert_time_s`)."""
+    start = time.perf_counter()
     converted = eqx_quant.convert(model)
-    return {
+    result = {
         "int_accuracy": accuracy(converted, images, labels),
         "int_file_bytes": file_bytes(converted, out / f"{name}.int.eqx"),
         "file_bytes": file_bytes(model, out / f"{name}.fake.eqx"),
     }
+    return {**result, "convert_time_s": time.perf_counter() - start}
 
 
 def _timed(fn: Callable, *args, **kwargs):
     start = time.perf_counter()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - start
+
+
+def _percent(fraction: float) -> str:
+    return f"{100 * fraction:.2f}%"
 
 
 def run(
@@ -204,13 +220,27 @@ def run(
     out: pathlib.Path = pathlib.Path("eqx_quant_demo_out"),
     quick: bool = False,
     progress: bool = True,
+    log: Callable[[str], None] | None = print,
 ) -> dict:
     """Trains and evaluates every variant and writes `results.json` and `accuracy.png` to `out`.
+
+    **Arguments:**
+
+    - `epochs`, `qat_epochs`: the epochs of float training and of each QAT run.
+    - `configs`: the bit widths for PTQ and QAT, such as `"W4A4"`.
+    - `seed`: seeds the data split, the initialisation and the shuffling.
+    - `out`: the output folder, created if needed.
+    - `quick`: a smoke run: 10 steps per training, 256 calibration images and 128 test images.
+    - `progress`: whether to show a progress bar during each training run (on stderr; it disappears when the run
+        ends).
+    - `log`: receives a one-line summary of each phase as it ends (float training; for each configuration, PTQ
+        calibration, QAT training and each conversion); `None` for none.
 
     **Returns:**
 
     The results, as written to `results.json`.
     """
+    say = log if log is not None else (lambda line: None)
     start = time.perf_counter()
     out.mkdir(parents=True, exist_ok=True)
     models = out / "models"
@@ -231,12 +261,18 @@ def run(
             "accuracy": accuracy(float_model, x_test, y_test),
             "weight_bytes": weight_bytes(float_model, None),
             "wall_time_s": float_time,
+            "steps": total_steps(len(x_train), epochs, max_steps),
             "file_bytes": file_bytes(float_model, models / "float.eqx"),
             "losses": float_losses,
         },
         "ptq": {},
         "qat": {},
     }
+    r = results["float"]
+    say(
+        f"float: trained {r['steps']} steps in {r['wall_time_s']:.1f} s, test accuracy {_percent(r['accuracy'])}, "
+        f"saved {r['file_bytes']:,} B"
+    )
 
     def summary(model: eqx.Module, w_bits: int, wall: float, tag: str) -> dict:
         return {
@@ -246,12 +282,20 @@ def run(
             **deployed(model, x_test, y_test, models, tag),
         }
 
+    def say_converted(name: str, method: str, r: dict) -> None:
+        say(
+            f"{name} {method}: converted and saved in {r['convert_time_s']:.2f} s, int accuracy "
+            f"{_percent(r['int_accuracy'])}, {r['int_file_bytes']:,} B (fake-quant file {r['file_bytes']:,} B)"
+        )
+
     ptq_models = {}
     for name in configs:
         w_bits, a_bits = parse_config(name)
         model, wall = _timed(calibrated, quantized(float_model, w_bits, a_bits), x_calibration, a_bits)
         ptq_models[name] = model
-        results["ptq"][name] = summary(model, w_bits, wall, f"ptq_{name}")
+        r = results["ptq"][name] = summary(model, w_bits, wall, f"ptq_{name}")
+        say(f"{name} PTQ: calibrated in {r['wall_time_s']:.1f} s, test accuracy {_percent(r['accuracy'])}")
+        say_converted(name, "PTQ", r)
     for name in configs:
         w_bits, a_bits = parse_config(name)
 
@@ -260,7 +304,13 @@ def run(
             train, ptq_models[name], x_train, y_train, epochs=qat_epochs, learning_rate=QAT_LEARNING_RATE,
             description=f"QAT {name}", **common,
         )  # fmt: skip
-        results["qat"][name] = {**summary(model, w_bits, wall, f"qat_{name}"), "losses": losses}
+        steps = total_steps(len(x_train), qat_epochs, max_steps)
+        r = results["qat"][name] = {**summary(model, w_bits, wall, f"qat_{name}"), "steps": steps, "losses": losses}
+        say(
+            f"{name} QAT: trained {r['steps']} steps in {r['wall_time_s']:.1f} s, "
+            f"test accuracy {_percent(r['accuracy'])}"
+        )
+        say_converted(name, "QAT", r)
     results["config"] = {
         "epochs": epochs,
         "qat_epochs": qat_epochs,
@@ -278,25 +328,46 @@ def run(
 
 
 def plot(results: dict, path: pathlib.Path) -> None:
-    """Test accuracy against weight bit width: PTQ and QAT, with the float model as a horizontal line."""
+    """Test accuracy against weight bit width: PTQ and QAT, with the float model as a horizontal line. Each point is
+    labelled with its accuracy, PTQ's below the point and QAT's above, and the configurations name the ticks."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
-    ax.axhline(100 * results["float"]["accuracy"], color="black", linestyle="--", label="float32")
-    for kind, marker in (("ptq", "s"), ("qat", "o")):
+    float_accuracy = 100 * results["float"]["accuracy"]
+    ax.axhline(float_accuracy, color="black", linestyle="--", linewidth=1, label=f"float32 ({float_accuracy:.1f}%)")
+    values = [float_accuracy]
+    names_at: dict[int, list[str]] = {}
+    for kind, marker, color, offset in (("ptq", "s", "tab:blue", -11), ("qat", "o", "tab:orange", 11)):
         points = sorted((parse_config(name)[0], 100 * r["accuracy"], name) for name, r in results[kind].items())
-        if points:
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, label=kind.upper())
-            for bits, acc, name in points:
-                ax.annotate(name, (bits, acc), textcoords="offset points", xytext=(4, -10), fontsize=7)
-    ax.set_xlabel("weight bits")
+        if not points:
+            continue
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, color=color, label=kind.upper())
+        for bits, acc, name in points:
+            values.append(acc)
+            names_at.setdefault(bits, [])
+            if name not in names_at[bits]:
+                names_at[bits].append(name)
+            ax.annotate(
+                f"{acc:.1f}%", (bits, acc), textcoords="offset points", xytext=(0, offset), ha="center",
+                va="center", fontsize=7, color=color,
+                bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8),
+            )  # fmt: skip
+    # Weight bits on a base-2 axis (2, 4 and 8 evenly spaced), with room on every side for the labels.
+    ax.set_xscale("log", base=2)
+    if names_at:
+        ax.set_xlim(min(names_at) / 1.45, max(names_at) * 1.45)
+        ax.set_xticks(sorted(names_at), ["\n".join(names_at[bits]) for bits in sorted(names_at)])
+    ax.minorticks_off()
+    low, high = min(values), max(values)
+    pad = max(0.15 * (high - low), 2.0)
+    ax.set_ylim(low - pad, high + pad)
+    ax.set_xlabel("bit widths (W: weights, A: activations)")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_xticks([2, 4, 8])
     ax.set_title("8x8 digits convnet: PTQ vs QAT")
-    ax.legend(loc="lower right")
+    ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -307,7 +378,10 @@ def table(results: dict) -> str:
     rows = [("float", "float32", results["float"])]
     rows += [("PTQ", name, r) for name, r in results["ptq"].items()]
     rows += [("QAT", name, r) for name, r in results["qat"].items()]
-    header = f"{'method':<7}{'bits':<9}{'accuracy':>9}{'int acc.':>9}{'weight B':>10}{'file B':>9}{'int file B':>11}{'time':>7}"
+    header = (
+        f"{'method':<7}{'bits':<9}{'accuracy':>9}{'int acc.':>9}{'weight B':>10}{'file B':>9}{'int file B':>11}"
+        f"{'time':>7}"
+    )
     lines = [header, "-" * len(header)]
     for method, bits, r in rows:
         int_acc = f"{100 * r['int_accuracy']:>8.2f}%" if "int_accuracy" in r else f"{'-':>9}"
@@ -327,7 +401,11 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("eqx_quant_demo_out"))
-    parser.add_argument("--quick", action="store_true", help="a seconds-long smoke run (10 steps per training)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a smoke run: 10 steps per training, 128 test images (compilation takes most of its time)",
+    )
     args = parser.parse_args(argv)
     configs = tuple(name.strip() for name in args.bits.split(",") if name.strip())
     for name in configs:

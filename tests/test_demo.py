@@ -16,10 +16,15 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
-def test_quick_run_writes_results_and_plot(tmp_path):
+def _percent(fraction):
+    return f"{100 * fraction:.2f}%"
+
+
+def test_quick_run_writes_results_and_plot(tmp_path, capsys):
     # optax's Adam mixes its int32 step count with Python floats, which strict promotion (set in conftest.py) rejects.
     with jax.numpy_dtype_promotion("standard"):
         demo.main(["--quick", "--out", str(tmp_path)])
+    stdout = capsys.readouterr().out
     results = json.loads((tmp_path / "results.json").read_text())
     config = results["config"]
     assert config["quick"] is True
@@ -50,6 +55,45 @@ def test_quick_run_writes_results_and_plot(tmp_path):
     for kind in ("ptq", "qat"):
         for name, value in expected_bytes.items():
             assert results[kind][name]["weight_bytes"] == value, (kind, name)
+    # A summary line per phase, in the order the phases run, with the figures of results.json. A quick run trains
+    # 10 steps (fewer than one epoch of 1437 // 64 = 22 batches).
+    f = results["float"]
+    assert f["steps"] == 10
+    assert f["file_bytes"] == (tmp_path / "models" / "float.eqx").stat().st_size
+    expected_lines = [
+        f"float: trained 10 steps in {f['wall_time_s']:.1f} s, test accuracy {_percent(f['accuracy'])}, "
+        f"saved {f['file_bytes']:,} B"
+    ]
+
+    def converted(name, method, r):
+        # The sizes quoted are those of the files written.
+        models = tmp_path / "models"
+        assert r["int_file_bytes"] == (models / f"{method.lower()}_{name}.int.eqx").stat().st_size
+        assert r["file_bytes"] == (models / f"{method.lower()}_{name}.fake.eqx").stat().st_size
+        return (
+            f"{name} {method}: converted and saved in {r['convert_time_s']:.2f} s, int accuracy "
+            f"{_percent(r['int_accuracy'])}, {r['int_file_bytes']:,} B (fake-quant file {r['file_bytes']:,} B)"
+        )
+
+    for name in ("W8A8", "W4A4", "W2A4"):
+        r = results["ptq"][name]
+        expected_lines.append(
+            f"{name} PTQ: calibrated in {r['wall_time_s']:.1f} s, test accuracy {_percent(r['accuracy'])}"
+        )
+        expected_lines.append(converted(name, "PTQ", r))
+    for name in ("W8A8", "W4A4", "W2A4"):
+        r = results["qat"][name]
+        assert r["steps"] == 10
+        expected_lines.append(
+            f"{name} QAT: trained 10 steps in {r['wall_time_s']:.1f} s, test accuracy {_percent(r['accuracy'])}"
+        )
+        expected_lines.append(converted(name, "QAT", r))
+    lines = stdout.splitlines()
+    assert lines[: len(expected_lines)] == expected_lines
+    # Then the table (its first data row is the float model) and where the files went.
+    assert lines[len(expected_lines)].split()[:3] == ["method", "bits", "accuracy"]
+    assert lines[len(expected_lines) + 2].split()[:3] == ["float", "float32", _percent(f["accuracy"])]
+    assert lines[-1] == f"wrote {tmp_path / 'results.json'} and {tmp_path / 'accuracy.png'}"
     png = (tmp_path / "accuracy.png").read_bytes()
     assert len(png) > 100 and png[:8] == PNG_SIGNATURE
     assert png[12:16] == b"IHDR"
