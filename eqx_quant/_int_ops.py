@@ -58,8 +58,8 @@ class IntOperand(NamedTuple):
 def grid_levels(grid: QuantGrid) -> tuple[Array, Array, Array | None]:
     """`(levels, scale, zero_point)` of a grid, computed exactly as [`eqx_quant.fake_quant`][] computes them (the
     levels as floats of the compute dtype; the zero point `None` when it is 0). No gradient flows through them."""
-    view, scale, zero_point, qmin, qmax = grid
     view, scale, zero_point = (jax.lax.stop_gradient(a) if isinstance(a, jax.Array) else a for a in grid[:3])
+    qmin, qmax = grid.qmin, grid.qmax
     compute = compute_dtype(view.dtype)
     scale = prepare_scale(scale, view.shape, compute)
     zero_point = prepare_zero_point(zero_point, view.shape, compute)

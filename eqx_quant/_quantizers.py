@@ -12,6 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from ._clip import clip_passthrough
 from ._fake_quant import check_range, fake_quant
+from ._layout import Layout
 from ._misc import as_float_input, check_int, compute_dtype
 from ._ranges import int_range
 from ._scales import absmax_scale, finite_or, minmax_scale, stats
@@ -27,18 +28,8 @@ StaticInts = int | np.integer | Sequence[int | np.integer] | np.ndarray
 # Small helpers.
 
 
-def _normalize_axis(axis: int, ndim: int) -> int:
-    if not -ndim <= axis < ndim:
-        raise ValueError(f"`axis` must be in [{-ndim}, {ndim}) for an input of rank {ndim}, got axis={axis}.")
-    return axis % ndim
-
-
-def _channel_shape(ndim: int, axis: int, n: int) -> tuple[int, ...]:
-    return tuple(n if i == axis else 1 for i in range(ndim))
-
-
-def _as_static_floats(name: str, value: object) -> float | tuple[float, ...]:
-    """A Python float, or a tuple of them for a 1-D sequence: hashable, so that it can be a static field."""
+def _as_static_floats(name: str, value: object) -> float | tuple:
+    """A Python float, or nested tuples of them for an array: hashable, so that it can be a static field."""
     if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.ndim == 0:
         value = value.item()
     if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer):
@@ -46,55 +37,57 @@ def _as_static_floats(name: str, value: object) -> float | tuple[float, ...]:
     a = np.asarray(value)
     if a.dtype.kind not in "iuf":
         raise TypeError(f"`{name}` must be a Python float or a sequence of floats, got {value!r}.")
-    if a.ndim == 0:
-        return float(a)
-    if a.ndim != 1 or a.size == 0:
-        raise ValueError(f"`{name}` must be a float or a non-empty 1-D sequence of floats, got shape {a.shape}.")
-    return tuple(float(v) for v in a)
+    if a.ndim and a.size == 0:
+        raise ValueError(f"`{name}` must be a float or a non-empty array of floats, got shape {a.shape}.")
+    return float(a) if a.ndim == 0 else _nested(a.astype(np.float64), float)
 
 
-def _as_static_ints(name: str, value: object) -> int | tuple[int, ...]:
+def _as_static_ints(name: str, value: object) -> int | tuple:
     if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
         return int(value)
     if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
         raise TypeError(f"`{name}` must be an int or a sequence of ints, got {value!r}.")
-    values = tuple(check_int(name, v) for v in np.asarray(value, dtype=object).ravel())
-    if np.ndim(value) != 1 or not values:
-        raise ValueError(f"`{name}` must be an int or a non-empty 1-D sequence of ints, got {value!r}.")
-    return values
+    a = np.asarray(value, dtype=object)
+    for v in a.ravel():
+        check_int(name, v)
+    if a.ndim == 0 or a.size == 0:
+        raise ValueError(f"`{name}` must be an int or a non-empty array of ints, got {value!r}.")
+    return _nested(a, int)
 
 
-def _as_tuple(value: float | int | tuple) -> tuple:
-    return value if isinstance(value, tuple) else (value,)
+def _nested(a: np.ndarray, kind: type) -> tuple:
+    """An array as nested tuples of Python numbers."""
+    return tuple(_nested(row, kind) if a.ndim > 1 else kind(row) for row in a)
 
 
-def _check_scale_values(name: str, values: tuple[float, ...]) -> None:
+def _flat(value: float | int | tuple) -> list:
+    """The numbers of a static value, flattened."""
+    return [value] if not isinstance(value, tuple) else [v for row in value for v in _flat(row)]
+
+
+def _check_scale_values(name: str, values: list[float]) -> None:
     for v in values:
         if not (math.isfinite(v) and _TINY32 <= v <= 1 / _TINY32):
             raise ValueError(f"`{name}` must be finite, positive and a normal float32, got {name}={v!r}.")
 
 
-def _per_channel(name: str, value, x: Array, axis: int | None) -> float | int | Array:
-    """A static per-channel tuple as an array that broadcasts along `axis` of `x`; scalars pass through."""
-    if not isinstance(value, tuple):
-        return value
-    assert axis is not None
-    axis = _normalize_axis(axis, x.ndim)
-    if len(value) != x.shape[axis]:
-        raise ValueError(
-            f"`{name}` has {len(value)} entries but `x` has {x.shape[axis]} along axis {axis} (x.shape={x.shape})."
-        )
-    return jnp.asarray(value, compute_dtype(x.dtype)).reshape(_channel_shape(x.ndim, axis, len(value)))
+def _static_array(name: str, value: float | int | tuple, layout: Layout, x: Array) -> Array:
+    """A static scale or zero point as an array that broadcasts against `layout`'s view of `x`."""
+    a = jnp.asarray(value, compute_dtype(x.dtype))
+    if a.ndim == 0 and layout.scale_shape(x.shape) != ():
+        a = jnp.broadcast_to(a, layout.scale_shape(x.shape))  # one value for every channel or group
+    try:
+        return layout.expand(a, x.shape)
+    except ValueError as error:
+        raise ValueError(f"`{name}` does not fit `x`: {error}") from None
 
 
-def _sample_data(x: object, axis: int | None) -> tuple[Array, int | None, tuple[int, ...]]:
-    """Calibration data as float32, its channel axis (normalized) and the axes that statistics reduce over."""
+def _sample_data(x: object, layout: Layout) -> tuple[Array, Array]:
+    """Calibration data as float32 and its view under `layout`, checked."""
     x = as_float_input("x", x).astype(jnp.float32)
     if x.size == 0:
         raise ValueError(f"`x` is empty (shape {x.shape}): fitting a scale needs data.")
-    if axis is not None:
-        axis = _normalize_axis(check_int("axis", axis), x.ndim)
-    return x, axis, tuple(i for i in range(x.ndim) if i != axis)
+    return x, layout.view(x)
 
 
 def _check_float_input(x: Array) -> None:
@@ -207,6 +200,7 @@ class QuantGrid(NamedTuple):
     - `scale`: the step size, a Python float or a float array that broadcasts against `view`.
     - `zero_point`: 0, or an integer-valued float array that broadcasts against `view`.
     - `qmin`, `qmax`: the inclusive integer range.
+    - `layout`: which elements share a scale (see [`eqx_quant.Layout`][]); the view is `layout.view(x)`.
     """
 
     view: Array
@@ -214,18 +208,25 @@ class QuantGrid(NamedTuple):
     zero_point: int | Array
     qmin: int
     qmax: int
+    layout: Layout = Layout()
 
 
 def apply_grid(grid: QuantGrid, shape: tuple[int, ...]) -> Array:
     """[`eqx_quant.fake_quant`][] on a grid, reshaped back to the input's `shape`."""
-    view, scale, zero_point, qmin, qmax = grid
-    return fake_quant(view, scale, qmin, qmax, zero_point).reshape(shape)
+    return fake_quant(grid.view, grid.scale, grid.qmin, grid.qmax, grid.zero_point).reshape(shape)
 
 
 class AbstractFakeQuantizer(AbstractQuantizer):
     """Base class of the quantizers that put their input on an integer grid (all but
     [`eqx_quant.PassthroughClip`][]); their output is [`eqx_quant.fake_quant`][] on the grid that `grid` returns.
+
+    Every fake quantizer has an integer range `qmin`, `qmax` and a `layout` (an [`eqx_quant.Layout`][]: per tensor,
+    per channel along any axes, or per group of `group_size` along the last axis).
     """
+
+    qmin: eqx.AbstractVar[int]
+    qmax: eqx.AbstractVar[int]
+    layout: eqx.AbstractVar[Layout]
 
     @abc.abstractmethod
     def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
@@ -256,7 +257,8 @@ class FakeQuant(AbstractFakeQuantizer):
     """A fixed fake quantizer: scale, zero point and integer range are static configuration.
 
     `FakeQuant(scale, qmin, qmax)(x)` is `fake_quant(x, scale, qmin, qmax)`. Per-channel scales and zero points are
-    tuples with one entry per index of `x.shape[axis]`.
+    tuples with one entry per index of `x.shape[axis]`; per-group ones (`group_size=g`) nested tuples of the shape
+    `x.shape[:-1] + (x.shape[-1] // g,)`: the compact shapes of [`eqx_quant.Layout`][].
 
     The module has no array leaves: optimizers never change it and gradients never reach it, which suits a frozen,
     calibrated quantizer (see [`eqx_quant.FakeQuant.calibrate`][]). Because its configuration is static, it is part of
@@ -274,11 +276,12 @@ class FakeQuant(AbstractFakeQuantizer):
         ```
     """
 
-    scale: float | tuple[float, ...] = eqx.field(static=True)
+    scale: float | tuple = eqx.field(static=True)
     qmin: int = eqx.field(static=True)
     qmax: int = eqx.field(static=True)
-    zero_point: int | tuple[int, ...] = eqx.field(static=True)
-    axis: int | None = eqx.field(static=True)
+    zero_point: int | tuple = eqx.field(static=True)
+    axis: int | tuple[int, ...] | None = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -287,43 +290,56 @@ class FakeQuant(AbstractFakeQuantizer):
         qmax: int | np.integer,
         *,
         zero_point: StaticInts = 0,
-        axis: int | None = None,
+        axis: int | tuple[int, ...] | None = None,
+        group_size: int | None = None,
     ):
         """**Arguments:**
 
-        - `scale`: the step size, a positive float, or a sequence of them (one per channel along `axis`).
+        - `scale`: the step size, a positive float, or an array of them in the compact shape of the layout (one per
+            channel along `axis`, or one per group).
         - `qmin`, `qmax`: the inclusive integer range; see [`eqx_quant.int_range`][].
-        - `zero_point`: the integer that represents 0, in `[qmin, qmax]`; an int or a sequence of ints (per channel).
-        - `axis`: the channel axis of the input for per-channel `scale` / `zero_point`; negative values count from
-            the end. Required when either is a sequence.
+        - `zero_point`: the integer that represents 0, in `[qmin, qmax]`; an int or an array of ints shaped like
+            `scale`.
+        - `axis`: the channel axis (or axes) of the input for per-channel `scale` / `zero_point`; negative values
+            count from the end.
+        - `group_size`: the size of the groups along the last axis for per-group `scale` / `zero_point`.
+
+        A per-channel or per-group `scale` needs `axis` or `group_size`; a scalar applies to every channel or group.
         """
         self.scale = _as_static_floats("scale", scale)
         self.qmin, self.qmax = check_range(qmin, qmax)
         self.zero_point = _as_static_ints("zero_point", zero_point)
-        self.axis = None if axis is None else check_int("axis", axis)
+        self.axis = Layout.of(axis, group_size).axis
+        self.group_size = group_size
 
     def __check_init__(self):
-        _check_scale_values("scale", _as_tuple(self.scale))
-        for zp in _as_tuple(self.zero_point):
+        _check_scale_values("scale", _flat(self.scale))
+        for zp in _flat(self.zero_point):
             if not self.qmin <= zp <= self.qmax:
                 raise ValueError(
                     f"`zero_point` must lie in [qmin, qmax] = [{self.qmin}, {self.qmax}], got zero_point={zp}."
                 )
-        per_channel = [name for name in ("scale", "zero_point") if isinstance(getattr(self, name), tuple)]
-        if per_channel and self.axis is None:
-            raise ValueError(f"`axis` is required for per-channel `{per_channel[0]}`, got axis=None.")
-        if len(per_channel) == 2 and len(self.scale) != len(self.zero_point):
+        arrays = [name for name in ("scale", "zero_point") if isinstance(getattr(self, name), tuple)]
+        if arrays and self.layout.is_per_tensor():
+            raise ValueError(f"`axis` or `group_size` is required for an array `{arrays[0]}`, got neither.")
+        if len(arrays) == 2 and np.shape(self.scale) != np.shape(self.zero_point):
             raise ValueError(
-                f"`scale` and `zero_point` must have as many entries, got {len(self.scale)} and "
-                f"{len(self.zero_point)}."
+                f"`scale` and `zero_point` must have one shape, got {np.shape(self.scale)} and "
+                f"{np.shape(self.zero_point)}."
             )
 
+    @property
+    def layout(self) -> Layout:
+        return Layout.of(self.axis, self.group_size)
+
     def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
-        if self.axis is not None:
-            _normalize_axis(self.axis, x.ndim)
-        scale = _per_channel("scale", self.scale, x, self.axis)
-        zero_point = _per_channel("zero_point", self.zero_point, x, self.axis)
-        return QuantGrid(x, scale, zero_point, self.qmin, self.qmax)
+        layout = self.layout
+        view = layout.view(x)
+        scale = _static_array("scale", self.scale, layout, x)
+        zero_point = self.zero_point
+        if zero_point != 0:
+            zero_point = _static_array("zero_point", zero_point, layout, x)
+        return QuantGrid(view, scale, zero_point, self.qmin, self.qmax, layout)
 
     @classmethod
     def from_bits(
@@ -333,22 +349,23 @@ class FakeQuant(AbstractFakeQuantizer):
         *,
         signed: bool = True,
         narrow: bool = False,
-        axis: int | None = None,
+        axis: int | tuple[int, ...] | None = None,
+        group_size: int | None = None,
     ) -> "FakeQuant":
         """A symmetric quantizer on the `bits`-bit grid of [`eqx_quant.int_range`][].
 
         **Arguments:**
 
         - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
-        - `scale`: the step size, a float or a per-channel sequence.
-        - `axis`: the channel axis for a per-channel `scale`.
+        - `scale`: the step size, a float or an array of them (per channel or per group).
+        - `axis`, `group_size`: the layout of an array `scale`, as for the constructor.
 
         **Returns:**
 
         A [`eqx_quant.FakeQuant`][] with zero point 0.
         """
         qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
-        return cls(scale, qmin, qmax, axis=axis)
+        return cls(scale, qmin, qmax, axis=axis, group_size=group_size)
 
     @classmethod
     def calibrate(
@@ -358,7 +375,8 @@ class FakeQuant(AbstractFakeQuantizer):
         *,
         signed: bool = True,
         narrow: bool = False,
-        axis: int | None = None,
+        axis: int | tuple[int, ...] | None = None,
+        group_size: int | None = None,
         method: Literal["absmax", "minmax", "percentile", "mse"] = "absmax",
         percentile: float = 99.99,
         num_candidates: int = 100,
@@ -371,7 +389,10 @@ class FakeQuant(AbstractFakeQuantizer):
 
         - `x`: the sample data, e.g. a weight or a batch of activations.
         - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
-        - `axis`: `None` for one scale for the whole tensor, or the channel axis for one scale per index along it.
+        - `axis`: `None` for one scale for the whole tensor, or the channel axis (or axes) for one scale per index
+            along it.
+        - `group_size`: one scale per group of this many contiguous elements along the last axis (per-group scales
+            of shape `x.shape[:-1] + (x.shape[-1] // group_size,)`), or `None`.
         - `method`:
             - `"absmax"`: symmetric, `scale ≈ max|x| / qmax`, nudged up by at most a few ulps so that the largest
                 magnitude maps inside `[qmin, qmax]` with the arithmetic of [`eqx_quant.fake_quant`][] (so it lands on
@@ -396,23 +417,26 @@ class FakeQuant(AbstractFakeQuantizer):
         if num_candidates < 1:
             raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
         qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
-        x, axis, axes = _sample_data(x, axis)
-        absmax, lo, hi = stats(x, axes)
+        layout = Layout.of(axis, group_size)
+        x, view = _sample_data(x, layout)
+        axes = layout.reduction_axes(x.shape)
+        absmax, lo, hi = stats(view, axes)
         zero_point = jnp.zeros_like(absmax)
         if method == "absmax":
             scale = absmax_scale(absmax, qmin, qmax)
         elif method == "minmax":
             scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
         elif method == "percentile":
-            magnitudes = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.nan)
+            magnitudes = jnp.where(jnp.isfinite(view), jnp.abs(view), jnp.nan)
             clip_at = jnp.nan_to_num(jnp.nanpercentile(magnitudes, percentile, axis=axes, keepdims=True))
             scale = absmax_scale(clip_at, qmin, qmax)
         else:
-            scale = _mse_scale(x, absmax, axes, qmin, qmax, num_candidates)
-        scale, zero_point = np.asarray(scale).ravel(), np.asarray(zero_point).ravel().astype(np.int64)
-        if axis is None:
-            return cls(float(scale[0]), qmin, qmax, zero_point=int(zero_point[0]))
-        return cls(tuple(scale.tolist()), qmin, qmax, zero_point=tuple(zero_point.tolist()), axis=axis)
+            scale = _mse_scale(view, absmax, axes, qmin, qmax, num_candidates)
+        scale = np.asarray(layout.compact(scale, x.shape))
+        zero_point = np.asarray(layout.compact(zero_point, x.shape)).astype(np.int64)
+        if layout.is_per_tensor():
+            return cls(float(scale), qmin, qmax, zero_point=int(zero_point))
+        return cls(scale, qmin, qmax, zero_point=zero_point, axis=layout.axis, group_size=group_size)
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
@@ -480,7 +504,7 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
     Granularity:
 
     - per tensor (`axis=None`, `group_size=None`): one scale;
-    - per channel (`axis=k`): one scale per index along axis `k`;
+    - per channel (`axis=k`, or a tuple of axes): one scale per index along axis `k`;
     - per group (`group_size=g`): the last axis is split into contiguous groups of `g`, and every group of every
         index of the other axes has its own scale: scales of shape `x.shape[:-1] + (x.shape[-1] // g,)`. These are
         already separate for every channel, so `axis` (if given) only has to name another axis than the last.
@@ -500,7 +524,7 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
     bits: int = eqx.field(static=True)
     signed: bool = eqx.field(static=True)
     narrow: bool = eqx.field(static=True)
-    axis: int | None = eqx.field(static=True)
+    axis: int | tuple[int, ...] | None = eqx.field(static=True)
     group_size: int | None = eqx.field(static=True)
     symmetric: bool = eqx.field(static=True)
     axis_name: AxisName | None = eqx.field(static=True)
@@ -511,7 +535,7 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
         *,
         signed: bool = True,
         narrow: bool = False,
-        axis: int | None = None,
+        axis: int | tuple[int, ...] | None = None,
         group_size: int | None = None,
         symmetric: bool = True,
         axis_name: AxisName | None = None,
@@ -532,8 +556,8 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
         self.bits = check_int("bits", bits)
         self.signed = signed
         self.narrow = narrow
-        self.axis = None if axis is None else check_int("axis", axis)
-        self.group_size = None if group_size is None else check_int("group_size", group_size)
+        self.axis = Layout.of(axis, group_size).axis
+        self.group_size = group_size
         self.symmetric = symmetric
         self.axis_name = axis_name
 
@@ -542,8 +566,10 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
         _check_axis_name(self.axis_name)
         if not isinstance(self.symmetric, bool):
             raise TypeError(f"`symmetric` must be a bool, got {self.symmetric!r}.")
-        if self.group_size is not None and self.group_size < 1:
-            raise ValueError(f"`group_size` must be a positive int, got group_size={self.group_size}.")
+
+    @property
+    def layout(self) -> Layout:
+        return Layout.of(self.axis, self.group_size)
 
     @property
     def qmin(self) -> int:
@@ -552,22 +578,6 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
     @property
     def qmax(self) -> int:
         return int_range(self.bits, signed=self.signed, narrow=self.narrow)[1]
-
-    def _grouped(self, x: Array) -> Array:
-        """`x` reshaped so that per-group scales broadcast: `(..., n) -> (..., n // g, g)`."""
-        g = self.group_size
-        assert g is not None
-        if x.ndim == 0:
-            raise ValueError("`group_size` needs an input with at least one axis, got a scalar.")
-        if self.axis is not None and _normalize_axis(self.axis, x.ndim) == x.ndim - 1:
-            raise ValueError(
-                f"`axis` must not be the last axis when `group_size` is given, got axis={self.axis} for an input of "
-                f"rank {x.ndim}."
-            )
-        n = x.shape[-1]
-        if n % g:
-            raise ValueError(f"`group_size`={g} does not divide the last axis of `x`, of size {n}.")
-        return x.reshape(x.shape[:-1] + (n // g, g))
 
     def quantization_params(self, x: Float[Array, "*shape"]) -> tuple[Array, Array]:
         """The scale and zero point that a call on `x` uses.
@@ -578,41 +588,34 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
 
         **Returns:**
 
-        `(scale, zero_point)`, float32 arrays: of shape `()` per tensor, `(x.shape[axis],)` per channel, and
+        `(scale, zero_point)`, float32 arrays in the compact shape of the layout
+        ([`eqx_quant.Layout.scale_shape`][]): `()` per tensor, `(x.shape[axis],)` per channel, and
         `x.shape[:-1] + (x.shape[-1] // group_size,)` per group. The zero point is integer-valued (0 when symmetric).
         """
-        _, scale, zero_point, _, _ = self.grid(x)
-        zero_point = jnp.zeros_like(scale) if isinstance(zero_point, int) else zero_point
-        if self.group_size is not None:
-            squeeze: tuple[int, ...] = (x.ndim,)
-        else:
-            axis = None if self.axis is None else _normalize_axis(self.axis, x.ndim)
-            squeeze = tuple(i for i in range(x.ndim) if i != axis)
-        return jnp.squeeze(scale, axis=squeeze), jnp.squeeze(zero_point, axis=squeeze)
+        grid = self.grid(x)
+        scale = grid.layout.compact(grid.scale, x.shape)
+        zero_point = jnp.zeros_like(scale) if isinstance(grid.zero_point, int) else grid.zero_point
+        return scale, grid.layout.compact(zero_point, x.shape)
 
     def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
-        if self.group_size is not None:
-            view = self._grouped(x)
-            axes: tuple[int, ...] = (view.ndim - 1,)
-        else:
-            view = x
-            axis = None if self.axis is None else _normalize_axis(self.axis, x.ndim)
-            axes = tuple(i for i in range(x.ndim) if i != axis)
-        absmax, lo, hi = _across_shards(self.axis_name, *stats(view, axes))
-        qmin, qmax = int_range(self.bits, signed=self.signed, narrow=self.narrow)
+        layout = self.layout
+        view = layout.view(x)
+        absmax, lo, hi = _across_shards(self.axis_name, *stats(view, layout.reduction_axes(x.shape)))
+        qmin, qmax = self.qmin, self.qmax
         if self.symmetric:
-            return QuantGrid(view, absmax_scale(absmax, qmin, qmax), 0, qmin, qmax)
+            return QuantGrid(view, absmax_scale(absmax, qmin, qmax), 0, qmin, qmax, layout)
         scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
-        return QuantGrid(view, scale, zero_point, qmin, qmax)
+        return QuantGrid(view, scale, zero_point, qmin, qmax, layout)
 
 
 class LearnedFakeQuant(AbstractFakeQuantizer):
     """A fake quantizer with a learned step size (LSQ, Esser et al., ICLR 2020), and optionally a learned zero point.
 
-    `scale` is an array leaf, per tensor (shape `()`) or per channel (shape `(channels,)` along `axis`), trained
+    `scale` is an array leaf in the compact shape of the layout: per tensor (shape `()`), per channel (shape
+    `(channels,)` along `axis`) or per group (`group_size=g`: shape `x.shape[:-1] + (x.shape[-1] // g,)`), trained
     through the scale gradient of [`eqx_quant.fake_quant`][]. That gradient is multiplied by the LSQ gradient scale
     `1 / sqrt(numel * qmax)`, where `numel` is the number of elements that share one scale in the call (`x.size` per
-    tensor, `x.size / channels` per channel); the forward value is unchanged.
+    tensor, `x.size / channels` per channel, `g` per group); the forward value is unchanged.
 
     **Positivity.** The forward pass uses `clip_passthrough(scale, min_scale, inf)`: whatever an optimizer does to the
     leaf, the step size used is at least `min_scale`, and since the clip passes its gradient straight through, a leaf
@@ -640,7 +643,8 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
     zero_point: Float[Array, "*channels"] | None
     qmin: int = eqx.field(static=True)
     qmax: int = eqx.field(static=True)
-    axis: int | None = eqx.field(static=True)
+    axis: int | tuple[int, ...] | None = eqx.field(static=True)
+    group_size: int | None = eqx.field(static=True)
     min_scale: float = eqx.field(static=True)
     axis_name: AxisName | None = eqx.field(static=True)
 
@@ -651,18 +655,20 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         qmax: int | np.integer,
         *,
         zero_point: Real[ArrayLike, "*channels"] | None = None,
-        axis: int | None = None,
+        axis: int | tuple[int, ...] | None = None,
+        group_size: int | None = None,
         min_scale: float = 1e-8,
         axis_name: AxisName | None = None,
     ):
         """**Arguments:**
 
-        - `scale`: the initial step size: a positive scalar, or a 1-D array with one entry per channel along `axis`.
-            Stored as a float32 array.
+        - `scale`: the initial step size: a positive scalar, or an array in the compact shape of the layout (one
+            entry per channel along `axis`, or one per group). Stored as a float32 array.
         - `qmin`, `qmax`: the inclusive integer range; see [`eqx_quant.int_range`][].
         - `zero_point`: `None` for a symmetric quantizer, or the initial zero point (same shape as `scale`), stored
             as a float32 array and learned.
-        - `axis`: the channel axis for a per-channel `scale`, or `None`.
+        - `axis`: the channel axis (or axes) for a per-channel `scale`, or `None`.
+        - `group_size`: the size of the groups along the last axis for a per-group `scale`, or `None`.
         - `min_scale`: the smallest step size the forward pass uses; a positive, normal float32.
         - `axis_name`: for calls inside `jax.shard_map` where `x` is one shard of a larger tensor: the named axes
             along which the elements sharing a scale are split. The gradient scale then counts the elements of
@@ -674,17 +680,18 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         self.scale = jnp.asarray(scale, jnp.float32)
         self.zero_point = None if zero_point is None else jnp.asarray(zero_point, jnp.float32)
         self.qmin, self.qmax = check_range(qmin, qmax)
-        self.axis = None if axis is None else check_int("axis", axis)
+        self.axis = Layout.of(axis, group_size).axis
+        self.group_size = group_size
         self.min_scale = float(min_scale)
         self.axis_name = axis_name
 
     def __check_init__(self):
-        _check_scale_values("min_scale", (self.min_scale,))
+        _check_scale_values("min_scale", [self.min_scale])
         _check_axis_name(self.axis_name)
-        expected_ndim = 0 if self.axis is None else 1
-        if self.scale.ndim != expected_ndim:
+        layout = self.layout
+        if layout.group_size is None and self.scale.ndim != len(layout.axes):
             raise ValueError(
-                f"`scale` must have {expected_ndim} dimension(s) for axis={self.axis}, got shape {self.scale.shape}."
+                f"`scale` must have {len(layout.axes)} dimension(s) for axis={self.axis}, got shape {self.scale.shape}."
             )
         if self.zero_point is not None and self.zero_point.shape != self.scale.shape:
             raise ValueError(
@@ -695,28 +702,28 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
             if not np.all(np.isfinite(s) & (s > 0)):
                 raise ValueError(f"`scale` must be finite and positive, got scale={s.tolist()!r}.")
 
-    def _broadcast(self, leaf: Array, x: Array) -> tuple[Array, int]:
-        """`leaf` shaped to broadcast against `x`, and the number of elements of `x` per entry of `leaf`."""
-        if self.axis is None:
-            return leaf, x.size
-        axis = _normalize_axis(self.axis, x.ndim)
-        if leaf.shape[0] != x.shape[axis]:
-            raise ValueError(
-                f"`scale` has {leaf.shape[0]} entries but `x` has {x.shape[axis]} along axis {axis} "
-                f"(x.shape={x.shape})."
-            )
-        return leaf.reshape(_channel_shape(x.ndim, axis, leaf.shape[0])), x.size // max(x.shape[axis], 1)
+    @property
+    def layout(self) -> Layout:
+        return Layout.of(self.axis, self.group_size)
 
     def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
-        scale, numel = self._broadcast(self.scale, x)
-        numel *= _shards(self.axis_name)
+        layout = self.layout
+        view = layout.view(x)
+        numel = layout.group_numel(x.shape) * _shards(self.axis_name)
         factor = 1.0 / math.sqrt(numel * max(self.qmax, 1)) if numel else 1.0
-        scale = _scale_gradient(clip_passthrough(scale, self.min_scale, math.inf), factor)
+        scale = clip_passthrough(self._expand("scale", self.scale, x), self.min_scale, math.inf)
+        scale = _scale_gradient(scale, factor)
         if self.zero_point is None:
-            return QuantGrid(x, scale, 0, self.qmin, self.qmax)
-        zero_point, _ = self._broadcast(self.zero_point, x)
+            return QuantGrid(view, scale, 0, self.qmin, self.qmax, layout)
+        zero_point = self._expand("zero_point", self.zero_point, x)
         zero_point = _round_ste(clip_passthrough(_scale_gradient(zero_point, factor), self.qmin, self.qmax))
-        return QuantGrid(x, scale, zero_point, self.qmin, self.qmax)
+        return QuantGrid(view, scale, zero_point, self.qmin, self.qmax, layout)
+
+    def _expand(self, name: str, leaf: Array, x: Array) -> Array:
+        try:
+            return self.layout.expand(leaf, x.shape)
+        except ValueError as error:
+            raise ValueError(f"`{name}` does not fit `x`: {error}") from None
 
     @classmethod
     def init_from(
@@ -726,18 +733,21 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         *,
         signed: bool = True,
         narrow: bool = False,
-        axis: int | None = None,
+        axis: int | tuple[int, ...] | None = None,
+        group_size: int | None = None,
         symmetric: bool = True,
         min_scale: float = 1e-8,
         axis_name: AxisName | None = None,
     ) -> "LearnedFakeQuant":
-        """Initialises the step size from data as LSQ does: `2 * mean|x| / sqrt(qmax)`, per tensor or per channel.
+        """Initialises the step size from data as LSQ does: `2 * mean|x| / sqrt(qmax)`, per tensor, per channel or
+        per group.
 
         **Arguments:**
 
         - `x`: sample data (e.g. the weight it will quantize). Non-finite entries are ignored.
         - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
-        - `axis`: the channel axis for per-channel step sizes, or `None`.
+        - `axis`: the channel axis (or axes) for per-channel step sizes, or `None`.
+        - `group_size`: one step size per group of this many contiguous elements along the last axis, or `None`.
         - `symmetric`: `False` adds a learned zero point, initialised so that `min(x, 0)` maps to `qmin`.
         - `min_scale`: as for the constructor; the initial step size is at least this.
         - `axis_name`: as for the constructor (the initial step size is computed from `x` as given).
@@ -747,13 +757,18 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         A [`eqx_quant.LearnedFakeQuant`][].
         """
         qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
-        x, axis, axes = _sample_data(x, axis)
-        finite = jnp.isfinite(x)
-        total = jnp.sum(jnp.where(finite, jnp.abs(x), 0.0), axis=axes)
+        layout = Layout.of(axis, group_size)
+        x, view = _sample_data(x, layout)
+        axes = layout.reduction_axes(x.shape)
+        finite = jnp.isfinite(view)
+        total = jnp.sum(jnp.where(finite, jnp.abs(view), 0.0), axis=axes)
         count = jnp.maximum(jnp.sum(finite, axis=axes), 1).astype(jnp.float32)
         scale = jnp.maximum(2 * (total / count) / math.sqrt(qmax), min_scale)
         zero_point = None
         if not symmetric:
-            lo = jnp.minimum(jnp.min(finite_or(x, 0.0), axis=axes, initial=0.0), 0.0)
+            lo = jnp.minimum(jnp.min(finite_or(view, 0.0), axis=axes, initial=0.0), 0.0)
             zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
-        return cls(scale, qmin, qmax, zero_point=zero_point, axis=axis, min_scale=min_scale, axis_name=axis_name)
+        return cls(
+            scale, qmin, qmax, zero_point=zero_point, axis=layout.axis, group_size=group_size, min_scale=min_scale,
+            axis_name=axis_name,
+        )  # fmt: skip

@@ -11,7 +11,6 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._misc import check_int
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
-from ._ranges import int_range
 from ._scales import absmax_scale, finite_or, minmax_scale, stats, symmetric_bound
 from ._tree import map_nodes, nodes
 from .nn._layers import (
@@ -275,13 +274,6 @@ def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer]]:
     return [(path, layer) for path, layer in layers if isinstance(layer.input_quant, (DynamicFakeQuant, FakeQuant))]
 
 
-def _grid(quantizer: AbstractQuantizer) -> tuple[int, int]:
-    if isinstance(quantizer, DynamicFakeQuant):
-        return int_range(quantizer.bits, signed=quantizer.signed, narrow=quantizer.narrow)
-    assert isinstance(quantizer, FakeQuant)
-    return quantizer.qmin, quantizer.qmax
-
-
 def _observe(model: PyTree, statistic: Callable[[Array, Array | None], dict[str, Array]]) -> PyTree:
     paths = {path for path, _ in _calibration_targets(model)}
 
@@ -403,7 +395,7 @@ def calibrate(
     def replace(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
         if path not in totals:
             return layer
-        qmin, qmax = _grid(layer.input_quant)  # pyright: ignore[reportArgumentType]
+        qmin, qmax = layer.input_quant.qmin, layer.input_quant.qmax  # pyright: ignore[reportOptionalMemberAccess]
         bound = symmetric_bound(qmin, qmax)
         t = totals[path]
         zero_point = 0
