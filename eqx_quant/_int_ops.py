@@ -7,14 +7,16 @@ these functions when both operands are on integer grids, and the converted layer
 
 import functools
 import math
-from typing import NamedTuple
+from typing import NamedTuple, Protocol, runtime_checkable
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
 from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
+from ._layout import Layout
 from ._misc import compute_dtype, expand_to_rank, vary_alike
 from ._quantizers import QuantGrid
 
@@ -88,16 +90,12 @@ def _common_int(a: Array, b: Array) -> tuple[Array, Array]:
 
 
 class LinearSpec(NamedTuple):
-    """Static description of an integer matrix-vector product: the longest contraction that int32 holds exactly."""
+    """Static description of an integer matrix-vector product: `chunk`, the longest contraction that int32 holds
+    exactly, and `group`, the size of the weight's scale groups along the contraction (`None` for weights with one
+    scale per tensor or output channel)."""
 
     chunk: int
-
-
-def linear_spec(w_bound: int, x_bound: int) -> LinearSpec | None:
-    """The spec of an integer product of operands bounded by `w_bound` and `x_bound` in magnitude, or `None` when a
-    single product may already overflow int32 (no integer product then)."""
-    chunk = safe_contraction(w_bound, x_bound)
-    return LinearSpec(chunk) if chunk >= 1 else None
+    group: int | None = None
 
 
 class ConvSpec(NamedTuple):
@@ -105,10 +103,59 @@ class ConvSpec(NamedTuple):
     `eqx.nn.Conv` uses, and `product_bound`, a bound on `|w * x|` for one weight and one input integer."""
 
     stride: tuple[int, ...]
-    padding: tuple[tuple[int, int], ...]
+    padding: str | tuple[tuple[int, int], ...]
     dilation: tuple[int, ...]
     groups: int
     product_bound: int
+
+
+@runtime_checkable
+class _Grid(Protocol):
+    """What the integer-path decision reads of an operand: a [`eqx_quant.QuantGrid`][] or a stored
+    [`eqx_quant.nn.QuantizedTensor`][]."""
+
+    layout: Layout
+    qmin: int
+    qmax: int
+    zero_point: object
+
+
+def _bound(grid: _Grid) -> int:
+    """A static bound on `|level - zero_point|` for the operand's grid."""
+    has_zero_point = not (grid.zero_point is None or isinstance(grid.zero_point, int) and grid.zero_point == 0)
+    lo, hi = shifted_range(grid.qmin, grid.qmax, has_zero_point)
+    return max(-lo, hi)
+
+
+def plan(layer: eqx.Module, weight_shape: tuple[int, ...], w: _Grid, x: _Grid) -> LinearSpec | ConvSpec | None:
+    """Whether `layer` (an `eqx.nn.Linear` or `eqx.nn.Conv`) computes its forward pass on integers, and how: the one
+    decision that the quantized layers and their converted integer layers share, so that both take the same path.
+
+    The integer path needs an input with one scale (and zero point) for the whole input, and a weight with one scale
+    per tensor or per output channel, or (linear layers) per group along the contraction; a convolution needs zero
+    padding; and int32 must hold the sums exactly: a linear layer splits longer contractions into chunks (groups must
+    fit in one), a convolution is not split. Otherwise (`None`) the layer computes in floating point.
+    """
+    if not x.layout.is_per_tensor() or x.layout.stacked:
+        return None
+    chunk = safe_contraction(_bound(w), _bound(x))
+    if chunk < 1 or w.layout.stacked:
+        return None
+    channels = w.layout.channel_axes(weight_shape)
+    grouped = w.layout.group_size is not None
+    if isinstance(layer, eqx.nn.Linear):
+        if grouped:
+            return LinearSpec(chunk, w.layout.group_size) if w.layout.group_size <= chunk else None
+        return LinearSpec(chunk) if channels in ((), (0,)) else None
+    if isinstance(layer, eqx.nn.Conv):
+        if grouped or channels not in ((), (0,)) or layer.padding_mode != "ZEROS":
+            return None
+        if math.prod(weight_shape[1:]) > chunk:
+            return None
+        padding = layer.padding if isinstance(layer.padding, str) else tuple(tuple(p) for p in layer.padding)
+        product_bound = _bound(w) * _bound(x)
+        return ConvSpec(tuple(layer.stride), padding, tuple(layer.dilation), layer.groups, product_bound)
+    return None
 
 
 _BIAS_GRID = 2.0**-16
@@ -167,6 +214,10 @@ def int_linear(
     # `x` is the left operand: under `jax.vmap` over inputs, XLA's CPU integer product is faster with the batch as
     # the rows of its result than as the columns (as `w @ x` would give). An exact sum does not depend on the order.
     x, w = _common_int(x, w)
+    if spec.group is not None:
+        y = _grouped_sum(spec.group, w, x, w_scale)
+        y = _rescale(y, jnp.ones((), jnp.float32), x_scale, bias)
+        return _with_nans(y, w_nan, x_nan)
     dims = (((0,), (1,)), ((), ()))
     k = x.shape[0]
     if k <= spec.chunk:
@@ -179,9 +230,31 @@ def int_linear(
                 preferred_element_type=jnp.int32,
             )  # fmt: skip
             acc = acc + part.astype(jnp.float32)
-    y = _rescale(acc, w_scale, x_scale, bias)
-    y = _with_nan(y, None if w_nan is None else jnp.any(w_nan, axis=1))
+    return _with_nans(_rescale(acc, w_scale, x_scale, bias), w_nan, x_nan)
+
+
+def _with_nans(y: Array, w_nan: Array | None, x_nan: Array | None) -> Array:
+    """A linear layer's output `y` with NaN where a NaN weight entry (its row) or input entry (all) reaches it."""
+    y = _with_nan(y, None if w_nan is None else jnp.any(w_nan.reshape(w_nan.shape[0], -1), axis=1))
     return _with_nan(y, None if x_nan is None else jnp.any(x_nan))
+
+
+def _grouped_sum(group: int, w: Array, x: Array, w_scale: Array) -> Array:
+    """`sum_j scale_w[:, j] * (w[:, j] @ x[j])` over the groups `j` of the contraction, in the units of `x`.
+
+    Each group's product is an exact int32 sum; it is scaled by its group's weight scale, and the scaled sums are
+    added in float32, each product rounded before it is added. Under `jit`, XLA would fuse a product feeding the
+    sum into a fused multiply-add, which rounds once where the eager computation rounds twice; a select between
+    the product and a value that it never takes (an int32 sum within the chunk bound is never `-2**31`) stands
+    between them, so that eager and compiled calls give the same bits.
+    """
+    out, groups = w.shape[0], w.shape[1]
+    x = x.reshape(groups, group)
+    dims = (((1,), (2,)), ((0,), (1,)))  # contract within a group; groups along the batch axis
+    acc = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)  # (groups, out)
+    terms = acc.astype(jnp.float32) * w_scale.reshape(out, groups).T
+    terms = jnp.where(acc != jnp.iinfo(jnp.int32).min, terms, 0.0)
+    return jnp.sum(terms, axis=0)
 
 
 FLOAT32_EXACT = 2**24  # every integer of magnitude up to this is a float32
@@ -256,6 +329,11 @@ _FLOAT_OPS = {LinearSpec: _float_linear, ConvSpec: _float_conv}
 _INT_OPS = {LinearSpec: int_linear, ConvSpec: int_conv}
 
 
+def int_op(spec: LinearSpec | ConvSpec, w, x, w_scale, x_scale, bias, w_nan=None, x_nan=None) -> Array:
+    """The integer product (`int_linear`) or convolution (`int_conv`) that `spec` describes."""
+    return _INT_OPS[type(spec)](spec, w, x, w_scale, x_scale, bias, w_nan, x_nan)
+
+
 def integer_forward(spec, wq: Array, xq: Array, bias: Array | None, w: IntOperand, x: IntOperand) -> Array:
     """The integer computation in the forward pass, the float one of the fake-quantized operands for derivatives.
 
@@ -305,20 +383,3 @@ def _dequantized(values: Array, scale: Array, nan: Array, like: Array) -> Array:
     compute = compute_dtype(like.dtype)
     operand = _with_nan(dequantize_levels(values.astype(compute), scale, None), nan)
     return operand.astype(like.dtype).reshape(like.shape)
-
-
-def per_tensor_grid(grid: QuantGrid, shape: tuple[int, ...]) -> bool:
-    """Whether a grid has one scale and one zero point for a whole input of `shape`."""
-    return grid.view.shape == shape and np.size(grid.scale) == 1 and np.size(grid.zero_point) == 1
-
-
-def per_channel_grid(grid: QuantGrid, shape: tuple[int, ...]) -> bool:
-    """Whether a weight grid has scales and zero points per tensor or per output channel (axis 0): the layouts that
-    an integer product rescales once."""
-    if grid.view.shape != shape:
-        return False
-    for a in (grid.scale, grid.zero_point):
-        a_shape = (1,) * (len(shape) - np.ndim(a)) + np.shape(a)
-        if any(n != 1 for n in a_shape[1:]):
-            return False
-    return True

@@ -47,7 +47,14 @@ def _static_quantizers(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The configuration of every static [`eqx_quant.FakeQuant`][] by path: it lives in the treedef, which
     `eqx.tree_serialise_leaves` does not write."""
     return {
-        path: {"scale": q.scale, "qmin": q.qmin, "qmax": q.qmax, "zero_point": q.zero_point, "axis": q.axis}
+        path: {
+            "scale": q.scale,
+            "qmin": q.qmin,
+            "qmax": q.qmax,
+            "zero_point": q.zero_point,
+            "axis": q.axis,
+            "group_size": q.group_size,
+        }  # fmt: skip
         for path, q in found.items()
         if isinstance(q, FakeQuant)
     }
@@ -210,7 +217,10 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
 
         def restore(name: str, quantizer: FakeQuant) -> FakeQuant:
             c = saved[name]
-            return FakeQuant(c["scale"], c["qmin"], c["qmax"], zero_point=c["zero_point"], axis=c["axis"])
+            axis = tuple(c["axis"]) if isinstance(c["axis"], list) else c["axis"]  # JSON has no tuples
+            return FakeQuant(
+                c["scale"], c["qmin"], c["qmax"], zero_point=c["zero_point"], axis=axis, group_size=c.get("group_size")
+            )
 
         like = map_nodes(like, (FakeQuant,), restore)
         try:
@@ -226,6 +236,10 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
         return model
 
 
+def _json_axis(axes: tuple[int, ...]) -> int | list[int] | None:
+    return None if not axes else axes[0] if len(axes) == 1 else list(axes)
+
+
 def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
     w = layer.weight
     info: dict[str, Any] = {
@@ -238,8 +252,9 @@ def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
         "bit_order": BIT_ORDER if w.packed else None,
         "packed_int4": w.packed_bits == 4,
         "nibble_order": NIBBLE_ORDER if w.packed_bits == 4 else None,
-        "group_size": w.view_shape[-1] if w.view_shape != w.shape else None,
-        "axis": next((i for i, n in enumerate(w.scale.shape) if n > 1), None) if w.view_shape == w.shape else None,
+        "group_size": w.layout.group_size,
+        # Per-group scales vary along every axis but the grouped one: a channel axis adds nothing to them.
+        "axis": None if w.layout.group_size else _json_axis(w.layout.channel_axes(w.shape)),
         "dtype": w.dtype,
     }
     quantizer = layer.input_quant
@@ -250,6 +265,7 @@ def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
             "qmin": quantizer.qmin,
             "qmax": quantizer.qmax,
             "axis": quantizer.axis,
+            "group_size": quantizer.group_size,
         }
     elif isinstance(quantizer, DynamicFakeQuant):
         info["input"] = {"dynamic_bits": quantizer.bits, "signed": quantizer.signed, "symmetric": quantizer.symmetric}

@@ -9,6 +9,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, Integer
 
 from ._fake_quant import dequantize_levels
 from ._int_ops import grid_levels, int_dtype, shift_levels
+from ._layout import Layout
 from ._packing import PACKED_WIDTHS, pack_bits, unpack_bits
 from ._quantizers import QuantGrid
 
@@ -31,14 +32,15 @@ class QuantizedTensor(eqx.Module):
     fake quantizer returned. Grids of at most 4 bits are packed at their width, row by row along the first axis
     ([`eqx_quant.pack_bits`][]): 2-bit grids (`[-2, 1]` or within `[0, 3]`) four values per byte, 3-bit grids
     (`[-4, 3]` or within `[0, 7]`) eight values in three bytes, 4-bit grids two values per byte; wider grids use the
-    narrowest of int8, int16 and int32. `packed_bits` is the packed width, or `None` for unpacked integers.
+    narrowest of int8, int16 and int32. `packed_bits` is the packed width, or `None` for unpacked integers. `layout`
+    (an [`eqx_quant.Layout`][]) says which elements share a scale: it is stored, never guessed from shapes.
     """
 
     values: Integer[Array, "*values_shape"]
     scale: Float[Array, "*scale_shape"]
     zero_point: Float[Array, "*zero_point_shape"] | None
     shape: tuple[int, ...] = eqx.field(static=True)
-    view_shape: tuple[int, ...] = eqx.field(static=True)
+    layout: Layout = eqx.field(static=True)
     qmin: int = eqx.field(static=True)
     qmax: int = eqx.field(static=True)
     packed_bits: int | None = eqx.field(static=True)
@@ -69,7 +71,12 @@ class QuantizedTensor(eqx.Module):
             values = pack_bits(levels.reshape(rows, -1).astype(jnp.int8), bits)
         else:
             values = levels.astype(int_dtype(qmin, qmax))
-        return cls(values, scale, zp, tuple(shape), tuple(view.shape), qmin, qmax, bits, np.dtype(dtype).name)
+        return cls(values, scale, zp, tuple(shape), grid.layout, qmin, qmax, bits, np.dtype(dtype).name)
+
+    @property
+    def view_shape(self) -> tuple[int, ...]:
+        """The shape of the levels: `shape`, or for groups `shape[:-1] + (shape[-1] // group_size, group_size)`."""
+        return self.layout.view_shape(self.shape)
 
     @property
     def packed(self) -> bool:

@@ -456,11 +456,12 @@ def test_bias_is_added_in_accumulator_units():
 
 
 def test_float_path_for_grouped_weights_and_per_channel_inputs():
+    # Grouped weights of a linear layer take the integer path (tests/test_groups.py); a convolution's do not.
     linear = init(lambda k: eqx.nn.Linear(8, 6, key=k), 5)
     conv = init(lambda k: eqx.nn.Conv2d(3, 4, 3, padding=1, key=k), 6)
     xs, images = normal(5, (3, 8)), normal(6, (3, 3, 5, 5))
     cases = [
-        (linear, DynamicFakeQuant(8, axis=0, group_size=4), FakeQuant.calibrate(xs, 8, method="minmax"), xs),
+        (conv, DynamicFakeQuant(8, axis=0, group_size=3), FakeQuant.calibrate(images, 8, method="minmax"), images),
         (linear, DynamicFakeQuant(8, axis=0), FakeQuant.calibrate(xs.T, 8, axis=0, method="minmax"), xs),
         (conv, DynamicFakeQuant(8, axis=0), FakeQuant.calibrate(jnp.moveaxis(images, 1, 0), 8, axis=0), images),
     ]
@@ -889,7 +890,8 @@ def test_export_safetensors(tmp_path):
         assert layer_info["nibble_order"] == ("low-first" if packed else None), name
     a_input = model["a"].input_quant
     assert info["a"]["input"] == {
-        "scale": a_input.scale, "zero_point": a_input.zero_point, "qmin": -128, "qmax": 127, "axis": None
+        "scale": a_input.scale, "zero_point": a_input.zero_point, "qmin": -128, "qmax": 127, "axis": None,
+        "group_size": None,
     }  # fmt: skip
 
 

@@ -3,23 +3,28 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._int_ops import int_conv, int_linear, integer_operand, linear_spec, per_tensor_grid
+from .._int_ops import int_op, integer_operand, plan
 from .._qtensor import QuantizedTensor
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer
-from ._layers import check_input, conv_spec, scalar_output
+from ._layers import check_input, scalar_output
 
 
-def _input_operand(quantizer: AbstractQuantizer | None, x: Array):
-    """The input's integers, if its quantizer has one scale and zero point for the whole input; else `None`."""
-    if not isinstance(quantizer, AbstractFakeQuantizer):
-        return None
-    grid = quantizer.grid(x)
-    return integer_operand(grid) if per_tensor_grid(grid, x.shape) else None
-
-
-def _per_channel_scale(weight: QuantizedTensor) -> bool:
-    """Whether the weight has scales per tensor or per output channel, as the integer products need."""
-    return weight.view_shape == weight.shape and all(n == 1 for n in weight.scale.shape[1:])
+def int_forward(layer: "AbstractIntLayer", x: Array, key: PRNGKeyArray | None) -> Array:
+    """The forward pass of a converted `Linear` or `Conv` (`x` one example, checked): the integer computation where
+    the same decision as the quantized layer's allows it, else the float layer on the dequantized weight."""
+    float_layer = layer.layer
+    vector = jnp.broadcast_to(x, (1,)) if getattr(float_layer, "in_features", None) == "scalar" else x
+    if not isinstance(layer.input_quant, AbstractFakeQuantizer):
+        return layer._float_path(x, key)
+    x_grid = layer.input_quant.grid(vector)
+    spec = plan(float_layer, layer.weight.shape, layer.weight, x_grid)
+    if spec is None:
+        return layer._float_path(x, key)
+    w_values, _ = layer.weight.shifted()
+    x_int = integer_operand(x_grid)
+    bias = float_layer.bias  # pyright: ignore[reportAttributeAccessIssue]
+    y = int_op(spec, w_values, x_int.values, layer.weight.scale, x_int.scale, bias, None, x_int.nan)
+    return scalar_output(float_layer, y.astype(layer.weight.dtype))
 
 
 class AbstractIntLayer(eqx.Module):
@@ -69,19 +74,8 @@ class IntLinear(AbstractIntLayer):
     def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
         """Like `eqx.nn.Linear.__call__`."""
         with jax.named_scope("eqx_quant.IntLinear"):
-            layer = self.layer
-            check_input(layer, x)
-            vector = jnp.broadcast_to(x, (1,)) if layer.in_features == "scalar" else x
-            grouped = self.weight.view_shape != self.weight.shape or not _per_channel_scale(self.weight)
-            x_int = None if grouped else _input_operand(self.input_quant, vector)
-            if x_int is None:
-                return self._float_path(x, key)
-            w_values, w_bound = self.weight.shifted()
-            spec = linear_spec(w_bound, x_int.bound)
-            if spec is None:
-                return self._float_path(x, key)
-            y = int_linear(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias, x_nan=x_int.nan)
-            return scalar_output(layer, y.astype(self.weight.dtype))
+            check_input(self.layer, x)
+            return int_forward(self, x, key)
 
 
 class IntConv(AbstractIntLayer):
@@ -103,18 +97,8 @@ class IntConv(AbstractIntLayer):
     ) -> Float[Array, "out_channels *out_spatial"]:
         """Like `eqx.nn.Conv.__call__`."""
         with jax.named_scope("eqx_quant.IntConv"):
-            layer = self.layer
-            check_input(layer, x)
-            usable = layer.padding_mode == "ZEROS" and _per_channel_scale(self.weight)
-            x_int = _input_operand(self.input_quant, x) if usable else None
-            if x_int is None:
-                return self._float_path(x, key)
-            w_values, w_bound = self.weight.shifted()
-            spec = conv_spec(layer, self.weight.shape, w_bound, x_int.bound)
-            if spec is None:
-                return self._float_path(x, key)
-            y = int_conv(spec, w_values, x_int.values, self.weight.scale, x_int.scale, layer.bias, x_nan=x_int.nan)
-            return y.astype(self.weight.dtype)
+            check_input(self.layer, x)
+            return int_forward(self, x, key)
 
 
 class IntEmbedding(AbstractIntLayer):

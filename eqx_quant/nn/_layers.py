@@ -1,4 +1,3 @@
-import math
 from typing import Literal
 
 import equinox as eqx
@@ -6,15 +5,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._int_ops import (
-    ConvSpec,
-    integer_forward,
-    integer_operand,
-    linear_spec,
-    per_channel_grid,
-    per_tensor_grid,
-    safe_contraction,
-)
+from .._int_ops import integer_forward, integer_operand, plan
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, apply_grid
 
 
@@ -84,17 +75,23 @@ def check_input(layer: eqx.Module, x: Array) -> None:
             )
 
 
-def _integer_operands(layer: AbstractQuantLayer, x: Array):
-    """The grids of the weight and the input, if both allow an integer product; else `None`."""
+def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None) -> Array:
+    """The forward pass of a quantized `Linear` or `Conv` (`x` one example, checked): the integer computation where
+    `plan` allows it (and `matmul="int"`), else the float layer on the fake-quantized operands."""
+    float_layer = layer.layer
+    weight = float_layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+    vector = jnp.broadcast_to(x, (1,)) if getattr(float_layer, "in_features", None) == "scalar" else x
     quantizers = (layer.weight_quant, layer.input_quant)
-    if not all(isinstance(q, AbstractFakeQuantizer) for q in quantizers):
-        return None
-    weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
-    w_grid = layer.weight_quant.grid(weight)
-    x_grid = layer.input_quant.grid(x)
-    if not (per_channel_grid(w_grid, weight.shape) and per_tensor_grid(x_grid, x.shape)):
-        return None
-    return w_grid, x_grid
+    if layer.matmul == "float" or not all(isinstance(q, AbstractFakeQuantizer) for q in quantizers):  # pyright: ignore
+        return layer._float_path(x, key)
+    w_grid = layer.weight_quant.grid(weight)  # pyright: ignore[reportOptionalMemberAccess]
+    x_grid = layer.input_quant.grid(vector)  # pyright: ignore[reportOptionalMemberAccess]
+    spec = plan(float_layer, weight.shape, w_grid, x_grid)
+    if spec is None:
+        return layer._float_path(x, key)
+    wq, xq = apply_grid(w_grid, weight.shape), apply_grid(x_grid, vector.shape)
+    y = integer_forward(spec, wq, xq, float_layer.bias, integer_operand(w_grid), integer_operand(x_grid))  # pyright: ignore
+    return scalar_output(float_layer, y.astype(weight.dtype))
 
 
 class QuantLinear(AbstractQuantLayer):
@@ -163,34 +160,13 @@ class QuantLinear(AbstractQuantLayer):
     def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
         """Like `eqx.nn.Linear.__call__`, on the fake-quantized weight and input."""
         with jax.named_scope("eqx_quant.QuantLinear"):
-            layer = self.layer
-            check_input(layer, x)
-            vector = jnp.broadcast_to(x, (1,)) if layer.in_features == "scalar" else x
-            grids = None if self.matmul == "float" else _integer_operands(self, vector)
-            if grids is None:
-                return self._float_path(x, key)
-            w_grid, x_grid = grids
-            w_int, x_int = integer_operand(w_grid), integer_operand(x_grid)
-            spec = linear_spec(w_int.bound, x_int.bound)
-            if spec is None:
-                return self._float_path(x, key)
-            wq = apply_grid(w_grid, layer.weight.shape)
-            xq = apply_grid(x_grid, vector.shape)
-            y = integer_forward(spec, wq, xq, layer.bias, w_int, x_int)
-            return scalar_output(layer, y.astype(layer.weight.dtype))
+            check_input(self.layer, x)
+            return quant_forward(self, x, key)
 
 
-def scalar_output(layer: eqx.nn.Linear, y: Array) -> Array:
+def scalar_output(layer: eqx.Module, y: Array) -> Array:
     """Squeezes the output of a layer with `out_features="scalar"`, as `eqx.nn.Linear` does."""
-    return jnp.squeeze(y) if layer.out_features == "scalar" else y
-
-
-def conv_spec(layer: eqx.nn.Conv, weight_shape: tuple[int, ...], w_bound: int, x_bound: int) -> ConvSpec | None:
-    """The spec of `layer`'s integer convolution with a weight of `weight_shape` and operands bounded by `w_bound`
-    and `x_bound`, or `None` when its contraction is longer than int32 holds exactly (a convolution is not split)."""
-    if math.prod(weight_shape[1:]) > safe_contraction(w_bound, x_bound):
-        return None
-    return ConvSpec(tuple(layer.stride), tuple(layer.padding), tuple(layer.dilation), layer.groups, w_bound * x_bound)
+    return jnp.squeeze(y) if getattr(layer, "out_features", None) == "scalar" else y
 
 
 class QuantConv(AbstractQuantLayer):
@@ -243,21 +219,8 @@ class QuantConv(AbstractQuantLayer):
     ) -> Float[Array, "out_channels *out_spatial"]:
         """Like `eqx.nn.Conv.__call__`, on the fake-quantized weight and input."""
         with jax.named_scope("eqx_quant.QuantConv"):
-            layer = self.layer
-            check_input(layer, x)
-            usable = self.matmul == "int" and layer.padding_mode == "ZEROS"
-            grids = _integer_operands(self, x) if usable else None
-            if grids is None:
-                return self._float_path(x, key)
-            w_grid, x_grid = grids
-            w_int, x_int = integer_operand(w_grid), integer_operand(x_grid)
-            spec = conv_spec(layer, layer.weight.shape, w_int.bound, x_int.bound)
-            if spec is None:
-                return self._float_path(x, key)
-            wq = apply_grid(w_grid, layer.weight.shape)
-            xq = apply_grid(x_grid, x.shape)
-            y = integer_forward(spec, wq, xq, layer.bias, w_int, x_int)
-            return y.astype(layer.weight.dtype)
+            check_input(self.layer, x)
+            return quant_forward(self, x, key)
 
 
 class QuantEmbedding(AbstractQuantLayer):
