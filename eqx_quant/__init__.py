@@ -5,6 +5,7 @@ from ._clip import clip_passthrough as clip_passthrough
 from ._convert import convert as convert
 from ._fake_quant import fake_quant as fake_quant, fake_quant_vjp as fake_quant_vjp
 from ._io import export_safetensors as export_safetensors, load as load, save as save
+from ._layout import Layout as Layout
 from ._packing import (
     NIBBLE_ORDER as NIBBLE_ORDER,
     pack_bits as pack_bits,

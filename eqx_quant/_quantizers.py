@@ -20,8 +20,8 @@ from ._scales import absmax_scale, finite_or, minmax_scale, stats
 
 _TINY32 = float(np.finfo(np.float32).tiny)
 
-StaticFloats = float | int | np.number | Sequence[float | int | np.number] | np.ndarray | jax.Array
-StaticInts = int | np.integer | Sequence[int | np.integer] | np.ndarray
+StaticFloats = float | int | np.number | Sequence | np.ndarray | jax.Array
+StaticInts = int | np.integer | Sequence | np.ndarray
 
 
 # ---------------------------------------------------------------------------------------------------------------------
