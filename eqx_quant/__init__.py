@@ -1,6 +1,7 @@
 """Equinox-native fake quantization and quantization-aware training for JAX."""
 
 from . import nn as nn
+from ._calibrate import calibrate as calibrate
 from ._clip import clip_passthrough as clip_passthrough
 from ._convert import convert as convert
 from ._fake_quant import fake_quant as fake_quant, fake_quant_vjp as fake_quant_vjp
@@ -23,7 +24,7 @@ from ._quantizers import (
     QuantGrid as QuantGrid,
 )
 from ._ranges import int_range as int_range
-from ._transform import calibrate as calibrate, dequantize as dequantize, quantize as quantize
+from ._transform import dequantize as dequantize, quantize as quantize
 
 
 __version__ = "0.1.0"

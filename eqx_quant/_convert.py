@@ -14,7 +14,7 @@ from .nn._int_layers import IntConv, IntEmbedding, IntLinear
 from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear
 
 
-_INT_LAYERS = {QuantLinear: IntLinear, QuantConv: IntConv, QuantEmbedding: IntEmbedding}
+_INT_LAYERS = {QuantLinear: IntLinear, QuantConv: IntConv}
 
 
 def _frozen_input_quant(quantizer: Any) -> Any:
@@ -135,6 +135,8 @@ def convert(model: PyTree) -> PyTree:
         grid = _whole_tensor(layer.weight_quant).grid(weight)
         tensor = _sharded_like(QuantizedTensor.from_grid(grid, weight.shape, weight.dtype), weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
+        if isinstance(layer, QuantEmbedding):
+            return IntEmbedding(skeleton, tensor)
         return _INT_LAYERS[type(layer)](skeleton, tensor, _frozen_input_quant(layer.input_quant))
 
     return map_nodes(model, (AbstractQuantLayer,), to_int)

@@ -1,3 +1,4 @@
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -290,3 +291,48 @@ def fake_quant_vjp(
     values, pullback = jax.vjp(lambda x_: fake_quant(x_, scale, qmin, qmax), x)
     (grads,) = pullback(cotangent)
     return {"values": values, "grads": grads}
+
+
+#
+# Two straight-through helpers of the learned quantizers.
+#
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _scale_gradient(x, factor):
+    return x
+
+
+def _scale_gradient_fwd(x, factor):
+    del factor
+    return x, None
+
+
+def _scale_gradient_bwd(factor, residuals, g):
+    del residuals
+    return (g * factor,)
+
+
+_scale_gradient.defvjp(_scale_gradient_fwd, _scale_gradient_bwd)
+
+
+def scale_gradient(x: Array, factor: float) -> Array:
+    """`x` in the forward pass; in the backward pass its gradient is multiplied by the static `factor` (the LSQ
+    gradient scale of a learned step size)."""
+    return _scale_gradient(x, factor)
+
+
+@jax.custom_jvp
+def _round_ste(x):
+    return jnp.round(x)
+
+
+@_round_ste.defjvp
+def _round_ste_jvp(primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    return _round_ste(x), x_dot
+
+
+def round_ste(x: Array) -> Array:
+    """`jnp.round(x)` (halves to even) whose tangent passes straight through: the rounding of a learned zero point."""
+    return _round_ste(x)

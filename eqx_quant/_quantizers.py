@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from ._clip import clip_passthrough
-from ._fake_quant import check_range, fake_quant
+from ._fake_quant import check_range, fake_quant, round_ste, scale_gradient
 from ._layout import Layout
 from ._misc import as_float_input, check_int, compute_dtype
 from ._ranges import int_range
@@ -131,33 +131,6 @@ def _across_shards(axis_name: AxisName | None, absmax: Array, lo: Array, hi: Arr
         return jax.lax.pmax(absmax, axis_name), jax.lax.pmin(lo, axis_name), jax.lax.pmax(hi, axis_name)
     except NameError as error:
         raise _unbound(axis_name, error) from error
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _scale_gradient(x, factor):
-    return x
-
-
-def _scale_gradient_fwd(x, factor):
-    return x, None
-
-
-def _scale_gradient_bwd(factor, _, g):
-    return (g * factor,)
-
-
-_scale_gradient.defvjp(_scale_gradient_fwd, _scale_gradient_bwd)
-
-
-@jax.custom_jvp
-def _round_ste(x):
-    return jnp.round(x)
-
-
-@_round_ste.defjvp
-def _round_ste_jvp(primals, tangents):
-    (x,), (x_dot,) = primals, tangents
-    return _round_ste(x), x_dot
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -712,11 +685,11 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         numel = layout.group_numel(x.shape) * _shards(self.axis_name)
         factor = 1.0 / math.sqrt(numel * max(self.qmax, 1)) if numel else 1.0
         scale = clip_passthrough(self._expand("scale", self.scale, x), self.min_scale, math.inf)
-        scale = _scale_gradient(scale, factor)
+        scale = scale_gradient(scale, factor)
         if self.zero_point is None:
             return QuantGrid(view, scale, 0, self.qmin, self.qmax, layout)
         zero_point = self._expand("zero_point", self.zero_point, x)
-        zero_point = _round_ste(clip_passthrough(_scale_gradient(zero_point, factor), self.qmin, self.qmax))
+        zero_point = round_ste(clip_passthrough(scale_gradient(zero_point, factor), self.qmin, self.qmax))
         return QuantGrid(view, scale, zero_point, self.qmin, self.qmax, layout)
 
     def _expand(self, name: str, leaf: Array, x: Array) -> Array:

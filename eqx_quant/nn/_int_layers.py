@@ -107,7 +107,11 @@ class IntEmbedding(AbstractIntLayer):
 
     layer: eqx.nn.Embedding
     weight: QuantizedTensor
-    input_quant: None
+
+    @property
+    def input_quant(self) -> None:
+        """`None`: an embedding's input is an index, which is never quantized."""
+        return None
 
     def __call__(self, x: Int[ArrayLike, ""], *, key: PRNGKeyArray | None = None) -> Float[Array, " embedding_size"]:
         """Like `eqx.nn.Embedding.__call__`."""

@@ -231,7 +231,6 @@ class QuantEmbedding(AbstractQuantLayer):
 
     layer: eqx.nn.Embedding
     weight_quant: AbstractQuantizer | None
-    input_quant: None
 
     def __init__(
         self,
@@ -244,20 +243,25 @@ class QuantEmbedding(AbstractQuantLayer):
 
         - `layer`: the float embedding, with a weight of shape `(num_embeddings, embedding_size)`.
         - `weight_quant`: the table quantizer; by default 8 bits per row. `None` keeps the float table.
-        - `input_quant`: must be `None` (the input is an index).
+        - `input_quant`: must be `None` (the input is an index); accepted so that every quantized layer takes the
+            same arguments.
         """
+        if input_quant is not None:
+            raise ValueError(
+                f"`input_quant` must be None for an embedding (its input is an index), got {input_quant!r}."
+            )
         self.layer = layer
         self.weight_quant = weight_quant
-        self.input_quant = input_quant
 
     def __check_init__(self):
         if not isinstance(self.layer, eqx.nn.Embedding):
             raise TypeError(f"`layer` must be an eqx.nn.Embedding, got {type(self.layer).__name__}.")
         _check_quantizer("weight_quant", self.weight_quant)
-        if self.input_quant is not None:
-            raise ValueError(
-                f"`input_quant` must be None for an embedding (its input is an index), got {self.input_quant!r}."
-            )
+
+    @property
+    def input_quant(self) -> None:
+        """`None`: an embedding's input is an index, which is never quantized."""
+        return None
 
     def __call__(self, x: Int[ArrayLike, ""], *, key: PRNGKeyArray | None = None) -> Float[Array, " embedding_size"]:
         """Like `eqx.nn.Embedding.__call__`: the fake-quantized row `x` of the table."""
