@@ -13,7 +13,16 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._misc import check_int
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
-from ._scales import absmax_scale, finite_or, minmax_scale, stats, symmetric_bound
+from ._scales import (
+    absmax_scale,
+    check_method,
+    finite_or,
+    histogram_centres,
+    least_error_scale,
+    minmax_scale,
+    percentile_of_histogram,
+    stats,
+)
 from ._tree import map_nodes, nodes
 from .nn._layers import AbstractQuantLayer
 
@@ -113,37 +122,6 @@ def _observe(model: PyTree, statistic: Callable[[Array, Array | None], dict[str,
     return map_nodes(model, (AbstractQuantLayer,), swap)
 
 
-def _threshold_from_histogram(
-    counts: np.ndarray, top: float, bound: int, method: str, percentile: float, num_candidates: int
-) -> float:
-    num_bins = counts.size
-    edges = np.linspace(0.0, top, num_bins + 1, dtype=np.float64)
-    total = counts.sum()
-    if total == 0 or top == 0:
-        return 0.0
-    if method == "percentile":
-        cdf = np.cumsum(counts) / total
-        return float(edges[1 + min(int(np.searchsorted(cdf, percentile / 100.0)), num_bins - 1)])
-    # "mse": the quantization error of the bin centres, weighted by the counts, for each candidate threshold.
-    centres = jnp.asarray((edges[:-1] + edges[1:]) / 2, jnp.float32)
-    weights = jnp.asarray(counts, jnp.float32)
-    thresholds = jnp.arange(1, num_candidates + 1, dtype=jnp.float32) * (top / num_candidates)
-    return float(_least_error_threshold(centres, weights, thresholds, bound))
-
-
-@functools.partial(jax.jit, static_argnums=3)
-def _least_error_threshold(centres: Array, weights: Array, thresholds: Array, bound: int) -> Array:
-    """The threshold whose absmax scale gives the least count-weighted quantization error of the (non-negative) bin
-    centres on a symmetric grid `[-bound, bound]`."""
-
-    def error(threshold):
-        scale = absmax_scale(threshold, -bound, bound)
-        levels = jnp.clip(jnp.round(centres * (1 / scale)), -bound, bound)
-        return jnp.sum(weights * (levels * scale - centres) ** 2)
-
-    return thresholds[jnp.argmin(jax.lax.map(error, thresholds))]
-
-
 def calibrate(
     model: PyTree,
     batches: Iterable[PyTree],
@@ -198,13 +176,9 @@ def calibrate(
         print(model.layers[0].input_quant)
         ```
     """
-    methods = ("absmax", "minmax", "percentile", "mse")
-    if method not in methods:
-        raise ValueError(f"`method` must be one of {methods}, got method={method!r}.")
-    if not 0 < percentile <= 100:
-        raise ValueError(f"`percentile` must be in (0, 100], got percentile={percentile!r}.")
-    if check_int("num_bins", num_bins) < 1 or check_int("num_candidates", num_candidates) < 1:
-        raise ValueError(f"`num_bins` and `num_candidates` must be >= 1, got {num_bins} and {num_candidates}.")
+    check_method(method, percentile, num_candidates)
+    if check_int("num_bins", num_bins) < 1:
+        raise ValueError(f"`num_bins` must be >= 1, got num_bins={num_bins}.")
     targets = _calibration_targets(model)
     if not targets:
         raise ValueError(
@@ -224,7 +198,11 @@ def calibrate(
         if path not in totals:
             return layer
         qmin, qmax = layer.input_quant.qmin, layer.input_quant.qmax  # pyright: ignore[reportOptionalMemberAccess]
-        bound = symmetric_bound(qmin, qmax)
+        if method != "minmax" and not qmin <= 0 <= qmax:
+            raise ValueError(
+                f"`method`={method!r} fits a symmetric scale with zero point 0, which the input grid [{qmin}, {qmax}] "
+                f"of layer {path!r} does not hold; use method='minmax'."
+            )
         t = totals[path]
         zero_point = 0
         if method == "absmax":
@@ -232,11 +210,16 @@ def calibrate(
         elif method == "minmax":
             scale, zp = minmax_scale(t["min"], t["max"], qmin, qmax)
             zero_point = int(zp)
-        else:
-            threshold = _threshold_from_histogram(
-                np.asarray(counts[path]["hist"]), float(t["absmax"]), bound, method, percentile, num_candidates
-            )
+        elif method == "percentile":
+            threshold = percentile_of_histogram(np.asarray(counts[path]["hist"]), float(t["absmax"]), percentile)
             scale = absmax_scale(jnp.asarray(threshold, jnp.float32), qmin, qmax)
+        else:
+            # The histogram is of |x|: its centres stand for magnitudes on the side of the grid that the symmetric
+            # scale spans (the negative side of a grid such as [-8, 0]).
+            side = 1.0 if qmax > 0 else -1.0
+            centres = side * histogram_centres(num_bins, float(t["absmax"]))
+            weights = jnp.asarray(counts[path]["hist"], jnp.float32)
+            scale = least_error_scale(jnp.asarray(centres), weights, t["absmax"], (0,), qmin, qmax, num_candidates)[0]
         return eqx.tree_at(lambda l: l.input_quant, layer, FakeQuant(float(scale), qmin, qmax, zero_point=zero_point))
 
     return map_nodes(model, (AbstractQuantLayer,), replace)

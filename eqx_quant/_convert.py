@@ -129,8 +129,8 @@ def convert(model: PyTree) -> PyTree:
         if not isinstance(weight, jax.core.Tracer) and np.isnan(np.asarray(weight)).any():
             index = tuple(int(i) for i in np.argwhere(np.isnan(np.asarray(weight)))[0])
             raise ValueError(
-                f"Layer {path!r} has a NaN weight entry at index {index}, which no integer can store; the fake-quant "
-                "weight is NaN there. Replace the NaN entries of the weight before converting."
+                f"Layer {path or '(the model itself)'!r} has a NaN weight entry at index {index}, which no integer "
+                "can store; the fake-quant weight is NaN there. Replace the NaN entries before converting."
             )
         grid = _whole_tensor(layer.weight_quant).grid(weight)
         tensor = _sharded_like(QuantizedTensor.from_grid(grid, weight.shape, weight.dtype), weight)

@@ -51,6 +51,15 @@ def dequantize_levels(levels: Array, scale: Array, zero_point: Array | None) -> 
     return expand_to_rank(scale, levels.ndim) * levels
 
 
+def in_range(v: Array, zero_point: Array | None, qmin: int, qmax: int) -> Array:
+    """Whether `v + zero_point` (`v = x / scale`) lies in `[qmin, qmax]`: where [`eqx_quant.fake_quant`][] passes
+    gradients, and what scale fitting checks. It compares `v` with the exact integers `qmin - zero_point` and
+    `qmax - zero_point`: a sum `v + zero_point` would be contracted into a fused multiply-add under `jit` only, and
+    round differently there. False for NaN."""
+    zp = 0 if zero_point is None else expand_to_rank(zero_point, v.ndim)
+    return (v >= qmin - zp) & (v <= qmax - zp)
+
+
 def _fake_quant_impl(x, scale, zero_point, qmin, qmax):
     return dequantize_levels(quantize_levels(x, scale, zero_point, qmin, qmax), scale, zero_point)
 
@@ -66,13 +75,11 @@ def _fake_quant_fwd(x, scale, zero_point, qmin, qmax):
 def _fake_quant_bwd(qmin, qmax, residuals, g):
     x, scale, zero_point = residuals
     v = scaled(x, scale)
-    # `v + zero_point` is compared as `v` against `q - zero_point` (exact integers): a sum `x * (1 / s) + z` would be
-    # contracted into a fused multiply-add under `jit` but not in eager mode, and the two would round differently.
     zp = 0 if zero_point is None else expand_to_rank(zero_point, x.ndim)
     low, high = qmin - zp, qmax - zp
     below = v < low
     above = v > high
-    inside = (v >= low) & (v <= high)  # False for NaN, like `below` and `above`
+    inside = in_range(v, zero_point, qmin, qmax)  # False for NaN, like `below` and `above`
     zero = jnp.zeros((), g.dtype)
     grad_x = jnp.where(inside, g, zero)
     d_scale = jnp.where(inside, jnp.round(v) - v, jnp.where(below, low, jnp.where(above, high, zero)))

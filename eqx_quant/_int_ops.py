@@ -233,9 +233,14 @@ def int_linear(
     return _with_nans(_rescale(acc, w_scale, x_scale, bias), w_nan, x_nan)
 
 
+def _rows(nan: Array) -> Array:
+    """Whether each row (index along the first axis) of a weight's NaN mask holds a NaN."""
+    return jnp.any(nan, axis=tuple(range(1, nan.ndim)))
+
+
 def _with_nans(y: Array, w_nan: Array | None, x_nan: Array | None) -> Array:
     """A linear layer's output `y` with NaN where a NaN weight entry (its row) or input entry (all) reaches it."""
-    y = _with_nan(y, None if w_nan is None else jnp.any(w_nan.reshape(w_nan.shape[0], -1), axis=1))
+    y = _with_nan(y, None if w_nan is None else _rows(w_nan))
     return _with_nan(y, None if x_nan is None else jnp.any(x_nan))
 
 
@@ -302,7 +307,7 @@ def int_conv(
         acc = integer(lhs, rhs)
     y = _rescale(acc[0], w_scale, x_scale, bias)
     if w_nan is not None:
-        y = _with_nan(y, jnp.any(w_nan.reshape(w_nan.shape[0], -1), axis=1).reshape((-1,) + (1,) * (y.ndim - 1)))
+        y = _with_nan(y, _rows(w_nan).reshape((-1,) + (1,) * (y.ndim - 1)))
     if x_nan is not None:
         # The windows that cover a NaN: a convolution of the NaN mask with a kernel of ones, one output per group.
         ones = jnp.ones((spec.groups,) + w.shape[1:], jnp.float32)

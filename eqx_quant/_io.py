@@ -5,6 +5,7 @@ import json
 import os
 import secrets
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -15,7 +16,7 @@ from jaxtyping import PyTree
 from ._packing import BIT_ORDER, NIBBLE_ORDER
 from ._qtensor import QuantizedTensor
 from ._quantizers import DynamicFakeQuant, FakeQuant
-from ._tree import map_nodes, nodes, path_string
+from ._tree import map_nodes, path_string
 from .nn._int_layers import AbstractIntLayer
 
 
@@ -24,9 +25,14 @@ _VERSION = 2
 
 
 def _header_nodes(model: PyTree, name: str) -> dict[str, Any]:
-    """The static [`eqx_quant.FakeQuant`][]s and [`eqx_quant.nn.QuantizedTensor`][]s of `model` by path; raises if
-    two of them have the same path (a dict key with a dot, `{"a.b": ...}`, reads like the attributes `a.b`)."""
-    is_node = lambda node: isinstance(node, (FakeQuant, QuantizedTensor))  # noqa: E731
+    """The static [`eqx_quant.FakeQuant`][]s and [`eqx_quant.nn.QuantizedTensor`][]s of `model` by path."""
+    return _unique_nodes(model, (FakeQuant, QuantizedTensor), name)
+
+
+def _unique_nodes(model: PyTree, types: tuple[type, ...], name: str) -> dict[str, Any]:
+    """The nodes of `model` that are instances of `types`, by path; raises if two of them have the same path (a dict
+    key with a dot, `{"a.b": ...}`, reads like the attributes `a.b`)."""
+    is_node = lambda node: isinstance(node, types)  # noqa: E731
     found: dict[str, tuple[Any, Any]] = {}
     for key_path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)[0]:
         if not is_node(leaf):
@@ -117,6 +123,17 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
         "quantized_tensors": _tensor_table(_tensor_descriptions(found)),
     }
     encoded = json.dumps(header, separators=(",", ":")).encode()
+
+    def write(f):
+        f.write(_MAGIC + struct.pack("<Q", len(encoded)) + encoded)
+        eqx.tree_serialise_leaves(f, model)
+
+    _write_replacing(path, write)
+
+
+def _write_replacing(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
+    """Calls `write` on a fresh temporary file beside `path`, then renames it over `path`: a write that fails leaves
+    an existing file at `path` as it was (and no temporary file behind)."""
     directory, base = os.path.split(os.path.abspath(os.fspath(path)))
     while True:  # a fresh name beside `path`, created with the permissions `open(path, "wb")` would give
         temporary = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
@@ -127,8 +144,7 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
             continue
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(_MAGIC + struct.pack("<Q", len(encoded)) + encoded)
-            eqx.tree_serialise_leaves(f, model)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
@@ -293,10 +309,15 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
 
     **Arguments:**
 
-    - `path`: the file to write.
+    - `path`: the file to write (through a temporary file beside it, as [`eqx_quant.save`][] does).
     - `model`: a model from [`eqx_quant.convert`][].
+
+    **Raises:**
+
+    `ValueError` if `model` has no integer layer, or two of its integer layers have the same path (nothing is
+    written).
     """
-    layers = nodes(model, (AbstractIntLayer,))
+    layers = list(_unique_nodes(model, (AbstractIntLayer,), "model").items())
     if not layers:
         raise ValueError("`model` has no integer layer; convert it first with `eqx_quant.convert`.")
     tensors: dict[str, np.ndarray] = {}
@@ -332,8 +353,11 @@ def _write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], 
         blobs.append(data)
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # align the data to 8 bytes
-    with open(path, "wb") as f:
+
+    def write(f):
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
         for data in blobs:
             f.write(data)
+
+    _write_replacing(path, write)

@@ -1,5 +1,4 @@
 import abc
-import functools
 import math
 from collections.abc import Sequence
 from typing import Literal, NamedTuple
@@ -15,7 +14,7 @@ from ._fake_quant import check_range, fake_quant, round_ste, scale_gradient
 from ._layout import Layout
 from ._misc import as_float_input, check_int, compute_dtype
 from ._ranges import int_range
-from ._scales import absmax_scale, finite_or, minmax_scale, stats
+from ._scales import absmax_scale, check_method, finite_or, least_error_scale, minmax_scale, stats
 
 
 _TINY32 = float(np.finfo(np.float32).tiny)
@@ -223,9 +222,6 @@ class AbstractFakeQuantizer(AbstractQuantizer):
             return apply_grid(self.grid(x), x.shape)
 
 
-_METHODS = ("absmax", "minmax", "percentile", "mse")
-
-
 class FakeQuant(AbstractFakeQuantizer):
     """A fixed fake quantizer: scale, zero point and integer range are static configuration.
 
@@ -382,13 +378,7 @@ class FakeQuant(AbstractFakeQuantizer):
 
         A [`eqx_quant.FakeQuant`][] with float32-representable scales.
         """
-        if method not in _METHODS:
-            raise ValueError(f"`method` must be one of {_METHODS}, got method={method!r}.")
-        if not 0 < percentile <= 100:
-            raise ValueError(f"`percentile` must be in (0, 100], got percentile={percentile!r}.")
-        num_candidates = check_int("num_candidates", num_candidates)
-        if num_candidates < 1:
-            raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
+        check_method(method, percentile, num_candidates)
         qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
         layout = Layout.of(axis, group_size)
         x, view = _sample_data(x, layout)
@@ -404,26 +394,12 @@ class FakeQuant(AbstractFakeQuantizer):
             clip_at = jnp.nan_to_num(jnp.nanpercentile(magnitudes, percentile, axis=axes, keepdims=True))
             scale = absmax_scale(clip_at, qmin, qmax)
         else:
-            scale = _mse_scale(view, absmax, axes, qmin, qmax, num_candidates)
+            scale = least_error_scale(view, None, absmax, axes, qmin, qmax, int(num_candidates))
         scale = np.asarray(layout.compact(scale, x.shape))
         zero_point = np.asarray(layout.compact(zero_point, x.shape)).astype(np.int64)
         if layout.is_per_tensor():
             return cls(float(scale), qmin, qmax, zero_point=int(zero_point))
         return cls(scale, qmin, qmax, zero_point=zero_point, axis=layout.axis, group_size=group_size)
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _mse_scale(x, absmax, axes, qmin, qmax, num_candidates):
-    x = finite_or(x, 0.0)
-    fractions = jnp.arange(1, num_candidates + 1, dtype=jnp.float32) / num_candidates
-
-    def error(fraction):
-        scale = absmax_scale(absmax * fraction, qmin, qmax)
-        return jnp.mean((fake_quant(x, scale, qmin, qmax) - x) ** 2, axis=axes, keepdims=True)
-
-    errors = jax.lax.map(error, fractions)  # sequential: memory stays that of one candidate
-    best = fractions[jnp.argmin(errors, axis=0)]
-    return absmax_scale(absmax * best, qmin, qmax)
 
 
 class PassthroughClip(AbstractQuantizer):
@@ -451,6 +427,9 @@ class PassthroughClip(AbstractQuantizer):
 
         - `lo`, `hi`: the bounds, Python numbers with `lo <= hi`; infinite bounds clip on one side only.
         """
+        for name, bound in (("lo", lo), ("hi", hi)):
+            if isinstance(bound, (bool, np.bool_)) or not isinstance(bound, (int, float, np.integer, np.floating)):
+                raise TypeError(f"`{name}` must be a real number, got {bound!r}.")
         self.lo = float(lo)
         self.hi = float(hi)
 
@@ -734,13 +713,16 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         x, view = _sample_data(x, layout)
         axes = layout.reduction_axes(x.shape)
         finite = jnp.isfinite(view)
-        total = jnp.sum(jnp.where(finite, jnp.abs(view), 0.0), axis=axes)
-        count = jnp.maximum(jnp.sum(finite, axis=axes), 1).astype(jnp.float32)
-        scale = jnp.maximum(2 * (total / count) / math.sqrt(qmax), min_scale)
+        magnitudes = jnp.where(finite, jnp.abs(view), 0.0)
+        count = jnp.maximum(jnp.sum(finite, axis=axes, keepdims=True), 1).astype(jnp.float32)
+        mean = jnp.sum(magnitudes, axis=axes, keepdims=True) / count
+        # Past float32's range the sum overflows where the mean does not: then the sum of pre-divided magnitudes.
+        mean = jnp.where(jnp.isfinite(mean), mean, jnp.sum(magnitudes / count, axis=axes, keepdims=True))
+        scale = layout.compact(jnp.maximum(2 * mean / math.sqrt(qmax), min_scale), x.shape)
         zero_point = None
         if not symmetric:
             lo = jnp.minimum(jnp.min(finite_or(view, 0.0), axis=axes, initial=0.0), 0.0)
-            zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)
+            zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)  # `lo` without unit axes, like `scale`
         return cls(
             scale, qmin, qmax, zero_point=zero_point, axis=layout.axis, group_size=group_size, min_scale=min_scale,
             axis_name=axis_name,

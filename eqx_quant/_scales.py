@@ -1,4 +1,5 @@
-"""Scale and zero-point fitting shared by calibration (eagerly, on concrete data) and dynamic quantizers (traced).
+"""Scale and zero-point fitting, shared by calibration (of a quantizer on data, or of a model's activations from
+histograms) and dynamic quantizers (traced): each method is written once here.
 
 Every function here is written with `jax.numpy`, so that a scale computed once at calibration time and a scale
 computed at every call of a dynamic quantizer come out of the same arithmetic. Statistics are float32.
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from ._misc import expand_to_rank
+from ._fake_quant import dequantize_levels, in_range, quantize_levels, scaled
+from ._misc import check_int, expand_to_rank
 
 
 _TINY = float(jnp.finfo(jnp.float32).tiny)
@@ -22,9 +24,7 @@ _NUDGES = 4  # at most two are ever needed in float32; see `absmax_scale`
 
 def _lands_inside(x: Array, scale: Array, zero_point: Array, qmin: int, qmax: int) -> Array:
     """Whether `x / scale + zero_point` lies in `[qmin, qmax]` with the arithmetic of `fake_quant`'s mask."""
-    v = expand_to_rank(x, scale.ndim) * (1 / scale)
-    zero_point = expand_to_rank(zero_point, scale.ndim)
-    return (v >= qmin - zero_point) & (v <= qmax - zero_point)
+    return in_range(scaled(expand_to_rank(x, scale.ndim), scale), zero_point, qmin, qmax)
 
 
 def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
@@ -149,3 +149,60 @@ def stats(x: Array, axes: tuple[int, ...]) -> tuple[Array, Array, Array]:
     lo = jnp.min(finite_or(x, 0.0), axis=axes, keepdims=True, initial=0.0)
     hi = jnp.max(finite_or(x, 0.0), axis=axes, keepdims=True, initial=0.0)
     return absmax, lo, hi
+
+
+METHODS = ("absmax", "minmax", "percentile", "mse")
+
+
+def check_method(method: object, percentile: object, num_candidates: object) -> None:
+    """Raises for a calibration `method` that is not one of `METHODS`, or a bad parameter of one."""
+    if method not in METHODS:
+        raise ValueError(f"`method` must be one of {METHODS}, got method={method!r}.")
+    if isinstance(percentile, bool) or not isinstance(percentile, (int, float)) or not 0 < percentile <= 100:
+        raise ValueError(f"`percentile` must be in (0, 100], got percentile={percentile!r}.")
+    if check_int("num_candidates", num_candidates) < 1:
+        raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+def least_error_scale(
+    values: Array, weights: Array | None, absmax: Array, axes: tuple[int, ...], qmin: int, qmax: int, candidates: int
+) -> Array:
+    """The `"mse"` method: of the symmetric scales for the clipping thresholds `absmax * k / candidates`
+    (`k = 1 ... candidates`), the one with the least squared quantization error of `values` on the grid
+    `[qmin, qmax]`, summed over `axes` (weighted by `weights`, a histogram's counts, unless `None`).
+
+    The error is that of `fake_quant`'s arithmetic. Non-finite values count as zeros. `absmax` has the shape of the
+    sums (with unit axes at `axes`), and so does the result. Candidates are tried one after another, so that memory
+    stays that of one.
+    """
+    values = finite_or(values, 0.0)
+    fractions = jnp.arange(1, candidates + 1, dtype=jnp.float32) / candidates
+    # Errors in units of `absmax`, so that their squares cannot overflow for data near float32's largest values.
+    unit = expand_to_rank(1 / jnp.maximum(absmax, _TINY), values.ndim)
+
+    def error(fraction):
+        scale = absmax_scale(absmax * fraction, qmin, qmax)
+        quantized = dequantize_levels(quantize_levels(values, scale, None, qmin, qmax), scale, None)
+        squared = ((quantized - values) * unit) ** 2
+        return jnp.sum(squared if weights is None else weights * squared, axis=axes, keepdims=True)
+
+    best = fractions[jnp.argmin(jax.lax.map(error, fractions), axis=0)]
+    return absmax_scale(absmax * best, qmin, qmax)
+
+
+def percentile_of_histogram(counts: np.ndarray, top: float, percentile: float) -> float:
+    """The `"percentile"` threshold from a histogram of `|x|` in equal bins over `[0, top]`: the upper edge of the
+    bin where the cumulative count reaches `percentile` percent (0 for an empty histogram)."""
+    total = counts.sum()
+    if total == 0 or top == 0:
+        return 0.0
+    edges = np.linspace(0.0, top, counts.size + 1, dtype=np.float64)
+    cdf = np.cumsum(counts) / total
+    return float(edges[1 + min(int(np.searchsorted(cdf, percentile / 100.0)), counts.size - 1)])
+
+
+def histogram_centres(num_bins: int, top: float) -> np.ndarray:
+    """The centres of `num_bins` equal bins over `[0, top]`."""
+    edges = np.linspace(0.0, top, num_bins + 1, dtype=np.float64)
+    return ((edges[:-1] + edges[1:]) / 2).astype(np.float32)

@@ -357,3 +357,49 @@ def test_property_paths_agree_and_keep_finite_and_nan_data(case):
     finite = jnp.where(jnp.isnan(x[0]), jnp.zeros((), dtype), x[0])
     stored = QuantizedTensor.from_grid(q.grid(finite), finite.shape, finite.dtype)
     assert_bitwise_equal(stored.dequantize(), q(finite))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Found by reading the contract page against the code.
+
+
+def test_layer_without_outputs_works_on_every_path():
+    layer = eqx.nn.Linear(3, 0, key=jax.random.key(0))
+    for name, y in all_paths(layer, jnp.ones(3)).items():
+        assert y.shape == (0,), name
+
+
+def test_learned_step_size_of_huge_data_is_finite():
+    # The sum of |x| overflows float32; the mean 1e38 does not: 2 * 1e38 / sqrt(127).
+    q = eqx_quant.LearnedFakeQuant.init_from(jnp.full(4, 1e38, jnp.float32), 8)
+    np.testing.assert_allclose(float(q.scale), 2e38 / np.sqrt(127), rtol=1e-6)
+
+
+def test_mse_calibration_of_huge_data_searches_every_candidate():
+    # Squared errors of data near 1e25 overflow float32 unless measured in units of max|x|: the search would then
+    # stop at its first candidate (a hundredth of max|x|). Here no clipping pays, so max|x| itself is best.
+    x = jnp.array([1e25, -3e24, 1.0, 5e24], jnp.float32)
+    assert eqx_quant.FakeQuant.calibrate(x, 8, method="mse").scale == eqx_quant.FakeQuant.calibrate(x, 8).scale
+
+
+def test_symmetric_calibration_needs_zero_on_the_grid():
+    fake = eqx_quant.quantize(linear(), activations=eqx_quant.FakeQuant(1.0, 3, 3, zero_point=3))
+    with pytest.raises(ValueError, match=r"`method`='absmax' fits a symmetric scale .* \[3, 3\] .* method='minmax'"):
+        eqx_quant.calibrate(fake, [jnp.ones((2, 6))])
+    assert eqx_quant.calibrate(fake, [jnp.ones((2, 6))], method="minmax").input_quant.qmin == 3
+
+
+def test_export_refuses_colliding_paths_and_keeps_the_old_file(tmp_path):
+    layers = {"a.b": eqx.nn.Linear(2, 2, key=jax.random.key(0)), "a": {"b": eqx.nn.Linear(2, 2, key=jax.random.key(1))}}
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"old")
+    with pytest.raises(ValueError, match="same path|two"):
+        eqx_quant.export_safetensors(path, eqx_quant.convert(eqx_quant.quantize(layers)))
+    assert path.read_bytes() == b"old"
+
+
+def test_passthrough_clip_bounds_are_not_bools():
+    # A bool is an int, so the annotations let it through; the module's own check refuses it (strings and other
+    # types: tests/unhooked/check_errors.py).
+    with pytest.raises(TypeError, match="`hi` must be a real number, got True"):
+        eqx_quant.PassthroughClip(0.0, True)

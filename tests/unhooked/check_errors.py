@@ -50,6 +50,8 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.DynamicFakeQuant(8, axis_name=3)),
         (TypeError, "`bits` must be an int, got 8.0 of type float.",
          lambda: eqx_quant.DynamicFakeQuant(8.0)),
+        (TypeError, "`lo` must be a real number, got 'a'.",
+         lambda: eqx_quant.PassthroughClip("a", 1.0)),
         (TypeError, "`qmin` must be an int, got 1.5 of type float.",
          lambda: eqx_quant.FakeQuant(1.0, 1.5, 7)),
     ]  # fmt: skip
