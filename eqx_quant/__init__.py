@@ -5,6 +5,11 @@ from ._calibrate import calibrate as calibrate
 from ._clip import clip_passthrough as clip_passthrough
 from ._convert import convert as convert
 from ._fake_quant import fake_quant as fake_quant, fake_quant_vjp as fake_quant_vjp
+from ._float_formats import (
+    fake_quant_float as fake_quant_float,
+    mx_fake_quant as mx_fake_quant,
+    nvfp4_fake_quant as nvfp4_fake_quant,
+)
 from ._io import export_safetensors as export_safetensors, load as load, save as save
 from ._layout import Layout as Layout
 from ._packing import (

@@ -151,6 +151,9 @@ def _fake_quant_float_bwd(fmt, residuals, g):
 
 _fake_quant_float.defvjp(_fake_quant_float_fwd, _fake_quant_float_bwd)
 
+# Compiled as one program even in eager calls: a dozen small operations, each compiled on its own otherwise.
+_fake_quant_float_jit = jax.jit(_fake_quant_float, static_argnums=(2,))
+
 
 @jaxtyped(typechecker=beartype)
 def fake_quant_float(
@@ -205,7 +208,7 @@ def fake_quant_float(
 
         x = jnp.array([0.3, 1.25, -2.6, 5.5, 100.0, jnp.nan])
         print(eqx_quant.fake_quant_float(x, 1.0, jnp.float4_e2m1fn))  # [ 0.5  1.  -3.   6.   6.   nan]
-        print(eqx_quant.fake_quant_float(x, 0.5, "float8_e4m3fn"))  # [ 0.3125  1.25  -2.5  5.5  100.  nan]
+        print(eqx_quant.fake_quant_float(x, 0.5, "float8_e4m3fn"))  # [ 0.3125  1.25  -2.5  5.5  96.  nan]
         ```
     """
     fmt = _float_format(dtype)
@@ -214,7 +217,7 @@ def fake_quant_float(
     scale = prepare_scale(scale, x.shape, cdtype)
     with jax.named_scope("eqx_quant.fake_quant_float"):
         xc, scale = vary_alike(x.astype(cdtype), scale)
-        return _fake_quant_float(xc, scale, fmt).astype(x.dtype)
+        return _fake_quant_float_jit(xc, scale, fmt).astype(x.dtype)
 
 
 #
@@ -241,9 +244,12 @@ def _mx_exponent(amax: Array, fmt: _Format, scale_rule: str) -> Array:
     else:
         # ceil(log2(amax / M)) of the exact quotient: with amax = ma * 2**k and M = mM * 2**emax (mantissas in
         # [1, 2)), the quotient is (ma / mM) * 2**(k - emax) with ma / mM in (1/2, 2), so the ceiling is k - emax,
-        # plus one when ma > mM. Zero and subnormal `amax` land far below the clamp.
-        mantissa = amax * _pow2(-k, amax.dtype)
-        e = k - fmt.emax + (mantissa > fmt.max / 2**fmt.emax).astype(k.dtype)
+        # plus one when ma > mM, which compares the stored mantissa bits. Zero and subnormal `amax` land far below
+        # the clamp.
+        nmant = jnp.finfo(amax.dtype).nmant
+        bits = jax.lax.bitcast_convert_type(amax, k.dtype)
+        max_bits = int((fmt.max / 2**fmt.emax - 1) * 2**nmant)
+        e = k - fmt.emax + ((bits & (2**nmant - 1)) > max_bits).astype(k.dtype)
     return jnp.clip(e, _E8M0_MIN, _E8M0_MAX)
 
 
@@ -300,8 +306,8 @@ def _block_fake_quant_bwd(fmt, scheme, residuals, g):
 _block_fake_quant.defvjp(_block_fake_quant_fwd, _block_fake_quant_bwd)
 
 
-def _blocked(x: Array, axis: int, block_size: int) -> tuple[Array, int]:
-    """Checks that `x`'s `axis` splits into blocks, and returns `x` with that axis moved last, and the axis."""
+def _check_blocks(x: Array, axis: int, block_size: int) -> int:
+    """Checks that `x`'s `axis` splits into blocks of `block_size`, and returns the axis as a nonnegative int."""
     if x.ndim == 0:
         raise ValueError(f"`x` must have at least one axis to split into blocks, got a scalar, x={x!r}.")
     if not -x.ndim <= axis < x.ndim:
@@ -312,16 +318,22 @@ def _blocked(x: Array, axis: int, block_size: int) -> tuple[Array, int]:
             f"`block_size` must divide the length of axis {axis} of `x` ({x.shape[axis]}, shape {x.shape}), "
             f"got block_size={block_size}."
         )
-    return jnp.moveaxis(x, axis, -1), axis
+    return axis
 
 
-def _run_blocks(x: Array, axis: int, block_size: int, fmt: _Format, scheme: tuple[str, ...]) -> Array:
-    cdtype = compute_dtype(x.dtype)
-    moved, axis = _blocked(x.astype(cdtype), axis, block_size)
+# Compiled as one program even in eager calls: a few dozen small operations, each compiled on its own otherwise.
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _blocks_jit(x: Array, axis: int, block_size: int, fmt: _Format, scheme: tuple[str, ...]) -> Array:
+    moved = jnp.moveaxis(x.astype(compute_dtype(x.dtype)), axis, -1)
     shape = moved.shape
     xb = moved.reshape(*shape[:-1], shape[-1] // block_size, block_size)
     out = _block_fake_quant(xb, fmt, scheme).reshape(shape)
     return jnp.moveaxis(out, -1, axis).astype(x.dtype)
+
+
+def _run_blocks(x: Array, axis: int, block_size: int, fmt: _Format, scheme: tuple[str, ...]) -> Array:
+    axis = _check_blocks(x, axis, block_size)
+    return _blocks_jit(x, axis, block_size, fmt, scheme)
 
 
 @jaxtyped(typechecker=beartype)
@@ -344,20 +356,22 @@ def mx_fake_quant(
     - `scale_rule="floor"` (the specification's rule): $e = \lfloor \log_2 \mathrm{amax} \rfloor - e_{\max}$, where
         $e_{\max}$ is the exponent of the element's largest normal (8 for E4M3, 15 for E5M2, 2 for E2M3, 4 for E3M2,
         2 for E2M1). The largest elements of a block may saturate to $\pm M$.
-    - `scale_rule="rceil"`: $e = \lceil \log_2(\mathrm{amax} / M) \rceil$, the smallest $e$ with
-        $\mathrm{amax} \le M \cdot 2^e$, computed for the exact quotient (not the float32-rounded one, which can
-        round down onto a power of two and saturate the block's largest element). Nothing saturates.
+    - `scale_rule="rceil"`: $e = \lceil \log_2(\mathrm{amax} / M) \rceil$ for the exact quotient: the smallest
+        $e$ with $\mathrm{amax} \le M \cdot 2^e$, so nothing saturates. (The float32 quotient `amax / M` has the
+        same ceiling whenever it is normal: the exact quotient is never within a relative $2^{-24}$ of a power of
+        two without being one, so rounding it to float32 never lands on one.)
 
     Both exponents are read exactly from the bits of `amax`: no logarithm is evaluated. Special blocks:
 
     - a block of zeros (or of subnormal float32 numbers, which count as zeros) gets $e = -127$ and gives zeros (of
         the signs of its entries);
     - a block holding a NaN or ±inf gives NaN in every entry (the specification's NaN scale);
-    - a block whose exponent is clamped to 127 (possible only with `rceil` for `amax` near the float32 maximum)
-        keeps its values; one clamped to -127 (`amax` below $2^{e_{\max} - 127}$) is rounded on the grid of
-        $2^{-127}$, and results below the normal float32 range become zeros.
-    - With `rceil`, a value of a block whose `amax` lies within a rounding step of the float32 maximum can round up
-        to $2^{128}$ and become inf: the quantized value exceeds float32.
+    - a block whose exponent falls below -127 (`amax` below about $2^{e_{\max} - 127}$) uses $X = 2^{-127}$ all the
+        same: its elements land on a coarser grid than the exponent asked for, and results below the normal float32
+        range become zeros. Float32 blocks never reach the upper clamp (their largest exponent is 126); float64
+        blocks beyond it saturate;
+    - with `rceil`, an element within a rounding step of the float32 maximum can round up to $2^{128}$, which
+        float32 holds only as inf.
 
     The backward is straight-through per element with the block scale held constant (as under
     `jax.lax.stop_gradient`): `x` receives `g` where $|x / X| \le M$ and 0 elsewhere, and 0 in every entry of a
@@ -389,9 +403,9 @@ def mx_fake_quant(
         import jax.numpy as jnp
         import eqx_quant
 
-        x = jnp.array([0.1, -0.7, 3.0, 5.2, 0.0, 0.0, 0.0, 0.0])
-        print(eqx_quant.mx_fake_quant(x, "mxfp4", block_size=4))  # [ 0.  -0.5  3.   4.   0.   0.   0.   0. ]
-        print(eqx_quant.mx_fake_quant(x, "mxfp4", block_size=4, scale_rule="rceil"))  # [ 0. -1.  3.  6.  0.  0.  0.  0.]
+        x = jnp.array([0.1, -0.7, 3.0, 7.0, 0.0, -0.0, 0.0, 0.0])
+        print(eqx_quant.mx_fake_quant(x, "mxfp4", block_size=4))  # [ 0.  -0.5  3.   6.   0.  -0.   0.   0. ]
+        print(eqx_quant.mx_fake_quant(x, "mxfp4", block_size=4, scale_rule="rceil"))  # [ 0. -1. 3. 8. 0. -0. 0. 0.]
         ```
     """
     if fmt not in _MX_ELEMENTS:
@@ -429,8 +443,8 @@ def nvfp4_fake_quant(x: RealLike, *, axis: int = -1) -> Float[Array, "*shape"]:
     - where `b * t` is zero (an all-zero tensor or block, a block too small next to the tensor's `amax` for a
         nonzero E4M3 scale, or a tensor whose `t` falls below the normal float32 range, since subnormals count as
         zeros), the block gives zeros (of the signs of its entries);
-    - NaN and ±inf are left out of `amax`, and a block holding one gives NaN in every entry; the other blocks are
-        quantized as if those entries were absent.
+    - NaN and ±inf entries are left out of `amax` (the finite entries of their block still count), and a block
+        holding one gives NaN in every entry; the other blocks are quantized as if those entries were zeros.
 
     Under `jax.vmap`, each mapped slice is a tensor with its own `t`. The backward is straight-through per element
     with both scales held constant: `x` receives `g` where $|x / (b t)| \le 6$ (every entry of a zero-scale block
@@ -457,10 +471,11 @@ def nvfp4_fake_quant(x: RealLike, *, axis: int = -1) -> Float[Array, "*shape"]:
         import jax.numpy as jnp
         import eqx_quant
 
-        x = jnp.concatenate([jnp.linspace(-2.0, 2.0, 16), jnp.full(16, 0.01)])
+        # Two blocks: 16 values in [-3, 3] (block scale 0.5, so the grid is 0.5 * E2M1), then 16 of 0.01.
+        x = jnp.concatenate([jnp.linspace(-3.0, 3.0, 16), jnp.full(16, 0.01)])
         y = eqx_quant.nvfp4_fake_quant(x)
-        print(y[:4])  # [-2.  -1.7857143 -1.4285715 -1.4285715]
-        print(y[16:20])  # [0.01 0.01 0.01 0.01]
+        print(y[:4])  # [-3. -3. -2. -2.]
+        print(y[16:18])  # [0.01004464 0.01004464]
         ```
     """
     axis = check_int("axis", axis)
