@@ -15,27 +15,13 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
+from ._fake_quant import dequantize_levels
 from ._layout import Layout
-from ._misc import compute_dtype, expand_to_rank, vary_alike
-from ._quantizers import QuantGrid
+from ._misc import compute_dtype, vary_alike
+from ._qtensor import QuantizedTensor, shifted_range
 
 
 INT32_MAX = 2**31 - 1
-
-
-def int_dtype(lo: int, hi: int) -> np.dtype:
-    """The narrowest of int8, int16 and int32 that holds every integer in `[lo, hi]`."""
-    for dtype in (np.int8, np.int16, np.int32):
-        info = np.iinfo(dtype)
-        if info.min <= lo and hi <= info.max:
-            return np.dtype(dtype)
-    raise ValueError(f"The integer range [{lo}, {hi}] does not fit in int32.")
-
-
-def shifted_range(qmin: int, qmax: int, has_zero_point: bool) -> tuple[int, int]:
-    """The range of `level - zero_point` for levels and zero points in `[qmin, qmax]`."""
-    return (qmin - qmax, qmax - qmin) if has_zero_point else (qmin, qmax)
 
 
 def safe_contraction(w_bound: int, x_bound: int) -> int:
@@ -44,44 +30,6 @@ def safe_contraction(w_bound: int, x_bound: int) -> int:
     0 when a single product may already overflow (e.g. two asymmetric 16-bit grids): no integer product then.
     """
     return INT32_MAX // max(1, w_bound * x_bound)
-
-
-class IntOperand(NamedTuple):
-    """An operand on an integer grid: `values` (integers minus the zero point), `scale` (float32, broadcastable to
-    the grid's view), `bound` (a static bound on `|values|`) and `nan` (where the operand is NaN: an integer has no
-    NaN, so the integer kernels take these positions apart and make the outputs they touch NaN)."""
-
-    values: Array
-    scale: Array
-    bound: int
-    nan: Array
-
-
-def grid_levels(grid: QuantGrid) -> tuple[Array, Array, Array | None]:
-    """`(levels, scale, zero_point)` of a grid, computed exactly as [`eqx_quant.fake_quant`][] computes them (the
-    levels as floats of the compute dtype; the zero point `None` when it is 0). No gradient flows through them."""
-    view, scale, zero_point = (jax.lax.stop_gradient(a) if isinstance(a, jax.Array) else a for a in grid[:3])
-    qmin, qmax = grid.qmin, grid.qmax
-    compute = compute_dtype(view.dtype)
-    scale = prepare_scale(scale, view.shape, compute)
-    zero_point = prepare_zero_point(zero_point, view.shape, compute)
-    return quantize_levels(view.astype(compute), scale, zero_point, qmin, qmax), scale, zero_point
-
-
-def shift_levels(levels: Array, zero_point: Array | None, qmin: int, qmax: int) -> tuple[Array, int]:
-    """`levels - zero_point` for levels in `[qmin, qmax]` (a zero point of `None` is 0), in the narrowest integer dtype
-    that holds it, and a bound on its magnitude: an operand of the integer products."""
-    if zero_point is not None:
-        levels = levels.astype(zero_point.dtype) - expand_to_rank(zero_point, levels.ndim)
-    lo, hi = shifted_range(qmin, qmax, zero_point is not None)
-    return levels.astype(int_dtype(lo, hi)), max(-lo, hi)
-
-
-def integer_operand(grid: QuantGrid) -> IntOperand:
-    """The integers of a grid minus its zero point, as [`eqx_quant.fake_quant`][] computes its levels."""
-    levels, scale, zero_point = grid_levels(grid)
-    values, bound = shift_levels(levels, zero_point, grid.qmin, grid.qmax)
-    return IntOperand(values, scale, bound, jnp.isnan(levels))
 
 
 def _common_int(a: Array, b: Array) -> tuple[Array, Array]:
@@ -334,26 +282,44 @@ _FLOAT_OPS = {LinearSpec: _float_linear, ConvSpec: _float_conv}
 _INT_OPS = {LinearSpec: int_linear, ConvSpec: int_conv}
 
 
-def int_op(spec: LinearSpec | ConvSpec, w, x, w_scale, x_scale, bias, w_nan=None, x_nan=None) -> Array:
-    """The integer product (`int_linear`) or convolution (`int_conv`) that `spec` describes."""
-    return _INT_OPS[type(spec)](spec, w, x, w_scale, x_scale, bias, w_nan, x_nan)
-
-
-def integer_forward(spec, wq: Array, xq: Array, bias: Array | None, w: IntOperand, x: IntOperand) -> Array:
+def integer_forward(
+    spec: LinearSpec | ConvSpec,
+    wq: Array,
+    xq: Array,
+    bias: Array | None,
+    w: QuantizedTensor,
+    x: QuantizedTensor,
+    w_nan: Array | None,
+    x_nan: Array | None,
+) -> Array:
     """The integer computation in the forward pass, the float one of the fake-quantized operands for derivatives.
 
-    `wq` and `xq` are the fake-quantized weight and input (`scale * (levels - zero_point)`); `w`, `x` their integers
-    minus zero points. The value is the integer product (or convolution); the derivative is that of the float
-    `wq @ xq + bias`, so that gradients continue through the quantizers' straight-through estimators. Only the
-    tangents of `wq` and `xq` (and their dtypes and shapes) are used: their values, where the derivative needs them,
-    are rebuilt from the integers, so that under `jit` the forward pass never computes them.
+    `wq` and `xq` are the fake-quantized weight and input (`scale * (levels - zero_point)`); `w` and `x` the same
+    operands as (unpacked) quantized tensors, `w_nan` and `x_nan` where they are NaN. The value is the integer
+    product (or convolution); the derivative is that of the float `wq @ xq + bias`, so that gradients continue
+    through the quantizers' straight-through estimators. Only the tangents of `wq` and `xq` (and their dtypes and
+    shapes) are used: their values, where the derivative needs them, are rebuilt from the integers, so that under
+    `jit` the forward pass never computes them.
 
     The derivative is given as a JVP rule, which JAX transposes for reverse mode: under `jax.vmap`, the weight's
     gradient is then one matrix product over the batch, as for a float layer, never a per-example outer product
     summed afterwards.
     """
-    operands = (w.values, x.values, w.scale, x.scale, w.nan, x.nan)
+    operands = (w.shifted()[0], x.shifted()[0], w.scale, x.scale, w_nan, x_nan)
     return _integer_forward(spec, *vary_alike(wq, xq, bias, *operands))
+
+
+def integer_product(
+    spec: LinearSpec | ConvSpec,
+    w: QuantizedTensor,
+    x: QuantizedTensor,
+    bias: Array | None,
+    w_nan: Array | None,
+    x_nan: Array | None,
+) -> Array:
+    """The integer product (or convolution) that `spec` describes, of quantized tensors: the value of
+    `integer_forward`, without a derivative (the computation of the converted layers)."""
+    return _INT_OPS[type(spec)](spec, w.shifted()[0], x.shifted()[0], w.scale, x.scale, bias, w_nan, x_nan)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))

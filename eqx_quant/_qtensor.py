@@ -3,15 +3,50 @@
 import math
 
 import equinox as eqx
+import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int, Integer
+from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer
 
-from ._fake_quant import dequantize_levels
-from ._int_ops import grid_levels, int_dtype, shift_levels
+from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
 from ._layout import Layout
+from ._misc import compute_dtype, expand_to_rank
 from ._packing import PACKED_WIDTHS, pack_bits, unpack_bits
 from ._quantizers import QuantGrid
+
+
+def int_dtype(lo: int, hi: int) -> np.dtype:
+    """The narrowest of int8, int16 and int32 that holds every integer in `[lo, hi]`."""
+    for dtype in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return np.dtype(dtype)
+    raise ValueError(f"The integer range [{lo}, {hi}] does not fit in int32.")
+
+
+def shifted_range(qmin: int, qmax: int, has_zero_point: bool) -> tuple[int, int]:
+    """The range of `level - zero_point` for levels and zero points in `[qmin, qmax]`."""
+    return (qmin - qmax, qmax - qmin) if has_zero_point else (qmin, qmax)
+
+
+def grid_levels(grid: QuantGrid) -> tuple[Array, Array, Array | None]:
+    """`(levels, scale, zero_point)` of a grid, computed exactly as [`eqx_quant.fake_quant`][] computes them (the
+    levels as floats of the compute dtype; the zero point `None` when it is 0). No gradient flows through them."""
+    view, scale, zero_point = (jax.lax.stop_gradient(a) if isinstance(a, jax.Array) else a for a in grid[:3])
+    qmin, qmax = grid.qmin, grid.qmax
+    compute = compute_dtype(view.dtype)
+    scale = prepare_scale(scale, view.shape, compute)
+    zero_point = prepare_zero_point(zero_point, view.shape, compute)
+    return quantize_levels(view.astype(compute), scale, zero_point, qmin, qmax), scale, zero_point
+
+
+def shift_levels(levels: Array, zero_point: Array | None, qmin: int, qmax: int) -> tuple[Array, int]:
+    """`levels - zero_point` for levels in `[qmin, qmax]` (a zero point of `None` is 0), in the narrowest integer dtype
+    that holds it, and a bound on its magnitude: an operand of the integer products."""
+    if zero_point is not None:
+        levels = levels.astype(zero_point.dtype) - expand_to_rank(zero_point, levels.ndim)
+    lo, hi = shifted_range(qmin, qmax, zero_point is not None)
+    return levels.astype(int_dtype(lo, hi)), max(-lo, hi)
 
 
 def packed_width(qmin: int, qmax: int) -> int | None:
@@ -47,7 +82,9 @@ class QuantizedTensor(eqx.Module):
     dtype: str = eqx.field(static=True)
 
     @classmethod
-    def from_grid(cls, grid: QuantGrid, shape: tuple[int, ...], dtype: np.dtype) -> "QuantizedTensor":
+    def from_grid(
+        cls, grid: QuantGrid, shape: tuple[int, ...], dtype: np.dtype, *, pack: bool = True
+    ) -> "QuantizedTensor":
         """Quantizes `grid.view` onto its grid and stores the integers.
 
         **Arguments:**
@@ -55,23 +92,14 @@ class QuantizedTensor(eqx.Module):
         - `grid`: a grid from an [`eqx_quant.AbstractFakeQuantizer`][]'s `grid` method.
         - `shape`: the shape of the tensor (the view may be grouped).
         - `dtype`: the floating dtype that dequantization returns.
+        - `pack`: pack grids of at most 4 bits ([`eqx_quant.pack_bits`][]), as stored weights are; `False` keeps
+            one integer per element, as the integer products take them.
 
         **Returns:**
 
         A [`eqx_quant.nn.QuantizedTensor`][].
         """
-        view, qmin, qmax = grid.view, grid.qmin, grid.qmax
-        levels, scale, zp = grid_levels(grid)
-        rank = len(view.shape)
-        scale = scale.reshape((1,) * (rank - scale.ndim) + scale.shape)
-        zp = None if zp is None else zp.reshape((1,) * (rank - zp.ndim) + zp.shape)
-        bits = packed_width(qmin, qmax)
-        if bits is not None:
-            rows = view.shape[0] if rank else 1
-            values = pack_bits(levels.reshape(rows, -1).astype(jnp.int8), bits)
-        else:
-            values = levels.astype(int_dtype(qmin, qmax))
-        return cls(values, scale, zp, tuple(shape), grid.layout, qmin, qmax, bits, np.dtype(dtype).name)
+        return quantize_grid(grid, shape, dtype, pack=pack)[0]
 
     @property
     def view_shape(self) -> tuple[int, ...]:
@@ -123,3 +151,23 @@ class QuantizedTensor(eqx.Module):
         """Bytes of the integers, scales and zero points."""
         leaves = [self.values, self.scale] + ([] if self.zero_point is None else [self.zero_point])
         return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
+
+
+def quantize_grid(
+    grid: QuantGrid, shape: tuple[int, ...], dtype: np.dtype, *, pack: bool = True
+) -> tuple[QuantizedTensor, Bool[Array, "*view_shape"]]:
+    """The [`eqx_quant.nn.QuantizedTensor`][] of a grid, and where its levels are NaN (no integer holds NaN: the
+    integer products take those positions apart). No gradient flows through either."""
+    view, qmin, qmax = grid.view, grid.qmin, grid.qmax
+    levels, scale, zp = grid_levels(grid)
+    rank = len(view.shape)
+    scale = scale.reshape((1,) * (rank - scale.ndim) + scale.shape)
+    zp = None if zp is None else zp.reshape((1,) * (rank - zp.ndim) + zp.shape)
+    bits = packed_width(qmin, qmax) if pack else None
+    if bits is not None:
+        rows = view.shape[0] if rank else 1
+        values = pack_bits(levels.reshape(rows, -1).astype(jnp.int8), bits)
+    else:
+        values = levels.astype(int_dtype(qmin, qmax))
+    tensor = QuantizedTensor(values, scale, zp, tuple(shape), grid.layout, qmin, qmax, bits, np.dtype(dtype).name)
+    return tensor, jnp.isnan(levels)

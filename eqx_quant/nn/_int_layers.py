@@ -3,8 +3,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._int_ops import int_op, integer_operand, plan
-from .._qtensor import QuantizedTensor
+from .._int_ops import integer_product, plan
+from .._qtensor import QuantizedTensor, quantize_grid
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer
 from ._layers import check_input, scalar_output
 
@@ -20,10 +20,9 @@ def int_forward(layer: "AbstractIntLayer", x: Array, key: PRNGKeyArray | None) -
     spec = plan(float_layer, layer.weight.shape, layer.weight, x_grid)
     if spec is None:
         return layer._float_path(x, key)
-    w_values, _ = layer.weight.shifted()
-    x_int = integer_operand(x_grid)
+    x_int, x_nan = quantize_grid(x_grid, vector.shape, vector.dtype, pack=False)
     bias = float_layer.bias  # pyright: ignore[reportAttributeAccessIssue]
-    y = int_op(spec, w_values, x_int.values, layer.weight.scale, x_int.scale, bias, None, x_int.nan)
+    y = integer_product(spec, layer.weight, x_int, bias, None, x_nan)
     return scalar_output(float_layer, y.astype(layer.weight.dtype))
 
 

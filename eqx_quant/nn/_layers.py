@@ -5,7 +5,8 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._int_ops import integer_forward, integer_operand, plan
+from .._int_ops import integer_forward, plan
+from .._qtensor import quantize_grid
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, apply_grid
 
 
@@ -90,7 +91,9 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
     if spec is None:
         return layer._float_path(x, key)
     wq, xq = apply_grid(w_grid, weight.shape), apply_grid(x_grid, vector.shape)
-    y = integer_forward(spec, wq, xq, float_layer.bias, integer_operand(w_grid), integer_operand(x_grid))  # pyright: ignore
+    w, w_nan = quantize_grid(w_grid, weight.shape, weight.dtype, pack=False)
+    x_int, x_nan = quantize_grid(x_grid, vector.shape, vector.dtype, pack=False)
+    y = integer_forward(spec, wq, xq, float_layer.bias, w, x_int, w_nan, x_nan)  # pyright: ignore[reportArgumentType]
     return scalar_output(float_layer, y.astype(weight.dtype))
 
 
