@@ -19,6 +19,7 @@ from ._packing import (
     unpack_bits as unpack_bits,
     unpack_int4 as unpack_int4,
 )
+from ._qtensor import QuantGrid as QuantGrid
 from ._quantizers import (
     AbstractFakeQuantizer as AbstractFakeQuantizer,
     AbstractQuantizer as AbstractQuantizer,
@@ -26,7 +27,6 @@ from ._quantizers import (
     FakeQuant as FakeQuant,
     LearnedFakeQuant as LearnedFakeQuant,
     PassthroughClip as PassthroughClip,
-    QuantGrid as QuantGrid,
 )
 from ._ranges import int_range as int_range
 from ._transform import dequantize as dequantize, quantize as quantize

@@ -132,8 +132,7 @@ def convert(model: PyTree) -> PyTree:
                 f"Layer {path or '(the model itself)'!r} has a NaN weight entry at index {index}, which no integer "
                 "can store; the fake-quant weight is NaN there. Replace the NaN entries before converting."
             )
-        grid = _whole_tensor(layer.weight_quant).grid(weight)
-        tensor = _sharded_like(QuantizedTensor.from_grid(grid, weight.shape, weight.dtype), weight)
+        tensor = _sharded_like(_whole_tensor(layer.weight_quant).quantize(weight), weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
         if isinstance(layer, QuantEmbedding):
             return IntEmbedding(skeleton, tensor)

@@ -1,6 +1,7 @@
 """A tensor stored as integers on a quantization grid."""
 
 import math
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -8,11 +9,39 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer
 
-from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
+from ._fake_quant import dequantize_levels, fake_quant, prepare_scale, prepare_zero_point, quantize_levels
 from ._layout import Layout
 from ._misc import compute_dtype, expand_to_rank
 from ._packing import PACKED_WIDTHS, pack_bits, unpack_bits
-from ._quantizers import QuantGrid
+
+
+class QuantGrid(NamedTuple):
+    """The integer grid that a fake quantizer puts an input on.
+
+    `fake_quant(view, scale, qmin, qmax, zero_point).reshape(x.shape)` is the quantizer's output for `x`; integer
+    conversion uses the same grid, so that the integers it stores are exactly those of the forward pass.
+
+    **Fields:**
+
+    - `view`: the input, reshaped as the scales need it: `x` itself, or `x.reshape(x.shape[:-1] + (n // g, g))`
+        for groups of `g` along the last axis.
+    - `scale`: the step size, a Python float or a float array that broadcasts against `view`.
+    - `zero_point`: 0, or an integer-valued float array that broadcasts against `view`.
+    - `qmin`, `qmax`: the inclusive integer range.
+    - `layout`: which elements share a scale (see [`eqx_quant.Layout`][]); the view is `layout.view(x)`.
+    """
+
+    view: Array
+    scale: float | Array
+    zero_point: int | Array
+    qmin: int
+    qmax: int
+    layout: Layout = Layout()
+
+
+def apply_grid(grid: QuantGrid, shape: tuple[int, ...]) -> Array:
+    """[`eqx_quant.fake_quant`][] on a grid, reshaped back to the input's `shape`."""
+    return fake_quant(grid.view, grid.scale, grid.qmin, grid.qmax, grid.zero_point).reshape(shape)
 
 
 def int_dtype(lo: int, hi: int) -> np.dtype:

@@ -1,7 +1,7 @@
 import abc
 import math
 from collections.abc import Sequence
-from typing import Literal, NamedTuple
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -10,9 +10,10 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from ._clip import clip_passthrough
-from ._fake_quant import check_range, fake_quant, round_ste, scale_gradient
+from ._fake_quant import check_range, round_ste, scale_gradient
 from ._layout import Layout
 from ._misc import as_float_input, check_int, compute_dtype
+from ._qtensor import QuantGrid, QuantizedTensor, apply_grid
 from ._ranges import int_range
 from ._scales import absmax_scale, check_method, finite_or, least_error_scale, minmax_scale, stats
 
@@ -159,35 +160,6 @@ class AbstractQuantizer(eqx.Module):
         """
 
 
-class QuantGrid(NamedTuple):
-    """The integer grid that a fake quantizer puts an input on.
-
-    `fake_quant(view, scale, qmin, qmax, zero_point).reshape(x.shape)` is the quantizer's output for `x`; integer
-    conversion uses the same grid, so that the integers it stores are exactly those of the forward pass.
-
-    **Fields:**
-
-    - `view`: the input, reshaped as the scales need it: `x` itself, or `x.reshape(x.shape[:-1] + (n // g, g))`
-        for groups of `g` along the last axis.
-    - `scale`: the step size, a Python float or a float array that broadcasts against `view`.
-    - `zero_point`: 0, or an integer-valued float array that broadcasts against `view`.
-    - `qmin`, `qmax`: the inclusive integer range.
-    - `layout`: which elements share a scale (see [`eqx_quant.Layout`][]); the view is `layout.view(x)`.
-    """
-
-    view: Array
-    scale: float | Array
-    zero_point: int | Array
-    qmin: int
-    qmax: int
-    layout: Layout = Layout()
-
-
-def apply_grid(grid: QuantGrid, shape: tuple[int, ...]) -> Array:
-    """[`eqx_quant.fake_quant`][] on a grid, reshaped back to the input's `shape`."""
-    return fake_quant(grid.view, grid.scale, grid.qmin, grid.qmax, grid.zero_point).reshape(shape)
-
-
 class AbstractFakeQuantizer(AbstractQuantizer):
     """Base class of the quantizers that put their input on an integer grid (all but
     [`eqx_quant.PassthroughClip`][]); their output is [`eqx_quant.fake_quant`][] on the grid that `grid` returns.
@@ -203,6 +175,22 @@ class AbstractFakeQuantizer(AbstractQuantizer):
     @abc.abstractmethod
     def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
         """The integer grid for the input `x`: see [`eqx_quant.QuantGrid`][]."""
+
+    def quantize(self, x: Float[Array, "*shape"]) -> QuantizedTensor:
+        """The integers that a call on `x` puts it on, with their scale, zero point, grid and layout: the
+        [`eqx_quant.nn.QuantizedTensor`][] whose `dequantize()` is, bit for bit, this quantizer's output for `x`
+        (grids of at most 4 bits packed at their width). No gradient flows through it.
+
+        **Arguments:**
+
+        - `x`: a floating array.
+
+        **Returns:**
+
+        A [`eqx_quant.nn.QuantizedTensor`][].
+        """
+        _check_float_input(x)
+        return QuantizedTensor.from_grid(self.grid(x), x.shape, x.dtype)
 
     def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:
         """Fake-quantizes `x` on `self.grid(x)`.

@@ -174,3 +174,19 @@ def test_static_per_group_quantizer_saves_and_loads(grouped_models, tmp_path):
     model = eqx_quant.quantize(eqx.nn.Linear(8, 2, key=jax.random.key(0)), activations=None, weights=q)
     eqx_quant.save(path, model)
     assert eqx_quant.load(path, model).weight_quant == q
+
+
+def test_quantize_gives_the_integers_of_the_forward_pass():
+    x = np.asarray(jax.random.normal(jax.random.key(7), (4, 8)), F32)
+    cases = [
+        (DynamicFakeQuant(4, group_size=4), np_absmax_scale(np.abs(grouped(x, 4)).max(axis=-1), 7)[..., None], 4),
+        (DynamicFakeQuant(8, axis=0), np_absmax_scale(np.abs(x).max(axis=1), 127)[:, None], None),
+        (FakeQuant(0.25, -2, 1), np.float32(0.25), None),
+    ]
+    for q, scale, group in cases:
+        tensor = q.quantize(jnp.asarray(x))
+        view = x if group is None else grouped(x, group)
+        expected = np.clip(np.round(view * (F32(1) / scale)), q.qmin, q.qmax)
+        np.testing.assert_array_equal(np.asarray(tensor.levels()), expected)
+        assert tensor.layout == q.layout and (tensor.qmin, tensor.qmax) == (q.qmin, q.qmax)
+        assert_bitwise_equal(tensor.dequantize(), q(jnp.asarray(x)))
