@@ -5,6 +5,15 @@ import pytest
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
+# pytest-xdist (pyproject.toml) hands whole files to its workers in the order collected: the longest files go first,
+# so that none of them is left to run alone at the end.
+_LONGEST_FIRST = ("test_sharding.py", "test_convert.py", "test_docs.py", "test_demo.py", "test_quantizers.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: the rest keep their order
+
 
 @pytest.fixture
 def getkey():

@@ -26,7 +26,8 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
 
 def test_sharded_suite_on_eight_devices():
     result = _run(
-        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "python_files=check_*.py", "tests/sharded"],
+        # `-n 0`: one process for the sharded tests, not pytest-xdist workers (this test's worker waits meanwhile)
+        ["-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "0", "-o", "python_files=check_*.py", "tests/sharded"],
         timeout=600,
     )
     report = result.stdout + result.stderr
