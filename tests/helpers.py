@@ -74,10 +74,29 @@ def assert_bitwise_equal(a, b):
     np.testing.assert_array_equal(bits_of(a), bits_of(b))
 
 
-def tree_allclose(x, y, *, rtol=1e-5, atol=1e-8):
-    leaves_x, tree_x = jax.tree_util.tree_flatten(x)
-    leaves_y, tree_y = jax.tree_util.tree_flatten(y)
-    return tree_x == tree_y and all(
-        jnp.shape(a) == jnp.shape(b) and np.allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
-        for a, b in zip(leaves_x, leaves_y)
-    )
+def assert_trees_equal(a, b):
+    """Asserts equal tree structures, and equal dtypes, shapes and values of every array leaf (other leaves equal)."""
+    leaves_a, tree_a = jax.tree_util.tree_flatten(a)
+    leaves_b, tree_b = jax.tree_util.tree_flatten(b)
+    assert tree_a == tree_b
+    for x, y in zip(leaves_a, leaves_b, strict=True):
+        if isinstance(x, jax.Array):
+            assert isinstance(y, jax.Array) and x.dtype == y.dtype and x.shape == y.shape
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+        else:
+            assert x == y
+
+
+def zeros_like_tree(tree):
+    """`tree` with every array leaf replaced by zeros of its shape and dtype: a skeleton to load into."""
+    return jax.tree.map(lambda a: jnp.zeros_like(a) if isinstance(a, jax.Array) else a, tree)
+
+
+def np_absmax_scale(absmax, qmax):
+    """NumPy twin of the symmetric scale: `absmax / qmax`, stepped up by ulps until `absmax` maps inside the range."""
+    f32 = np.float32
+    absmax = np.asarray(absmax, f32)
+    scale = np.maximum(absmax * f32(1.0 / qmax), np.finfo(f32).tiny)
+    for _ in range(4):
+        scale = np.where(absmax * (f32(1) / scale) > qmax, np.nextafter(scale, f32(np.inf)), scale)
+    return scale.astype(f32)

@@ -31,7 +31,7 @@ from eqx_quant import (
 from eqx_quant._int_ops import ConvSpec, int_conv, safe_contraction
 from eqx_quant.nn import IntConv, IntEmbedding, IntLinear, QuantConv, QuantEmbedding, QuantizedTensor, QuantLinear
 
-from .helpers import assert_bitwise_equal, reference_fake_quant
+from .helpers import assert_bitwise_equal, assert_trees_equal, reference_fake_quant, zeros_like_tree
 
 
 INT32_MAX = 2**31 - 1
@@ -762,22 +762,6 @@ def demo_models(digits):
         fake = demo.calibrated(demo.quantized(model, bits, bits), x_train[:256], bits)
         out[bits] = (fake, convert(fake))
     return model, out
-
-
-def zeros_like_tree(tree):
-    return jax.tree.map(lambda a: jnp.zeros_like(a) if isinstance(a, jax.Array) else a, tree)
-
-
-def assert_trees_equal(a, b):
-    leaves_a, tree_a = jax.tree_util.tree_flatten(a)
-    leaves_b, tree_b = jax.tree_util.tree_flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        if isinstance(x, jax.Array):
-            assert isinstance(y, jax.Array) and x.dtype == y.dtype and x.shape == y.shape
-            np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-        else:
-            assert x == y
 
 
 def test_save_load_round_trip_and_file_sizes(demo_models, tmp_path):

@@ -11,19 +11,10 @@ import eqx_quant
 from eqx_quant import DynamicFakeQuant, FakeQuant, Layout, LearnedFakeQuant
 from eqx_quant._int_ops import LinearSpec, int_linear
 
-from .helpers import assert_bitwise_equal, reference_fake_quant
+from .helpers import assert_bitwise_equal, np_absmax_scale, reference_fake_quant
 
 
 F32 = np.float32
-
-
-def np_absmax_scale(absmax, qmax):
-    """NumPy twin of the symmetric scale: `absmax / qmax`, stepped up by ulps until `absmax` maps inside the range."""
-    absmax = np.asarray(absmax, F32)
-    scale = np.maximum(absmax * F32(1.0 / qmax), np.finfo(F32).tiny)
-    for _ in range(4):
-        scale = np.where(absmax * (F32(1) / scale) > qmax, np.nextafter(scale, F32(np.inf)), scale)
-    return scale.astype(F32)
 
 
 def grouped(x, g):

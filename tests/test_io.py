@@ -15,6 +15,8 @@ import eqx_quant
 from eqx_quant import DynamicFakeQuant
 from eqx_quant.nn import QuantLinear
 
+from .helpers import assert_trees_equal, zeros_like_tree
+
 
 MAGIC = b"EQXQUANT"  # the first 8 bytes of a saved file, then the header length as a little-endian uint64
 
@@ -33,19 +35,6 @@ def converted(quantizer=None, seed: int = 0):
     quantizer = DynamicFakeQuant(4, axis=0) if quantizer is None else quantizer
     layers = [linear(seed), linear(seed + 1, 4, 3)]
     return eqx_quant.convert([QuantLinear(layer, weight_quant=quantizer) for layer in layers])
-
-
-def zeros_like(tree):
-    return jax.tree.map(lambda a: jnp.zeros_like(a) if isinstance(a, jax.Array) else a, tree)
-
-
-def assert_same_arrays(a, b):
-    leaves_a, tree_a = jax.tree.flatten(a)
-    leaves_b, tree_b = jax.tree.flatten(b)
-    assert tree_a == tree_b
-    for x, y in zip(leaves_a, leaves_b, strict=True):
-        assert isinstance(x, jax.Array) and x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def header_end(data: bytes) -> int:
@@ -105,7 +94,7 @@ def test_arrays_cut_short(model, tmp_path):
 def test_more_data_than_like_reads(model, tmp_path):
     path = tmp_path / "model.eqx"
     eqx_quant.save(path, model)
-    assert_same_arrays(eqx_quant.load(path, zeros_like(model)), model)
+    assert_trees_equal(eqx_quant.load(path, zeros_like_tree(model)), model)
     longer = tmp_path / "longer.eqx"
     longer.write_bytes(path.read_bytes() + b"\0")
     with pytest.raises(ValueError, match="holds more data than `like` reads"):
@@ -137,7 +126,7 @@ def test_another_grid_is_refused(saved, like, field, saved_value, like_value, tm
     expected = rf"The quantized tensor at '0.weight' has `{field}`={saved_value!r} in '{str(path)}' but {like_value!r}"
     with pytest.raises(ValueError, match=expected.replace("[", r"\[")):
         eqx_quant.load(path, converted(like, seed=5))
-    assert_same_arrays(eqx_quant.load(path, converted(saved, seed=5)), converted(saved))
+    assert_trees_equal(eqx_quant.load(path, converted(saved, seed=5)), converted(saved))
 
 
 def test_quantized_tensors_elsewhere_are_refused(model, tmp_path):
@@ -154,7 +143,7 @@ def test_version_1_files(model, tmp_path):
     header = json.dumps({"format": "eqx_quant", "version": 1, "static_quantizers": {}}).encode()
     path = tmp_path / "v1.eqx"
     path.write_bytes(MAGIC + struct.pack("<Q", len(header)) + header + leaves.getvalue())
-    assert_same_arrays(eqx_quant.load(path, zeros_like(model)), model)
+    assert_trees_equal(eqx_quant.load(path, zeros_like_tree(model)), model)
     with pytest.raises(ValueError, match=r"format version 1, .* 2- or 3-bit weights at \['0.weight', '1.weight'\]"):
         eqx_quant.load(path, converted(DynamicFakeQuant(2, axis=0)))
 
@@ -189,14 +178,14 @@ def test_failing_save_keeps_the_old_file(model, tmp_path, monkeypatch):
             eqx_quant.save(tmp_path / "new.eqx", model)
     assert path.read_bytes() == old
     assert os.listdir(tmp_path) == ["model.eqx"]
-    assert_same_arrays(eqx_quant.load(path, zeros_like(model)), model)
+    assert_trees_equal(eqx_quant.load(path, zeros_like_tree(model)), model)
 
 
 def test_save_replaces_the_file_with_the_usual_permissions(model, tmp_path):
     path = tmp_path / "model.eqx"
     eqx_quant.save(path, converted(seed=9))
     eqx_quant.save(path, model)
-    assert_same_arrays(eqx_quant.load(path, zeros_like(model)), model)
+    assert_trees_equal(eqx_quant.load(path, zeros_like_tree(model)), model)
     plain = tmp_path / "plain"
     with open(plain, "wb"):
         pass
@@ -222,6 +211,6 @@ def test_colliding_paths_are_refused(tmp_path):
     # A dotted key that names nothing else is fine.
     dotted = {"a.b": lin_a, "c": lin_b}
     eqx_quant.save(path, dotted)
-    assert_same_arrays(eqx_quant.load(path, zeros_like(dotted)), dotted)
+    assert_trees_equal(eqx_quant.load(path, zeros_like_tree(dotted)), dotted)
     with pytest.raises(ValueError, match="`like` has two"):
         eqx_quant.load(path, colliding)

@@ -15,7 +15,7 @@ import eqx_quant
 from eqx_quant import DynamicFakeQuant, pack_bits, pack_int4, unpack_bits, unpack_int4
 from eqx_quant.nn import IntEmbedding, IntLinear
 
-from .helpers import assert_bitwise_equal
+from .helpers import assert_bitwise_equal, assert_trees_equal, zeros_like_tree
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -232,17 +232,7 @@ def test_converted_model_stores_weights_at_their_width(bits, tmp_path):
 
         path = tmp_path / f"w{bits}{'s' if signed else 'u'}.eqx"
         eqx_quant.save(path, converted)
-        like = jax.tree.map(lambda a: jnp.zeros_like(a) if isinstance(a, jax.Array) else a, converted)
-        loaded = eqx_quant.load(path, like)
-        leaves, treedef = jax.tree.flatten(loaded)
-        expected, expected_treedef = jax.tree.flatten(converted)
-        assert treedef == expected_treedef
-        for a, b in zip(leaves, expected, strict=True):
-            if isinstance(b, jax.Array):
-                assert isinstance(a, jax.Array) and a.dtype == b.dtype and a.shape == b.shape
-                np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-            else:
-                assert a is b
+        assert_trees_equal(eqx_quant.load(path, zeros_like_tree(converted)), converted)
 
 
 def test_narrower_weights_make_smaller_files(tmp_path):

@@ -21,7 +21,7 @@ from eqx_quant import (
     int_range,
 )
 
-from .helpers import assert_bitwise_equal, reference_fake_quant, sum_to_shape
+from .helpers import assert_bitwise_equal, np_absmax_scale, reference_fake_quant, sum_to_shape
 
 
 _TINY = np.finfo(np.float32).tiny
@@ -92,15 +92,6 @@ def _inside(x, scale, zero_point, qmin, qmax):
     v = _f32(x) * (np.float32(1) / _f32(scale))
     z = np.asarray(zero_point, np.float64)
     return (v >= qmin - z) & (v <= qmax - z)
-
-
-def _np_absmax_scale(absmax, qmax):
-    """NumPy twin of the symmetric scale: `absmax / qmax`, nudged up by ulps until `absmax` maps inside the range."""
-    absmax = _f32(absmax)
-    scale = np.maximum(absmax * np.float32(1.0 / qmax), np.float32(_TINY))
-    for _ in range(4):
-        scale = np.where(absmax * (np.float32(1) / scale) > qmax, np.nextafter(scale, np.float32(np.inf)), scale)
-    return _f32(scale)
 
 
 def _mse(x, scale, qmin, qmax, zero_point=0):
@@ -409,7 +400,7 @@ def _brute_force_mse(x, qmin, qmax, num_candidates):
     """Every candidate scale, `max|x| * k / n` turned into a scale like absmax, and its MSE on `x`."""
     absmax = np.max(np.abs(x))
     fractions = np.arange(1, num_candidates + 1, dtype=np.float32) / np.float32(num_candidates)
-    scales = [_np_absmax_scale(absmax * f, qmax) for f in fractions]
+    scales = [np_absmax_scale(absmax * f, qmax) for f in fractions]
     return np.asarray(scales), np.array([_mse(x, s, qmin, qmax) for s in scales])
 
 
