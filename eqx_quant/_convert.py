@@ -75,8 +75,8 @@ def convert(model: PyTree) -> PyTree:
 
     Input quantizers are kept; a per-tensor [`eqx_quant.LearnedFakeQuant`][] is frozen into a static
     [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers whose input quantizer has one scale for the
-    whole input (static, or a per-tensor dynamic one) and whose weight has one scale per tensor or per output channel
-    then compute on integers (see [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without a
+    whole input (static, or a per-tensor dynamic one) and whose weight has one scale per tensor, per output channel
+    or (linear layers) per group along the contraction then compute on integers (see [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without a
     weight quantizer becomes its float layer. All other leaves are kept as they are (shardings included).
 
     **Sharding.** The integers, scales and zero points of a weight with a `NamedSharding` are sharded like it: the

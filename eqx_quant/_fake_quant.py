@@ -56,8 +56,14 @@ def in_range(v: Array, zero_point: Array | None, qmin: int, qmax: int) -> Array:
     gradients, and what scale fitting checks. It compares `v` with the exact integers `qmin - zero_point` and
     `qmax - zero_point`: a sum `v + zero_point` would be contracted into a fused multiply-add under `jit` only, and
     round differently there. False for NaN."""
-    zp = 0 if zero_point is None else expand_to_rank(zero_point, v.ndim)
-    return (v >= qmin - zp) & (v <= qmax - zp)
+    low, high = _shifted_grid(zero_point, qmin, qmax, v.ndim)
+    return (v >= low) & (v <= high)
+
+
+def _shifted_grid(zero_point: Array | None, qmin: int, qmax: int, ndim: int) -> tuple:
+    """`(qmin - zero_point, qmax - zero_point)`, the zero point expanded to rank `ndim` (`None` is 0)."""
+    zp = 0 if zero_point is None else expand_to_rank(zero_point, ndim)
+    return qmin - zp, qmax - zp
 
 
 def _fake_quant_impl(x, scale, zero_point, qmin, qmax):
@@ -75,8 +81,7 @@ def _fake_quant_fwd(x, scale, zero_point, qmin, qmax):
 def _fake_quant_bwd(qmin, qmax, residuals, g):
     x, scale, zero_point = residuals
     v = scaled(x, scale)
-    zp = 0 if zero_point is None else expand_to_rank(zero_point, x.ndim)
-    low, high = qmin - zp, qmax - zp
+    low, high = _shifted_grid(zero_point, qmin, qmax, x.ndim)
     below = v < low
     above = v > high
     inside = in_range(v, zero_point, qmin, qmax)  # False for NaN, like `below` and `above`

@@ -18,7 +18,7 @@ from jaxtyping import Array
 from ._fake_quant import dequantize_levels
 from ._layout import Layout
 from ._misc import compute_dtype, vary_alike
-from ._qtensor import QuantizedTensor, shifted_range
+from ._qtensor import QuantizedTensor, shifted_bound
 
 
 INT32_MAX = 2**31 - 1
@@ -71,8 +71,7 @@ class _Grid(Protocol):
 def _bound(grid: _Grid) -> int:
     """A static bound on `|level - zero_point|` for the operand's grid."""
     has_zero_point = not (grid.zero_point is None or isinstance(grid.zero_point, int) and grid.zero_point == 0)
-    lo, hi = shifted_range(grid.qmin, grid.qmax, has_zero_point)
-    return max(-lo, hi)
+    return shifted_bound(grid.qmin, grid.qmax, has_zero_point)
 
 
 def plan(layer: eqx.Module, weight_shape: tuple[int, ...], w: _Grid, x: _Grid) -> LinearSpec | ConvSpec | None:
@@ -86,7 +85,8 @@ def plan(layer: eqx.Module, weight_shape: tuple[int, ...], w: _Grid, x: _Grid) -
     """
     if not x.layout.is_per_tensor() or x.layout.stacked:
         return None
-    chunk = safe_contraction(_bound(w), _bound(x))
+    w_bound, x_bound = _bound(w), _bound(x)
+    chunk = safe_contraction(w_bound, x_bound)
     if chunk < 1 or w.layout.stacked:
         return None
     channels = w.layout.channel_axes(weight_shape)
@@ -101,8 +101,7 @@ def plan(layer: eqx.Module, weight_shape: tuple[int, ...], w: _Grid, x: _Grid) -
         if math.prod(weight_shape[1:]) > chunk:
             return None
         padding = layer.padding if isinstance(layer.padding, str) else tuple(tuple(p) for p in layer.padding)
-        product_bound = _bound(w) * _bound(x)
-        return ConvSpec(tuple(layer.stride), padding, tuple(layer.dilation), layer.groups, product_bound)
+        return ConvSpec(tuple(layer.stride), padding, tuple(layer.dilation), layer.groups, w_bound * x_bound)
     return None
 
 

@@ -58,6 +58,12 @@ def shifted_range(qmin: int, qmax: int, has_zero_point: bool) -> tuple[int, int]
     return (qmin - qmax, qmax - qmin) if has_zero_point else (qmin, qmax)
 
 
+def shifted_bound(qmin: int, qmax: int, has_zero_point: bool) -> int:
+    """A bound on `|level - zero_point|`: what the int32 bound of the integer products multiplies."""
+    lo, hi = shifted_range(qmin, qmax, has_zero_point)
+    return max(-lo, hi)
+
+
 def grid_levels(grid: QuantGrid) -> tuple[Array, Array, Array | None]:
     """`(levels, scale, zero_point)` of a grid, computed exactly as [`eqx_quant.fake_quant`][] computes them (the
     levels as floats of the compute dtype; the zero point `None` when it is 0). No gradient flows through them."""
@@ -75,7 +81,7 @@ def shift_levels(levels: Array, zero_point: Array | None, qmin: int, qmax: int) 
     if zero_point is not None:
         levels = levels.astype(zero_point.dtype) - expand_to_rank(zero_point, levels.ndim)
     lo, hi = shifted_range(qmin, qmax, zero_point is not None)
-    return levels.astype(int_dtype(lo, hi)), max(-lo, hi)
+    return levels.astype(int_dtype(lo, hi)), shifted_bound(qmin, qmax, zero_point is not None)
 
 
 def packed_width(qmin: int, qmax: int) -> int | None:

@@ -181,3 +181,18 @@ def test_quantize_gives_the_integers_of_the_forward_pass():
         np.testing.assert_array_equal(np.asarray(tensor.levels()), expected)
         assert tensor.layout == q.layout and (tensor.qmin, tensor.qmax) == (q.qmin, q.qmax)
         assert_bitwise_equal(tensor.dequantize(), q(jnp.asarray(x)))
+
+
+@pytest.mark.parametrize("padding", ["SAME", "VALID", "SAME_LOWER"])
+def test_string_padding_runs_the_integer_convolution(padding):
+    conv = eqx.nn.Conv2d(3, 4, 3, stride=2, padding=padding, key=jax.random.key(8))
+    model = eqx_quant.quantize(conv)
+    converted = eqx_quant.convert(model)
+    x = jax.random.normal(jax.random.key(9), (3, 7, 7))
+    assert "preferred_element_type=int32" in str(jax.make_jaxpr(model)(x))
+    y = model(x)
+    assert y.shape == conv(x).shape
+    assert_bitwise_equal(converted(x), y)
+    # The float convolution of the same fake-quantized operands: only float rounding apart.
+    as_float = eqx_quant.quantize(conv, matmul="float")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(as_float(x)), rtol=1e-5, atol=1e-5)

@@ -1,19 +1,18 @@
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_product, plan
 from .._qtensor import QuantizedTensor, quantize_grid
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer
-from ._layers import check_input, scalar_output
+from ._layers import as_vector, check_input, scalar_output
 
 
 def int_forward(layer: "AbstractIntLayer", x: Array, key: PRNGKeyArray | None) -> Array:
     """The forward pass of a converted `Linear` or `Conv` (`x` one example, checked): the integer computation where
     the same decision as the quantized layer's allows it, else the float layer on the dequantized weight."""
     float_layer = layer.layer
-    vector = jnp.broadcast_to(x, (1,)) if getattr(float_layer, "in_features", None) == "scalar" else x
+    vector = as_vector(float_layer, x)
     if not isinstance(layer.input_quant, AbstractFakeQuantizer):
         return layer._float_path(x, key)
     x_grid = layer.input_quant.grid(vector)
@@ -57,8 +56,9 @@ class IntLinear(AbstractIntLayer):
     tensor or per output channel, a call quantizes the input to integers, multiplies the weight's and the input's
     integers minus their zero points with `jax.lax.dot_general(..., preferred_element_type=jnp.int32)`, adds the
     bias in the accumulator's units and rescales once, `y = (acc + bias / s) * s` with `s = scale_w * scale_x`: the
-    same computation as [`eqx_quant.nn.QuantLinear`][]'s integer forward, bit for bit. Otherwise (grouped weights,
-    per-channel inputs) it runs the dequantized weight in floating point, as the quantized layer does.
+    same computation as [`eqx_quant.nn.QuantLinear`][]'s integer forward, bit for bit. A weight with one scale per
+    group along the contraction runs on integers too (each group's int32 sum scaled by its group's scale). Otherwise
+    (per-channel inputs, say) it runs the dequantized weight in floating point, as the quantized layer does.
 
     **Overflow.** The int32 accumulator is exact while `K * max|w - zw| * max|x - zx| <= 2**31 - 1` for a
     contraction of length `K`: `K <= 131071` for int8 weights and inputs. Longer contractions are split into chunks

@@ -81,7 +81,7 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
     `plan` allows it (and `matmul="int"`), else the float layer on the fake-quantized operands."""
     float_layer = layer.layer
     weight = float_layer.weight  # pyright: ignore[reportAttributeAccessIssue]
-    vector = jnp.broadcast_to(x, (1,)) if getattr(float_layer, "in_features", None) == "scalar" else x
+    vector = as_vector(float_layer, x)
     quantizers = (layer.weight_quant, layer.input_quant)
     if layer.matmul == "float" or not all(isinstance(q, AbstractFakeQuantizer) for q in quantizers):  # pyright: ignore
         return layer._float_path(x, key)
@@ -109,8 +109,10 @@ class QuantLinear(AbstractQuantLayer):
     It differs from the float product `fake_quant(W) @ fake_quant(x) + b` only by that product's rounding errors,
     which the exact integer sum does not make. The backward pass is that of the fake-quant formulation
     `y = fake_quant(W) @ fake_quant(x) + b`: the float product's gradients, through the quantizers'
-    straight-through estimators (and learned-scale gradients). Otherwise, or with `matmul="float"`, the forward is
-    that float product.
+    straight-through estimators (and learned-scale gradients). A weight with one scale per group along the
+    contraction (`group_size`) runs on integers as well: each group's int32 sum is scaled by its group's scale, the
+    scaled sums are added in float32, and the bias joins in the input scale's units. Otherwise, or with
+    `matmul="float"`, the forward is that float product.
 
     !!! example
 
@@ -165,6 +167,11 @@ class QuantLinear(AbstractQuantLayer):
         with jax.named_scope("eqx_quant.QuantLinear"):
             check_input(self.layer, x)
             return quant_forward(self, x, key)
+
+
+def as_vector(layer: eqx.Module, x: Array) -> Array:
+    """The input as the integer products take it: a scalar input of a layer with `in_features="scalar"` as `(1,)`."""
+    return jnp.broadcast_to(x, (1,)) if getattr(layer, "in_features", None) == "scalar" else x
 
 
 def scalar_output(layer: eqx.Module, y: Array) -> Array:
