@@ -19,7 +19,6 @@ from ._packing import (
     unpack_bits as unpack_bits,
     unpack_int4 as unpack_int4,
 )
-from ._qtensor import QuantGrid as QuantGrid
 from ._quantizers import (
     AbstractFakeQuantizer as AbstractFakeQuantizer,
     AbstractQuantizer as AbstractQuantizer,

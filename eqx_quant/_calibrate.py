@@ -2,6 +2,8 @@
 the folding of per-batch statistics."""
 
 import functools
+import math
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
@@ -9,101 +11,138 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import io_callback
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._misc import check_int
-from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._scales import (
     absmax_scale,
     check_method,
     finite_or,
     histogram_centres,
+    histogram_edges,
     least_error_scale,
     minmax_scale,
-    percentile_of_histogram,
+    percentile_threshold,
     stats,
 )
 from ._tree import map_nodes, nodes
-from .nn._layers import AbstractQuantLayer
+from .nn._layers import AbstractQuantLayer, per_layer, stack_depth
 
 
 class _Recording:
-    """The statistics that observers report during one traced forward pass, and the per-layer inputs they need."""
+    """The statistics that observers report while the calibration step runs: by layer path, by position in the
+    layer's stack (0 for a layer that is not stacked), folded over every call."""
 
-    def __init__(self, inputs: dict[str, Array] | None):
-        self.inputs = inputs
-        self.records: dict[str, Any] = {}
+    def __init__(self):
+        self.totals: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+        self.lock = threading.Lock()
 
-
-_active: list[_Recording] = []  # the recordings of the calibration traces in progress; empty outside `calibrate`
-
-
-class _Observer(AbstractQuantizer):
-    """Stands in for an input quantizer during calibration: passes `x` through and reports a statistic of it."""
-
-    path: str = eqx.field(static=True)
-    statistic: Callable[[Array, Array | None], dict[str, Array]] = eqx.field(static=True)
-
-    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
-        del key
-        if not _active:
-            raise RuntimeError("A calibration observer was called outside `eqx_quant.calibrate`.")
-        recording = _active[-1]
-        if self.path in recording.records:
-            raise ValueError(
-                f"Layer {self.path!r} was called more than once in one forward pass; `calibrate` needs each layer "
-                "to be called once per example."
-            )
-        inputs = None if recording.inputs is None else recording.inputs[self.path]
-        recording.records[self.path] = self.statistic(x, inputs)
-        return x
+    def add(self, path: str, index: Any, record: dict[str, Any]) -> None:
+        with self.lock:
+            layers = self.totals.setdefault(path, {})
+            index = int(index)
+            if index in layers:
+                layers[index] = {name: np.asarray(_HOST_FOLDS[name](layers[index][name], v)) for name, v in record.items()}
+            else:
+                layers[index] = {name: np.asarray(v) for name, v in record.items()}
 
 
-def _tensor_stats(x: Array, inputs: None) -> dict[str, Array]:
-    del inputs
+_active: list[_Recording] = []  # the recording of the calibration step in progress; empty outside of one
+_HOST_FOLDS = {"absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add}
+_TINY = float(np.finfo(np.float32).tiny)
+_REDUCTIONS = {"absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum}
+
+
+def _report(path: str, index: Any, record: dict[str, Any]) -> None:
+    if not _active:
+        raise RuntimeError("A calibration observer ran outside `eqx_quant.calibrate`.")
+    _active[-1].add(path, index, record)
+
+
+@functools.cache
+def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
+    """`_tap` for one layer: a function of arrays only, as `custom_vmap` needs."""
+
+    @jax.custom_batching.custom_vmap
+    def tap(index: Array, record: dict[str, Array]) -> Array:
+        io_callback(functools.partial(_report, path), None, index, record, ordered=False)
+        return index
+
+    @tap.def_vmap
+    def tap_batched(axis_size: int, in_batched: list, index: Array, record: dict[str, Array]):
+        index_batched, record_batched = in_batched
+        if not index_batched:  # one layer: reduce over the mapped axis, then report once
+            record = {
+                name: _REDUCTIONS[name](v, axis=0) if record_batched[name] else v for name, v in record.items()
+            }
+            return tap(index, record), False
+        # Several layers along the mapped axis (a model that maps a stack of layers with `vmap`): one at a time.
+        record = {
+            name: v if record_batched[name] else jnp.broadcast_to(v, (axis_size,) + v.shape)
+            for name, v in record.items()
+        }
+        return jax.lax.map(lambda args: tap(*args), (index, record)), True
+
+    return tap
+
+
+def _tensor_stats(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
+    del top, num_bins
     absmax, lo, hi = stats(x, tuple(range(jnp.ndim(x))))
     return {"absmax": absmax.reshape(()), "min": lo.reshape(()), "max": hi.reshape(())}
 
 
-@functools.cache  # one function per bin count, so that calibration steps compile once
-def _histogram(num_bins: int) -> Callable[[Array, Array | None], dict[str, Array]]:
-    def histogram(x: Array, top: Array | None) -> dict[str, Array]:
-        """Counts of the finite |x| in `num_bins` equal bins over `[0, top]` (values above `top` go to the last)."""
-        assert top is not None
-        x = jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32)).ravel()
-        finite = jnp.isfinite(x)
-        width = jnp.maximum(top, jnp.finfo(jnp.float32).tiny) / num_bins
-        index = jnp.clip(jnp.floor(finite_or(x, 0.0) / width), 0, num_bins - 1).astype(jnp.int32)
-        return {"hist": jnp.zeros(num_bins, jnp.float32).at[index].add(finite.astype(jnp.float32))}
-
-    return histogram
+def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
+    """Counts of the finite |x| in `num_bins` equal bins over `[0, top]` (values above `top` go to the last)."""
+    assert top is not None
+    x = jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32)).ravel()
+    finite = jnp.isfinite(x)
+    width = jnp.maximum(top, jnp.finfo(jnp.float32).tiny) / num_bins
+    index = jnp.clip(jnp.floor(finite_or(x, 0.0) / width), 0, num_bins - 1).astype(jnp.int32)
+    return {"hist": jnp.zeros(num_bins, jnp.float32).at[index].add(finite.astype(jnp.float32))}
 
 
-_REDUCTIONS = {"absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum}
+def _gram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
+    """`x xᵀ` of one input vector (finite entries; others as 0), in float32: summed, the Hessian of GPTQ."""
+    del top, num_bins
+    x = finite_or(jax.lax.stop_gradient(x).astype(jnp.float32).ravel(), 0.0)
+    return {"gram": jnp.outer(x, x)}
+
+
+_STATISTICS = {"stats": _tensor_stats, "hist": _histogram, "gram": _gram}
+
+
+class _Observer(AbstractQuantizer):
+    """Stands in for an input quantizer during calibration: passes `x` through and reports a statistic of it.
+
+    `index` is the layer's position in its stack and `top` the histogram range of that layer: arrays with the stack's
+    shape, so that a `jax.lax.scan` over stacked layers hands each step its own.
+    """
+
+    index: Array
+    top: Array | None
+    path: str = eqx.field(static=True)
+    statistic: str = eqx.field(static=True)
+    num_bins: int = eqx.field(static=True)
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        del key
+        if self.index.ndim:
+            raise ValueError(
+                f"The stacked layer {self.path!r} was called on the whole stack at once; `calibrate` observes stacked "
+                "layers called one layer at a time (inside `jax.lax.scan`, or a `jax.vmap` over the layers)."
+            )
+        record = _STATISTICS[self.statistic](x, self.top, self.num_bins)
+        _tap_for(self.path)(self.index, record)
+        return x
 
 
 @eqx.filter_jit
-def _calibration_step(observed: PyTree, batch: PyTree, batched: bool, inputs: dict[str, Array] | None) -> dict:
-    """Runs the observed model on one batch and returns the per-layer statistics of the batch.
-
-    `inputs` (the histogram range of each layer) is an argument, so that one compilation serves every batch.
-    """
-
-    def run(example):
-        recording = _Recording(inputs)
-        _active.append(recording)
-        try:
-            observed(example)
-        finally:
-            _active.pop()
-        return recording.records
-
-    if batched:
-        return run(batch)
-    records = jax.vmap(run)(batch)
-    return {
-        path: {name: _REDUCTIONS[name](v, axis=0) for name, v in record.items()} for path, record in records.items()
-    }
+def _calibration_step(observed: PyTree, batch: PyTree, batched: bool) -> PyTree:
+    """Runs the observed model on one batch; the observers report to the host as it runs."""
+    return observed(batch) if batched else jax.vmap(observed)(batch)
 
 
 def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer]]:
@@ -111,15 +150,58 @@ def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer]]:
     return [(path, layer) for path, layer in layers if isinstance(layer.input_quant, (DynamicFakeQuant, FakeQuant))]
 
 
-def _observe(model: PyTree, statistic: Callable[[Array, Array | None], dict[str, Array]]) -> PyTree:
-    paths = {path for path, _ in _calibration_targets(model)}
+def layer_stack(layer: AbstractQuantLayer) -> tuple[int, ...]:
+    """The shape of the stack a quantized layer belongs to: `()` for a single layer, `(layers,)` for layers built
+    with `eqx.filter_vmap`."""
+    weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+    return tuple(weight.shape[: stack_depth(layer.layer, weight.shape)])
+
+
+def observe(
+    model: PyTree, targets: list[tuple[str, AbstractQuantLayer]], statistic: str, tops=None, num_bins: int = 0
+) -> PyTree:
+    """`model` with the input quantizer of each target layer replaced by an observer of `statistic`."""
+    chosen = dict(targets)
 
     def swap(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
-        if path not in paths:
+        if path not in chosen:
             return layer
-        return eqx.tree_at(lambda l: l.input_quant, layer, _Observer(path, statistic))
+        stack = layer_stack(layer)
+        index = jnp.arange(math.prod(stack), dtype=jnp.int32).reshape(stack)
+        top = None if tops is None else jnp.asarray(tops[path], jnp.float32).reshape(stack)
+        observer = _Observer(index, top, path, statistic, num_bins)
+        return eqx.tree_at(lambda l: l.input_quant, layer, observer, is_leaf=lambda x: x is None)
 
     return map_nodes(model, (AbstractQuantLayer,), swap)
+
+
+def fold(model, targets, batches, batched, statistic, tops=None, num_bins=0) -> dict[str, list[dict[str, Any]]]:
+    """Runs the observed model over all batches: per target layer, the statistics folded over every call, one
+    record per layer of its stack (in stack order, flattened)."""
+    observed = observe(model, targets, statistic, tops, num_bins)
+    recording = _Recording()
+    seen = False
+    for batch in batches:
+        seen = True
+        _active.append(recording)
+        try:
+            jax.block_until_ready(_calibration_step(observed, batch, batched))
+            jax.effects_barrier()
+        finally:
+            _active.pop()
+    if not seen:
+        raise ValueError("`batches` is empty: calibration needs at least one batch.")
+    results = {}
+    for path, layer in targets:
+        size = math.prod(layer_stack(layer))
+        layers = recording.totals.get(path, {})
+        if not layers:
+            continue  # never called
+        missing = [i for i in range(size) if i not in layers]
+        if missing:
+            raise ValueError(f"Layers {missing} of the stacked layer {path!r} were never called during calibration.")
+        results[path] = [layers[i] for i in range(size)]
+    return results
 
 
 def calibrate(
@@ -140,14 +222,22 @@ def calibrate(
     layers, other quantizers and all weights are unchanged.
 
     The model runs once per batch (twice for `"percentile"` and `"mse"`) in a jit-compiled step, with its weight
-    quantizers active and its input quantizers replaced by observers. Each step returns the statistics of that batch
-    as a PyTree (per layer: absolute maximum, minimum and maximum, or a histogram of `|x|` with `num_bins` bins),
-    which are folded into running statistics; memory does not grow with the number of batches.
+    quantizers active and its input quantizers replaced by observers. The observers send the statistics of what they
+    see (absolute maximum, minimum and maximum, or a histogram of `|x|` with `num_bins` bins) to the host as the step
+    runs, reduced on the device over any `jax.vmap` around them, so that the host folds one small record per layer
+    and batch; memory does not grow with the number of batches. Layers called inside the model's own `jax.vmap`
+    (over tokens, say) or `jax.lax.scan` (over a stack of layers) are observed like any other; a layer called
+    several times per example gets the statistics of all its inputs.
+
+    **Stacked layers.** A layer built with `eqx.filter_vmap` (weights of shape `(layers, ...)`) and run with
+    `jax.lax.scan` gets statistics and a scale per layer of the stack. Static configuration cannot vary along a
+    scan, so its calibrated quantizer holds them as arrays: a [`eqx_quant.LearnedFakeQuant`][] per tensor, one
+    entry per layer, whose forward pass is exactly that of the [`eqx_quant.FakeQuant`][] with the same scale (and
+    which QAT can go on training; leave it out of the optimizer to keep it fixed).
 
     **Arguments:**
 
-    - `model`: a model from [`eqx_quant.quantize`][]. Each calibrated layer must be called once per example, and
-        not inside a `jax.vmap` or `jax.lax.scan` of the model's own (such layers cannot be observed: `ValueError`).
+    - `model`: a model from [`eqx_quant.quantize`][].
     - `batches`: an iterable of inputs, each with a leading batch axis (a PyTree of arrays is passed to the model as
         it is). `"percentile"` and `"mse"` read it twice, so it must be re-iterable (a list, not a generator).
     - `method`: `"absmax"` (symmetric, `max|x|`), `"minmax"` (asymmetric with an integer zero point),
@@ -189,10 +279,30 @@ def calibrate(
     if two_passes and iter(batches) is batches:
         raise TypeError(f"`batches` must be re-iterable for method={method!r} (it is read twice), got an iterator.")
 
-    totals = _fold(model, batches, _tensor_stats, batched, None)
+    totals = fold(model, targets, batches, batched, "stats")
     if two_passes:
-        tops = {path: totals[path]["absmax"] for path in totals}
-        counts = _fold(model, batches, _histogram(num_bins), batched, tops)
+        tops = {path: np.array([record["absmax"] for record in records]) for path, records in totals.items()}
+        observed = [(path, layer) for path, layer in targets if path in totals]
+        counts = fold(model, observed, batches, batched, "hist", tops, num_bins)
+
+    def fit(t: dict[str, np.ndarray], hist: np.ndarray | None, qmin: int, qmax: int) -> tuple[float, int]:
+        """The scale and zero point of one layer from its statistics."""
+        if method == "absmax":
+            return float(absmax_scale(jnp.asarray(t["absmax"]), qmin, qmax)), 0
+        if method == "minmax":
+            scale, zero_point = minmax_scale(jnp.asarray(t["min"]), jnp.asarray(t["max"]), qmin, qmax)
+            return float(scale), int(zero_point)
+        assert hist is not None
+        if method == "percentile":
+            threshold = percentile_threshold(histogram_edges(hist.size, float(t["absmax"])), hist, percentile)
+            return float(absmax_scale(jnp.asarray(threshold, jnp.float32), qmin, qmax)), 0
+        # The histogram is of |x|: its centres stand for magnitudes on the side of the grid that the symmetric
+        # scale spans (the negative side of a grid such as [-8, 0]).
+        side = 1.0 if qmax > 0 else -1.0
+        centres = jnp.asarray(side * histogram_centres(num_bins, float(t["absmax"])))
+        weights = jnp.asarray(hist, jnp.float32)
+        absmax = jnp.asarray(t["absmax"], jnp.float32).reshape(1)
+        return float(least_error_scale(centres, weights, absmax, (0,), qmin, qmax, num_candidates)[0]), 0
 
     def replace(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
         if path not in totals:
@@ -203,51 +313,20 @@ def calibrate(
                 f"`method`={method!r} fits a symmetric scale with zero point 0, which the input grid [{qmin}, {qmax}] "
                 f"of layer {path!r} does not hold; use method='minmax'."
             )
-        t = totals[path]
-        zero_point = 0
-        if method == "absmax":
-            scale = absmax_scale(t["absmax"], qmin, qmax)
-        elif method == "minmax":
-            scale, zp = minmax_scale(t["min"], t["max"], qmin, qmax)
-            zero_point = int(zp)
-        elif method == "percentile":
-            threshold = percentile_of_histogram(np.asarray(counts[path]["hist"]), float(t["absmax"]), percentile)
-            scale = absmax_scale(jnp.asarray(threshold, jnp.float32), qmin, qmax)
+        fits = [fit(t, counts[path][i]["hist"] if two_passes else None, qmin, qmax) for i, t in enumerate(totals[path])]
+        stack = layer_stack(layer)
+        if not stack:
+            quantizer = FakeQuant(fits[0][0], qmin, qmax, zero_point=fits[0][1])
         else:
-            # The histogram is of |x|: its centres stand for magnitudes on the side of the grid that the symmetric
-            # scale spans (the negative side of a grid such as [-8, 0]).
-            side = 1.0 if qmax > 0 else -1.0
-            centres = side * histogram_centres(num_bins, float(t["absmax"]))
-            weights = jnp.asarray(counts[path]["hist"], jnp.float32)
-            scale = least_error_scale(jnp.asarray(centres), weights, t["absmax"], (0,), qmin, qmax, num_candidates)[0]
-        return eqx.tree_at(lambda l: l.input_quant, layer, FakeQuant(float(scale), qmin, qmax, zero_point=zero_point))
+            # Static configuration cannot vary along a scan: one array entry per layer of the stack instead.
+            scales = jnp.asarray([scale for scale, _ in fits], jnp.float32).reshape(stack)
+            zero_points = None
+            if method == "minmax":
+                zero_points = jnp.asarray([zp for _, zp in fits], jnp.float32).reshape(stack)
+            make = lambda s, z: LearnedFakeQuant(s, qmin, qmax, zero_point=z, min_scale=_TINY)  # noqa: E731
+            quantizer = per_layer(make, len(stack))(scales, zero_points)
+        return eqx.tree_at(lambda l: l.input_quant, layer, quantizer)
 
     return map_nodes(model, (AbstractQuantLayer,), replace)
 
 
-def _fold(model, batches, statistic, batched, inputs) -> dict[str, dict[str, Array]]:
-    """Runs the calibration step over all batches and folds the per-batch statistics into running ones."""
-    observed = _observe(model, statistic)
-    totals: dict[str, dict[str, Array]] | None = None
-    for batch in batches:
-        try:
-            step = _calibration_step(observed, batch, batched, inputs)
-        except jax.errors.UnexpectedTracerError as e:
-            raise ValueError(
-                "`calibrate` observes each quantized layer's input in one forward pass per example, and cannot see "
-                "layers that the model calls inside its own `jax.vmap` or `jax.lax.scan`. Pass the per-example "
-                "model with `batched=False` instead."
-            ) from e
-        if totals is None:
-            totals = step
-        else:
-            totals = {
-                path: {name: _FOLDS[name](totals[path][name], value) for name, value in record.items()}
-                for path, record in step.items()
-            }
-    if totals is None:
-        raise ValueError("`batches` is empty: calibration needs at least one batch.")
-    return totals
-
-
-_FOLDS = {"absmax": jnp.maximum, "max": jnp.maximum, "min": jnp.minimum, "hist": jnp.add}

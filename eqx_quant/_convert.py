@@ -11,7 +11,7 @@ from ._qtensor import QuantizedTensor
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
 from ._tree import map_nodes
 from .nn._int_layers import IntConv, IntEmbedding, IntLinear
-from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear
+from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear, per_layer, stack_depth
 
 
 _INT_LAYERS = {QuantLinear: IntLinear, QuantConv: IntConv}
@@ -19,7 +19,7 @@ _INT_LAYERS = {QuantLinear: IntLinear, QuantConv: IntConv}
 
 def _frozen_input_quant(quantizer: Any) -> Any:
     """A per-tensor learned input quantizer becomes the static quantizer with its current values."""
-    if isinstance(quantizer, LearnedFakeQuant) and quantizer.axis is None:
+    if isinstance(quantizer, LearnedFakeQuant) and quantizer.axis is None and quantizer.scale.ndim == 0:
         scale = max(float(quantizer.scale), quantizer.min_scale)
         zero_point = 0
         if quantizer.zero_point is not None:
@@ -111,7 +111,7 @@ def convert(model: PyTree) -> PyTree:
         data = [jax.random.normal(jax.random.key(1), (32, 4))]
         fake = eqx_quant.calibrate(eqx_quant.quantize(mlp), data)
         real = eqx_quant.convert(fake)
-        print(real.layers[0].weight.values.dtype)  # int8
+        print(real.layers[0].qweight.values.dtype)  # int8
         x = data[0][0]
         print(jnp.max(jnp.abs(real(x) - fake(x))))
         ```
@@ -132,7 +132,9 @@ def convert(model: PyTree) -> PyTree:
                 f"Layer {path or '(the model itself)'!r} has a NaN weight entry at index {index}, which no integer "
                 "can store; the fake-quant weight is NaN there. Replace the NaN entries before converting."
             )
-        tensor = _sharded_like(_whole_tensor(layer.weight_quant).quantize(weight), weight)
+        depth = stack_depth(layer.layer, weight.shape)
+        quantize = per_layer(lambda quantizer, w: quantizer.quantize(w), depth)
+        tensor = _sharded_like(quantize(_whole_tensor(layer.weight_quant), weight), weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
         if isinstance(layer, QuantEmbedding):
             return IntEmbedding(skeleton, tensor)

@@ -7,7 +7,7 @@ these functions when both operands are on integer grids, and the converted layer
 
 import functools
 import math
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -16,7 +16,6 @@ import numpy as np
 from jaxtyping import Array
 
 from ._fake_quant import dequantize_levels
-from ._layout import Layout
 from ._misc import compute_dtype, vary_alike
 from ._qtensor import QuantizedTensor, shifted_bound
 
@@ -57,24 +56,14 @@ class ConvSpec(NamedTuple):
     product_bound: int
 
 
-@runtime_checkable
-class _Grid(Protocol):
-    """What the integer-path decision reads of an operand: a [`eqx_quant.QuantGrid`][] or a stored
-    [`eqx_quant.nn.QuantizedTensor`][]."""
-
-    layout: Layout
-    qmin: int
-    qmax: int
-    zero_point: object
-
-
-def _bound(grid: _Grid) -> int:
+def _bound(tensor: QuantizedTensor) -> int:
     """A static bound on `|level - zero_point|` for the operand's grid."""
-    has_zero_point = not (grid.zero_point is None or isinstance(grid.zero_point, int) and grid.zero_point == 0)
-    return shifted_bound(grid.qmin, grid.qmax, has_zero_point)
+    return shifted_bound(tensor.qmin, tensor.qmax, tensor.zero_point is not None)
 
 
-def plan(layer: eqx.Module, weight_shape: tuple[int, ...], w: _Grid, x: _Grid) -> LinearSpec | ConvSpec | None:
+def plan(
+    layer: eqx.Module, weight_shape: tuple[int, ...], w: QuantizedTensor, x: QuantizedTensor
+) -> LinearSpec | ConvSpec | None:
     """Whether `layer` (an `eqx.nn.Linear` or `eqx.nn.Conv`) computes its forward pass on integers, and how: the one
     decision that the quantized layers and their converted integer layers share, so that both take the same path.
 

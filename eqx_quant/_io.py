@@ -257,7 +257,7 @@ def _json_axis(axes: tuple[int, ...]) -> int | list[int] | None:
 
 
 def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
-    w = layer.weight
+    w = layer.qweight
     info: dict[str, Any] = {
         "kind": type(layer).__name__,
         "shape": list(w.shape),
@@ -324,7 +324,7 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
     metadata: dict[str, str] = {"format": "eqx_quant", "nibble_order": NIBBLE_ORDER, "bit_order": BIT_ORDER}
     for name, layer in layers:
         name = name or "layer"
-        w = layer.weight
+        w = layer.qweight
         tensors[f"{name}.weight"] = np.asarray(w.values)
         tensors[f"{name}.weight_scale"] = np.asarray(w.scale)
         if w.zero_point is not None:

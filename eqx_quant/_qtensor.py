@@ -1,7 +1,6 @@
 """A tensor stored as integers on a quantization grid."""
 
 import math
-from typing import NamedTuple
 
 import equinox as eqx
 import jax
@@ -9,39 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer
 
-from ._fake_quant import dequantize_levels, fake_quant, prepare_scale, prepare_zero_point, quantize_levels
+from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
 from ._layout import Layout
 from ._misc import compute_dtype, expand_to_rank
 from ._packing import PACKED_WIDTHS, pack_bits, unpack_bits
-
-
-class QuantGrid(NamedTuple):
-    """The integer grid that a fake quantizer puts an input on.
-
-    `fake_quant(view, scale, qmin, qmax, zero_point).reshape(x.shape)` is the quantizer's output for `x`; integer
-    conversion uses the same grid, so that the integers it stores are exactly those of the forward pass.
-
-    **Fields:**
-
-    - `view`: the input, reshaped as the scales need it: `x` itself, or `x.reshape(x.shape[:-1] + (n // g, g))`
-        for groups of `g` along the last axis.
-    - `scale`: the step size, a Python float or a float array that broadcasts against `view`.
-    - `zero_point`: 0, or an integer-valued float array that broadcasts against `view`.
-    - `qmin`, `qmax`: the inclusive integer range.
-    - `layout`: which elements share a scale (see [`eqx_quant.Layout`][]); the view is `layout.view(x)`.
-    """
-
-    view: Array
-    scale: float | Array
-    zero_point: int | Array
-    qmin: int
-    qmax: int
-    layout: Layout = Layout()
-
-
-def apply_grid(grid: QuantGrid, shape: tuple[int, ...]) -> Array:
-    """[`eqx_quant.fake_quant`][] on a grid, reshaped back to the input's `shape`."""
-    return fake_quant(grid.view, grid.scale, grid.qmin, grid.qmax, grid.zero_point).reshape(shape)
 
 
 def int_dtype(lo: int, hi: int) -> np.dtype:
@@ -64,11 +34,14 @@ def shifted_bound(qmin: int, qmax: int, has_zero_point: bool) -> int:
     return max(-lo, hi)
 
 
-def grid_levels(grid: QuantGrid) -> tuple[Array, Array, Array | None]:
-    """`(levels, scale, zero_point)` of a grid, computed exactly as [`eqx_quant.fake_quant`][] computes them (the
-    levels as floats of the compute dtype; the zero point `None` when it is 0). No gradient flows through them."""
-    view, scale, zero_point = (jax.lax.stop_gradient(a) if isinstance(a, jax.Array) else a for a in grid[:3])
-    qmin, qmax = grid.qmin, grid.qmax
+def levels_of(
+    view: Array, scale: float | Array, zero_point: int | Array, qmin: int, qmax: int
+) -> tuple[Array, Array, Array | None]:
+    """`(levels, scale, zero_point)` of `view` on a grid, computed exactly as [`eqx_quant.fake_quant`][] computes them
+    (the levels as floats of the compute dtype; the zero point `None` when it is 0). No gradient flows through them."""
+    view, scale, zero_point = (
+        jax.lax.stop_gradient(a) if isinstance(a, jax.Array) else a for a in (view, scale, zero_point)
+    )
     compute = compute_dtype(view.dtype)
     scale = prepare_scale(scale, view.shape, compute)
     zero_point = prepare_zero_point(zero_point, view.shape, compute)
@@ -116,30 +89,23 @@ class QuantizedTensor(eqx.Module):
     packed_bits: int | None = eqx.field(static=True)
     dtype: str = eqx.field(static=True)
 
-    @classmethod
-    def from_grid(
-        cls, grid: QuantGrid, shape: tuple[int, ...], dtype: np.dtype, *, pack: bool = True
-    ) -> "QuantizedTensor":
-        """Quantizes `grid.view` onto its grid and stores the integers.
-
-        **Arguments:**
-
-        - `grid`: a grid from an [`eqx_quant.AbstractFakeQuantizer`][]'s `grid` method.
-        - `shape`: the shape of the tensor (the view may be grouped).
-        - `dtype`: the floating dtype that dequantization returns.
-        - `pack`: pack grids of at most 4 bits ([`eqx_quant.pack_bits`][]), as stored weights are; `False` keeps
-            one integer per element, as the integer products take them.
-
-        **Returns:**
-
-        A [`eqx_quant.nn.QuantizedTensor`][].
-        """
-        return quantize_grid(grid, shape, dtype, pack=pack)[0]
-
     @property
     def view_shape(self) -> tuple[int, ...]:
         """The shape of the levels: `shape`, or for groups `shape[:-1] + (shape[-1] // group_size, group_size)`."""
         return self.layout.view_shape(self.shape)
+
+    @property
+    def stack_depth(self) -> int:
+        """The number of leading axes along which whole tensors are stacked: the leaves of a tensor converted from a
+        layer built with `eqx.filter_vmap` (and run with `jax.lax.scan`) carry the stack in front, while the static
+        fields (`shape`, `layout`, ...) describe one tensor of it, as `eqx.nn.Linear`'s do."""
+        return self.scale.ndim - len(self.view_shape)
+
+    def _per_tensor(self, fn):
+        """`fn` mapped over the stacked axes (see [`eqx_quant.nn.QuantizedTensor.stack_depth`][])."""
+        for _ in range(self.stack_depth):
+            fn = jax.vmap(fn)
+        return fn
 
     @property
     def packed(self) -> bool:
@@ -152,16 +118,21 @@ class QuantizedTensor(eqx.Module):
         per_row = math.prod(self.view_shape[1:]) if self.view_shape else 1
         return unpack_bits(rows, per_row, self.packed_bits, signed=self.qmin < 0)
 
-    def levels(self) -> Int[Array, "*view_shape"]:
-        """The integer levels, unpacked, with the shape of the view."""
+    def levels(self) -> Int[Array, "*stack_and_view_shape"]:
+        """The integer levels, unpacked, with the shape of the view (after the stacked axes, if any)."""
         if self.packed_bits is None:
             return self.values
-        return self._unpack(self.values).reshape(self.view_shape)
+        return self._per_tensor(lambda v: self._unpack(v).reshape(self.view_shape))(self.values)
 
-    def dequantize(self) -> Float[Array, "*shape"]:
-        """`scale * (levels - zero_point)`, reshaped to `shape`: the fake-quantized tensor."""
-        levels = self.levels().astype(self.scale.dtype)
-        return dequantize_levels(levels, self.scale, self.zero_point).reshape(self.shape).astype(self.dtype)
+    def dequantize(self) -> Float[Array, "*stack_and_shape"]:
+        """`scale * (levels - zero_point)`, reshaped to `shape` (after the stacked axes, if any): the fake-quantized
+        tensor."""
+
+        def one(levels, scale, zero_point):
+            levels = levels.astype(scale.dtype)
+            return dequantize_levels(levels, scale, zero_point).reshape(self.shape).astype(self.dtype)
+
+        return self._per_tensor(one)(self.levels(), self.scale, self.zero_point)
 
     def dequantize_row(self, index: Int[ArrayLike, ""]) -> Float[Array, "*row_shape"]:
         """Row `index` (along the first axis) of [`eqx_quant.nn.QuantizedTensor.dequantize`][], computed from that
@@ -188,13 +159,25 @@ class QuantizedTensor(eqx.Module):
         return sum(leaf.size * leaf.dtype.itemsize for leaf in leaves)
 
 
-def quantize_grid(
-    grid: QuantGrid, shape: tuple[int, ...], dtype: np.dtype, *, pack: bool = True
+def quantize_tensor(
+    x: Array,
+    scale: float | Array,
+    zero_point: int | Array,
+    qmin: int,
+    qmax: int,
+    layout: Layout,
+    *,
+    pack: bool = True,
 ) -> tuple[QuantizedTensor, Bool[Array, "*view_shape"]]:
-    """The [`eqx_quant.nn.QuantizedTensor`][] of a grid, and where its levels are NaN (no integer holds NaN: the
-    integer products take those positions apart). No gradient flows through either."""
-    view, qmin, qmax = grid.view, grid.qmin, grid.qmax
-    levels, scale, zp = grid_levels(grid)
+    """The [`eqx_quant.nn.QuantizedTensor`][] of `x` on a grid, and where its levels are NaN (no integer holds NaN: the
+    integer products take those positions apart). No gradient flows through either.
+
+    `scale` and `zero_point` broadcast against `layout.view(x)` (a zero point of the int 0 for symmetric grids), as a
+    fake quantizer's `params` returns them; `pack` packs grids of at most 4 bits ([`eqx_quant.pack_bits`][]), as
+    stored weights are, while `False` keeps one integer per element, as the integer products take them.
+    """
+    view = layout.view(x)
+    levels, scale, zp = levels_of(view, scale, zero_point, qmin, qmax)
     rank = len(view.shape)
     scale = scale.reshape((1,) * (rank - scale.ndim) + scale.shape)
     zp = None if zp is None else zp.reshape((1,) * (rank - zp.ndim) + zp.shape)
@@ -204,5 +187,5 @@ def quantize_grid(
         values = pack_bits(levels.reshape(rows, -1).astype(jnp.int8), bits)
     else:
         values = levels.astype(int_dtype(qmin, qmax))
-    tensor = QuantizedTensor(values, scale, zp, tuple(shape), grid.layout, qmin, qmax, bits, np.dtype(dtype).name)
+    tensor = QuantizedTensor(values, scale, zp, tuple(x.shape), layout, qmin, qmax, bits, np.dtype(x.dtype).name)
     return tensor, jnp.isnan(levels)

@@ -10,12 +10,20 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from ._clip import clip_passthrough
-from ._fake_quant import check_range, round_ste, scale_gradient
+from ._fake_quant import check_range, fake_quant, round_ste, scale_gradient
 from ._layout import Layout
 from ._misc import as_float_input, check_int, compute_dtype
-from ._qtensor import QuantGrid, QuantizedTensor, apply_grid
+from ._qtensor import QuantizedTensor, quantize_tensor
 from ._ranges import int_range
-from ._scales import absmax_scale, check_method, finite_or, least_error_scale, minmax_scale, stats
+from ._scales import (
+    absmax_scale,
+    check_method,
+    finite_or,
+    least_error_scale,
+    minmax_scale,
+    percentile_threshold,
+    stats,
+)
 
 
 _TINY32 = float(np.finfo(np.float32).tiny)
@@ -90,6 +98,16 @@ def _sample_data(x: object, layout: Layout) -> tuple[Array, Array]:
     return x, layout.view(x)
 
 
+def _percentile_of_data(view: Array, axes: tuple[int, ...], percentile: float) -> np.ndarray:
+    """The `"percentile"` threshold of the finite `|view|` over `axes` (kept as unit axes)."""
+    view = np.asarray(view, np.float32)
+    kept = [i for i in range(view.ndim) if i not in axes]
+    rows = np.transpose(view, kept + list(axes)).reshape([view.shape[i] for i in kept] + [-1])
+    finite = np.isfinite(rows)
+    threshold = percentile_threshold(np.where(finite, np.abs(rows), 0.0), finite, percentile)
+    return threshold.reshape([1 if i in axes else n for i, n in enumerate(view.shape)])
+
+
 def _check_float_input(x: Array) -> None:
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"`x` must be a floating array, got dtype {x.dtype}.")
@@ -162,7 +180,8 @@ class AbstractQuantizer(eqx.Module):
 
 class AbstractFakeQuantizer(AbstractQuantizer):
     """Base class of the quantizers that put their input on an integer grid (all but
-    [`eqx_quant.PassthroughClip`][]); their output is [`eqx_quant.fake_quant`][] on the grid that `grid` returns.
+    [`eqx_quant.PassthroughClip`][]); their output is [`eqx_quant.fake_quant`][] with the step size and zero point
+    that `params` returns, and `quantize` stores the same integers as a [`eqx_quant.nn.QuantizedTensor`][].
 
     Every fake quantizer has an integer range `qmin`, `qmax` and a `layout` (an [`eqx_quant.Layout`][]: per tensor,
     per channel along any axes, or per group of `group_size` along the last axis).
@@ -173,13 +192,10 @@ class AbstractFakeQuantizer(AbstractQuantizer):
     layout: eqx.AbstractVar[Layout]
 
     @abc.abstractmethod
-    def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
-        """The integer grid for the input `x`: see [`eqx_quant.QuantGrid`][]."""
-
-    def quantize(self, x: Float[Array, "*shape"]) -> QuantizedTensor:
-        """The integers that a call on `x` puts it on, with their scale, zero point, grid and layout: the
-        [`eqx_quant.nn.QuantizedTensor`][] whose `dequantize()` is, bit for bit, this quantizer's output for `x`
-        (grids of at most 4 bits packed at their width). No gradient flows through it.
+    def params(self, x: Float[Array, "*shape"]) -> tuple[float | Array, int | Array]:
+        """The step size and zero point of a call on `x`, as they enter [`eqx_quant.fake_quant`][]: shaped to
+        broadcast against `self.layout.view(x)`, the zero point the int 0 for a symmetric grid. Learned parameters
+        carry their gradients; [`eqx_quant.AbstractFakeQuantizer.quantization_params`][] gives them compact.
 
         **Arguments:**
 
@@ -187,13 +203,53 @@ class AbstractFakeQuantizer(AbstractQuantizer):
 
         **Returns:**
 
+        `(scale, zero_point)`.
+        """
+
+    def quantization_params(self, x: Float[Array, "*shape"]) -> tuple[Array, Array]:
+        """The scale and zero point that a call on `x` uses, in the compact shape of the layout.
+
+        **Arguments:**
+
+        - `x`: a floating array.
+
+        **Returns:**
+
+        `(scale, zero_point)`, float32 arrays in the compact shape of the layout
+        ([`eqx_quant.Layout.scale_shape`][]): `()` per tensor, `(x.shape[axis],)` per channel, and
+        `x.shape[:-1] + (x.shape[-1] // group_size,)` per group. The zero point is integer-valued (0 when symmetric).
+        No gradient flows through them.
+        """
+        tensor = self.quantize(x)
+        zero_point = jnp.zeros_like(tensor.scale) if tensor.zero_point is None else tensor.zero_point
+        return tuple(self.layout.compact(a, x.shape).astype(jnp.float32) for a in (tensor.scale, zero_point))  # pyright: ignore
+
+    def quantize(self, x: Float[Array, "*shape"], *, pack: bool = True) -> QuantizedTensor:
+        """The integers that a call on `x` puts it on, with their scale, zero point, grid and layout: the
+        [`eqx_quant.nn.QuantizedTensor`][] whose `dequantize()` is, bit for bit, this quantizer's output for `x`.
+        No gradient flows through it.
+
+        **Arguments:**
+
+        - `x`: a floating array.
+        - `pack`: pack grids of at most 4 bits at their width ([`eqx_quant.pack_bits`][]), as stored weights are;
+            `False` keeps one integer per element.
+
+        **Returns:**
+
         A [`eqx_quant.nn.QuantizedTensor`][].
         """
+        return self.quantize_with_mask(x, pack=pack)[0]
+
+    def quantize_with_mask(self, x: Float[Array, "*shape"], *, pack: bool = False) -> tuple[QuantizedTensor, Array]:
+        """[`eqx_quant.AbstractFakeQuantizer.quantize`][] (unpacked by default), and where the levels are NaN (no
+        integer holds NaN; the integer products take those positions apart)."""
         _check_float_input(x)
-        return QuantizedTensor.from_grid(self.grid(x), x.shape, x.dtype)
+        return quantize_tensor(x, *self.params(x), self.qmin, self.qmax, self.layout, pack=pack)
 
     def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:
-        """Fake-quantizes `x` on `self.grid(x)`.
+        """Fake-quantizes `x`: `fake_quant(view, scale, qmin, qmax, zero_point)` with the view of `x` under the
+        layout and the parameters of `self.params(x)`, reshaped back.
 
         **Arguments:**
 
@@ -207,7 +263,8 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         del key
         _check_float_input(x)
         with jax.named_scope(f"eqx_quant.{type(self).__name__}"):
-            return apply_grid(self.grid(x), x.shape)
+            scale, zero_point = self.params(x)
+            return fake_quant(self.layout.view(x), scale, self.qmin, self.qmax, zero_point).reshape(x.shape)
 
 
 class FakeQuant(AbstractFakeQuantizer):
@@ -289,14 +346,12 @@ class FakeQuant(AbstractFakeQuantizer):
     def layout(self) -> Layout:
         return Layout.of(self.axis, self.group_size)
 
-    def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
-        layout = self.layout
-        view = layout.view(x)
-        scale = _static_array("scale", self.scale, layout, x)
+    def params(self, x: Float[Array, "*shape"]) -> tuple[Array, int | Array]:
+        scale = _static_array("scale", self.scale, self.layout, x)
         zero_point = self.zero_point
         if zero_point != 0:
-            zero_point = _static_array("zero_point", zero_point, layout, x)
-        return QuantGrid(view, scale, zero_point, self.qmin, self.qmax, layout)
+            zero_point = _static_array("zero_point", zero_point, self.layout, x)
+        return scale, zero_point
 
     @classmethod
     def from_bits(
@@ -356,7 +411,9 @@ class FakeQuant(AbstractFakeQuantizer):
                 the grid and keeps its gradient).
             - `"minmax"`: asymmetric, covering `[min(x, 0), max(x, 0)]` with an integer zero point, so that 0 is
                 exactly representable and both extremes map inside the range.
-            - `"percentile"`: symmetric, clipping at the `percentile`-th percentile of `|x|`.
+            - `"percentile"`: symmetric, clipping at the `percentile`-th percentile of the finite `|x|`: the smallest
+                magnitude at or below which `percentile` percent of them lie (the inverted empirical distribution,
+                NumPy's `method="inverted_cdf"`), the definition [`eqx_quant.calibrate`][] applies to its histograms.
             - `"mse"`: symmetric, the clipping threshold among `num_candidates` fractions of `max|x|` that minimises
                 the mean squared quantization error on `x`.
         - `percentile`: in `(0, 100]`, for `method="percentile"`.
@@ -378,9 +435,7 @@ class FakeQuant(AbstractFakeQuantizer):
         elif method == "minmax":
             scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
         elif method == "percentile":
-            magnitudes = jnp.where(jnp.isfinite(view), jnp.abs(view), jnp.nan)
-            clip_at = jnp.nan_to_num(jnp.nanpercentile(magnitudes, percentile, axis=axes, keepdims=True))
-            scale = absmax_scale(clip_at, qmin, qmax)
+            scale = absmax_scale(jnp.asarray(_percentile_of_data(view, axes, percentile), jnp.float32), qmin, qmax)
         else:
             scale = least_error_scale(view, None, absmax, axes, qmin, qmax, int(num_candidates))
         scale = np.asarray(layout.compact(scale, x.shape))
@@ -519,33 +574,12 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
     def qmax(self) -> int:
         return int_range(self.bits, signed=self.signed, narrow=self.narrow)[1]
 
-    def quantization_params(self, x: Float[Array, "*shape"]) -> tuple[Array, Array]:
-        """The scale and zero point that a call on `x` uses.
-
-        **Arguments:**
-
-        - `x`: a floating array.
-
-        **Returns:**
-
-        `(scale, zero_point)`, float32 arrays in the compact shape of the layout
-        ([`eqx_quant.Layout.scale_shape`][]): `()` per tensor, `(x.shape[axis],)` per channel, and
-        `x.shape[:-1] + (x.shape[-1] // group_size,)` per group. The zero point is integer-valued (0 when symmetric).
-        """
-        grid = self.grid(x)
-        scale = grid.layout.compact(grid.scale, x.shape)
-        zero_point = jnp.zeros_like(scale) if isinstance(grid.zero_point, int) else grid.zero_point
-        return scale, grid.layout.compact(zero_point, x.shape)
-
-    def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
+    def params(self, x: Float[Array, "*shape"]) -> tuple[Array, int | Array]:
         layout = self.layout
-        view = layout.view(x)
-        absmax, lo, hi = _across_shards(self.axis_name, *stats(view, layout.reduction_axes(x.shape)))
-        qmin, qmax = self.qmin, self.qmax
+        absmax, lo, hi = _across_shards(self.axis_name, *stats(layout.view(x), layout.reduction_axes(x.shape)))
         if self.symmetric:
-            return QuantGrid(view, absmax_scale(absmax, qmin, qmax), 0, qmin, qmax, layout)
-        scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
-        return QuantGrid(view, scale, zero_point, qmin, qmax, layout)
+            return absmax_scale(absmax, self.qmin, self.qmax), 0
+        return minmax_scale(lo, hi, self.qmin, self.qmax)
 
 
 class LearnedFakeQuant(AbstractFakeQuantizer):
@@ -646,18 +680,16 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
     def layout(self) -> Layout:
         return Layout.of(self.axis, self.group_size)
 
-    def grid(self, x: Float[Array, "*shape"]) -> QuantGrid:
+    def params(self, x: Float[Array, "*shape"]) -> tuple[Array, int | Array]:
         layout = self.layout
-        view = layout.view(x)
         numel = layout.group_numel(x.shape) * _shards(self.axis_name)
         factor = 1.0 / math.sqrt(numel * max(self.qmax, 1)) if numel else 1.0
         scale = clip_passthrough(self._expand("scale", self.scale, x), self.min_scale, math.inf)
         scale = scale_gradient(scale, factor)
         if self.zero_point is None:
-            return QuantGrid(view, scale, 0, self.qmin, self.qmax, layout)
+            return scale, 0
         zero_point = self._expand("zero_point", self.zero_point, x)
-        zero_point = round_ste(clip_passthrough(scale_gradient(zero_point, factor), self.qmin, self.qmax))
-        return QuantGrid(view, scale, zero_point, self.qmin, self.qmax, layout)
+        return scale, round_ste(clip_passthrough(scale_gradient(zero_point, factor), self.qmin, self.qmax))
 
     def _expand(self, name: str, leaf: Array, x: Array) -> Array:
         try:
@@ -678,6 +710,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         symmetric: bool = True,
         min_scale: float = 1e-8,
         axis_name: AxisName | None = None,
+        stacked: int = 0,
     ) -> "LearnedFakeQuant":
         """Initialises the step size from data as LSQ does: `2 * mean|x| / sqrt(qmax)`, per tensor, per channel or
         per group.
@@ -691,11 +724,26 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         - `symmetric`: `False` adds a learned zero point, initialised so that `min(x, 0)` maps to `qmin`.
         - `min_scale`: as for the constructor; the initial step size is at least this.
         - `axis_name`: as for the constructor (the initial step size is computed from `x` as given).
+        - `stacked`: the number of leading axes of `x` along which whole tensors are stacked (the weight of a layer
+            built with `eqx.filter_vmap`, of shape `(layers, *weight_shape)`). The quantizer is then made for one
+            tensor (`axis` and `group_size` refer to its axes) and stacked like the layer: its arrays get the same
+            leading axes, so that a `jax.lax.scan` over the layers hands each layer its own step sizes.
 
         **Returns:**
 
         A [`eqx_quant.LearnedFakeQuant`][].
         """
+        if check_int("stacked", stacked) < 0:
+            raise ValueError(f"`stacked` must be a non-negative int, got stacked={stacked}.")
+        if stacked:
+            x = as_float_input("x", x)
+            if x.ndim < stacked:
+                raise ValueError(f"`stacked`={stacked} leading axes do not fit `x` of shape {x.shape}.")
+            kwargs = dict(signed=signed, narrow=narrow, axis=axis, group_size=group_size, symmetric=symmetric)
+            init = lambda w: cls.init_from(w, bits, **kwargs, min_scale=min_scale, axis_name=axis_name)  # noqa: E731
+            for _ in range(stacked):
+                init = eqx.filter_vmap(init)
+            return init(x)
         qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
         layout = Layout.of(axis, group_size)
         x, view = _sample_data(x, layout)

@@ -191,15 +191,31 @@ def least_error_scale(
     return absmax_scale(absmax * best, qmin, qmax)
 
 
-def percentile_of_histogram(counts: np.ndarray, top: float, percentile: float) -> float:
-    """The `"percentile"` threshold from a histogram of `|x|` in equal bins over `[0, top]`: the upper edge of the
-    bin where the cumulative count reaches `percentile` percent (0 for an empty histogram)."""
-    total = counts.sum()
-    if total == 0 or top == 0:
-        return 0.0
-    edges = np.linspace(0.0, top, counts.size + 1, dtype=np.float64)
-    cdf = np.cumsum(counts) / total
-    return float(edges[1 + min(int(np.searchsorted(cdf, percentile / 100.0)), counts.size - 1)])
+def percentile_threshold(values: np.ndarray, weights: np.ndarray, percentile: float) -> np.ndarray:
+    """The `"percentile"` clipping threshold, the one definition that calibration on data and calibration on a model's
+    histograms share: along the last axis, the smallest of `values` at which the cumulative weight (in ascending
+    order of value) reaches `percentile` percent of the total weight, the inverted empirical distribution function.
+    Rows whose weights sum to 0 give 0.
+
+    On data, `values` are the magnitudes and the weights 1 (0 for non-finite entries); on a histogram of `|x|`, the
+    values are the upper edges of the bins and the weights their counts.
+    """
+    values = np.asarray(values, np.float64)
+    weights = np.broadcast_to(np.asarray(weights, np.float64), values.shape)
+    order = np.argsort(values, axis=-1, kind="stable")
+    values = np.take_along_axis(values, order, axis=-1)
+    cumulative = np.cumsum(np.take_along_axis(weights, order, axis=-1), axis=-1)
+    total = cumulative[..., -1:]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        reached = cumulative / total >= percentile / 100.0
+    index = np.argmax(reached, axis=-1)[..., None]
+    threshold = np.take_along_axis(values, index, axis=-1)[..., 0]
+    return np.where(total[..., 0] > 0, threshold, 0.0)
+
+
+def histogram_edges(num_bins: int, top: float) -> np.ndarray:
+    """The upper edges of `num_bins` equal bins over `[0, top]`."""
+    return np.linspace(0.0, top, num_bins + 1, dtype=np.float64)[1:]
 
 
 def histogram_centres(num_bins: int, top: float) -> np.ndarray:

@@ -111,7 +111,7 @@ def main():
 
     # 4. Conversion to integer weights, sharded like the float ones.
     converted = eqx_quant.convert(model)
-    values, scale = converted.layers[0].weight.values, converted.layers[0].weight.scale
+    values, scale = converted.layers[0].qweight.values, converted.layers[0].qweight.scale
     print(f"converted layers.0: {values.dtype} {values.shape} {values.sharding.spec}, scales {scale.sharding.spec}")
     forward = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
     x = jax.device_put(test_x[: len(test_x) // 8 * 8], batch_sharding)

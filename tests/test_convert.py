@@ -257,23 +257,23 @@ def test_convert_structure_dtypes_and_no_float_weight():
     for name, (dtype, shape, packed) in expected.items():
         layer, float_weight = converted[name], model[name].layer.weight
         assert isinstance(layer.weight, QuantizedTensor)
-        assert layer.weight.values.dtype == dtype and layer.weight.values.shape == shape
-        assert layer.weight.packed is packed and layer.weight.shape == float_weight.shape
+        assert layer.qweight.values.dtype == dtype and layer.qweight.values.shape == shape
+        assert layer.qweight.packed is packed and layer.weight.shape == float_weight.shape
         assert layer.layer.weight is None
-        assert layer.weight.scale.dtype == jnp.float32
+        assert layer.qweight.scale.dtype == jnp.float32
         for leaf in jax.tree.leaves(layer):
             if eqx.is_inexact_array(leaf):
                 assert leaf.shape != float_weight.shape and leaf.size < float_weight.size, (name, leaf.shape)
-    zero_point = converted["conv4"].weight.zero_point
+    zero_point = converted["conv4"].qweight.zero_point
     assert zero_point is not None and zero_point.dtype == jnp.float32
-    assert converted["lin8"].weight.zero_point is None
+    assert converted["lin8"].qweight.zero_point is None
 
     # The nibbles of the stored bytes are the levels, element 2i low and 2i+1 high, row by row.
     for name in ("lin4", "conv4"):
         layer, w = converted[name], model[name].layer.weight
         view, scale, zp, qmin, qmax = reference_grid(model[name].weight_quant, w)
         levels = np_levels(view, scale, zp, qmin, qmax).reshape(w.shape[0], -1).astype(np.int64)
-        values = np.asarray(layer.weight.values)
+        values = np.asarray(layer.qweight.values)
         for r in range(levels.shape[0]):
             for j in range(levels.shape[1]):
                 byte = int(values[r, j // 2])
@@ -300,9 +300,9 @@ def test_packed_weight_by_hand():
     """A 1x3 weight on the symmetric 4-bit grid: scale 1/7, levels [2, -7, 4] -> bytes 0x92, 0x04."""
     linear = with_weight(init(lambda k: eqx.nn.Linear(3, 1, key=k), 0), [[0.3, -1.0, 0.6]])
     layer = convert(QuantLinear(linear, weight_quant=DynamicFakeQuant(4)))
-    np.testing.assert_array_equal(np.asarray(layer.weight.values), np.array([[0x92, 0x04]], np.uint8))
-    np.testing.assert_array_equal(np.asarray(layer.weight.levels()), [[2, -7, 4]])
-    np.testing.assert_allclose(np.asarray(layer.weight.scale).reshape(()), 1 / 7, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(layer.qweight.values), np.array([[0x92, 0x04]], np.uint8))
+    np.testing.assert_array_equal(np.asarray(layer.qweight.levels()), [[2, -7, 4]])
+    np.testing.assert_allclose(np.asarray(layer.qweight.scale).reshape(()), 1 / 7, rtol=1e-6)
 
 
 WEIGHT_QUANTIZERS = {
@@ -776,7 +776,7 @@ def test_save_load_round_trip_and_file_sizes(demo_models, tmp_path):
         loaded = load(path, zeros_like_tree(converted))
         assert_trees_equal(loaded, converted)
         dtype = jnp.int8 if bits == 8 else jnp.uint8
-        assert all(getattr(loaded, n).weight.values.dtype == dtype for n in ("conv1", "conv2", "linear1", "linear2"))
+        assert all(getattr(loaded, n).qweight.values.dtype == dtype for n in ("conv1", "conv2", "linear1", "linear2"))
         ratio = path.stat().st_size / float_size
         print(f"ConvNet W{bits}: {path.stat().st_size} / {float_size} bytes = {ratio:.4f}")
         assert ratio <= limits[bits]
@@ -932,7 +932,7 @@ def test_convert_drops_a_weight_quantizers_axis_name(named, plain):
     input_quant = FakeQuant(0.05, -128, 127)
     converted = convert(QuantLinear(linear, weight_quant=named, input_quant=input_quant))
     expected = convert(QuantLinear(linear, weight_quant=plain, input_quant=input_quant))
-    assert_bitwise_equal(converted.weight.values, expected.weight.values)
+    assert_bitwise_equal(converted.qweight.values, expected.qweight.values)
     x = normal(62, (6,))
     assert_bitwise_equal(converted(x), expected(x))
 

@@ -355,7 +355,7 @@ def test_property_paths_agree_and_keep_finite_and_nan_data(case):
         assert np.all(np.isfinite(np.asarray(eager[i], np.float32)[~np.isnan(np.asarray(x[i], np.float32))]))
     # The stored integers of a finite tensor give the fake-quantized tensor back, bit for bit.
     finite = jnp.where(jnp.isnan(x[0]), jnp.zeros((), dtype), x[0])
-    stored = QuantizedTensor.from_grid(q.grid(finite), finite.shape, finite.dtype)
+    stored = q.quantize(finite)
     assert_bitwise_equal(stored.dequantize(), q(finite))
 
 

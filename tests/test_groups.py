@@ -126,7 +126,7 @@ def test_grouped_weights_run_the_integer_path_bit_for_bit(grouped_models):
     for name, model in models.items():
         assert "preferred_element_type=int32" in str(jax.make_jaxpr(model)(xs[0])), name
         converted = eqx_quant.convert(model)
-        assert converted.weight.layout == Layout((), 8) and converted.weight.packed_bits == 4
+        assert converted.qweight.layout == Layout((), 8) and converted.qweight.packed_bits == 4
         eager = jnp.stack([model(x) for x in xs])
         for other in (batch(model, xs), batch(converted, xs), jnp.stack([converted(x) for x in xs])):
             assert_bitwise_equal(other, eager)

@@ -279,4 +279,4 @@ def test_export_metadata_gives_the_packing_width(tmp_path):
             stored = tensors[f"{name}.weight"]
             assert stored.dtype == np.uint8 and stored.shape[1] == math.ceil(per_row * bits / 8)
             levels = py_unpack(stored, per_row, bits, signed=True)
-            np.testing.assert_array_equal(levels, np.asarray(layers[name].weight.levels()))
+            np.testing.assert_array_equal(levels, np.asarray(layers[name].qweight.levels()))

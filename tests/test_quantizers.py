@@ -381,12 +381,13 @@ def test_calibrate_percentile(percentile):
     rng = np.random.default_rng(2)
     x = rng.standard_t(3, size=(4, 257)).astype(np.float32)
     q = FakeQuant.calibrate(jnp.asarray(x), 8, method="percentile", percentile=percentile)
-    clip_at = np.percentile(np.abs(x).astype(np.float64), percentile)
+    # The inverted empirical distribution: the smallest magnitude with `percentile` percent of them at or below it.
+    clip_at = np.percentile(np.abs(x).astype(np.float64), percentile, method="inverted_cdf")
     np.testing.assert_allclose(q.scale, clip_at / 127, rtol=1e-5)
     if percentile == 100.0:
         assert q.scale == FakeQuant.calibrate(jnp.asarray(x), 8).scale
     per_row = FakeQuant.calibrate(jnp.asarray(x), 8, method="percentile", percentile=percentile, axis=0)
-    expected = np.percentile(np.abs(x).astype(np.float64), percentile, axis=1) / 127
+    expected = np.percentile(np.abs(x).astype(np.float64), percentile, axis=1, method="inverted_cdf") / 127
     np.testing.assert_allclose(per_row.scale, expected, rtol=1e-5)
     # Entries beyond the clipping threshold saturate at the ends of the grid.
     y = np.asarray(_call(q, jnp.asarray(x)))
@@ -1210,3 +1211,20 @@ def test_scale_nudges_match_nextafter_loop_up_to_the_largest_float():
         assert np.all(np.isfinite(np.asarray(fitted)))
     scale, zero_point = minmax_scale(jnp.float32(0.0), jnp.float32(big), 0, 1)
     assert float(scale) == 2.0**126 and float(zero_point) == 0.0
+
+
+def test_percentile_on_data_and_on_a_histogram_agree():
+    # Data whose magnitudes are exactly the upper edges of a histogram's bins, repeated as often as the bins count:
+    # calibration on the data and on the histogram follow one definition, so they give the same threshold.
+    from eqx_quant._scales import histogram_edges, percentile_threshold
+
+    counts = np.array([5.0, 0.0, 7.0, 1.0, 3.0, 4.0])
+    edges = histogram_edges(counts.size, 3.0)
+    data = np.repeat(edges, counts.astype(int)).astype(np.float32)
+    for p in (10.0, 25.0, 60.0, 90.0, 100.0):
+        on_histogram = percentile_threshold(edges, counts, p)
+        reference = np.percentile(data.astype(np.float64), p, method="inverted_cdf")
+        assert on_histogram == reference, (p, on_histogram, reference)
+        q = FakeQuant.calibrate(jnp.asarray(data), 8, method="percentile", percentile=p)
+        assert q.scale == FakeQuant.calibrate(jnp.asarray([reference], jnp.float32), 8).scale
+    assert percentile_threshold(edges, np.zeros(6), 50.0) == 0.0

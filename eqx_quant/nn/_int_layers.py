@@ -3,7 +3,7 @@ import jax
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_product, plan
-from .._qtensor import QuantizedTensor, quantize_grid
+from .._qtensor import QuantizedTensor
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer
 from ._layers import as_vector, check_input, scalar_output
 
@@ -15,32 +15,39 @@ def int_forward(layer: "AbstractIntLayer", x: Array, key: PRNGKeyArray | None) -
     vector = as_vector(float_layer, x)
     if not isinstance(layer.input_quant, AbstractFakeQuantizer):
         return layer._float_path(x, key)
-    x_grid = layer.input_quant.grid(vector)
-    spec = plan(float_layer, layer.weight.shape, layer.weight, x_grid)
+    x_int, x_nan = layer.input_quant.quantize_with_mask(vector)
+    spec = plan(float_layer, layer.qweight.shape, layer.qweight, x_int)
     if spec is None:
         return layer._float_path(x, key)
-    x_int, x_nan = quantize_grid(x_grid, vector.shape, vector.dtype, pack=False)
     bias = float_layer.bias  # pyright: ignore[reportAttributeAccessIssue]
-    y = integer_product(spec, layer.weight, x_int, bias, None, x_nan)
-    return scalar_output(float_layer, y.astype(layer.weight.dtype))
+    y = integer_product(spec, layer.qweight, x_int, bias, None, x_nan)
+    return scalar_output(float_layer, y.astype(layer.qweight.dtype))
 
 
 class AbstractIntLayer(eqx.Module):
     """Base class of the integer layers produced by [`eqx_quant.convert`][].
 
     `layer` is the float layer with its weight removed (set to `None`): it keeps the configuration (strides,
-    padding, bias, ...) and the bias; `weight` holds the integers. A call runs the integer computation of the
-    quantized layer's integer forward when the input quantizer has a single scale for the whole input, and the
-    dequantized weight in floating point otherwise.
+    padding, bias, ...) and the bias; `qweight` holds the integers (a [`eqx_quant.nn.QuantizedTensor`][]; for
+    stacked layers, built with `eqx.filter_vmap`, its arrays carry the stack in front). A call runs the integer
+    computation of the quantized layer's integer forward when the input quantizer has a single scale for the whole
+    input, and the dequantized weight in floating point otherwise.
     """
 
     layer: eqx.AbstractVar[eqx.Module]
-    weight: eqx.AbstractVar[QuantizedTensor]
+    qweight: eqx.AbstractVar[QuantizedTensor]
     input_quant: eqx.AbstractVar[AbstractQuantizer | None]
+
+    @property
+    def weight(self) -> Array:
+        """The dequantized weight, as a float array: bit for bit the `.weight` of the quantized layer it was
+        converted from (the fake-quantized weight), so that model code reading `.weight` (a tied language-model head)
+        computes the same before and after [`eqx_quant.convert`][]."""
+        return self.qweight.dequantize()
 
     def dequantized_layer(self) -> eqx.Module:
         """The float layer with the dequantized weight: what the fake-quant model computed with."""
-        return eqx.tree_at(lambda l: l.weight, self.layer, self.weight.dequantize(), is_leaf=lambda x: x is None)
+        return eqx.tree_at(lambda l: l.weight, self.layer, self.weight, is_leaf=lambda x: x is None)
 
     def _float_path(self, x: Array, key: PRNGKeyArray | None) -> Array:
         if self.input_quant is not None:
@@ -67,7 +74,7 @@ class IntLinear(AbstractIntLayer):
     """
 
     layer: eqx.nn.Linear
-    weight: QuantizedTensor
+    qweight: QuantizedTensor
     input_quant: AbstractQuantizer | None
 
     def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
@@ -88,7 +95,7 @@ class IntConv(AbstractIntLayer):
     """
 
     layer: eqx.nn.Conv
-    weight: QuantizedTensor
+    qweight: QuantizedTensor
     input_quant: AbstractQuantizer | None
 
     def __call__(
@@ -105,7 +112,7 @@ class IntEmbedding(AbstractIntLayer):
     fake-quantized table)."""
 
     layer: eqx.nn.Embedding
-    weight: QuantizedTensor
+    qweight: QuantizedTensor
 
     @property
     def input_quant(self) -> None:
@@ -116,4 +123,4 @@ class IntEmbedding(AbstractIntLayer):
         """Like `eqx.nn.Embedding.__call__`."""
         del key
         with jax.named_scope("eqx_quant.IntEmbedding"):
-            return self.weight.dequantize_row(x)
+            return self.qweight.dequantize_row(x)

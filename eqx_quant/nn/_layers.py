@@ -1,3 +1,4 @@
+from collections.abc import Callable
 from typing import Literal
 
 import equinox as eqx
@@ -6,8 +7,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_forward, plan
-from .._qtensor import quantize_grid
-from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, apply_grid
+from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant
 
 
 def default_weight_quant() -> DynamicFakeQuant:
@@ -23,6 +23,22 @@ def default_input_quant() -> DynamicFakeQuant:
 _MATMULS = ("int", "float")
 
 
+def stack_depth(layer: eqx.Module, weight_shape: tuple[int, ...]) -> int:
+    """The number of leading axes along which the weights of `layer` (a `Linear`, `Conv` or `Embedding`) are
+    stacked: layers built with `eqx.filter_vmap` hold one weight per layer of the stack, of shape
+    `(layers, *weight_shape)`, while their static fields describe one layer."""
+    base = layer.num_spatial_dims + 2 if isinstance(layer, eqx.nn.Conv) else 2  # pyright: ignore[reportAttributeAccessIssue]
+    return max(len(weight_shape) - base, 0)
+
+
+def per_layer(fn: Callable, depth: int) -> Callable:
+    """`fn(quantizer, weight)` mapped over `depth` leading stacked axes of the weight and of the quantizer's arrays
+    (a quantizer of a stacked layer holds one set of arrays per layer, as the layer holds one weight per layer)."""
+    for _ in range(depth):
+        fn = eqx.filter_vmap(fn)
+    return fn
+
+
 class AbstractQuantLayer(eqx.Module):
     """Base class of the quantized layers: a float layer, a weight quantizer and an input quantizer.
 
@@ -34,12 +50,28 @@ class AbstractQuantLayer(eqx.Module):
     weight_quant: eqx.AbstractVar[AbstractQuantizer | None]
     input_quant: eqx.AbstractVar[AbstractQuantizer | None]
 
+    @property
+    def weight(self) -> Array:
+        """The weight the layer computes with: the fake-quantized weight of the wrapped layer (its float weight when
+        `weight_quant` is `None`), with the gradients of the forward pass (the straight-through estimator reaches
+        `layer.weight`).
+
+        Model code that reads a layer's `.weight` (a language-model head tied to the input embedding,
+        `h @ embedding.weight.T`) therefore computes with the quantized table, and so does the converted model,
+        whose integer layers' `.weight` is the dequantized table, the same values bit for bit. The trainable float
+        weight is `layer.weight`. Stacked layers (built with `eqx.filter_vmap`) give the stack of quantized weights.
+        """
+        weight = self.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+        if self.weight_quant is None:
+            return weight
+        depth = stack_depth(self.layer, weight.shape)
+        return per_layer(lambda quantizer, w: quantizer(w), depth)(self.weight_quant, weight)
+
     def quantized_layer(self) -> eqx.Module:
         """The wrapped layer with its weight replaced by the fake-quantized weight."""
         if self.weight_quant is None:
             return self.layer
-        weight = self.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
-        return eqx.tree_at(lambda layer: layer.weight, self.layer, self.weight_quant(weight))
+        return eqx.tree_at(lambda layer: layer.weight, self.layer, self.weight)
 
     def _float_path(self, x, key):
         if self.input_quant is not None:
@@ -85,14 +117,12 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
     quantizers = (layer.weight_quant, layer.input_quant)
     if layer.matmul == "float" or not all(isinstance(q, AbstractFakeQuantizer) for q in quantizers):  # pyright: ignore
         return layer._float_path(x, key)
-    w_grid = layer.weight_quant.grid(weight)  # pyright: ignore[reportOptionalMemberAccess]
-    x_grid = layer.input_quant.grid(vector)  # pyright: ignore[reportOptionalMemberAccess]
-    spec = plan(float_layer, weight.shape, w_grid, x_grid)
+    w, w_nan = layer.weight_quant.quantize_with_mask(weight)  # pyright: ignore[reportOptionalMemberAccess]
+    x_int, x_nan = layer.input_quant.quantize_with_mask(vector)  # pyright: ignore[reportOptionalMemberAccess]
+    spec = plan(float_layer, weight.shape, w, x_int)
     if spec is None:
         return layer._float_path(x, key)
-    wq, xq = apply_grid(w_grid, weight.shape), apply_grid(x_grid, vector.shape)
-    w, w_nan = quantize_grid(w_grid, weight.shape, weight.dtype, pack=False)
-    x_int, x_nan = quantize_grid(x_grid, vector.shape, vector.dtype, pack=False)
+    wq, xq = layer.weight_quant(weight), layer.input_quant(vector)  # pyright: ignore[reportOptionalCall]
     y = integer_forward(spec, wq, xq, float_layer.bias, w, x_int, w_nan, x_nan)  # pyright: ignore[reportArgumentType]
     return scalar_output(float_layer, y.astype(weight.dtype))
 
