@@ -67,6 +67,8 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
 
     @jax.custom_batching.custom_vmap
     def tap(index: Array, record: dict[str, Array]) -> Array:
+        if "vector" in record:  # one input vector: its outer product
+            record = {"gram": jnp.outer(record["vector"], record["vector"])}
         io_callback(functools.partial(_report, path), None, index, record, ordered=False)
         return index
 
@@ -74,9 +76,14 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
     def tap_batched(axis_size: int, in_batched: list, index: Array, record: dict[str, Array]):
         index_batched, record_batched = in_batched
         if not index_batched:  # one layer: reduce over the mapped axis, then report once
-            record = {
-                name: _REDUCTIONS[name](v, axis=0) if record_batched[name] else v for name, v in record.items()
-            }
+            if "vector" in record and record_batched["vector"]:
+                # The sum of the outer products of a batch of vectors, without materialising each of them.
+                v = record["vector"]
+                record = {"gram": jnp.einsum("bi,bj->ij", v, v, precision=jax.lax.Precision.HIGHEST)}
+            else:
+                record = {
+                    name: _REDUCTIONS[name](v, axis=0) if record_batched[name] else v for name, v in record.items()
+                }
             return tap(index, record), False
         # Several layers along the mapped axis (a model that maps a stack of layers with `vmap`): one at a time.
         record = {
@@ -105,10 +112,10 @@ def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
 
 
 def _gram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
-    """`x xᵀ` of one input vector (finite entries; others as 0), in float32: summed, the Hessian of GPTQ."""
+    """The input vector (finite entries; others as 0), in float32, whose outer products `x xᵀ` the tap sums: the
+    Hessian of GPTQ."""
     del top, num_bins
-    x = finite_or(jax.lax.stop_gradient(x).astype(jnp.float32).ravel(), 0.0)
-    return {"gram": jnp.outer(x, x)}
+    return {"vector": finite_or(jax.lax.stop_gradient(x).astype(jnp.float32).ravel(), 0.0)}
 
 
 _STATISTICS = {"stats": _tensor_stats, "hist": _histogram, "gram": _gram}

@@ -76,8 +76,10 @@ def convert(model: PyTree) -> PyTree:
     Input quantizers are kept; a per-tensor [`eqx_quant.LearnedFakeQuant`][] is frozen into a static
     [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers whose input quantizer has one scale for the
     whole input (static, or a per-tensor dynamic one) and whose weight has one scale per tensor, per output channel
-    or (linear layers) per group along the contraction then compute on integers (see [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without a
-    weight quantizer becomes its float layer. All other leaves are kept as they are (shardings included).
+    or (linear layers) per group along the contraction then compute on integers (see
+    [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without a weight quantizer becomes
+    its float layer, or, if its input is quantized, stays as it is (the quantized input shapes the output). All
+    other leaves are kept as they are (shardings included).
 
     **Sharding.** The integers, scales and zero points of a weight with a `NamedSharding` are sharded like it: the
     weight's axes keep their partitioning and per-channel scales follow their channels; packed 4-bit integers (one
@@ -119,7 +121,8 @@ def convert(model: PyTree) -> PyTree:
 
     def to_int(path: str, layer: AbstractQuantLayer) -> Any:
         if layer.weight_quant is None:
-            return layer.layer
+            # No integers to store; a quantized input still shapes the output, so the layer stays as it is.
+            return layer.layer if layer.input_quant is None else layer
         if not isinstance(layer.weight_quant, AbstractFakeQuantizer):
             raise TypeError(
                 f"Layer {path!r} has weight quantizer {type(layer.weight_quant).__name__}, which has no integer "

@@ -239,13 +239,19 @@ def test_convert_structure_dtypes_and_no_float_weight():
             weight_quant=DynamicFakeQuant(4, signed=False, symmetric=False),
         ),
         "plain": QuantLinear(init(lambda k: eqx.nn.Linear(3, 3, key=k), 4), weight_quant=None),
+        "bare": QuantLinear(init(lambda k: eqx.nn.Linear(3, 3, key=k), 5), weight_quant=None, input_quant=None),
         "other": jnp.arange(3.0),
     }
     converted = convert(model)
     assert isinstance(converted["emb"], IntEmbedding)
     assert isinstance(converted["lin8"], IntLinear) and isinstance(converted["lin4"], IntLinear)
     assert isinstance(converted["conv4"], IntConv)
-    assert converted["plain"] is model["plain"].layer  # no weight quantizer: the float layer
+    # No weight quantizer: nothing to store. The quantized input still shapes the output, so the layer stays; with
+    # neither quantizer it becomes its float layer.
+    assert converted["plain"] is model["plain"] and converted["bare"] is model["bare"].layer
+    x = jnp.array([0.3, -1.7, 0.05])
+    assert_bitwise_equal(converted["plain"](x), model["plain"](x))
+    assert not np.array_equal(np.asarray(model["plain"](x)), np.asarray(model["plain"].layer(x)))
     assert converted["other"] is model["other"]
 
     expected = {  # name: (values dtype, values shape, packed)
@@ -256,7 +262,7 @@ def test_convert_structure_dtypes_and_no_float_weight():
     }
     for name, (dtype, shape, packed) in expected.items():
         layer, float_weight = converted[name], model[name].layer.weight
-        assert isinstance(layer.weight, QuantizedTensor)
+        assert isinstance(layer.qweight, QuantizedTensor)
         assert layer.qweight.values.dtype == dtype and layer.qweight.values.shape == shape
         assert layer.qweight.packed is packed and layer.weight.shape == float_weight.shape
         assert layer.layer.weight is None
@@ -326,7 +332,7 @@ def test_stored_integers_are_those_of_the_fake_quant_forward(name):
     w = jnp.asarray(w)
     linear = with_weight(init(lambda k: eqx.nn.Linear(8, 6, key=k), 3), w)
     quantizer = WEIGHT_QUANTIZERS[name](w)
-    tensor = convert(QuantLinear(linear, weight_quant=quantizer)).weight
+    tensor = convert(QuantLinear(linear, weight_quant=quantizer)).qweight
 
     assert_bitwise_equal(tensor.dequantize(), quantizer(w))
     view, scale, zp, qmin, qmax = reference_grid(quantizer, w)

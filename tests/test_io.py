@@ -123,7 +123,7 @@ def test_more_data_than_like_reads(model, tmp_path):
 def test_another_grid_is_refused(saved, like, field, saved_value, like_value, tmp_path):
     path = tmp_path / "model.eqx"
     eqx_quant.save(path, converted(saved))
-    expected = rf"The quantized tensor at '0.weight' has `{field}`={saved_value!r} in '{str(path)}' but {like_value!r}"
+    expected = rf"The quantized tensor at '0.qweight' has `{field}`={saved_value!r} in '{str(path)}' but {like_value!r}"
     with pytest.raises(ValueError, match=expected.replace("[", r"\[")):
         eqx_quant.load(path, converted(like, seed=5))
     assert_trees_equal(eqx_quant.load(path, converted(saved, seed=5)), converted(saved))
@@ -132,7 +132,7 @@ def test_another_grid_is_refused(saved, like, field, saved_value, like_value, tm
 def test_quantized_tensors_elsewhere_are_refused(model, tmp_path):
     path = tmp_path / "model.eqx"
     eqx_quant.save(path, model)
-    with pytest.raises(ValueError, match=r"quantized tensors saved in .* are at \['0.weight', '1.weight'\]"):
+    with pytest.raises(ValueError, match=r"quantized tensors saved in .* are at \['0.qweight', '1.qweight'\]"):
         eqx_quant.load(path, [None, *model])
 
 
@@ -144,7 +144,7 @@ def test_version_1_files(model, tmp_path):
     path = tmp_path / "v1.eqx"
     path.write_bytes(MAGIC + struct.pack("<Q", len(header)) + header + leaves.getvalue())
     assert_trees_equal(eqx_quant.load(path, zeros_like_tree(model)), model)
-    with pytest.raises(ValueError, match=r"format version 1, .* 2- or 3-bit weights at \['0.weight', '1.weight'\]"):
+    with pytest.raises(ValueError, match=r"format version 1, .* 2- or 3-bit weights at \['0.qweight', '1.qweight'\]"):
         eqx_quant.load(path, converted(DynamicFakeQuant(2, axis=0)))
 
 
@@ -201,10 +201,10 @@ def test_colliding_paths_are_refused(tmp_path):
     lin_a, lin_b = converted()
     path = tmp_path / "model.eqx"
     path.write_bytes(b"old")
-    colliding = {"a.b": lin_a, "a": {"b": lin_b}}  # both weights are named 'a.b.weight'
-    with pytest.raises(ValueError, match=r"`model` has two .* at the path 'a.b.weight'") as error:
+    colliding = {"a.b": lin_a, "a": {"b": lin_b}}  # both weights are named 'a.b.qweight'
+    with pytest.raises(ValueError, match=r"`model` has two .* at the path 'a.b.qweight'") as error:
         eqx_quant.save(path, colliding)
-    assert "['a.b'].weight" in str(error.value) and "['a']['b'].weight" in str(error.value)
+    assert "['a.b'].qweight" in str(error.value) and "['a']['b'].qweight" in str(error.value)
     assert path.read_bytes() == b"old"
     assert os.listdir(tmp_path) == ["model.eqx"]
 

@@ -204,7 +204,7 @@ def test_converted_model_stores_weights_at_their_width(bits, tmp_path):
         }
         for name, (quantized, integer) in layers.items():
             w = quantized.layer.weight
-            tensor = integer.weight
+            tensor = integer.qweight
             rows, per_row = w.shape[0], math.prod(w.shape[1:])
             assert tensor.packed_bits == bits and tensor.packed, name
             assert tensor.values.dtype == jnp.uint8 and tensor.values.shape == (rows, math.ceil(per_row * bits / 8))

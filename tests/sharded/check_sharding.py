@@ -230,7 +230,7 @@ def test_convert_shards_integers_like_weights(kind, variant):
     for quant, integer in zip(quant_layers, int_layers, strict=True):
         weight = quant.layer.weight
         spec = tuple(weight.sharding.spec) + (None,) * (weight.ndim - len(weight.sharding.spec))
-        tensor = integer.weight
+        tensor = integer.qweight
         expected_values = P(spec[0], None) if tensor.packed else P(*spec)
         assert tensor.values.sharding.is_equivalent_to(NamedSharding(AUTO, expected_values), tensor.values.ndim)
         per_channel = tensor.scale.shape[0] > 1
