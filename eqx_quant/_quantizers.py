@@ -18,6 +18,7 @@ from ._ranges import int_range
 from ._scales import (
     absmax_scale,
     check_method,
+    finite_absmax,
     finite_or,
     least_error_scale,
     minmax_scale,
@@ -141,12 +142,13 @@ def _shards(axis_name: AxisName | None) -> int:
         raise _unbound(axis_name, error) from error  # pyright: ignore[reportArgumentType]
 
 
-def _across_shards(axis_name: AxisName | None, absmax: Array, lo: Array, hi: Array) -> tuple[Array, Array, Array]:
-    """The statistics of the whole tensor from those of each shard."""
+def _across_shards(axis_name: AxisName | None, maxima: tuple[Array, ...], minima: tuple[Array, ...] = ()) -> tuple:
+    """The statistics of the whole tensor from those of each shard: `maxima` reduced with `pmax`, `minima` with
+    `pmin`, returned in that order."""
     if axis_name is None:
-        return absmax, lo, hi
+        return maxima + minima
     try:
-        return jax.lax.pmax(absmax, axis_name), jax.lax.pmin(lo, axis_name), jax.lax.pmax(hi, axis_name)
+        return tuple(jax.lax.pmax(a, axis_name) for a in maxima) + tuple(jax.lax.pmin(a, axis_name) for a in minima)
     except NameError as error:
         raise _unbound(axis_name, error) from error
 
@@ -246,6 +248,15 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         integer holds NaN; the integer products take those positions apart)."""
         _check_float_input(x)
         return quantize_tensor(x, *self.params(x), self.qmin, self.qmax, self.layout, pack=pack)
+
+    def fake_quant_and_tensor(self, x: Float[Array, "*shape"]) -> tuple[Array, QuantizedTensor, Array]:
+        """A call on `x` and [`eqx_quant.AbstractFakeQuantizer.quantize_with_mask`][] (unpacked), from one
+        computation of the parameters: what the integer forward of a quantized layer needs of each operand."""
+        _check_float_input(x)
+        scale, zero_point = self.params(x)
+        fake = fake_quant(self.layout.view(x), scale, self.qmin, self.qmax, zero_point).reshape(x.shape)
+        tensor, nan = quantize_tensor(x, scale, zero_point, self.qmin, self.qmax, self.layout, pack=False)
+        return fake, tensor, nan
 
     def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:
         """Fake-quantizes `x`: `fake_quant(view, scale, qmin, qmax, zero_point)` with the view of `x` under the
@@ -576,9 +587,12 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
 
     def params(self, x: Float[Array, "*shape"]) -> tuple[Array, int | Array]:
         layout = self.layout
-        absmax, lo, hi = _across_shards(self.axis_name, *stats(layout.view(x), layout.reduction_axes(x.shape)))
-        if self.symmetric:
+        view, axes = layout.view(x), layout.reduction_axes(x.shape)
+        if self.symmetric:  # only the absolute maximum: fewer operations to trace and compile
+            (absmax,) = _across_shards(self.axis_name, (finite_absmax(view, axes),))
             return absmax_scale(absmax, self.qmin, self.qmax), 0
+        _, lo, hi = stats(view, axes)
+        hi, lo = _across_shards(self.axis_name, (hi,), (lo,))
         return minmax_scale(lo, hi, self.qmin, self.qmax)
 
 

@@ -138,14 +138,21 @@ def finite_or(x: Array, fill: float) -> Array:
     return jnp.where(jnp.isfinite(x), x, fill)
 
 
+def finite_absmax(x: Array, axes: tuple[int, ...]) -> Array:
+    """The largest finite `|x|` over `axes` (kept as unit axes; 0 where there is none), in float32, without
+    gradient."""
+    x = jax.lax.stop_gradient(x).astype(jnp.float32)
+    return jnp.max(finite_or(jnp.abs(x), 0.0), axis=axes, keepdims=True, initial=0.0)
+
+
 def stats(x: Array, axes: tuple[int, ...]) -> tuple[Array, Array, Array]:
     """`(absmax, min, max)` of the finite entries of `x` over `axes` (kept as unit axes), in float32.
 
     The minimum and maximum include 0 (an empty or all-non-finite slice gives zeros), and no gradient flows
     through them.
     """
+    absmax = finite_absmax(x, axes)
     x = jax.lax.stop_gradient(x).astype(jnp.float32)
-    absmax = jnp.max(finite_or(jnp.abs(x), 0.0), axis=axes, keepdims=True, initial=0.0)
     lo = jnp.min(finite_or(x, 0.0), axis=axes, keepdims=True, initial=0.0)
     hi = jnp.max(finite_or(x, 0.0), axis=axes, keepdims=True, initial=0.0)
     return absmax, lo, hi

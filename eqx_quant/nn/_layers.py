@@ -117,12 +117,11 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
     quantizers = (layer.weight_quant, layer.input_quant)
     if layer.matmul == "float" or not all(isinstance(q, AbstractFakeQuantizer) for q in quantizers):  # pyright: ignore
         return layer._float_path(x, key)
-    w, w_nan = layer.weight_quant.quantize_with_mask(weight)  # pyright: ignore[reportOptionalMemberAccess]
-    x_int, x_nan = layer.input_quant.quantize_with_mask(vector)  # pyright: ignore[reportOptionalMemberAccess]
+    wq, w, w_nan = layer.weight_quant.fake_quant_and_tensor(weight)  # pyright: ignore[reportOptionalMemberAccess]
+    xq, x_int, x_nan = layer.input_quant.fake_quant_and_tensor(vector)  # pyright: ignore[reportOptionalMemberAccess]
     spec = plan(float_layer, weight.shape, w, x_int)
     if spec is None:
         return layer._float_path(x, key)
-    wq, xq = layer.weight_quant(weight), layer.input_quant(vector)  # pyright: ignore[reportOptionalCall]
     y = integer_forward(spec, wq, xq, float_layer.bias, w, x_int, w_nan, x_nan)  # pyright: ignore[reportArgumentType]
     return scalar_output(float_layer, y.astype(weight.dtype))
 
