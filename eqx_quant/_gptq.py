@@ -1,0 +1,240 @@
+"""GPTQ (Frantar et al., ICLR 2023): quantizing a linear layer's weight column by column, each column's rounding
+error fed back into the columns not yet quantized through the inverse Hessian of the layer's inputs."""
+
+import functools
+from collections.abc import Callable, Iterable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Float, Int, PyTree
+
+from ._calibrate import fold, layer_stack
+from ._fake_quant import check_range, dequantize_levels, quantize_levels
+from ._misc import check_int
+from ._quantizers import DynamicFakeQuant, FakeQuant, LearnedFakeQuant
+from ._scales import absmax_scale, finite_absmax
+from ._tree import map_nodes, nodes
+from .nn._layers import QuantLinear, per_layer
+
+
+_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _check(weight: Array, hessian: Array, qmin: int, qmax: int, group_size: int | None, damp: float) -> None:
+    if weight.ndim != 2:
+        raise ValueError(f"`weight` must have shape (out_features, in_features), got shape {weight.shape}.")
+    n = weight.shape[1]
+    if hessian.shape != (n, n):
+        raise ValueError(
+            f"`hessian` must have shape ({n}, {n}) for a weight of shape {weight.shape}, got {hessian.shape}."
+        )
+    if not jnp.issubdtype(weight.dtype, jnp.floating) or not jnp.issubdtype(hessian.dtype, jnp.floating):
+        raise TypeError(f"`weight` and `hessian` must be floating arrays, got {weight.dtype} and {hessian.dtype}.")
+    if not (qmin <= 0 < qmax):
+        raise ValueError(f"GPTQ quantizes symmetrically: the grid needs qmin <= 0 < qmax, got [{qmin}, {qmax}].")
+    if group_size is not None and (check_int("group_size", group_size) < 1 or n % group_size):
+        raise ValueError(f"`group_size` must be a positive divisor of in_features={n}, got group_size={group_size}.")
+    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0:
+        raise ValueError(f"`damp` must be a non-negative float, got damp={damp!r}.")
+
+
+def gptq_quantize(
+    weight: Float[Array, "out in"],
+    hessian: Float[Array, "rows cols"],
+    qmin: int,
+    qmax: int,
+    *,
+    group_size: int | None = None,
+    act_order: bool = False,
+    damp: float = 0.01,
+) -> tuple[Int[Array, "out in"], Float[Array, "out groups"]]:
+    """Quantizes a linear layer's weight with GPTQ.
+
+    For `y = W x`, the columns of `W` (one per input feature) are quantized one after another on the symmetric grid
+    `[qmin, qmax]`; the rounding error of column `i`, divided by `U[i, i]`, is subtracted from every later column `j`
+    in proportion to `U[i, j]`, where `U` is the upper Cholesky factor of `H⁻¹`. This minimises, column by column,
+    the output error `‖W X - Ŵ X‖²` over the calibration inputs, whose second moment is the Hessian
+    `H = 2 Σ x xᵀ` (any positive multiple of it gives the same result).
+
+    Before inverting: input features that never vary (`H[i, i] = 0`) get `H[i, i] = 1` and a zero weight column,
+    and `damp * mean(diag(H))` is added to the diagonal.
+
+    Scales are those of [`eqx_quant.DynamicFakeQuant`][]'s symmetric scale (`absmax_scale`), and levels are rounded
+    with [`eqx_quant.fake_quant`][]'s arithmetic, so that the fake quantizer with these scales reproduces the levels
+    exactly from `scale * levels`:
+
+    - per output row (`group_size=None`): from the original row;
+    - per group of `group_size` input columns: from the group's columns as the error feedback has left them when the
+        first of them is reached; with `act_order`, from the original weight instead, so that every group is fixed
+        before the columns are visited out of order (groups stay contiguous in the original column order).
+
+    **Arguments:**
+
+    - `weight`: the weight, shape `(out_features, in_features)`.
+    - `hessian`: `Σ x xᵀ` (times any positive constant) over the layer's calibration inputs, shape
+        `(in_features, in_features)`.
+    - `qmin`, `qmax`: the integer grid, with `qmin <= 0 < qmax`.
+    - `group_size`: `None` for one scale per output row, or the size of the groups of input columns.
+    - `act_order`: visit the columns in order of decreasing `H[i, i]` (the inputs with the most energy first).
+    - `damp`: the relative damping of the Hessian's diagonal.
+
+    **Returns:**
+
+    `(levels, scale)`: int32 levels of the weight's shape, and float32 scales of shape `(out_features, 1)` per row
+    or `(out_features, in_features // group_size)` per group. The quantized weight is `scale * levels`, the scales
+    repeated over each group.
+    """
+    qmin, qmax = check_range(qmin, qmax)
+    weight, hessian = jnp.asarray(weight), jnp.asarray(hessian)
+    _check(weight, hessian, qmin, qmax, group_size, damp)
+    return _gptq(weight, hessian, qmin, qmax, group_size, bool(act_order), float(damp))
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
+def _gptq(weight, hessian, qmin, qmax, group_size, act_order, damp):
+    dtype = jnp.float64 if weight.dtype == jnp.float64 else jnp.float32
+    w, h = weight.astype(dtype), hessian.astype(dtype)
+    out, n = w.shape
+    g = n if group_size is None else group_size
+    diag = jnp.diagonal(h)
+    dead = diag == 0
+    h = h + jnp.diag(jnp.where(dead, 1.0, 0.0).astype(dtype))
+    w = jnp.where(dead[None, :], 0.0, w)
+    order = jnp.argsort(-jnp.diagonal(h), stable=True) if act_order else jnp.arange(n)
+    h = h[order][:, order]
+    h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(n, dtype=dtype)
+    # U: the upper Cholesky factor of H⁻¹.
+    lower = jnp.linalg.cholesky(h)
+    h_inv = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(n, dtype=dtype))
+    u = jnp.linalg.cholesky(h_inv).T
+
+    def group_scales(w_cols):  # the symmetric scale of each row of a block of columns
+        return absmax_scale(finite_absmax(w_cols, (1,)), qmin, qmax)[:, 0]
+
+    if group_size is None:
+        scales = group_scales(w)[:, None]
+    else:
+        # Per group, from the original weight; without act_order refreshed below from the updated weights.
+        scales = jax.vmap(group_scales, in_axes=1, out_axes=1)(w.reshape(out, n // g, g))
+    w = w[:, order]
+
+    def column(i, carry):
+        w, scales, levels = carry
+        original = order[i]
+        if group_size is not None and not act_order:
+            # The first column of a group: its scale from the group's columns as they are now.
+            fresh = group_scales(jax.lax.dynamic_slice(w, (0, i), (out, g)))
+            scales = jnp.where(i % g == 0, scales.at[:, i // g].set(fresh), scales)
+        s = jax.lax.dynamic_index_in_dim(scales, original // g, axis=1, keepdims=False).astype(dtype)
+        col = w[:, i]
+        q = quantize_levels(col, s, None, qmin, qmax)
+        err = (col - dequantize_levels(q, s, None)) / u[i, i]
+        later = (jnp.arange(n) > i).astype(dtype)
+        w = w - err[:, None] * (u[i] * later)[None, :]
+        return w, scales, levels.at[:, i].set(q.astype(jnp.int32))
+
+    levels = jnp.zeros((out, n), jnp.int32)
+    _, scales, levels = jax.lax.fori_loop(0, n, column, (w, scales, levels))
+    levels = levels[:, jnp.argsort(order)]
+    return levels, scales.astype(jnp.float32)
+
+
+def _gptq_grid(path: str, quantizer: object) -> tuple[int, int, int | None]:
+    """`(qmin, qmax, group_size)` of a weight quantizer that GPTQ can stand in for, or a `ValueError` naming the
+    layer: symmetric, with one scale per output row (`axis=0`) or per group of input columns."""
+    symmetric = (
+        (isinstance(quantizer, DynamicFakeQuant) and quantizer.symmetric)
+        or (isinstance(quantizer, FakeQuant) and quantizer.zero_point == 0)
+        or (isinstance(quantizer, LearnedFakeQuant) and quantizer.zero_point is None)
+    )
+    layout = getattr(quantizer, "layout", None)
+    per_row = layout is not None and layout.axes in ((0,), (-2,)) and layout.group_size is None
+    per_group = layout is not None and layout.axes == () and layout.group_size is not None
+    if not symmetric or not (per_row or per_group) or not quantizer.qmin <= 0 < quantizer.qmax:  # pyright: ignore
+        raise ValueError(
+            f"Layer {path!r} has weight quantizer {quantizer!r}; GPTQ needs a symmetric one (DynamicFakeQuant, or a "
+            "FakeQuant / LearnedFakeQuant with zero point 0) with one scale per output row (axis=0) or per group "
+            "(group_size), on a grid holding 0 and positive levels. Exclude the layer with `where`."
+        )
+    return quantizer.qmin, quantizer.qmax, layout.group_size  # pyright: ignore
+
+
+def gptq(
+    model: PyTree,
+    batches: Iterable[PyTree],
+    *,
+    damp: float = 0.01,
+    act_order: bool = False,
+    batched: bool = False,
+    where: Callable[[str, eqx.Module], bool] | None = None,
+) -> PyTree:
+    """Post-training quantization of a model's linear weights with GPTQ ([`eqx_quant.gptq_quantize`][]).
+
+    Every [`eqx_quant.nn.QuantLinear`][] with a weight quantizer (or those `where` selects) gets its weight replaced
+    by GPTQ's quantized weight `scale * levels`, on the grid and layout of its weight quantizer (which must be
+    symmetric, per output row or per group), and its weight quantizer replaced by a fixed one with GPTQ's scales: a
+    static [`eqx_quant.FakeQuant`][], or for stacked layers (built with `eqx.filter_vmap`, run with `jax.lax.scan`)
+    a [`eqx_quant.LearnedFakeQuant`][] holding one set of scales per layer. The fake-quant forward then computes
+    exactly with GPTQ's integers, and [`eqx_quant.convert`][] stores them. Biases, input quantizers and other layers
+    are unchanged.
+
+    The Hessian of each layer is `Σ x xᵀ` over the inputs the layer sees when the model runs on `batches` with its
+    weight quantizers active and the chosen layers' input quantizers bypassed (all layers from one pass: layers are not
+    re-run one after another on the outputs of already-GPTQ-quantized ones). It is collected like
+    [`eqx_quant.calibrate`][]'s statistics, so that layers inside the model's own `jax.vmap` and `jax.lax.scan` are
+    seen, one Hessian per layer of a stack.
+
+    **Arguments:**
+
+    - `model`: a model from [`eqx_quant.quantize`][] whose linear weight quantizers are symmetric per-row or
+        per-group (e.g. `DynamicFakeQuant(4, group_size=32)`).
+    - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][].
+    - `damp`, `act_order`: as for [`eqx_quant.gptq_quantize`][].
+    - `batched`: as for [`eqx_quant.calibrate`][].
+    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
+        quantizer.
+
+    **Returns:**
+
+    The model with GPTQ-quantized linear weights.
+    """
+    layers = [(path, layer) for path, layer in nodes(model, (QuantLinear,)) if layer.weight_quant is not None]
+    if where is not None:
+        layers = [(path, layer) for path, layer in layers if where(path, layer)]
+    if not layers:
+        raise ValueError("`model` has no QuantLinear layer with a weight quantizer to quantize with GPTQ.")
+    grids = {path: _gptq_grid(path, layer.weight_quant) for path, layer in layers}
+    # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes.
+    grams = fold(model, layers, batches, batched, "gram")
+
+    def replace(path: str, layer: QuantLinear) -> QuantLinear:
+        if path not in grids:
+            return layer
+        if path not in grams:
+            raise ValueError(f"Layer {path!r} was never called on the calibration batches.")
+        qmin, qmax, group_size = grids[path]
+        weight = layer.layer.weight
+        stack = layer_stack(layer)
+        hessian = jnp.asarray(np.stack([record["gram"] for record in grams[path]]))
+        hessian = hessian.reshape(stack + hessian.shape[1:])
+        solve = functools.partial(
+            gptq_quantize, qmin=qmin, qmax=qmax, group_size=group_size, act_order=act_order, damp=damp
+        )
+        for _ in stack:
+            solve = jax.vmap(solve)
+        levels, scales = solve(weight, hessian)
+        g = weight.shape[-1] if group_size is None else group_size
+        repeated = jnp.repeat(scales, g, axis=-1)
+        new_weight = dequantize_levels(levels.astype(jnp.float32), repeated, None).astype(weight.dtype)
+        compact = scales[..., 0] if group_size is None else scales
+        axis = 0 if group_size is None else None
+        if not stack:
+            quantizer = FakeQuant(np.asarray(compact), qmin, qmax, axis=axis, group_size=group_size)
+        else:
+            make = lambda s: LearnedFakeQuant(s, qmin, qmax, axis=axis, group_size=group_size, min_scale=_TINY)  # noqa: E731
+            quantizer = per_layer(make, len(stack))(compact)
+        return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant), layer, (new_weight, quantizer))
+
+    return map_nodes(model, (QuantLinear,), replace)
