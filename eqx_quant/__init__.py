@@ -29,6 +29,7 @@ from ._quantizers import (
     PassthroughClip as PassthroughClip,
 )
 from ._ranges import int_range as int_range
+from ._recipes import recipe as recipe
 from ._transform import dequantize as dequantize, quantize as quantize
 
 

@@ -1,5 +1,10 @@
 """Quantized layers: Equinox layers computed on fake-quantized weights and inputs."""
 
+from ._attention import (
+    Einsum as Einsum,
+    QuantEinsum as QuantEinsum,
+    QuantMultiheadAttention as QuantMultiheadAttention,
+)
 from ._int_layers import (
     AbstractIntLayer as AbstractIntLayer,
     IntConv as IntConv,

@@ -1,0 +1,129 @@
+"""Products of two activations on integers (QuantEinsum), multi-head attention with them, and `quantize` on them."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_quant
+from eqx_quant import DynamicFakeQuant, FakeQuant
+from eqx_quant.nn import Einsum, QuantEinsum, QuantMultiheadAttention
+
+from .helpers import assert_bitwise_equal, np_absmax_scale
+
+
+def np_levels(x, axis_keep, qmax=127):
+    """Levels and scales of a symmetric dynamic quantizer with one scale per index of `axis_keep` (or per tensor)."""
+    x = np.asarray(x, np.float32)
+    reduce = tuple(i for i in range(x.ndim) if i not in axis_keep)
+    scale = np_absmax_scale(np.abs(x).max(axis=reduce, keepdims=True), qmax)
+    return np.clip(np.round(x * (np.float32(1) / scale)), -qmax - 1, qmax).astype(np.int64), scale
+
+
+@pytest.fixture(scope="module")
+def operands():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return jax.random.normal(k1, (5, 8)) * 2, jax.random.normal(k2, (6, 8))
+
+
+SCORES = QuantEinsum(Einsum("td,sd->ts"), lhs_quant=DynamicFakeQuant(8, axis=0), rhs_quant=DynamicFakeQuant(8))
+call = eqx.filter_jit(lambda q, a, b: q(a, b))
+
+
+def test_integer_einsum_against_an_int64_reference(operands):
+    a, b = operands
+    qa, sa = np_levels(a, (0,))  # one scale per token
+    qb, sb = np_levels(b, ())
+    acc = qa @ qb.T  # exact in int64
+    expected = (acc.astype(np.float32) * (sa * sb.reshape(1, 1))).astype(np.float32)
+    eager = SCORES(a, b)
+    np.testing.assert_array_equal(np.asarray(eager), expected)
+    assert_bitwise_equal(call(SCORES, a, b), eager)
+    # Batched over a leading axis (heads), each slice as it would be alone.
+    stacked = jax.vmap(SCORES)(jnp.stack([a, -a]), jnp.stack([b, b]))
+    assert_bitwise_equal(stacked[1], SCORES(-a, b))
+    # Close to the float product of the fake-quantized operands, which rounds its sums.
+    float_path = QuantEinsum(SCORES.einsum, lhs_quant=SCORES.lhs_quant, rhs_quant=SCORES.rhs_quant, matmul="float")
+    np.testing.assert_allclose(np.asarray(float_path(a, b)), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_are_those_of_the_float_formulation(operands):
+    a, b = operands
+    float_path = QuantEinsum(SCORES.einsum, lhs_quant=SCORES.lhs_quant, rhs_quant=SCORES.rhs_quant, matmul="float")
+    weights = jax.random.normal(jax.random.key(1), (5, 6))
+    grad = lambda q: jax.grad(lambda a, b: jnp.sum(q(a, b) * weights), argnums=(0, 1))(a, b)  # noqa: E731
+    for g_int, g_float in zip(grad(SCORES), grad(float_path), strict=True):
+        np.testing.assert_allclose(np.asarray(g_int), np.asarray(g_float), rtol=1e-6, atol=1e-6)
+        assert np.abs(np.asarray(g_int)).sum() > 0
+
+
+def test_nan_and_fallbacks(operands):
+    a, b = operands
+    a_nan = a.at[2, 3].set(jnp.nan)
+    out = np.asarray(SCORES(a_nan, b))
+    assert np.isnan(out[2]).all() and not np.isnan(np.delete(out, 2, axis=0)).any()
+    # Scales along the contracted axis: no integer product; the float one of the fake-quantized operands.
+    per_feature = QuantEinsum(SCORES.einsum, lhs_quant=DynamicFakeQuant(8, axis=1), rhs_quant=DynamicFakeQuant(8))
+    expected = jnp.einsum("td,sd->ts", DynamicFakeQuant(8, axis=1)(a), DynamicFakeQuant(8)(b))
+    assert_bitwise_equal(per_feature(a, b), expected)
+    asymmetric = QuantEinsum(SCORES.einsum, lhs_quant=DynamicFakeQuant(8, symmetric=False), rhs_quant=None)
+    assert_bitwise_equal(asymmetric(a, b), jnp.einsum("td,sd->ts", DynamicFakeQuant(8, symmetric=False)(a), b))
+
+
+def test_einsum_errors():
+    for bad in ("td,sd", "td->t", "td,sd,xd->ts", "t1,sd->ts", "tt,sd->ts", "td,sd->tz"):
+        with pytest.raises(ValueError, match="equation"):
+            Einsum(bad)
+    with pytest.raises(TypeError, match="einsum"):
+        QuantEinsum(jnp.einsum, lhs_quant=None, rhs_quant=None)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(TypeError, match="lhs_quant"):
+        QuantEinsum(Einsum("td,sd->ts"), lhs_quant=3, rhs_quant=None)  # pyright: ignore[reportArgumentType]
+
+
+class Block(eqx.Module):
+    attn: eqx.nn.MultiheadAttention
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        self.attn = eqx.nn.MultiheadAttention(2, 8, key=k1)
+        self.head = eqx.nn.Linear(8, 3, key=k2)
+
+    def __call__(self, x):
+        mask = jnp.tril(jnp.ones((x.shape[0], x.shape[0]), bool))
+        return jax.vmap(self.head)(self.attn(x, x, x, mask=mask))
+
+
+def test_multihead_attention_wrapper_equals_equinox():
+    mha = eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(2), dropout_p=0.5)
+    x = jax.random.normal(jax.random.key(3), (5, 8))
+    kv = jax.random.normal(jax.random.key(4), (7, 8))
+    wrapped = QuantMultiheadAttention(mha)
+    mask = jax.random.bernoulli(jax.random.key(5), 0.7, (5, 7))
+    head_mask = jax.random.bernoulli(jax.random.key(6), 0.7, (2, 5, 7))
+    for kwargs in (dict(mask=mask, inference=True), dict(mask=head_mask, inference=True), dict(key=jax.random.key(7))):
+        assert_bitwise_equal(wrapped(x, kv, kv, **kwargs), mha(x, kv, kv, **kwargs))
+
+
+def test_quantize_attention_products_and_convert():
+    model = Block(jax.random.key(8))
+    x = jax.random.normal(jax.random.key(9), (6, 8))
+    assert type(eqx_quant.quantize(model).attn) is eqx.nn.MultiheadAttention  # products stay float by default
+    qmodel = eqx_quant.quantize(model, products=DynamicFakeQuant(8))
+    attn = qmodel.attn
+    assert type(attn) is QuantMultiheadAttention and type(attn.scores) is QuantEinsum
+    assert type(attn.attention.query_proj) is eqx_quant.nn.QuantLinear
+    # Per-operand quantizers by pattern: a pair for the scores, the values left float.
+    pairs = eqx_quant.quantize(model, products={r"attn\.scores": (DynamicFakeQuant(8, axis=0), FakeQuant(0.05, -128, 127))})
+    assert pairs.attn.scores.rhs_quant == FakeQuant(0.05, -128, 127) and type(pairs.attn.values) is Einsum
+    fake = eqx.filter_jit(lambda m, x: m(x))(qmodel, x)
+    np.testing.assert_allclose(np.asarray(fake), np.asarray(model(x)), atol=0.05)
+    assert not np.array_equal(np.asarray(fake), np.asarray(eqx_quant.quantize(model)(x)))
+    converted = eqx_quant.convert(qmodel)
+    assert type(converted.attn.attention.query_proj) is eqx_quant.nn.IntLinear
+    assert_bitwise_equal(eqx.filter_jit(lambda m, x: m(x))(converted, x), fake)
+    # Every product runs on integers: int8 dot_generals with int32 results in the jaxpr, per head.
+    jaxpr = jax.make_jaxpr(lambda x: qmodel(x))(x)
+    text = str(jaxpr)
+    assert text.count("preferred_element_type=int32") >= 2 + 5  # two products, five linear layers

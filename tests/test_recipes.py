@@ -1,0 +1,112 @@
+"""Recipes, full-match layer patterns and the subclass guard of `quantize`."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_quant
+from eqx_quant import DynamicFakeQuant, LearnedFakeQuant, quantize, recipe
+
+from .helpers import assert_bitwise_equal
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return eqx.nn.MLP(64, 10, 64, 3, key=jax.random.key(0))
+
+
+def test_recipes_give_the_documented_quantizers(mlp):
+    expected = {  # name: (weight bits, group size, activation bits)
+        "w8a8": (8, None, 8),
+        "w8a16": (8, None, None),
+        "w4a8_g32": (4, 32, 8),
+        "w4a16_g32": (4, 32, None),
+        "w3a16_g32": (3, 32, None),
+        "w2a16_g32": (2, 32, None),
+    }
+    for name, (bits, group, act) in expected.items():
+        qmodel = quantize(mlp, **recipe(name))
+        for i, layer in enumerate(qmodel.layers):
+            # The last layer has 64 inputs too: every layer is grouped for the grouped recipes.
+            w = DynamicFakeQuant(bits, group_size=group) if group else DynamicFakeQuant(bits, axis=0)
+            assert layer.weight_quant == w, (name, i)
+            assert layer.input_quant == (None if act is None else DynamicFakeQuant(act)), (name, i)
+    assert quantize(mlp, **recipe("w4a16_g32", group_size=16)).layers[0].weight_quant.group_size == 16
+
+
+def test_recipe_keeps_first_and_last_layers_at_8_bits(mlp):
+    qmodel = quantize(mlp, **recipe("w2a16_g32", keep=(r"layers\.0", r"layers\.3")))
+    bits = [layer.weight_quant.bits for layer in qmodel.layers]
+    assert bits == [8, 2, 2, 8]
+    assert qmodel.layers[0].input_quant == DynamicFakeQuant(8) and qmodel.layers[1].input_quant is None
+    # Full match: "layers.0" does not keep "layers.0x" style paths; a bare "0" keeps nothing.
+    assert [layer.weight_quant.bits for layer in quantize(mlp, **recipe("w2a16_g32", keep="0")).layers] == [2] * 4
+
+
+def test_recipe_equals_the_same_quantizers_by_hand(mlp):
+    x = jax.random.normal(jax.random.key(1), (4, 64))
+    by_recipe = quantize(mlp, **recipe("w4a8_g32"))
+    by_hand = quantize(mlp, weights=DynamicFakeQuant(4, group_size=32), activations=DynamicFakeQuant(8))
+    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    assert_bitwise_equal(run(by_recipe, x), run(by_hand, x))
+
+
+def test_learned_recipe_initialises_from_each_weight(mlp):
+    qmodel = quantize(mlp, **recipe("w4a8_g32", learned=True))
+    layer = qmodel.layers[1]
+    assert type(layer.weight_quant) is LearnedFakeQuant and layer.weight_quant.scale.shape == (64, 2)
+    expected = LearnedFakeQuant.init_from(mlp.layers[1].weight, 4, group_size=32)
+    assert_bitwise_equal(layer.weight_quant.scale, expected.scale)
+
+
+def test_attention_recipe_quantizes_the_products():
+    model = {"attn": eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(2))}
+    qmodel = quantize(model, **recipe("w8a8_attn"))
+    assert type(qmodel["attn"].scores) is eqx_quant.nn.QuantEinsum
+    assert type(quantize(model, **recipe("w8a8"))["attn"]) is eqx.nn.MultiheadAttention
+
+
+def test_recipe_errors():
+    with pytest.raises(ValueError, match="w8a8"):
+        recipe("int4")
+    with pytest.raises(ValueError, match="keep"):
+        recipe("w8a8", keep="(")
+    with pytest.raises((ValueError, TypeError), match="group_size"):
+        recipe("w4a8_g32", group_size=0)
+
+
+def test_full_match_patterns():
+    mlp = eqx.nn.MLP(2, 2, 4, 11, key=jax.random.key(3))
+    searched = quantize(mlp, where=r"layers\.1")
+    assert [i for i, l in enumerate(searched.layers) if type(l) is not eqx.nn.Linear] == [1, 10, 11]
+    full = quantize(mlp, where=r"layers\.1", match="full")
+    assert [i for i, l in enumerate(full.layers) if type(l) is not eqx.nn.Linear] == [1]
+    mapped = quantize(mlp, weights={r"layers\.1": DynamicFakeQuant(4, axis=0)}, match="full")
+    assert mapped.layers[1].weight_quant.bits == 4 and mapped.layers[10].weight_quant is None
+    with pytest.raises((ValueError, TypeError), match="match"):
+        quantize(mlp, match="prefix")  # pyright: ignore[reportArgumentType]
+
+
+class Doubling(eqx.nn.Linear):
+    def __call__(self, x, *, key=None):
+        return 2 * super().__call__(x, key=key)
+
+
+class Named(eqx.nn.Linear):
+    """A subclass that keeps the base computation."""
+
+
+def test_subclasses_that_override_call_are_not_silently_replaced():
+    key = jax.random.key(4)
+    model = {"plain": eqx.nn.Linear(3, 3, key=key), "double": Doubling(3, 3, key=key), "named": Named(3, 3, key=key)}
+    with pytest.raises(ValueError, match="'double'.*Doubling"):
+        quantize(model)
+    skipped = quantize(model, subclasses="skip")
+    assert type(skipped["double"]) is Doubling and type(skipped["named"]) is eqx_quant.nn.QuantLinear
+    wrapped = quantize(model, subclasses="wrap")
+    assert type(wrapped["double"]) is eqx_quant.nn.QuantLinear
+    x = jnp.array([0.5, -1.0, 2.0])
+    np.testing.assert_allclose(np.asarray(skipped["double"](x)), 2 * np.asarray(model["plain"](x)), rtol=1e-6)
+    assert type(quantize(model, where=lambda path, layer: path != "double")["double"]) is Doubling
