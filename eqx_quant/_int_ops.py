@@ -126,6 +126,24 @@ def _rescale(acc: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> 
     return jnp.where(fits, y, jnp.where(bias == 0, split, bias))
 
 
+_NAN_BITS = 0x7FC00001  # a NaN whose bits `opaque` may flip into another NaN; no number has them
+
+
+def opaque(y: Array) -> Array:
+    """`y` (float32) unchanged, through an integer operation that the compiler cannot see through: an exclusive or of
+    its bits with a zero computed from them.
+
+    An integer layer's output is a rounded product. Under `jit`, XLA's CPU backend contracts a product that feeds an
+    addition into one fused multiply-add, which rounds once where the product and the sum rounded separately; the
+    addition may be the model's own (a residual `h + layer(x)`), and whether it is contracted depends on how the
+    whole program is fused, which differs between a quantized and a converted model. Behind this operation no
+    addition can take the product apart, so that both compute the same bits.
+    """
+    bits = jax.lax.bitcast_convert_type(y, jnp.int32)
+    bits = bits ^ (bits == _NAN_BITS).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _with_nan(y: Array, nan: Array | None) -> Array:
     """`y` with NaN where `nan` (broadcast against it) is true."""
     return y if nan is None else jnp.where(nan, jnp.nan, y)
@@ -153,7 +171,7 @@ def int_linear(
     if spec.group is not None:
         y = _grouped_sum(spec.group, w, x, w_scale)
         y = _rescale(y, jnp.ones((), jnp.float32), x_scale, bias)
-        return _with_nans(y, w_nan, x_nan)
+        return opaque(_with_nans(y, w_nan, x_nan))
     dims = (((0,), (1,)), ((), ()))
     k = x.shape[0]
     if k <= spec.chunk:
@@ -166,7 +184,7 @@ def int_linear(
                 preferred_element_type=jnp.int32,
             )  # fmt: skip
             acc = acc + part.astype(jnp.float32)
-    return _with_nans(_rescale(acc, w_scale, x_scale, bias), w_nan, x_nan)
+    return opaque(_with_nans(_rescale(acc, w_scale, x_scale, bias), w_nan, x_nan))
 
 
 def _rows(nan: Array) -> Array:
@@ -185,16 +203,14 @@ def _grouped_sum(group: int, w: Array, x: Array, w_scale: Array) -> Array:
 
     Each group's product is an exact int32 sum; it is scaled by its group's weight scale, and the scaled sums are
     added in float32, each product rounded before it is added. Under `jit`, XLA would fuse a product feeding the
-    sum into a fused multiply-add, which rounds once where the eager computation rounds twice; a select between
-    the product and a value that it never takes (an int32 sum within the chunk bound is never `-2**31`) stands
+    sum into a fused multiply-add, which rounds once where the eager computation rounds twice; `opaque` stands
     between them, so that eager and compiled calls give the same bits.
     """
     out, groups = w.shape[0], w.shape[1]
     x = x.reshape(groups, group)
     dims = (((1,), (2,)), ((0,), (1,)))  # contract within a group; groups along the batch axis
     acc = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)  # (groups, out)
-    terms = acc.astype(jnp.float32) * w_scale.reshape(out, groups).T
-    terms = jnp.where(acc != jnp.iinfo(jnp.int32).min, terms, 0.0)
+    terms = opaque(acc.astype(jnp.float32) * w_scale.reshape(out, groups).T)
     return jnp.sum(terms, axis=0)
 
 
@@ -250,7 +266,7 @@ def int_conv(
         hits = conv(x_nan.astype(jnp.float32)[None], ones, precision=jax.lax.Precision.HIGHEST)[0] > 0
         per_group = y.reshape((spec.groups, -1) + y.shape[1:])
         y = _with_nan(per_group, hits[:, None]).reshape(y.shape)
-    return y
+    return opaque(y)
 
 
 def _float_linear(spec: LinearSpec, w: Array, x: Array, bias: Array | None) -> Array:

@@ -3,6 +3,7 @@
 from ._attention import (
     Einsum as Einsum,
     QuantEinsum as QuantEinsum,
+    QuantKVCache as QuantKVCache,
     QuantMultiheadAttention as QuantMultiheadAttention,
 )
 from ._int_layers import (

@@ -11,13 +11,16 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
-from .._int_ops import INT32_MAX
+from .._int_ops import INT32_MAX, opaque
+from .._layout import Layout
+from .._misc import check_int
 from .._qtensor import QuantizedTensor
-from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer
+from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant
 from ._layers import _check_matmul, _check_quantizer
 
 
 _OPERAND = re.compile(r"^[a-zA-Z]*$")
+_TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
 def _parse(equation: object) -> tuple[str, str, str]:
@@ -100,7 +103,7 @@ def _integer_value(equation: str, a: QuantizedTensor, b: QuantizedTensor, a_nan:
     ones_a, ones_b = jnp.ones(a.shape, jnp.int8), jnp.ones(b.shape, jnp.int8)
     nan = jnp.einsum(equation, a_nan.astype(jnp.int8), ones_b, preferred_element_type=jnp.int32) > 0
     nan = nan | (jnp.einsum(equation, ones_a, b_nan.astype(jnp.int8), preferred_element_type=jnp.int32) > 0)
-    return jnp.where(nan, jnp.nan, y)
+    return opaque(jnp.where(nan, jnp.nan, y))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
@@ -253,11 +256,17 @@ class QuantMultiheadAttention(eqx.Module):
         """Like `eqx.nn.MultiheadAttention.__call__`."""
         if deterministic is not None:
             inference = deterministic
-            warnings.warn("`deterministic` is deprecated in favour of `inference`, as in eqx.nn.MultiheadAttention.")
+            warnings.warn(
+                "`deterministic` is deprecated in favour of `inference`, as in eqx.nn.MultiheadAttention.", stacklevel=2
+            )
         if key_.shape[0] != value.shape[0]:
             raise ValueError("`key_` and `value` must be sequences of equal length.")
         att = self.attention
-        q, k, v = self._heads(att.query_proj, query), self._heads(att.key_proj, key_), self._heads(att.value_proj, value)
+        q, k, v = (
+            self._heads(att.query_proj, query),
+            self._heads(att.key_proj, key_),
+            self._heads(att.value_proj, value),
+        )
         if process_heads is not None:
             shapes = (q.shape, k.shape, v.shape)
             q, k, v = process_heads(q, k, v)
@@ -275,3 +284,110 @@ class QuantMultiheadAttention(eqx.Module):
                 out_axes=1,
             )(q, k, v, keys)  # fmt: skip
         return jax.vmap(att.output_proj)(out.reshape(query.shape[0], -1))  # pyright: ignore[reportArgumentType]
+
+
+class QuantKVCache(eqx.Module):
+    """A key/value cache of integers for incremental decoding: one query at a time attends to the keys and values of
+    the positions so far, stored as `bits`-bit integers with one symmetric scale per position and head.
+
+    Keys and values enter with [`eqx_quant.nn.QuantKVCache.append`][] quantized as
+    `DynamicFakeQuant(bits, axis=0)` quantizes a `(heads, head_dim)` array (one scale per head), so that the cache
+    holds exactly the integers that a fake-quant model computes for them. [`eqx_quant.nn.QuantKVCache.attend`][]
+    computes the scores on integers (the query quantized per head) and the weighted values from the dequantized
+    values (their scales vary along the positions that the product sums over, so no single rescale exists): the
+    computation of [`eqx_quant.nn.QuantEinsum`][]s with those quantizers, bit for bit. Positions not yet written hold
+    zeros and are masked.
+    """
+
+    keys: Array
+    values: Array
+    key_scales: Array
+    value_scales: Array
+    bits: int = eqx.field(static=True)
+
+    @classmethod
+    def empty(cls, max_len: int, num_heads: int, head_dim: int, *, bits: int = 8) -> "QuantKVCache":
+        """An empty cache.
+
+        **Arguments:**
+
+        - `max_len`: the number of positions it holds.
+        - `num_heads`, `head_dim`: the shape of one position's keys (and values).
+        - `bits`: the width of the stored integers, at most 8.
+
+        **Returns:**
+
+        A [`eqx_quant.nn.QuantKVCache`][] of zeros.
+        """
+        for name, value in (("max_len", max_len), ("num_heads", num_heads), ("head_dim", head_dim)):
+            if check_int(name, value) < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {name}={value}.")
+        if not 2 <= check_int("bits", bits) <= 8:
+            raise ValueError(f"`bits` must be in [2, 8], got bits={bits}.")
+        levels = jnp.zeros((max_len, num_heads, head_dim), jnp.int8)
+        scales = jnp.full((max_len, num_heads, 1), _TINY, jnp.float32)
+        return cls(levels, levels, scales, scales, bits)
+
+    @property
+    def _quantizer(self) -> DynamicFakeQuant:
+        return DynamicFakeQuant(self.bits, axis=0)
+
+    def append(
+        self, key_: Float[Array, "heads head_dim"], value: Float[Array, "heads head_dim"], index
+    ) -> "QuantKVCache":
+        """The cache with position `index` holding `key_` and `value`, quantized (jit-friendly: `index` may be traced).
+
+        **Arguments:**
+
+        - `key_`, `value`: one position's keys and values, shape `(num_heads, head_dim)`.
+        - `index`: the position to write.
+
+        **Returns:**
+
+        The new cache.
+        """
+        expected = self.keys.shape[1:]
+        if key_.shape != expected or value.shape != expected:
+            raise ValueError(f"`key_` and `value` must have shape {expected}, got {key_.shape} and {value.shape}.")
+        k, v = self._quantizer.quantize(key_), self._quantizer.quantize(value)
+
+        def put(cache, row):
+            return jax.lax.dynamic_update_slice_in_dim(cache, row[None].astype(cache.dtype), index, axis=0)
+
+        return eqx.tree_at(
+            lambda c: (c.keys, c.values, c.key_scales, c.value_scales),
+            self,
+            (put(self.keys, k.values), put(self.values, v.values), put(self.key_scales, k.scale),
+             put(self.value_scales, v.scale)),
+        )  # fmt: skip
+
+    def dequantized(self) -> tuple[Array, Array]:
+        """The stored keys and values as floats, `(max_len, num_heads, head_dim)` each."""
+        deq = lambda levels, scale: levels.astype(jnp.float32) * scale  # noqa: E731
+        return deq(self.keys, self.key_scales), deq(self.values, self.value_scales)
+
+    def attend(self, query: Float[Array, "heads head_dim"], length) -> Float[Array, "heads head_dim"]:
+        """Attention of one query over positions `0 .. length - 1`: `softmax(q kᵀ / sqrt(head_dim)) v` per head.
+
+        **Arguments:**
+
+        - `query`: shape `(num_heads, head_dim)`.
+        - `length`: the number of positions written so far (may be traced).
+
+        **Returns:**
+
+        The attended values, shape `(num_heads, head_dim)`.
+        """
+        if query.shape != self.keys.shape[1:]:
+            raise ValueError(f"`query` must have shape {self.keys.shape[1:]}, got {query.shape}.")
+        q = query / math.sqrt(query.shape[-1])
+        fq, tq, nq = self._quantizer.fake_quant_and_tensor(q)
+        stored = QuantizedTensor(
+            self.keys, self.key_scales, None, self.keys.shape, Layout((0, 1)), -(2 ** (self.bits - 1)),
+            2 ** (self.bits - 1) - 1, None, "float32",
+        )  # fmt: skip
+        no_nan = jnp.zeros(self.keys.shape, bool)
+        logits = _integer_value("hd,shd->hs", tq, stored, nq, no_nan)
+        logits = jnp.where(jnp.arange(self.keys.shape[0])[None, :] < length, logits, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(logits, axis=-1)
+        return jnp.einsum("hs,shd->hd", weights, self.dequantized()[1])
