@@ -44,7 +44,8 @@ class _Recording:
             layers = self.totals.setdefault(path, {})
             index = int(index)
             if index in layers:
-                layers[index] = {name: np.asarray(_HOST_FOLDS[name](layers[index][name], v)) for name, v in record.items()}
+                old = layers[index]
+                layers[index] = {name: np.asarray(_HOST_FOLDS[name](old[name], v)) for name, v in record.items()}
             else:
                 layers[index] = {name: np.asarray(v) for name, v in record.items()}
 

@@ -129,6 +129,10 @@ def convert(model: PyTree) -> PyTree:
                 "grid; only fake quantizers (FakeQuant, DynamicFakeQuant, LearnedFakeQuant) can be converted."
             )
         weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+        if not eqx.is_array(weight):
+            # The placeholder of an `eqx.nn.Shared` tie: the weight is another layer's, restored at call time; the
+            # layer stays as it is and quantizes what it receives (the other layer's dequantized weight).
+            return layer
         if not isinstance(weight, jax.core.Tracer) and np.isnan(np.asarray(weight)).any():
             index = tuple(int(i) for i in np.argwhere(np.isnan(np.asarray(weight)))[0])
             raise ValueError(

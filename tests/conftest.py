@@ -7,7 +7,16 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # pytest-xdist (pyproject.toml) hands whole files to its workers in the order collected: the longest files go first,
 # so that none of them is left to run alone at the end.
-_LONGEST_FIRST = ("test_sharding.py", "test_convert.py", "test_docs.py", "test_demo.py", "test_quantizers.py")
+_LONGEST_FIRST = (
+    "test_sharding.py",
+    "test_convert.py",
+    "test_docs.py",
+    "test_demo.py",
+    "test_models.py",
+    "test_stacked.py",
+    "test_attention.py",
+    "test_quantizers.py",
+)
 
 
 def pytest_collection_modifyitems(items):

@@ -115,7 +115,9 @@ def test_quantize_attention_products_and_convert():
     assert type(attn) is QuantMultiheadAttention and type(attn.scores) is QuantEinsum
     assert type(attn.attention.query_proj) is eqx_quant.nn.QuantLinear
     # Per-operand quantizers by pattern: a pair for the scores, the values left float.
-    pairs = eqx_quant.quantize(model, products={r"attn\.scores": (DynamicFakeQuant(8, axis=0), FakeQuant(0.05, -128, 127))})
+    pairs = eqx_quant.quantize(
+        model, products={r"attn\.scores": (DynamicFakeQuant(8, axis=0), FakeQuant(0.05, -128, 127))}
+    )
     assert pairs.attn.scores.rhs_quant == FakeQuant(0.05, -128, 127) and type(pairs.attn.values) is Einsum
     fake = eqx.filter_jit(lambda m, x: m(x))(qmodel, x)
     np.testing.assert_allclose(np.asarray(fake), np.asarray(model(x)), atol=0.05)

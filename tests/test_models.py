@@ -4,7 +4,6 @@ computes exactly what the fake-quant model computes."""
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 import pytest
 
@@ -89,9 +88,7 @@ def lm_loss(model, tokens):
 def test_decoder_language_model():
     model = DecoderLM(jax.random.key(2))
     batches = [jax.random.randint(k, (4, 6), 0, 13) for k in jax.random.split(jax.random.key(3), 2)]
-    qmodel = eqx_quant.quantize(
-        model, **eqx_quant.recipe("w8a8_attn", group_size=8, keep=r"embed")
-    )
+    qmodel = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8_attn", group_size=8, keep=r"embed"))
     # The tied head reads the embedding's `.weight`: the quantized table, per row at 8 bits (kept).
     assert_bitwise_equal(qmodel.embed.weight, DynamicFakeQuant(8, axis=0)(model.embed.weight))
     qmodel = eqx_quant.calibrate(qmodel, batches, method="minmax")

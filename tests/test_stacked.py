@@ -72,7 +72,7 @@ def layer_inputs(model, tokens):
     h = jax.vmap(jax.vmap(model.embed))(tokens)
     inputs = {"up": [], "down": []}
     for i in range(LAYERS):
-        block = jax.tree_util.tree_map(lambda a: a[i] if eqx.is_array(a) else a, model.blocks)
+        block = jax.tree_util.tree_map(lambda a: a[i] if eqx.is_array(a) else a, model.blocks)  # noqa: B023
         flat = h.reshape(-1, D)
         inputs["up"].append(np.asarray(flat))
         hidden = jax.nn.relu(jax.vmap(block.up)(flat))
@@ -146,9 +146,7 @@ def test_scanned_model_converts_bit_for_bit(lm, token_batches, weights):
     for i in range(LAYERS):
         w_i = qmodel.blocks.up.layer.weight[i]
         quantizer = jax.tree_util.tree_map(lambda a: a[i], qmodel.blocks.up.weight_quant)
-        np.testing.assert_array_equal(
-            np.asarray(quantizer.quantize(w_i).levels()), np.asarray(qweight.levels()[i])
-        )
+        np.testing.assert_array_equal(np.asarray(quantizer.quantize(w_i).levels()), np.asarray(qweight.levels()[i]))
     # `.weight` is the stack of fake-quantized weights before conversion and of dequantized ones after.
     assert_bitwise_equal(converted.blocks.up.weight, qmodel.blocks.up.weight)
     assert qmodel.blocks.up.weight.shape == (LAYERS, HIDDEN, D)
@@ -214,6 +212,43 @@ def test_converted_stack_saves_and_loads(lm, token_batches, tmp_path):
     converted = convert(qmodel)
     path = tmp_path / "lm.eqx"
     eqx_quant.save(path, converted)
-    like = convert(calibrate(quantize(TiedLM(jax.random.key(9)), weights=DynamicFakeQuant(4, group_size=4)), token_batches))
+    like = convert(
+        calibrate(quantize(TiedLM(jax.random.key(9)), weights=DynamicFakeQuant(4, group_size=4)), token_batches)
+    )
     loaded = eqx_quant.load(path, like)
     assert_bitwise_equal(run(loaded, token_batches[1]), run(converted, token_batches[1]))
+
+
+class SharedLM(eqx.Module):
+    """An input embedding tied to a linear head with `eqx.nn.Shared`."""
+
+    shared: eqx.nn.Shared
+
+    def __init__(self, key):
+        k1, k2 = jax.random.split(key)
+        embed = eqx.nn.Embedding(VOCAB, D, key=k1)
+        head = eqx.nn.Linear(D, VOCAB, use_bias=False, key=k2)
+        self.shared = eqx.nn.Shared((embed, head), lambda p: p[1].weight, lambda p: p[0].weight)
+
+    def __call__(self, tokens):
+        embed, head = self.shared()
+        return jax.vmap(head)(jax.vmap(embed)(tokens))
+
+
+def test_shared_tie_survives_quantize_training_and_convert(token_batches):
+    model = SharedLM(jax.random.key(7))
+    qmodel = quantize(model, weights=DynamicFakeQuant(8, axis=0), activations=None)
+    tokens = token_batches[0][0]
+    embed, head = qmodel.shared()
+    # The head receives the embedding's quantized table and quantizes it again on its own (same) grid.
+    assert_bitwise_equal(head.layer.weight, embed.weight)
+    assert_bitwise_equal(qmodel(tokens), jax.vmap(lambda t: head.weight @ embed.weight[t])(tokens))
+    # One float weight receives the gradient of both uses.
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(tokens) ** 2))(qmodel)
+    row_grads = np.abs(np.asarray(grads.shared.pytree[0].layer.weight)).sum(axis=1)
+    assert np.all(row_grads > 0)
+    converted = convert(qmodel)
+    assert type(converted.shared.pytree[0]) is eqx_quant.nn.IntEmbedding
+    assert_bitwise_equal(
+        eqx.filter_jit(lambda m, t: m(t))(converted, tokens), eqx.filter_jit(lambda m, t: m(t))(qmodel, tokens)
+    )

@@ -1,5 +1,5 @@
 from collections.abc import Callable
-from typing import Literal
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -51,7 +51,7 @@ class AbstractQuantLayer(eqx.Module):
     input_quant: eqx.AbstractVar[AbstractQuantizer | None]
 
     @property
-    def weight(self) -> Array:
+    def weight(self) -> Any:
         """The weight the layer computes with: the fake-quantized weight of the wrapped layer (its float weight when
         `weight_quant` is `None`), with the gradients of the forward pass (the straight-through estimator reaches
         `layer.weight`).
@@ -60,9 +60,13 @@ class AbstractQuantLayer(eqx.Module):
         `h @ embedding.weight.T`) therefore computes with the quantized table, and so does the converted model,
         whose integer layers' `.weight` is the dequantized table, the same values bit for bit. The trainable float
         weight is `layer.weight`. Stacked layers (built with `eqx.filter_vmap`) give the stack of quantized weights.
+        In an `eqx.nn.Shared` tie, the layer whose weight is the placeholder receives the other layer's `.weight`
+        (the quantized table) when the tie is restored, and quantizes it with its own quantizer.
         """
         weight = self.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
-        if self.weight_quant is None:
+        if self.weight_quant is None or not eqx.is_array(weight):
+            # Not an array: the placeholder of a tie (`eqx.nn.Shared` stores one where the tied weight goes, and
+            # `eqx.tree_at` looks for it through this property), returned as it is.
             return weight
         depth = stack_depth(self.layer, weight.shape)
         return per_layer(lambda quantizer, w: quantizer(w), depth)(self.weight_quant, weight)
