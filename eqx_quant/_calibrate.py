@@ -14,7 +14,7 @@ import numpy as np
 from jax.experimental import io_callback
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._misc import check_int
+from ._misc import FLOAT32_TINY, check_int
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._scales import (
     absmax_scale,
@@ -52,7 +52,6 @@ class _Recording:
 
 _active: list[_Recording] = []  # the recording of the calibration step in progress; empty outside of one
 _HOST_FOLDS = {"absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add}
-_TINY = float(np.finfo(np.float32).tiny)
 _REDUCTIONS = {"absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum}
 
 
@@ -107,7 +106,7 @@ def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
     assert top is not None
     x = jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32)).ravel()
     finite = jnp.isfinite(x)
-    width = jnp.maximum(top, jnp.finfo(jnp.float32).tiny) / num_bins
+    width = jnp.maximum(top, FLOAT32_TINY) / num_bins
     index = jnp.clip(jnp.floor(finite_or(x, 0.0) / width), 0, num_bins - 1).astype(jnp.int32)
     return {"hist": jnp.zeros(num_bins, jnp.float32).at[index].add(finite.astype(jnp.float32))}
 
@@ -331,10 +330,8 @@ def calibrate(
             zero_points = None
             if method == "minmax":
                 zero_points = jnp.asarray([zp for _, zp in fits], jnp.float32).reshape(stack)
-            make = lambda s, z: LearnedFakeQuant(s, qmin, qmax, zero_point=z, min_scale=_TINY)  # noqa: E731
+            make = lambda s, z: LearnedFakeQuant(s, qmin, qmax, zero_point=z, min_scale=FLOAT32_TINY)  # noqa: E731
             quantizer = per_layer(make, len(stack))(scales, zero_points)
         return eqx.tree_at(lambda l: l.input_quant, layer, quantizer)
 
     return map_nodes(model, (AbstractQuantLayer,), replace)
-
-

@@ -12,14 +12,11 @@ from jaxtyping import Array, Float, Int, PyTree
 
 from ._calibrate import fold, layer_stack
 from ._fake_quant import check_range, dequantize_levels, quantize_levels
-from ._misc import check_int
+from ._misc import FLOAT32_TINY, check_int
 from ._quantizers import DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_absmax
 from ._tree import map_nodes, nodes
 from .nn._layers import QuantLinear, per_layer
-
-
-_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _check(weight: Array, hessian: Array, qmin: int, qmax: int, group_size: int | None, damp: float) -> None:
@@ -233,7 +230,7 @@ def gptq(
         if not stack:
             quantizer = FakeQuant(np.asarray(compact), qmin, qmax, axis=axis, group_size=group_size)
         else:
-            make = lambda s: LearnedFakeQuant(s, qmin, qmax, axis=axis, group_size=group_size, min_scale=_TINY)  # noqa: E731
+            make = lambda s: LearnedFakeQuant(s, qmin, qmax, axis=axis, group_size=group_size, min_scale=FLOAT32_TINY)  # noqa: E731
             quantizer = per_layer(make, len(stack))(compact)
         return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant), layer, (new_weight, quantizer))
 

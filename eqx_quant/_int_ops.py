@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array
 
 from ._fake_quant import dequantize_levels
-from ._misc import compute_dtype, vary_alike
+from ._misc import FLOAT32_TINY, compute_dtype, vary_alike
 from ._qtensor import QuantizedTensor, shifted_bound
 
 
@@ -95,7 +95,6 @@ def plan(
 
 
 _BIAS_GRID = 2.0**-16
-_TINY = float(np.finfo(np.float32).tiny)
 
 
 def _rescale(acc: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
@@ -118,7 +117,7 @@ def _rescale(acc: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> 
     acc = acc.astype(jnp.float32)
     split = (acc * w_scale) * x_scale
     if bias is None:
-        return jnp.where(scale >= _TINY, acc * scale, split)
+        return jnp.where(scale >= FLOAT32_TINY, acc * scale, split)
     bias = bias.astype(jnp.float32).reshape(acc.shape[:1] + (1,) * (acc.ndim - 1))
     units = bias * (1 / scale) * (1 / _BIAS_GRID)
     fits = jnp.isfinite(units)  # False where `scale` flushed to zero or the bias overflows the accumulator's units

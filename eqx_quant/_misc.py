@@ -6,6 +6,9 @@ import numpy as np
 from jaxtyping import Array
 
 
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)  # the smallest positive normal float32
+
+
 def check_int(name: str, value: object) -> int:
     """Returns `value` as a Python `int`, or raises a `TypeError` naming `name`.
 

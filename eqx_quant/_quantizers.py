@@ -12,7 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 from ._clip import clip_passthrough
 from ._fake_quant import check_range, fake_quant, round_ste, scale_gradient
 from ._layout import Layout
-from ._misc import as_float_input, check_int, compute_dtype
+from ._misc import FLOAT32_TINY, as_float_input, check_int, compute_dtype
 from ._qtensor import QuantizedTensor, quantize_tensor
 from ._ranges import int_range
 from ._scales import (
@@ -26,8 +26,6 @@ from ._scales import (
     stats,
 )
 
-
-_TINY32 = float(np.finfo(np.float32).tiny)
 
 StaticFloats = float | int | np.number | Sequence | np.ndarray | jax.Array
 StaticInts = int | np.integer | Sequence | np.ndarray
@@ -76,7 +74,7 @@ def _flat(value: float | int | tuple) -> list:
 
 def _check_scale_values(name: str, values: list[float]) -> None:
     for v in values:
-        if not (math.isfinite(v) and _TINY32 <= v <= 1 / _TINY32):
+        if not (math.isfinite(v) and FLOAT32_TINY <= v <= 1 / FLOAT32_TINY):
             raise ValueError(f"`{name}` must be finite, positive and a normal float32, got {name}={v!r}.")
 
 

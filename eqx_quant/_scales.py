@@ -14,11 +14,10 @@ import numpy as np
 from jaxtyping import Array, Float
 
 from ._fake_quant import dequantize_levels, in_range, quantize_levels, scaled
-from ._misc import check_int, expand_to_rank
+from ._misc import FLOAT32_TINY, check_int, expand_to_rank
 
 
-_TINY = float(jnp.finfo(jnp.float32).tiny)
-_HUGE = 1 / _TINY  # 2**126: the largest scale whose reciprocal is a normal float32 (a larger one's flushes to 0)
+_HUGE = 1 / FLOAT32_TINY  # 2**126: the largest scale whose reciprocal is a normal float32 (a larger one's flushes to 0)
 _NUDGES = 4  # at most two are ever needed in float32; see `absmax_scale`
 
 
@@ -72,7 +71,7 @@ def largest_scale(largest_level: int) -> float:
 
 def _bounded(scale: Array, largest_level: int) -> Array:
     """`scale` floored at the smallest normal float32 and capped at `largest_scale(largest_level)`."""
-    return jnp.clip(scale, _TINY, largest_scale(largest_level))
+    return jnp.clip(scale, FLOAT32_TINY, largest_scale(largest_level))
 
 
 def absmax_scale(absmax: Float[Array, "*c"], qmin: int, qmax: int) -> Float[Array, "*c"]:
@@ -87,7 +86,7 @@ def absmax_scale(absmax: Float[Array, "*c"], qmin: int, qmax: int) -> Float[Arra
     """
     bound = symmetric_bound(qmin, qmax)
     absmax = absmax.astype(jnp.float32)
-    scale = jnp.maximum(absmax * (1.0 / bound), _TINY)
+    scale = jnp.maximum(absmax * (1.0 / bound), FLOAT32_TINY)
     scale = _first_fitting(scale, lambda s: expand_to_rank(absmax, s.ndim) * (1 / s) <= bound)
     return _bounded(scale, max(-qmin, qmax))
 
@@ -128,7 +127,7 @@ def minmax_scale(
     zero_point = jnp.where(low_scale <= high_scale, low_zp, high_zp)
     scale = jnp.minimum(low_scale, high_scale)
     zero_point = jnp.where(degenerate, float(min(max(0, qmin), qmax)), zero_point)
-    scale = jnp.maximum(jnp.where(degenerate, 0.0, scale), _TINY)
+    scale = jnp.maximum(jnp.where(degenerate, 0.0, scale), FLOAT32_TINY)
     fits = lambda s: _lands_inside(lo, s, zero_point, qmin, qmax) & _lands_inside(hi, s, zero_point, qmin, qmax)  # noqa: E731
     return _bounded(_first_fitting(scale, fits), qmax - qmin), zero_point
 
@@ -186,7 +185,7 @@ def least_error_scale(
     values = finite_or(values, 0.0)
     fractions = jnp.arange(1, candidates + 1, dtype=jnp.float32) / candidates
     # Errors in units of `absmax`, so that their squares cannot overflow for data near float32's largest values.
-    unit = expand_to_rank(1 / jnp.maximum(absmax, _TINY), values.ndim)
+    unit = expand_to_rank(1 / jnp.maximum(absmax, FLOAT32_TINY), values.ndim)
 
     def error(fraction):
         scale = absmax_scale(absmax * fraction, qmin, qmax)

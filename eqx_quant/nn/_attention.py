@@ -13,14 +13,13 @@ from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
 from .._int_ops import INT32_MAX, opaque
 from .._layout import Layout
-from .._misc import check_int
+from .._misc import FLOAT32_TINY, check_int
 from .._qtensor import QuantizedTensor
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant
 from ._layers import _check_matmul, _check_quantizer
 
 
 _OPERAND = re.compile(r"^[a-zA-Z]*$")
-_TINY = float(jnp.finfo(jnp.float32).tiny)
 
 
 def _parse(equation: object) -> tuple[str, str, str]:
@@ -325,7 +324,7 @@ class QuantKVCache(eqx.Module):
         if not 2 <= check_int("bits", bits) <= 8:
             raise ValueError(f"`bits` must be in [2, 8], got bits={bits}.")
         levels = jnp.zeros((max_len, num_heads, head_dim), jnp.int8)
-        scales = jnp.full((max_len, num_heads, 1), _TINY, jnp.float32)
+        scales = jnp.full((max_len, num_heads, 1), FLOAT32_TINY, jnp.float32)
         return cls(levels, levels, scales, scales, bits)
 
     @property
