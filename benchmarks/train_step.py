@@ -6,7 +6,8 @@ SGD) and for the demo convnet (batch 64), it times the float model and the same 
 with the float-matmul fallback (`matmul="float"`). Step times are medians of interleaved rounds; compile times are
 ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians over rounds; `trace s` is the part
 of it before XLA (JAX tracing the step and lowering it), and `kernels` the number of fused kernels in XLA's
-optimised program. `temp MB` is the size of the temporary buffers XLA allocates for one step
+optimised program, and `eqns` the number of equations in the step's jaxpr (top level: a call of a jitted helper
+counts once). `temp MB` is the size of the temporary buffers XLA allocates for one step
 (`Compiled.memory_analysis()`).
 
 For the MLP, a last row times a floor: the least work that a W8A8 step with an integer forward and the float
@@ -90,6 +91,7 @@ def _compiled_step(model, x, y, rounds):
         new, loss = _step(eqx.combine(params, static), x, y)
         return eqx.filter(new, eqx.is_inexact_array), loss
 
+    equations = len(step.trace(params, x, y).jaxpr.eqns)
     trace_times, xla_times = [], []
     for _ in range(rounds):
         jax.clear_caches()
@@ -99,16 +101,16 @@ def _compiled_step(model, x, y, rounds):
         compiled = lowered.compile()
         trace_times.append(t1 - t0)
         xla_times.append(time.perf_counter() - t1)
-    return compiled, params, trace_times, xla_times
+    return compiled, params, trace_times, xla_times, equations
 
 
 def _bench(title, model, x, y, rounds, repeats, floor=None):
     variants = _variants(model)
     if floor is not None:
         variants["floor (casts only)"] = floor
-    calls, compile_times, trace_times, kernels, temp_bytes = {}, {}, {}, {}, {}
+    calls, compile_times, trace_times, kernels, temp_bytes, equations = {}, {}, {}, {}, {}, {}
     for name, m in variants.items():
-        fn, params, traces, xla = _compiled_step(m, x, y, rounds)
+        fn, params, traces, xla, equations[name] = _compiled_step(m, x, y, rounds)
         calls[name] = functools.partial(fn, params, x, y)
         compile_times[name] = statistics.median(t + c for t, c in zip(traces, xla))
         trace_times[name] = statistics.median(traces)
@@ -120,13 +122,13 @@ def _bench(title, model, x, y, rounds, repeats, floor=None):
     print(f"\n{title}")
     print(
         f"{'variant':<20}{'step ms':>9}{'step ratio':>12}{'compile s':>11}{'compile ratio':>15}{'trace s':>9}"
-        f"{'kernels':>9}{'temp MB':>9}"
+        f"{'kernels':>9}{'eqns':>7}{'temp MB':>9}"
     )
     for name in variants:
         step = statistics.median(step_times[name])
         print(
             f"{name:<20}{1e3 * step:>9.2f}{step / base_step:>12.3f}{compile_times[name]:>11.2f}"
-            f"{compile_times[name] / base_compile:>15.3f}{trace_times[name]:>9.2f}{kernels[name]:>9}"
+            f"{compile_times[name] / base_compile:>15.3f}{trace_times[name]:>9.2f}{kernels[name]:>9}{equations[name]:>7}"
             f"{temp_bytes[name] / 1e6:>9.2f}"
         )
 
