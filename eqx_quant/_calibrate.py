@@ -161,6 +161,8 @@ def layer_stack(layer: AbstractQuantLayer) -> tuple[int, ...]:
     """The shape of the stack a quantized layer belongs to: `()` for a single layer, `(layers,)` for layers built
     with `eqx.filter_vmap`."""
     weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+    if not eqx.is_array(weight):  # the placeholder of an `eqx.nn.Shared` tie: a single layer
+        return ()
     return tuple(weight.shape[: stack_depth(layer.layer, weight.shape)])
 
 

@@ -197,7 +197,12 @@ def gptq(
 
     The model with GPTQ-quantized linear weights.
     """
-    layers = [(path, layer) for path, layer in nodes(model, (QuantLinear,)) if layer.weight_quant is not None]
+    layers = [
+        (path, layer)
+        for path, layer in nodes(model, (QuantLinear,))
+        # A layer whose weight is the placeholder of an `eqx.nn.Shared` tie has no weight of its own to quantize.
+        if layer.weight_quant is not None and eqx.is_array(layer.layer.weight)
+    ]
     if where is not None:
         layers = [(path, layer) for path, layer in layers if where(path, layer)]
     if not layers:

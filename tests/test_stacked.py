@@ -230,6 +230,13 @@ def test_shared_tie_survives_quantize_training_and_convert(token_batches):
     assert np.all(row_grads > 0)
     converted = convert(qmodel)
     assert type(converted.shared.pytree[0]) is eqx_quant.nn.IntEmbedding
+    # Calibration sees the head through the tie too: its static input scale is that of the embedded tokens.
+    calibrated = calibrate(quantize(model, weights=DynamicFakeQuant(8, axis=0)), [token_batches[0]])
+    head_quant = calibrated.shared.pytree[1].input_quant
+    embedded = np.asarray(jax.vmap(jax.vmap(qmodel.shared()[0]))(token_batches[0]))
+    assert type(head_quant) is FakeQuant and np.float32(head_quant.scale) == np_absmax_scale(
+        np.abs(embedded).max(), 127
+    )
     assert_bitwise_equal(
         eqx.filter_jit(lambda m, t: m(t))(converted, tokens), eqx.filter_jit(lambda m, t: m(t))(qmodel, tokens)
     )
