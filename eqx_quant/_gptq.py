@@ -2,6 +2,8 @@
 error fed back into the columns not yet quantized through the inverse Hessian of the layer's inputs."""
 
 import functools
+import math
+import numbers
 from collections.abc import Callable, Iterable
 
 import equinox as eqx
@@ -19,22 +21,48 @@ from ._tree import map_nodes, nodes
 from .nn._layers import QuantLinear, per_layer
 
 
-def _check(weight: Array, hessian: Array, qmin: int, qmax: int, group_size: int | None, damp: float) -> None:
-    if weight.ndim != 2:
-        raise ValueError(f"`weight` must have shape (out_features, in_features), got shape {weight.shape}.")
+def _check(
+    weight: Array,
+    hessian: Array,
+    qmin: int,
+    qmax: int,
+    group_size: object,
+    act_order: object,
+    damp: object,
+    block_size: object,
+) -> None:
+    """Raises for arguments that [`eqx_quant.gptq_quantize`][] cannot take, naming the argument and its value."""
+    if not jnp.issubdtype(weight.dtype, jnp.floating):
+        raise TypeError(f"`weight` must be a floating array, got dtype {weight.dtype}.")
+    if not jnp.issubdtype(hessian.dtype, jnp.floating):
+        raise TypeError(f"`hessian` must be a floating array, got dtype {hessian.dtype}.")
+    if weight.ndim != 2 or weight.shape[1] == 0:
+        raise ValueError(
+            f"`weight` must have shape (out_features, in_features) with in_features >= 1, got shape {weight.shape}."
+        )
     n = weight.shape[1]
     if hessian.shape != (n, n):
         raise ValueError(
-            f"`hessian` must have shape ({n}, {n}) for a weight of shape {weight.shape}, got {hessian.shape}."
+            f"`hessian` must have shape ({n}, {n}) for a weight of shape {weight.shape}, got shape {hessian.shape}."
         )
-    if not jnp.issubdtype(weight.dtype, jnp.floating) or not jnp.issubdtype(hessian.dtype, jnp.floating):
-        raise TypeError(f"`weight` and `hessian` must be floating arrays, got {weight.dtype} and {hessian.dtype}.")
     if not (qmin <= 0 < qmax):
-        raise ValueError(f"GPTQ quantizes symmetrically: the grid needs qmin <= 0 < qmax, got [{qmin}, {qmax}].")
-    if group_size is not None and (check_int("group_size", group_size) < 1 or n % group_size):
-        raise ValueError(f"`group_size` must be a positive divisor of in_features={n}, got group_size={group_size}.")
-    if isinstance(damp, bool) or not isinstance(damp, (int, float)) or not damp >= 0:
-        raise ValueError(f"`damp` must be a non-negative float, got damp={damp!r}.")
+        raise ValueError(
+            f"GPTQ quantizes symmetrically: the grid needs `qmin` <= 0 < `qmax`, got qmin={qmin} and qmax={qmax}."
+        )
+    if group_size is not None:
+        group_size = check_int("group_size", group_size)
+        if group_size < 1 or n % group_size:
+            raise ValueError(
+                f"`group_size` must be None or a positive divisor of in_features={n}, got group_size={group_size}."
+            )
+    if not isinstance(act_order, bool):
+        raise TypeError(f"`act_order` must be a bool, got {act_order!r}.")
+    if isinstance(damp, (bool, np.bool_)) or not isinstance(damp, numbers.Real):
+        raise TypeError(f"`damp` must be a float, got {damp!r} of type {type(damp).__name__}.")
+    if not (math.isfinite(damp) and damp >= 0):
+        raise ValueError(f"`damp` must be finite and >= 0, got damp={damp!r}.")
+    if check_int("block_size", block_size) < 1:
+        raise ValueError(f"`block_size` must be >= 1, got block_size={block_size}.")
 
 
 def gptq_quantize(
@@ -46,6 +74,7 @@ def gptq_quantize(
     group_size: int | None = None,
     act_order: bool = False,
     damp: float = 0.01,
+    block_size: int = 128,
 ) -> tuple[Int[Array, "out in"], Float[Array, "out groups"]]:
     """Quantizes a linear layer's weight with GPTQ.
 
@@ -64,40 +93,78 @@ def gptq_quantize(
 
     - per output row (`group_size=None`): from the original row;
     - per group of `group_size` input columns: from the group's columns as the error feedback has left them when the
-        first of them is reached; with `act_order`, from the original weight instead, so that every group is fixed
-        before the columns are visited out of order (groups stay contiguous in the original column order).
+        first of them is reached; with `act_order`, from the original weight instead (static groups), so that every
+        group is fixed before the columns are visited out of order and the groups stay contiguous in the original
+        column order.
+
+    Columns are processed in blocks of `block_size`: the errors of a block's columns reach the later columns of the
+    same block at once, and the columns after the block in one matrix product when the block is done (GPTQ's lazy
+    batch updates). The block size changes the order of the floating-point sums only, not the algorithm. With lazy
+    groups, blocks are shortened so that no group straddles two of them: to a multiple of `group_size` when
+    `group_size <= block_size`, else to the largest divisor of `group_size` that is at most `block_size`.
 
     **Arguments:**
 
     - `weight`: the weight, shape `(out_features, in_features)`.
     - `hessian`: `Σ x xᵀ` (times any positive constant) over the layer's calibration inputs, shape
         `(in_features, in_features)`.
-    - `qmin`, `qmax`: the integer grid, with `qmin <= 0 < qmax`.
-    - `group_size`: `None` for one scale per output row, or the size of the groups of input columns.
+    - `qmin`, `qmax`: the integer grid, Python ints with `qmin <= 0 < qmax`.
+    - `group_size`: `None` for one scale per output row, or the size of the groups of input columns (a divisor of
+        `in_features`).
     - `act_order`: visit the columns in order of decreasing `H[i, i]` (the inputs with the most energy first).
-    - `damp`: the relative damping of the Hessian's diagonal.
+    - `damp`: the relative damping of the Hessian's diagonal, `>= 0`.
+    - `block_size`: the number of columns updated together, `>= 1`.
 
     **Returns:**
 
-    `(levels, scale)`: int32 levels of the weight's shape, and float32 scales of shape `(out_features, 1)` per row
-    or `(out_features, in_features // group_size)` per group. The quantized weight is `scale * levels`, the scales
-    repeated over each group.
+    `(levels, scale)`: int32 levels of the weight's shape, in the original column order, and float32 scales of shape
+    `(out_features, 1)` per row or `(out_features, in_features // group_size)` per group. The quantized weight is
+    `scale * levels`, the scales repeated over each group.
+
+    **Raises:**
+
+    `TypeError` for non-floating `weight` or `hessian`, or arguments of the wrong type; `ValueError` for shapes that
+    do not fit, a grid without 0 or positive levels, a `group_size` that does not divide `in_features`, a negative or
+    non-finite `damp` or a `block_size` below 1.
+
+    !!! note
+
+        The computation is in float32, or in float64 when `weight` or `hessian` is float64 (with `jax_enable_x64`).
+        It is a function of arrays with static settings: it runs under `jax.jit` and maps with `jax.vmap` over
+        stacked layers (with the same results as layer by layer). A Hessian that is not positive definite after
+        damping (`damp=0` with fewer calibration inputs than features) gives NaN scales or levels that are not
+        meaningful: it is not checked, since its values are not known under `jax.jit`.
     """
     qmin, qmax = check_range(qmin, qmax)
     weight, hessian = jnp.asarray(weight), jnp.asarray(hessian)
-    _check(weight, hessian, qmin, qmax, group_size, damp)
-    return _gptq(weight, hessian, qmin, qmax, group_size, bool(act_order), float(damp))
+    _check(weight, hessian, qmin, qmax, group_size, act_order, damp, block_size)
+    group_size = None if group_size is None else int(group_size)
+    return _gptq(weight, hessian, qmin, qmax, group_size, act_order, float(damp), int(block_size))
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5))
-def _gptq(weight, hessian, qmin, qmax, group_size, act_order, damp):
-    dtype = jnp.float64 if weight.dtype == jnp.float64 else jnp.float32
+def _block_length(n: int, group_size: int | None, lazy_groups: bool, block_size: int) -> int:
+    """The columns per block: `block_size` (at most `n`), or with lazy groups the nearest length at most
+    `block_size` such that every group lies within one block (a multiple of the group size, or a divisor of it)."""
+    if not lazy_groups:
+        return min(block_size, n)
+    assert group_size is not None
+    if group_size <= block_size:
+        return min(block_size // group_size * group_size, n)
+    return max(d for d in range(1, block_size + 1) if group_size % d == 0)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
+def _gptq(weight, hessian, qmin, qmax, group_size, act_order, damp, block_size):
+    wide = weight.dtype == jnp.float64 or hessian.dtype == jnp.float64
+    dtype = jnp.float64 if wide else jnp.float32
     w, h = weight.astype(dtype), hessian.astype(dtype)
     out, n = w.shape
     g = n if group_size is None else group_size
-    diag = jnp.diagonal(h)
-    dead = diag == 0
-    h = h + jnp.diag(jnp.where(dead, 1.0, 0.0).astype(dtype))
+    lazy = group_size is not None and not act_order  # group scales taken when the first column is reached
+    highest = jax.lax.Precision.HIGHEST
+
+    dead = jnp.diagonal(h) == 0
+    h = jnp.where(jnp.diag(dead), 1.0, h)
     w = jnp.where(dead[None, :], 0.0, w)
     order = jnp.argsort(-jnp.diagonal(h), stable=True) if act_order else jnp.arange(n)
     h = h[order][:, order]
@@ -110,32 +177,72 @@ def _gptq(weight, hessian, qmin, qmax, group_size, act_order, damp):
     def group_scales(w_cols):  # the symmetric scale of each row of a block of columns
         return absmax_scale(finite_absmax(w_cols, (1,)), qmin, qmax)[:, 0]
 
-    if group_size is None:
-        scales = group_scales(w)[:, None]
-    else:
-        # Per group, from the original weight; without act_order refreshed below from the updated weights.
-        scales = jax.vmap(group_scales, in_axes=1, out_axes=1)(w.reshape(out, n // g, g))
+    # Every group's scale from the original weight; lazy groups are refreshed from the updated weights in the loop.
+    scales = jax.vmap(group_scales, in_axes=1, out_axes=1)(w.reshape(out, n // g, g))
     w = w[:, order]
 
-    def column(i, carry):
-        w, scales, levels = carry
-        original = order[i]
-        if group_size is not None and not act_order:
-            # The first column of a group: its scale from the group's columns as they are now.
-            fresh = group_scales(jax.lax.dynamic_slice(w, (0, i), (out, g)))
-            scales = jnp.where(i % g == 0, scales.at[:, i // g].set(fresh), scales)
-        s = jax.lax.dynamic_index_in_dim(scales, original // g, axis=1, keepdims=False).astype(dtype)
-        col = w[:, i]
-        q = quantize_levels(col, s, None, qmin, qmax)
-        err = (col - dequantize_levels(q, s, None)) / u[i, i]
-        later = (jnp.arange(n) > i).astype(dtype)
-        w = w - err[:, None] * (u[i] * later)[None, :]
-        return w, scales, levels.at[:, i].set(q.astype(jnp.int32))
+    # Padding to whole blocks: zero weight columns, with their own unit diagonal in `U` (no error reaches them or
+    # leaves them), and their own scales (lazy groups write theirs), cut off at the end.
+    length = _block_length(n, group_size, lazy, block_size)
+    blocks = -(-n // length)
+    padded = blocks * length
+    extra = padded - n
+    w = jnp.pad(w, ((0, 0), (0, extra)))
+    u = jnp.pad(u, ((0, extra), (0, extra))) + jnp.diag((jnp.arange(padded) >= n).astype(dtype))
+    group_of = jnp.concatenate([order, jnp.arange(n, padded)]) // g  # the scale column of each processed column
+    scales = jnp.pad(scales, ((0, 0), (0, -(-padded // g) - n // g)), constant_values=1.0)
+    # Within a block, a segment starts at each lazy group's first column (with groups within blocks).
+    segment = g if lazy and g <= length else length
+    positions = jnp.arange(length)
+    columns = jnp.arange(padded)
 
-    levels = jnp.zeros((out, n), jnp.int32)
-    _, scales, levels = jax.lax.fori_loop(0, n, column, (w, scales, levels))
-    levels = levels[:, jnp.argsort(order)]
-    return levels, scales.astype(jnp.float32)
+    def block(b, carry):
+        w, scales, levels = carry
+        start = b * length
+        if lazy and g > length:  # a group starts at this block (its columns are all up to date)
+            fresh = group_scales(jax.lax.dynamic_slice_in_dim(w, start, g, axis=1))
+            refreshed = jax.lax.dynamic_update_index_in_dim(scales, fresh, start // g, axis=1)
+            scales = jnp.where(start % g == 0, refreshed, scales)
+        wb = jax.lax.dynamic_slice_in_dim(w, start, length, axis=1)
+        ub = jax.lax.dynamic_slice(u, (start, start), (length, length))
+        groups = jax.lax.dynamic_slice_in_dim(group_of, start, length)
+
+        def run_segment(t, inner):
+            wb, errors, qb, scales = inner
+            if lazy and g <= length:  # a group starts here, within this block
+                fresh = group_scales(jax.lax.dynamic_slice_in_dim(wb, t * segment, g, axis=1))
+                scales = jax.lax.dynamic_update_index_in_dim(scales, fresh, (start + t * segment) // g, axis=1)
+
+            def column(c, inner):
+                wb, errors, qb = inner
+                k = t * segment + c
+                s = jax.lax.dynamic_index_in_dim(scales, groups[k], axis=1, keepdims=False).astype(dtype)
+                col = jax.lax.dynamic_index_in_dim(wb, k, axis=1, keepdims=False)
+                q = quantize_levels(col, s, None, qmin, qmax)
+                err = (col - dequantize_levels(q, s, None)) / ub[k, k]
+                row = jnp.where(positions > k, ub[k], 0.0)
+                wb = wb - err[:, None] * row[None, :]
+                errors = jax.lax.dynamic_update_index_in_dim(errors, err, k, axis=1)
+                qb = jax.lax.dynamic_update_index_in_dim(qb, q.astype(jnp.int32), k, axis=1)
+                return wb, errors, qb
+
+            wb, errors, qb = jax.lax.fori_loop(0, segment, column, (wb, errors, qb))
+            return wb, errors, qb, scales
+
+        errors = jnp.zeros((out, length), dtype)
+        qb = jnp.zeros((out, length), jnp.int32)
+        _, errors, qb, scales = jax.lax.fori_loop(0, length // segment, run_segment, (wb, errors, qb, scales))
+        # The block's errors reach the columns after it at once.
+        rows = jax.lax.dynamic_slice_in_dim(u, start, length, axis=0)
+        rows = jnp.where(columns[None, :] >= start + length, rows, 0.0)
+        w = w - jnp.matmul(errors, rows, precision=highest)
+        levels = jax.lax.dynamic_update_slice_in_dim(levels, qb, start, axis=1)
+        return w, scales, levels
+
+    levels = jnp.zeros((out, padded), jnp.int32)
+    _, scales, levels = jax.lax.fori_loop(0, blocks, block, (w, scales, levels))
+    levels = levels[:, :n][:, jnp.argsort(order)]
+    return levels, scales[:, : n // g].astype(jnp.float32)
 
 
 def _gptq_grid(path: str, quantizer: object) -> tuple[int, int, int | None]:

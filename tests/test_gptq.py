@@ -15,7 +15,7 @@ from .helpers import assert_bitwise_equal, np_absmax_scale
 
 
 def numpy_gptq(w, h, qmin, qmax, group_size=None, act_order=False, damp=0.01):
-    """A float64 NumPy twin of GPTQ written from the paper, one column at a time, with explicit loops."""
+    """A float64 NumPy twin of GPTQ written from the paper, one column at a time (no blocks), with explicit loops."""
     w, h = np.array(w, np.float64), np.array(h, np.float64)
     out, n = w.shape
     g = n if group_size is None else group_size
@@ -47,6 +47,17 @@ def numpy_gptq(w, h, qmin, qmax, group_size=None, act_order=False, damp=0.01):
     return levels[:, inverse], scales
 
 
+def numpy_rtn(w, qmin, qmax, group_size=None):
+    """Round-to-nearest with symmetric absmax scales per row (or per group of columns), in NumPy float32."""
+    w = np.asarray(w, np.float32)
+    out, n = w.shape
+    g = n if group_size is None else group_size
+    groups = w.reshape(out, n // g, g)
+    scales = np_absmax_scale(np.abs(groups).max(axis=2), qmax)
+    levels = np.clip(np.round(groups * (np.float32(1) / scales[:, :, None])), qmin, qmax)
+    return levels.reshape(out, n).astype(np.int64), scales
+
+
 def correlated_inputs(key, n, count):
     """Inputs with strongly correlated features: a few latent factors mixed into `n` features plus small noise."""
     k1, k2, k3 = jax.random.split(key, 3)
@@ -57,9 +68,11 @@ def correlated_inputs(key, n, count):
 
 CASES = [
     dict(group_size=None, act_order=False),
-    dict(group_size=8, act_order=False),
-    dict(group_size=8, act_order=True),
-    dict(group_size=None, act_order=True),
+    dict(group_size=None, act_order=False, block_size=5),  # 7 blocks, the last one padded
+    dict(group_size=8, act_order=False),  # one block of 32: four groups
+    dict(group_size=8, act_order=False, block_size=24),  # blocks of 24 (3 groups), the second one padded
+    dict(group_size=16, act_order=False, block_size=6),  # blocks of 4: a group spans 4 blocks
+    dict(group_size=8, act_order=True, block_size=7),
 ]
 
 
@@ -70,13 +83,18 @@ def test_matches_the_numpy_twin_in_float64(case):
     x = correlated_inputs(jax.random.key(1), 32, 200)
     x[:, 5] = 0.0  # a dead input feature
     h = 2 * x.T @ x
-    expected_levels, expected_scales = numpy_gptq(w, h, -8, 7, **case)
+    expected_levels, expected_scales = numpy_gptq(
+        w, h, -8, 7, group_size=case["group_size"], act_order=case["act_order"]
+    )
     with enable_x64(True):
         levels, scales = gptq_quantize(jnp.asarray(w), jnp.asarray(h), -8, 7, **case)
         levels, scales = np.asarray(levels), np.asarray(scales)
+    assert levels.dtype == np.int32 and scales.dtype == np.float32
     np.testing.assert_array_equal(levels, expected_levels)
     np.testing.assert_array_equal(scales, expected_scales.astype(np.float32))
     assert np.all(levels[:, 5] == 0)
+    # The error feedback does something: the levels are not round-to-nearest's.
+    assert np.any(levels != numpy_rtn(w, -8, 7, case["group_size"])[0])
 
 
 def test_float32_agrees_with_the_twin_up_to_ties():
@@ -84,20 +102,34 @@ def test_float32_agrees_with_the_twin_up_to_ties():
     w = rng.normal(size=(16, 64)).astype(np.float32)
     x = correlated_inputs(jax.random.key(3), 64, 300)
     h = 2 * x.T @ x
-    expected, _ = numpy_gptq(w, h, -4, 3, group_size=16)
-    levels, _ = gptq_quantize(jnp.asarray(w), jnp.asarray(h, jnp.float32), -4, 3, group_size=16)
-    # float32 error feedback drifts from float64 by rounding: a level may differ where the twin sat near a tie.
-    mismatch = np.mean(np.asarray(levels) != expected)
-    assert mismatch <= 0.02, mismatch
+    for kwargs in (dict(group_size=16), dict(group_size=None, act_order=True, block_size=24)):
+        expected, _ = numpy_gptq(w, h, -4, 3, group_size=kwargs["group_size"], act_order="act_order" in kwargs)
+        levels, _ = gptq_quantize(jnp.asarray(w), jnp.asarray(h, jnp.float32), -4, 3, **kwargs)
+        # A float32 level can differ from the float64 one only where the float64 `w / s` lies within float32's
+        # rounding drift of a half-integer (a tie); once one differs, the different error fed back may move later
+        # levels of the same row. On these inputs none differs; 1% (10 of 1024) leaves room for one such run.
+        mismatch = np.mean(np.asarray(levels) != expected)
+        assert mismatch <= 0.01, (kwargs, mismatch)
 
 
-def test_identity_hessian_is_round_to_nearest():
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(group_size=None), dict(group_size=4, block_size=6), dict(group_size=4, act_order=True, block_size=5)],
+)
+def test_diagonal_hessian_is_round_to_nearest(kwargs):
+    # With a diagonal Hessian, U is diagonal: no error reaches another column, and every column is rounded alone.
     rng = np.random.default_rng(4)
-    w = jnp.asarray(rng.normal(size=(5, 12)).astype(np.float32))
-    levels, scales = gptq_quantize(w, jnp.eye(12), -8, 7, damp=0.0)
-    rtn = DynamicFakeQuant(4, axis=0).quantize(w)
-    np.testing.assert_array_equal(np.asarray(levels), np.asarray(rtn.levels()))
-    np.testing.assert_array_equal(np.asarray(scales), np.asarray(rtn.scale))
+    w = rng.normal(size=(5, 12)).astype(np.float32)
+    hessian = jnp.diag(jnp.asarray(rng.uniform(0.5, 3.0, size=12).astype(np.float32)))
+    levels, scales = gptq_quantize(jnp.asarray(w), hessian, -8, 7, **kwargs)
+    expected_levels, expected_scales = numpy_rtn(w, -8, 7, kwargs["group_size"])
+    np.testing.assert_array_equal(np.asarray(levels), expected_levels)
+    np.testing.assert_array_equal(np.asarray(scales), expected_scales)
+    # And the library's own round-to-nearest agrees.
+    if kwargs["group_size"] is None:
+        rtn = DynamicFakeQuant(4, axis=0).quantize(jnp.asarray(w))
+        np.testing.assert_array_equal(np.asarray(levels), np.asarray(rtn.levels()))
+        np.testing.assert_array_equal(np.asarray(scales), np.asarray(rtn.scale))
 
 
 @pytest.mark.parametrize("bits, group_size", [(3, None), (4, None), (3, 8), (4, 8)])
@@ -106,25 +138,34 @@ def test_lower_output_error_than_round_to_nearest(bits, group_size):
     rng = np.random.default_rng(5)
     w = rng.normal(size=(16, 32)).astype(np.float32)
     x = correlated_inputs(jax.random.key(6), 32, 400).astype(np.float32)
-    levels, scales = gptq_quantize(jnp.asarray(w), jnp.asarray(2 * x.T @ x), qmin, qmax, group_size=group_size)
+    levels, scales = gptq_quantize(
+        jnp.asarray(w), jnp.asarray(2 * x.T @ x), qmin, qmax, group_size=group_size, block_size=12
+    )
     g = 32 if group_size is None else group_size
     w_gptq = np.asarray(levels) * np.repeat(np.asarray(scales), g, axis=1)
-    rtn = DynamicFakeQuant(bits, axis=None if group_size else 0, group_size=group_size)
-    w_rtn = np.asarray(rtn(jnp.asarray(w) if group_size else jnp.asarray(w)))
+    rtn_levels, rtn_scales = numpy_rtn(w, qmin, qmax, group_size)
+    w_rtn = rtn_levels * np.repeat(rtn_scales, g, axis=1)
     error = lambda v: np.linalg.norm(x @ (w - v).T)  # noqa: E731
-    assert error(w_gptq) < 0.8 * error(w_rtn), (error(w_gptq), error(w_rtn))
+    # Measured: 0.25 (3 bits) and 0.23 (4 bits) per row, 0.27 and 0.29 per group of 8.
+    assert error(w_gptq) < 0.4 * error(w_rtn), (error(w_gptq), error(w_rtn))
 
 
-def test_jit_and_vmap_over_a_stack_equal_per_layer_calls():
+@pytest.mark.parametrize(
+    "kwargs", [dict(group_size=4, block_size=6), dict(group_size=None, act_order=True, block_size=5)]
+)
+def test_jit_and_vmap_over_a_stack_equal_per_layer_calls(kwargs):
     rng = np.random.default_rng(7)
     w = jnp.asarray(rng.normal(size=(2, 4, 16)).astype(np.float32))
     x = correlated_inputs(jax.random.key(8), 16, 100).astype(np.float32)
     h = jnp.stack([jnp.asarray(2 * x.T @ x), jnp.asarray(x.T @ x + np.eye(16, dtype=np.float32))])
-    stacked = jax.jit(jax.vmap(lambda w, h: gptq_quantize(w, h, -8, 7, group_size=4)))(w, h)
+    solve = lambda w, h: gptq_quantize(w, h, -8, 7, **kwargs)  # noqa: E731
+    mapped = jax.vmap(solve)(w, h)
+    jitted = jax.jit(jax.vmap(solve))(w, h)
     for i in range(2):
-        one = gptq_quantize(w[i], h[i], -8, 7, group_size=4)
-        assert_bitwise_equal(stacked[0][i], one[0])
-        assert_bitwise_equal(stacked[1][i], one[1])
+        one = solve(w[i], h[i])
+        for stacked in (mapped, jitted):
+            assert_bitwise_equal(stacked[0][i], one[0])
+            assert_bitwise_equal(stacked[1][i], one[1])
 
 
 def test_errors():
@@ -134,12 +175,26 @@ def test_errors():
     # A ValueError; under the test suite's jaxtyping hook the shape annotation raises a TypeError first.
     with pytest.raises((ValueError, TypeError), match="weight"):
         gptq_quantize(jnp.ones(4), h, -8, 7)
-    with pytest.raises(ValueError, match="group_size"):
+    with pytest.raises(TypeError, match="weight"):
+        gptq_quantize(jnp.ones((3, 4), jnp.int32), h, -8, 7)
+    with pytest.raises(ValueError, match="group_size=3"):
         gptq_quantize(w, h, -8, 7, group_size=3)
-    with pytest.raises(ValueError, match="damp"):
+    with pytest.raises(TypeError, match="group_size"):
+        gptq_quantize(w, h, -8, 7, group_size=2.0)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="damp=-1.0"):
         gptq_quantize(w, h, -8, 7, damp=-1.0)
-    with pytest.raises(ValueError, match="symmetric"):
+    with pytest.raises(ValueError, match="damp=nan"):
+        gptq_quantize(w, h, -8, 7, damp=float("nan"))
+    with pytest.raises(ValueError, match="block_size=0"):
+        gptq_quantize(w, h, -8, 7, block_size=0)
+    with pytest.raises(TypeError, match="act_order"):
+        gptq_quantize(w, h, -8, 7, act_order=1)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="qmin=1 and qmax=15"):
         gptq_quantize(w, h, 1, 15)  # no 0 on the grid
+    with pytest.raises(ValueError, match="qmin=-8 and qmax=0"):
+        gptq_quantize(w, h, -8, 0)  # no positive level
+    with pytest.raises(ValueError, match="qmin"):
+        gptq_quantize(w, h, 7, -8)
 
 
 class Stacked(eqx.Module):
