@@ -112,7 +112,7 @@ def _bench(title, model, x, y, rounds, repeats, floor=None):
     for name, m in variants.items():
         fn, params, traces, xla, equations[name] = _compiled_step(m, x, y, rounds)
         calls[name] = functools.partial(fn, params, x, y)
-        compile_times[name] = statistics.median(t + c for t, c in zip(traces, xla))
+        compile_times[name] = statistics.median(t + c for t, c in zip(traces, xla, strict=True))
         trace_times[name] = statistics.median(traces)
         kernels[name] = fn.as_text().count(" fusion(")  # XLA's fused kernels in the optimised program
         temp_bytes[name] = fn.memory_analysis().temp_size_in_bytes
@@ -128,7 +128,8 @@ def _bench(title, model, x, y, rounds, repeats, floor=None):
         step = statistics.median(step_times[name])
         print(
             f"{name:<20}{1e3 * step:>9.2f}{step / base_step:>12.3f}{compile_times[name]:>11.2f}"
-            f"{compile_times[name] / base_compile:>15.3f}{trace_times[name]:>9.2f}{kernels[name]:>9}{equations[name]:>7}"
+            f"{compile_times[name] / base_compile:>15.3f}{trace_times[name]:>9.2f}{kernels[name]:>9}"
+            f"{equations[name]:>7}"
             f"{temp_bytes[name] / 1e6:>9.2f}"
         )
 
