@@ -117,8 +117,9 @@ class Preset:
             eqx_quant.recipe(name)  # a `ValueError` naming the known recipes if it is not one
 
 
-FULL_RECIPES = ("w8a8", "w8a8_attn", "w4a8_g32", "w4a16_g32", "w3a16_g32", "w2a16_g32")
+FULL_RECIPES = ("w8a8", "w8a8_attn", "w4a8_g32", "w4a16_g32", "w3a16_g32", "w2a16_g32", "fp8", "mxfp4", "nvfp4")
 METHODS = ("rtn", "gptq", "qat")
+FLOAT_RECIPES = ("fp8", "mxfp4", "nvfp4")  # low-precision float formats: GPTQ (integer grids) does not apply
 # The tied embedding (the model's input layer and its output head) stays at 8 bits per row in every recipe, as the
 # first and last layers usually do.
 KEEP = ("embed",)
@@ -510,7 +511,8 @@ def run(
     - `out`: the output folder, created if needed.
     - `cache`: a folder where the trained float model is stored and looked up; `None` to always train.
     - `recipes`: the recipes of the quantized rows (default: the preset's).
-    - `methods`: the methods of every recipe, from `METHODS`: `"rtn"`, `"gptq"`, `"qat"`. Each row is the
+    - `methods`: the methods of every recipe, from `METHODS`: `"rtn"`, `"gptq"`, `"qat"` (not `"gptq"` for the
+        float-format recipes of `FLOAT_RECIPES`, whose grids are not integer ones). Each row is the
         fake-quantized model's validation bits per character, its converted (integer) model's, and the size of the
         converted model's file.
     - `progress`: whether to show progress bars (on stderr).
@@ -575,6 +577,8 @@ def run(
     converted_models = {}
     for recipe in recipes:
         for method in methods:
+            if method == "gptq" and recipe in FLOAT_RECIPES:
+                continue
             start = time.perf_counter()
             derived = ARMS[method](model, bench, recipe)
             seconds = time.perf_counter() - start
@@ -659,9 +663,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--out", type=pathlib.Path, required=True, help="folder for lm_results.json and float.eqx")
     parser.add_argument("--cache", type=pathlib.Path, default=None, help="folder for the trained float model")
     parser.add_argument("--plot", type=pathlib.Path, default=None, help="where to draw the bits-per-character plot")
+    parser.add_argument("--recipes", nargs="+", default=None, help="the recipes of the rows (default: the preset's)")
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
-    results = run(args.preset, args.out, cache=args.cache)
+    results = run(args.preset, args.out, cache=args.cache, recipes=args.recipes)
     print(f"wrote {args.out / 'lm_results.json'}")
     if args.plot is not None:
         plot(results, args.plot)

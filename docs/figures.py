@@ -11,6 +11,8 @@ import pathlib
 import jax
 import jax.numpy as jnp
 import matplotlib
+import ml_dtypes
+import numpy as np
 
 
 matplotlib.use("Agg")
@@ -106,11 +108,53 @@ def error_vs_bits() -> None:
     _save(fig, "error-vs-bits.png")
 
 
+def float_grids() -> None:
+    """The positive values of each low-precision float format on a log scale, and the rounding of the two smallest
+    formats on the real line."""
+    names = ("float8_e5m2", "float8_e4m3fn", "float6_e3m2fn", "float6_e2m3fn", "float4_e2m1fn")
+    # A sweep finer than every grid: rounding it onto a format hits each of the format's values.
+    sweep = jnp.exp2(jnp.linspace(-18.0, 17.0, 35 * 4096 + 1, dtype=jnp.float32))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8.0, 6.2), height_ratios=(1.3, 1.0), layout="constrained")
+    for row, name in enumerate(names):
+        values = np.unique(np.asarray(eqx_quant.fake_quant_float(sweep, 1.0, name)))
+        values = values[values > 0]
+        smallest_normal = float(ml_dtypes.finfo(getattr(ml_dtypes, name)).smallest_normal)
+        for subnormal, color in ((True, ORANGE), (False, BLUE)):
+            chosen = values[(values < smallest_normal) == subnormal]
+            top.scatter(np.log2(chosen), np.full(chosen.shape, row), marker="|", s=120, color=color, linewidths=1.2)
+        top.annotate(
+            f"{len(values)} positive values, largest {values[-1]:g}",
+            (np.log2(values[-1]), row),
+            textcoords="offset points",
+            xytext=(8, -3),
+            fontsize=8,
+        )
+    top.scatter([], [], marker="|", color=BLUE, label="normal")
+    top.scatter([], [], marker="|", color=ORANGE, label="subnormal")
+    top.set_yticks(range(len(names)), names, family="DejaVu Sans Mono")
+    top.set_ylim(-0.7, len(names) - 0.3)
+    top.set_xlim(-18, 24)
+    top.set_xlabel("log2 of the value (the negative values mirror the positive ones; each format also has 0)")
+    top.legend(loc="upper right", frameon=False, ncols=2)
+    top.set_title("The grid of each element format (scale 1)", fontsize=9.0)
+
+    x = jnp.linspace(-8.0, 8.0, 1601, dtype=jnp.float32)
+    bottom.plot(x, x, color=GREY, linestyle="--", linewidth=1.0, label="identity")
+    for name, color in (("float6_e2m3fn", ORANGE), ("float4_e2m1fn", BLUE)):
+        bottom.plot(x, eqx_quant.fake_quant_float(x, 1.0, name), color=color, linewidth=1.4, label=name)
+    bottom.set_xlabel("x")
+    bottom.set_ylabel("fake_quant_float(x, 1.0, dtype)")
+    bottom.legend(loc="upper left", frameon=False)
+    bottom.set_title("Round to nearest (ties to even), saturating at the largest value", fontsize=9.0)
+    _save(fig, "float-grids.png")
+
+
 def main() -> None:
     OUT_DIR.mkdir(exist_ok=True)
     with plt.rc_context(STYLE):
         straight_through()
         error_vs_bits()
+        float_grids()
 
 
 if __name__ == "__main__":

@@ -10,6 +10,14 @@ from ._float_formats import (
     mx_fake_quant as mx_fake_quant,
     nvfp4_fake_quant as nvfp4_fake_quant,
 )
+from ._float_quantizers import (
+    AbstractFloatQuantizer as AbstractFloatQuantizer,
+    DynamicFloatFakeQuant as DynamicFloatFakeQuant,
+    FloatFakeQuant as FloatFakeQuant,
+    LearnedFloatFakeQuant as LearnedFloatFakeQuant,
+    MXFakeQuant as MXFakeQuant,
+    NVFP4FakeQuant as NVFP4FakeQuant,
+)
 from ._gptq import gptq as gptq, gptq_quantize as gptq_quantize
 from ._io import export_safetensors as export_safetensors, load as load, save as save
 from ._layout import Layout as Layout

@@ -7,6 +7,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._float_quantizers import AbstractFloatQuantizer, FloatFakeQuant, LearnedFloatFakeQuant
 from ._qtensor import QuantizedTensor
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
 from ._tree import map_nodes
@@ -18,17 +19,22 @@ _INT_LAYERS = {QuantLinear: IntLinear, QuantConv: IntConv}
 
 
 def _frozen_input_quant(quantizer: Any) -> Any:
-    """A per-tensor learned input quantizer becomes the static quantizer with its current values."""
+    """A per-tensor learned input quantizer becomes the static quantizer with its current values (a
+    [`eqx_quant.LearnedFloatFakeQuant`][] a [`eqx_quant.FloatFakeQuant`][])."""
     if isinstance(quantizer, LearnedFakeQuant) and quantizer.axis is None and quantizer.scale.ndim == 0:
         scale = max(float(quantizer.scale), quantizer.min_scale)
         zero_point = 0
         if quantizer.zero_point is not None:
             zero_point = int(np.round(np.clip(float(quantizer.zero_point), quantizer.qmin, quantizer.qmax)))
         return FakeQuant(scale, quantizer.qmin, quantizer.qmax, zero_point=zero_point)
+    if isinstance(quantizer, LearnedFloatFakeQuant) and quantizer.axis is None:
+        return FloatFakeQuant(quantizer.dtype, max(float(quantizer.scale), quantizer.min_scale))
     return quantizer
 
 
-def _whole_tensor(quantizer: AbstractFakeQuantizer) -> AbstractFakeQuantizer:
+def _whole_tensor(
+    quantizer: AbstractFakeQuantizer | AbstractFloatQuantizer,
+) -> AbstractFakeQuantizer | AbstractFloatQuantizer:
     """The quantizer as it applies to a whole weight: without the `axis_name` that let it see one shard of it inside
     `jax.shard_map` (conversion sees the whole weight, and the grid is the same)."""
     if getattr(quantizer, "axis_name", None) is None:
@@ -73,19 +79,27 @@ def convert(model: PyTree) -> PyTree:
     [`eqx_quant.pack_bits`][]); plus its float scales and zero points. No float copy of the weight is kept. Biases
     stay float32.
 
+    A weight quantized to a low-precision float format (an [`eqx_quant.AbstractFloatQuantizer`][]: FP8, FP6, FP4
+    with float scales, MX, NVFP4) is stored as its codes and scales, an [`eqx_quant.nn.FloatQuantizedTensor`][]:
+    one byte per FP8 or FP6 element, two FP4 elements per byte, and E8M0 (MX) or `float8_e4m3fn` (NVFP4) block
+    scales. Such layers compute on the dequantized weight, which is bit for bit the fake-quantized one, so the
+    converted forward equals the fake-quant forward bit for bit.
+
     Input quantizers are kept; a per-tensor [`eqx_quant.LearnedFakeQuant`][] is frozen into a static
-    [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers whose input quantizer has one scale for the
-    whole input (static, or a per-tensor dynamic one) and whose weight has one scale per tensor, per output channel
-    or (linear layers) per group along the contraction then compute on integers (see
+    [`eqx_quant.FakeQuant`][] with its current scale and zero point (a per-tensor
+    [`eqx_quant.LearnedFloatFakeQuant`][] into a [`eqx_quant.FloatFakeQuant`][]). Layers whose input quantizer has
+    one scale for the whole input (static, or a per-tensor dynamic one) and whose integer weight has one scale per
+    tensor, per output channel or (linear layers) per group along the contraction then compute on integers (see
     [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without a weight quantizer becomes
     its float layer, or, if its input is quantized, stays as it is (the quantized input shapes the output). All
     other leaves are kept as they are (shardings included).
 
     **Sharding.** The integers, scales and zero points of a weight with a `NamedSharding` are sharded like it: the
     weight's axes keep their partitioning and per-channel scales follow their channels; packed 4-bit integers (one
-    row of bytes per output channel) keep only the partitioning of the first axis, and grouped weights are left where
-    the conversion put them. A weight quantizer's `axis_name` (for statistics across the shards of a
-    `jax.shard_map`) is dropped: conversion sees the whole weight. Input quantizers keep theirs. See
+    row of bytes per output channel) keep only the partitioning of the first axis, and grouped weights (and
+    float-format weights) are left where the conversion put them. A weight quantizer's `axis_name` (for statistics
+    across the shards of a `jax.shard_map`) is dropped: conversion sees the whole weight. Input quantizers keep
+    theirs. See
     [Sharded training](../how-to/sharded.md).
 
     **Arguments:**
@@ -99,7 +113,8 @@ def convert(model: PyTree) -> PyTree:
     **Raises:**
 
     `ValueError`, naming the layer, if a weight holds NaN (which no integer represents; the check needs concrete
-    weights, so call `convert` outside `jax.jit`); `TypeError` for a weight quantizer without an integer grid.
+    weights, so call `convert` outside `jax.jit`); `TypeError` for a weight quantizer with neither an integer grid
+    nor a float format.
 
     !!! example
 
@@ -123,10 +138,11 @@ def convert(model: PyTree) -> PyTree:
         if layer.weight_quant is None:
             # No integers to store; a quantized input still shapes the output, so the layer stays as it is.
             return layer.layer if layer.input_quant is None else layer
-        if not isinstance(layer.weight_quant, AbstractFakeQuantizer):
+        if not isinstance(layer.weight_quant, (AbstractFakeQuantizer, AbstractFloatQuantizer)):
             raise TypeError(
                 f"Layer {path!r} has weight quantizer {type(layer.weight_quant).__name__}, which has no integer "
-                "grid; only fake quantizers (FakeQuant, DynamicFakeQuant, LearnedFakeQuant) can be converted."
+                "grid; only fake quantizers (FakeQuant, DynamicFakeQuant, LearnedFakeQuant) and float quantizers "
+                "(AbstractFloatQuantizer) can be converted."
             )
         weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
         if not eqx.is_array(weight):
@@ -141,7 +157,9 @@ def convert(model: PyTree) -> PyTree:
             )
         depth = stack_depth(layer.layer, weight.shape)
         quantize = per_layer(lambda quantizer, w: quantizer.quantize(w), depth)
-        tensor = _sharded_like(quantize(_whole_tensor(layer.weight_quant), weight), weight)
+        tensor = quantize(_whole_tensor(layer.weight_quant), weight)
+        if isinstance(tensor, QuantizedTensor):
+            tensor = _sharded_like(tensor, weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
         if isinstance(layer, QuantEmbedding):
             return IntEmbedding(skeleton, tensor)

@@ -13,6 +13,8 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
+from ._float_quantizers import AbstractFloatQuantizer, FloatFakeQuant, quantizer_metadata
+from ._float_tensor import FloatQuantizedTensor
 from ._packing import BIT_ORDER, NIBBLE_ORDER
 from ._qtensor import QuantizedTensor
 from ._quantizers import DynamicFakeQuant, FakeQuant
@@ -25,8 +27,9 @@ _VERSION = 2
 
 
 def _header_nodes(model: PyTree, name: str) -> dict[str, Any]:
-    """The static [`eqx_quant.FakeQuant`][]s and [`eqx_quant.nn.QuantizedTensor`][]s of `model` by path."""
-    return _unique_nodes(model, (FakeQuant, QuantizedTensor), name)
+    """The static [`eqx_quant.FakeQuant`][]s and [`eqx_quant.FloatFakeQuant`][]s, and the
+    [`eqx_quant.nn.QuantizedTensor`][]s and [`eqx_quant.nn.FloatQuantizedTensor`][]s, of `model` by path."""
+    return _unique_nodes(model, (FakeQuant, FloatFakeQuant, QuantizedTensor, FloatQuantizedTensor), name)
 
 
 def _unique_nodes(model: PyTree, types: tuple[type, ...], name: str) -> dict[str, Any]:
@@ -50,38 +53,44 @@ def _unique_nodes(model: PyTree, types: tuple[type, ...], name: str) -> dict[str
 
 
 def _static_quantizers(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The configuration of every static [`eqx_quant.FakeQuant`][] by path: it lives in the treedef, which
-    `eqx.tree_serialise_leaves` does not write."""
-    return {
-        path: {
-            "scale": q.scale,
-            "qmin": q.qmin,
-            "qmax": q.qmax,
-            "zero_point": q.zero_point,
-            "axis": q.axis,
-            "group_size": q.group_size,
-        }  # fmt: skip
-        for path, q in found.items()
-        if isinstance(q, FakeQuant)
-    }
+    """The configuration of every static [`eqx_quant.FakeQuant`][] and [`eqx_quant.FloatFakeQuant`][] by path: it
+    lives in the treedef, which `eqx.tree_serialise_leaves` does not write. (A `FloatFakeQuant` is told apart by
+    its `kind`; a `FakeQuant` has none, as in the files written before float formats.)"""
+    out = {}
+    for path, q in found.items():
+        if isinstance(q, FakeQuant):
+            out[path] = {
+                "scale": q.scale,
+                "qmin": q.qmin,
+                "qmax": q.qmax,
+                "zero_point": q.zero_point,
+                "axis": q.axis,
+                "group_size": q.group_size,
+            }  # fmt: skip
+        elif isinstance(q, FloatFakeQuant):
+            out[path] = quantizer_metadata(q)
+    return out
 
 
 def _tensor_descriptions(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """The static fields (shape, grid, packing, dtype) of every [`eqx_quant.nn.QuantizedTensor`][] by path, and
-    whether it has a zero point: what the stored integers mean, which the arrays alone do not say."""
+    """The static fields of every [`eqx_quant.nn.QuantizedTensor`][] (shape, grid, packing, dtype, and whether it
+    has a zero point) and [`eqx_quant.nn.FloatQuantizedTensor`][] (format, scale rule, block size and axis, channel
+    axes, shape, dtype) by path: what the stored integers or codes mean, which the arrays alone do not say."""
     out = {}
     for path, tensor in found.items():
-        if isinstance(tensor, QuantizedTensor):
+        if isinstance(tensor, (QuantizedTensor, FloatQuantizedTensor)):
             info = {f.name: getattr(tensor, f.name) for f in dataclasses.fields(tensor) if f.metadata.get("static")}
-            info["zero_point"] = tensor.zero_point is not None
+            if isinstance(tensor, QuantizedTensor):
+                info["zero_point"] = tensor.zero_point is not None
             out[path] = json.loads(json.dumps(info))  # as the header reads back: tuples become lists
     return out
 
 
 def _tensor_table(descriptions: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The descriptions as the header stores them: the field names once, then a row of values per tensor."""
+    """The descriptions as the header stores them: the field names once, then a row of values per tensor (`null`
+    for a field that a tensor of the other kind has)."""
     fields = sorted({field for info in descriptions.values() for field in info})
-    return {"fields": fields, "tensors": {path: [info[f] for f in fields] for path, info in descriptions.items()}}
+    return {"fields": fields, "tensors": {path: [info.get(f) for f in fields] for path, info in descriptions.items()}}
 
 
 def _from_table(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -90,14 +99,17 @@ def _from_table(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def save(path: str | os.PathLike, model: PyTree) -> None:
-    """Saves a model (integer weights as stored, packed 2-, 3- and 4-bit weights included) to a file.
+    """Saves a model (integer weights as stored, packed 2-, 3- and 4-bit weights included, and the codes and scales
+    of float-format weights) to a file.
 
     The file starts with a small JSON header holding the static configuration that the arrays alone do not carry:
     the scales, zero points and ranges of every static [`eqx_quant.FakeQuant`][] (e.g. calibrated input
-    quantizers), and the shape, grid (`qmin`, `qmax`), packing width and dtype of every
-    [`eqx_quant.nn.QuantizedTensor`][], which [`eqx_quant.load`][] checks against the model it loads into. The
-    arrays follow, written by `eqx.tree_serialise_leaves`; weights of at most 4 bits are already packed at their
-    width in a converted model, so they read back exactly. Each array carries a NumPy header of about 128 bytes.
+    quantizers) and the format and scales of every [`eqx_quant.FloatFakeQuant`][]; the shape, grid (`qmin`,
+    `qmax`), packing width and dtype of every [`eqx_quant.nn.QuantizedTensor`][]; and the format, scale rule, block
+    size and axis, shape and dtype of every [`eqx_quant.nn.FloatQuantizedTensor`][]. [`eqx_quant.load`][] checks
+    them against the model it loads into. The arrays follow, written by `eqx.tree_serialise_leaves`; weights of at
+    most 4 bits are already packed at their width in a converted model (FP4 codes two per byte), so they read back
+    exactly. Each array carries a NumPy header of about 128 bytes.
 
     The file is written to a temporary file beside `path` and then renamed over it, so a save that fails leaves an
     existing file at `path` as it was.
@@ -176,10 +188,12 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
 
     - `path`: the file.
     - `like`: a model with the same structure, e.g. the converted model of a freshly initialised and calibrated
-        network. Its arrays and the configuration of its static [`eqx_quant.FakeQuant`][]s are replaced by the
-        saved ones, so its calibration need not match; its [`eqx_quant.nn.QuantizedTensor`][]s must have the shapes,
-        grids (`qmin`, `qmax`), packing widths and dtypes of the saved ones, since the stored integers mean nothing
-        on another grid.
+        network. Its arrays and the configuration of its static [`eqx_quant.FakeQuant`][]s and
+        [`eqx_quant.FloatFakeQuant`][]s are replaced by the saved ones, so its calibration need not match; its
+        [`eqx_quant.nn.QuantizedTensor`][]s must have the shapes, grids (`qmin`, `qmax`), packing widths and dtypes
+        of the saved ones, since the stored integers mean nothing on another grid, and its
+        [`eqx_quant.nn.FloatQuantizedTensor`][]s their formats, scale rules, block sizes and axes, shapes and
+        dtypes.
 
     **Returns:**
 
@@ -231,14 +245,22 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
                     f"values, but `like` has 2- or 3-bit weights at {narrow}; save the model again."
                 )
 
-        def restore(name: str, quantizer: FakeQuant) -> FakeQuant:
+        def restore(name: str, quantizer: FakeQuant | FloatFakeQuant) -> FakeQuant | FloatFakeQuant:
             c = saved[name]
+            kind = c.get("kind", "FakeQuant")
+            if kind != type(quantizer).__name__:
+                raise ValueError(
+                    f"The static quantizer at {name!r} is a {kind} in {str(path)!r} but a {type(quantizer).__name__} "
+                    "in `like`."
+                )
             axis = tuple(c["axis"]) if isinstance(c["axis"], list) else c["axis"]  # JSON has no tuples
+            if kind == "FloatFakeQuant":
+                return FloatFakeQuant(c["dtype"], c["scale"], axis=axis)
             return FakeQuant(
                 c["scale"], c["qmin"], c["qmax"], zero_point=c["zero_point"], axis=axis, group_size=c.get("group_size")
             )
 
-        like = map_nodes(like, (FakeQuant,), restore)
+        like = map_nodes(like, (FakeQuant, FloatFakeQuant), restore)
         try:
             model = eqx.tree_deserialise_leaves(f, like)
         except (ValueError, EOFError, RuntimeError) as error:
@@ -256,8 +278,26 @@ def _json_axis(axes: tuple[int, ...]) -> int | list[int] | None:
     return None if not axes else axes[0] if len(axes) == 1 else list(axes)
 
 
+def _add_input_metadata(info: dict[str, Any], quantizer: Any) -> None:
+    """Describes a layer's input quantizer in `info["input"]`, if it is static, dynamic or a float quantizer."""
+    if isinstance(quantizer, FakeQuant):
+        info["input"] = {
+            "scale": quantizer.scale,
+            "zero_point": quantizer.zero_point,
+            "qmin": quantizer.qmin,
+            "qmax": quantizer.qmax,
+            "axis": quantizer.axis,
+            "group_size": quantizer.group_size,
+        }
+    elif isinstance(quantizer, DynamicFakeQuant):
+        info["input"] = {"dynamic_bits": quantizer.bits, "signed": quantizer.signed, "symmetric": quantizer.symmetric}
+    elif isinstance(quantizer, AbstractFloatQuantizer):
+        info["input"] = quantizer_metadata(quantizer)
+
+
 def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
     w = layer.qweight
+    assert isinstance(w, QuantizedTensor)
     info: dict[str, Any] = {
         "kind": type(layer).__name__,
         "shape": list(w.shape),
@@ -273,18 +313,28 @@ def _layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
         "axis": None if w.layout.group_size else _json_axis(w.layout.channel_axes(w.shape)),
         "dtype": w.dtype,
     }
-    quantizer = layer.input_quant
-    if isinstance(quantizer, FakeQuant):
-        info["input"] = {
-            "scale": quantizer.scale,
-            "zero_point": quantizer.zero_point,
-            "qmin": quantizer.qmin,
-            "qmax": quantizer.qmax,
-            "axis": quantizer.axis,
-            "group_size": quantizer.group_size,
-        }
-    elif isinstance(quantizer, DynamicFakeQuant):
-        info["input"] = {"dynamic_bits": quantizer.bits, "signed": quantizer.signed, "symmetric": quantizer.symmetric}
+    _add_input_metadata(info, layer.input_quant)
+    return info
+
+
+def _float_layer_metadata(layer: AbstractIntLayer) -> dict[str, Any]:
+    w = layer.qweight
+    assert isinstance(w, FloatQuantizedTensor)
+    info: dict[str, Any] = {
+        "kind": type(layer).__name__,
+        "format": w.format,
+        "element": w.element,
+        "scale_format": w.scale_format,
+        "scale_rule": w.scale_rule,
+        "block_size": w.block_size,
+        "block_axis": w.block_axis,
+        "channel_axes": list(w.channel_axes),
+        "shape": list(w.shape),
+        "packed_fp4": w.packed,
+        "nibble_order": NIBBLE_ORDER if w.packed else None,
+        "dtype": w.dtype,
+    }
+    _add_input_metadata(info, layer.input_quant)
     return info
 
 
@@ -307,6 +357,14 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
     its `nibble_order` (element `2i` of a row in the low nibble) are kept. It is readable with the `safetensors`
     library alone (`safetensors.numpy.load_file`).
 
+    A layer whose weight is in a low-precision float format (an [`eqx_quant.nn.FloatQuantizedTensor`][]) has
+    `p.weight` holding its codes (uint8: the `ml_dtypes` bit pattern of each FP8 or FP6 element, or two FP4
+    elements per byte, element `2i` of a row in the low nibble), `p.weight_scale` (uint8 E8M0 or `float8_e4m3fn`
+    bytes per block, or float32 scales per tensor or channel), `p.weight_tensor_scale` (NVFP4's float32 tensor
+    scale) and `p.bias`; its metadata gives the `format`, the `element` format, the `scale_format`, the MX
+    `scale_rule`, the `block_size` and `block_axis`, the `channel_axes` of float scales, the `shape`, `packed_fp4`
+    with its `nibble_order`, the `dtype`, and the input quantizer.
+
     **Arguments:**
 
     - `path`: the file to write (through a temporary file beside it, as [`eqx_quant.save`][] does).
@@ -325,14 +383,21 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
     for name, layer in layers:
         name = name or "layer"
         w = layer.qweight
-        tensors[f"{name}.weight"] = np.asarray(w.values)
-        tensors[f"{name}.weight_scale"] = np.asarray(w.scale)
-        if w.zero_point is not None:
-            tensors[f"{name}.weight_zero_point"] = np.asarray(w.zero_point)
+        if isinstance(w, FloatQuantizedTensor):
+            tensors[f"{name}.weight"] = np.asarray(w.codes)
+            tensors[f"{name}.weight_scale"] = np.asarray(w.scale)
+            if w.tensor_scale is not None:
+                tensors[f"{name}.weight_tensor_scale"] = np.asarray(w.tensor_scale)
+            metadata[name] = json.dumps(_float_layer_metadata(layer))
+        else:
+            tensors[f"{name}.weight"] = np.asarray(w.values)
+            tensors[f"{name}.weight_scale"] = np.asarray(w.scale)
+            if w.zero_point is not None:
+                tensors[f"{name}.weight_zero_point"] = np.asarray(w.zero_point)
+            metadata[name] = json.dumps(_layer_metadata(layer))
         bias = getattr(layer.layer, "bias", None)
         if bias is not None:
             tensors[f"{name}.bias"] = np.asarray(bias)
-        metadata[name] = json.dumps(_layer_metadata(layer))
     _write_safetensors(path, tensors, metadata)
 
 

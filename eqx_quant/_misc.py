@@ -56,7 +56,8 @@ def expand_to_rank(a: Array, ndim: int) -> Array:
 
 
 def sum_to_shape(a: Array, shape: tuple[int, ...]) -> Array:
-    """Sums `a` over the axes along which an array of `shape` was broadcast to `a.shape`: the adjoint of broadcasting."""
+    """Sums `a` over the axes along which an array of `shape` was broadcast to `a.shape` (the adjoint of a
+    broadcast)."""
     lead = a.ndim - len(shape)
     axes = tuple(range(lead)) + tuple(lead + i for i, s in enumerate(shape) if s == 1 and a.shape[lead + i] != 1)
     return jnp.sum(a, axis=axes).reshape(shape) if axes else a.reshape(shape)

@@ -110,3 +110,37 @@ def test_subclasses_that_override_call_are_not_silently_replaced():
     x = jnp.array([0.5, -1.0, 2.0])
     np.testing.assert_allclose(np.asarray(skipped["double"](x)), 2 * np.asarray(model["plain"](x)), rtol=1e-6)
     assert type(quantize(model, where=lambda path, layer: path != "double")["double"]) is Doubling
+
+
+def test_float_recipes_give_the_documented_quantizers_and_convert_exactly():
+    # Inputs 32, 48, 24: blocks of 32 (MX) fit the first layer only, blocks of 16 (NVFP4) the first two; a layer they
+    # do not fit falls back to FP8 E4M3 (weights per output channel, inputs per tensor).
+    model = eqx.nn.Sequential(
+        [eqx.nn.Linear(32, 48, key=jax.random.key(0)), eqx.nn.Linear(48, 24, key=jax.random.key(1)),
+         eqx.nn.Linear(24, 5, key=jax.random.key(2))]
+    )  # fmt: skip
+    fp8_weights = eqx_quant.DynamicFloatFakeQuant("float8_e4m3fn", axis=0)
+    fp8_inputs = eqx_quant.DynamicFloatFakeQuant("float8_e4m3fn")
+    expected = {
+        "fp8": [(fp8_weights, fp8_inputs)] * 3,
+        "mxfp4": [(eqx_quant.MXFakeQuant("mxfp4"), eqx_quant.MXFakeQuant("mxfp8_e4m3"))]
+        + [(fp8_weights, fp8_inputs)] * 2,
+        "nvfp4": [(eqx_quant.NVFP4FakeQuant(), eqx_quant.NVFP4FakeQuant())] * 2 + [(fp8_weights, fp8_inputs)],
+    }
+    x = jax.random.normal(jax.random.key(3), (6, 32))
+    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    for name, quantizers in expected.items():
+        qmodel = quantize(model, **recipe(name))
+        assert [(layer.weight_quant, layer.input_quant) for layer in qmodel.layers] == quantizers, name
+        converted = eqx_quant.convert(qmodel)
+        assert_bitwise_equal(run(converted, x), run(qmodel, x))
+        # The fake-quantized output is the float model on the fake-quantized operands, layer by layer.
+        h = x
+        for layer in qmodel.layers:
+            weight, inputs = layer.weight_quant(layer.layer.weight), jax.vmap(layer.input_quant)(h)
+            h = inputs @ weight.T + layer.layer.bias[None]
+        np.testing.assert_allclose(run(qmodel, x), h, rtol=1e-5, atol=1e-6)
+    learned = quantize(model, **recipe("fp8", learned=True)).layers[0].weight_quant
+    assert type(learned) is eqx_quant.LearnedFloatFakeQuant and learned.scale.shape == (48,)
+    with pytest.raises(ValueError, match="group_size"):
+        recipe("mxfp4", group_size=32)

@@ -8,6 +8,7 @@ from ._attention import (
 )
 from ._int_layers import (
     AbstractIntLayer as AbstractIntLayer,
+    FloatQuantizedTensor as FloatQuantizedTensor,
     IntConv as IntConv,
     IntEmbedding as IntEmbedding,
     IntLinear as IntLinear,

@@ -2,6 +2,7 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
+from .._float_tensor import FloatQuantizedTensor
 from .._int_ops import integer_product, plan
 from .._qtensor import QuantizedTensor
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer
@@ -13,7 +14,7 @@ def int_forward(layer: "AbstractIntLayer", x: Array, key: PRNGKeyArray | None) -
     the same decision as the quantized layer's allows it, else the float layer on the dequantized weight."""
     float_layer = layer.layer
     vector = as_vector(float_layer, x)
-    if not isinstance(layer.input_quant, AbstractFakeQuantizer):
+    if not isinstance(layer.input_quant, AbstractFakeQuantizer) or not isinstance(layer.qweight, QuantizedTensor):
         return layer._float_path(x, key)
     x_int, x_nan = layer.input_quant.quantize_with_mask(vector)
     spec = plan(float_layer, layer.qweight.shape, layer.qweight, x_int)
@@ -28,14 +29,15 @@ class AbstractIntLayer(eqx.Module):
     """Base class of the integer layers produced by [`eqx_quant.convert`][].
 
     `layer` is the float layer with its weight removed (set to `None`): it keeps the configuration (strides,
-    padding, bias, ...) and the bias; `qweight` holds the integers (a [`eqx_quant.nn.QuantizedTensor`][]; for
-    stacked layers, built with `eqx.filter_vmap`, its arrays carry the stack in front). A call runs the integer
-    computation of the quantized layer's integer forward when the input quantizer has a single scale for the whole
-    input, and the dequantized weight in floating point otherwise.
+    padding, bias, ...) and the bias; `qweight` holds the integers (a [`eqx_quant.nn.QuantizedTensor`][]), or the
+    codes of a low-precision float format (a [`eqx_quant.nn.FloatQuantizedTensor`][]); for stacked layers, built
+    with `eqx.filter_vmap`, its arrays carry the stack in front. A call runs the integer computation of the
+    quantized layer's integer forward when the weight is stored as integers and the input quantizer has a single
+    scale for the whole input, and the dequantized weight in floating point otherwise (float formats always).
     """
 
     layer: eqx.AbstractVar[eqx.Module]
-    qweight: eqx.AbstractVar[QuantizedTensor]
+    qweight: eqx.AbstractVar[QuantizedTensor | FloatQuantizedTensor]
     input_quant: eqx.AbstractVar[AbstractQuantizer | None]
 
     @property
@@ -74,7 +76,7 @@ class IntLinear(AbstractIntLayer):
     """
 
     layer: eqx.nn.Linear
-    qweight: QuantizedTensor
+    qweight: QuantizedTensor | FloatQuantizedTensor
     input_quant: AbstractQuantizer | None
 
     def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
@@ -95,7 +97,7 @@ class IntConv(AbstractIntLayer):
     """
 
     layer: eqx.nn.Conv
-    qweight: QuantizedTensor
+    qweight: QuantizedTensor | FloatQuantizedTensor
     input_quant: AbstractQuantizer | None
 
     def __call__(
@@ -112,7 +114,7 @@ class IntEmbedding(AbstractIntLayer):
     fake-quantized table)."""
 
     layer: eqx.nn.Embedding
-    qweight: QuantizedTensor
+    qweight: QuantizedTensor | FloatQuantizedTensor
 
     @property
     def input_quant(self) -> None:
