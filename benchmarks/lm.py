@@ -626,8 +626,56 @@ def run(
         f"generation: float {g['float_tokens_per_s']:,.0f} tokens/s, int {g['int_tokens_per_s']:,.0f} tokens/s; "
         f"int: {g['prompt'] + g['sample']!r}"
     )
+    results["targets"] = targets(results)
     (out / "lm_results.json").write_text(json.dumps(results, indent=1))
     return results
+
+
+def _row(results: dict, recipe: str, method: str) -> dict | None:
+    return next((r for r in results["rows"] if r["recipe"] == recipe and r["method"] == method), None)
+
+
+def targets(results: dict) -> dict[str, float]:
+    """The figures the benchmark's targets are stated in, for the rows present:
+
+    - `"{recipe} rtn / float - 1"` for `w8a8` (target at most 1%) and `w8a8_attn` (at most 2%);
+    - `"{recipe} qat recovery"`: `(rtn - qat) / (rtn - control)` (at least 0.6 for `w4a8_g32`, `w3a16_g32`,
+        `w2a16_g32`);
+    - `"{recipe} gptq recovery"`: `(rtn - gptq) / (rtn - float)` (at least 0.5 for `w3a16_g32`);
+    - `"{recipe} file / float"`: the converted model's file size over the float32 one's (at most 0.16 for int4).
+    """
+    float_bpc, control_bpc = results["float"]["val_bpc"], results["control"]["val_bpc"]
+    figures = {}
+    for recipe in dict.fromkeys(r["recipe"] for r in results["rows"]):
+        rtn, gptq, qat = (_row(results, recipe, method) for method in METHODS)
+        if rtn is not None:
+            figures[f"{recipe} rtn / float - 1"] = rtn["val_bpc"] / float_bpc - 1
+            figures[f"{recipe} file / float"] = rtn["file_bytes"] / results["float"]["file_bytes"]
+            if qat is not None:
+                figures[f"{recipe} qat recovery"] = (rtn["val_bpc"] - qat["val_bpc"]) / (rtn["val_bpc"] - control_bpc)
+            if gptq is not None:
+                figures[f"{recipe} gptq recovery"] = (rtn["val_bpc"] - gptq["val_bpc"]) / (rtn["val_bpc"] - float_bpc)
+    return figures
+
+
+def table(results: dict) -> str:
+    """The rows as a Markdown table: bits per character, their change from the float model, whether the converted
+    model scored the same, and the converted model's file size."""
+    float_bpc, float_bytes = results["float"]["val_bpc"], results["float"]["file_bytes"]
+    lines = [
+        "| recipe | method | val bpc | vs float | converted equal | file bytes | of float32 |",
+        "|---|---|---:|---:|:---:|---:|---:|",
+        f"| float | | {float_bpc:.4f} | | | {float_bytes:,} | 100% |",
+        f"| float, fine-tuned (control) | | {results['control']['val_bpc']:.4f} | "
+        f"{100 * (results['control']['val_bpc'] / float_bpc - 1):+.2f}% | | | |",
+    ]
+    for r in results["rows"]:
+        same = "yes" if r["converted_val_bpc"] == r["val_bpc"] else "**no**"
+        lines.append(
+            f"| {r['recipe']} | {r['method']} | {r['val_bpc']:.4f} | {100 * (r['val_bpc'] / float_bpc - 1):+.2f}% | "
+            f"{same} | {r['file_bytes']:,} | {100 * r['file_bytes'] / float_bytes:.1f}% |"
+        )
+    return "\n".join(lines)
 
 
 def plot(results: dict, path: pathlib.Path) -> None:
@@ -667,6 +715,9 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
     results = run(args.preset, args.out, cache=args.cache, recipes=args.recipes)
+    print(table(results))
+    for name, value in results["targets"].items():
+        print(f"{name}: {value:.4f}")
     print(f"wrote {args.out / 'lm_results.json'}")
     if args.plot is not None:
         plot(results, args.plot)

@@ -233,3 +233,30 @@ def test_plot_draws_every_method(smoke, tmp_path):
     path = tmp_path / "bpc.png"
     lm.plot(first, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_targets_and_table_from_hand_made_results():
+    row = lambda recipe, method, bpc, size: {  # noqa: E731
+        "recipe": recipe, "method": method, "val_bpc": bpc, "converted_val_bpc": bpc, "file_bytes": size
+    }  # fmt: skip
+    results = {
+        "float": {"val_bpc": 2.0, "file_bytes": 1000},
+        "control": {"val_bpc": 1.9},
+        "rows": [
+            row("w3a16_g32", "rtn", 2.5, 150),
+            row("w3a16_g32", "gptq", 2.2, 150),
+            row("w3a16_g32", "qat", 2.1, 150),
+        ],
+    }
+    figures = lm.targets(results)
+    assert figures == pytest.approx(
+        {
+            "w3a16_g32 rtn / float - 1": 0.25,
+            "w3a16_g32 file / float": 0.15,
+            "w3a16_g32 qat recovery": 0.4 / 0.6,  # (2.5 - 2.1) / (2.5 - 1.9)
+            "w3a16_g32 gptq recovery": 0.3 / 0.5,  # (2.5 - 2.2) / (2.5 - 2.0)
+        }
+    )
+    lines = lm.table(results).splitlines()
+    assert len(lines) == 4 + 3
+    assert lines[-1] == "| w3a16_g32 | qat | 2.1000 | +5.00% | yes | 150 | 15.0% |"
