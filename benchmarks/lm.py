@@ -678,25 +678,30 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+# The recipes of the plot, by weight bits: W8A8, then weight-only groups of 32 at 4, 3 and 2 bits.
+PLOT_RECIPES = {"w8a8": 8, "w4a16_g32": 4, "w3a16_g32": 3, "w2a16_g32": 2}
+
+
 def plot(results: dict, path: pathlib.Path) -> None:
-    """Draws validation bits per character against the recipe for each method, with the float model and the
-    control arm as lines, to `path` (matplotlib)."""
+    """Draws validation bits per character against the weights' bit width (the recipes of `PLOT_RECIPES` present in
+    `results`) for each method, with the float model and the control arm as lines, to `path` (matplotlib)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    recipes = list(dict.fromkeys(row["recipe"] for row in results["rows"]))
-    figure, axes = plt.subplots(figsize=(7, 4))
+    figure, axes = plt.subplots(figsize=(7, 4.2))
     for method, marker in zip(METHODS, "osD", strict=True):
-        points = [(recipes.index(r["recipe"]), r["val_bpc"]) for r in results["rows"] if r["method"] == method]
+        points = [(PLOT_RECIPES[r], row["val_bpc"]) for r in PLOT_RECIPES if (row := _row(results, r, method))]
         if points:
             axes.plot(*zip(*points, strict=True), marker=marker, label=method)
     axes.axhline(results["float"]["val_bpc"], color="black", linewidth=1, label="float")
     control = results["control"]["val_bpc"]
     axes.axhline(control, color="grey", linestyle="--", linewidth=1, label="control (float, fine-tuned)")
-    axes.set_xticks(range(len(recipes)), recipes)
-    axes.set_yscale("log")
+    bits = [b for r, b in PLOT_RECIPES.items() if any(row["recipe"] == r for row in results["rows"])]
+    axes.set_xticks(bits, [f"{b}\n{r}" for r, b in PLOT_RECIPES.items() if b in bits])
+    axes.invert_xaxis()
+    axes.set_xlabel("weight bits (recipe)")
     axes.set_ylabel("validation bits per character")
     axes.set_title("Character-level GPT on held-out Shakespeare")
     axes.legend()
@@ -707,18 +712,27 @@ def plot(results: dict, path: pathlib.Path) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--preset", choices=sorted(PRESETS), required=True)
-    parser.add_argument("--out", type=pathlib.Path, required=True, help="folder for lm_results.json and float.eqx")
+    parser.add_argument("--preset", choices=sorted(PRESETS))
+    parser.add_argument("--out", type=pathlib.Path, help="folder for lm_results.json and float.eqx")
     parser.add_argument("--cache", type=pathlib.Path, default=None, help="folder for the trained float model")
     parser.add_argument("--plot", type=pathlib.Path, default=None, help="where to draw the bits-per-character plot")
     parser.add_argument("--recipes", nargs="+", default=None, help="the recipes of the rows (default: the preset's)")
+    parser.add_argument(
+        "--results", type=pathlib.Path, default=None, help="print the table (and plot) of an lm_results.json; no run"
+    )
     args = parser.parse_args(argv)
-    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
-    results = run(args.preset, args.out, cache=args.cache, recipes=args.recipes)
+    if args.results is not None:
+        results = json.loads(args.results.read_text())
+        results["targets"] = targets(results)
+    elif args.preset is None or args.out is None:
+        parser.error("--preset and --out are required unless --results is given")
+    else:
+        print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+        results = run(args.preset, args.out, cache=args.cache, recipes=args.recipes)
+        print(f"wrote {args.out / 'lm_results.json'}")
     print(table(results))
     for name, value in results["targets"].items():
         print(f"{name}: {value:.4f}")
-    print(f"wrote {args.out / 'lm_results.json'}")
     if args.plot is not None:
         plot(results, args.plot)
         print(f"wrote {args.plot}")

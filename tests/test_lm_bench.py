@@ -228,11 +228,29 @@ def test_main_refuses_an_unknown_preset(tmp_path):
     assert not (tmp_path / "lm_results.json").exists()
 
 
-def test_plot_draws_every_method(smoke, tmp_path):
-    _, first, _, _ = smoke
-    path = tmp_path / "bpc.png"
-    lm.plot(first, path)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+def test_results_option_prints_and_plots_without_running(tmp_path, capsys):
+    rows = [
+        {
+            "recipe": r,
+            "method": m,
+            "val_bpc": 2.0 + b / 100 + i,
+            "converted_val_bpc": 2.0 + b / 100 + i,
+            "file_bytes": 10,
+        }
+        for r, b in lm.PLOT_RECIPES.items()
+        for i, m in enumerate(lm.METHODS)
+    ]
+    path, png = tmp_path / "lm_results.json", tmp_path / "bpc.png"
+    path.write_text(
+        json.dumps({"float": {"val_bpc": 2.0, "file_bytes": 40}, "control": {"val_bpc": 1.9}, "rows": rows})
+    )
+    results = lm.main(["--results", str(path), "--plot", str(png)])
+    assert results["targets"]["w2a16_g32 file / float"] == 0.25
+    printed = capsys.readouterr().out
+    assert "| w3a16_g32 | gptq | 3.0300 | +51.50% | yes | 10 | 25.0% |" in printed
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    with pytest.raises(SystemExit):
+        lm.main(["--preset", "smoke"])  # no --out
 
 
 def test_targets_and_table_from_hand_made_results():
