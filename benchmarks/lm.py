@@ -129,7 +129,7 @@ PRESETS = {
     "smoke": Preset(
         name="smoke", dim=32, heads=2, depth=2, context=32, batch_size=16, steps=200, learning_rate=3e-3,
         warmup_steps=20, weight_decay=0.1, finetune_steps=20, finetune_learning_rate=3e-4, finetune_warmup_steps=2,
-        val_windows=64, train_chars=200_000, val_chars=20_000, generate_tokens=16, recipes=("w8a8_attn", "w4a8_g32"),
+        val_windows=64, train_chars=200_000, val_chars=20_000, generate_tokens=16, recipes=("w4a8_g32",),
         calibration_batches=2, timing_steps=5,
     ),
     "full": Preset(
