@@ -2,7 +2,7 @@
 
 Run with `python benchmarks/train_step.py`. For the MLP 784-1024-1024-10 (ReLU, batch 256, softmax cross-entropy,
 SGD) and for the demo convnet (batch 64), it times the float model and the same model quantized with
-`eqx_quant.quantize` at W8A8 and W4A4 (weights per output channel, inputs per tensor, integer forward) and at W8A8
+`eqx_quant.quantize` at W8A8, W4A8 and W4A4 (weights per output channel, inputs per tensor, integer forward) and at W8A8
 with the float-matmul fallback (`matmul="float"`). Step times are medians of interleaved rounds; compile times are
 ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians over rounds; `trace s` is the part
 of it before XLA (JAX tracing the step and lowering it), and `kernels` the number of fused kernels in XLA's
@@ -13,6 +13,11 @@ counts once). `temp MB` is the size of the temporary buffers XLA allocates for o
 For the MLP, a last row times a floor: the least work that a W8A8 step with an integer forward and the float
 backward of the fake-quant formulation must do. Each layer only casts its weight and input to int8 (no scales,
 rounding, clipping or straight-through masks) for the int8 product, and its backward is the float layer's.
+
+When `qwix` and `flax` are installed (`pip install -e ".[bench]"`), the MLP's table has three more rows, timed in
+the same interleaved rounds: the same MLP in Flax, and Qwix's quantization-aware training of it (`QtProvider`, int8
+or int4 weights per channel and int8 activations, dynamic). Their ratios are to the Flax float step, and a last
+line compares the quantized steps of the two libraries directly.
 """
 
 import functools
@@ -42,15 +47,15 @@ def _step(model, x, y):
 
 
 def _variants(model):
-    def q(bits, matmul="int"):
+    def q(weight_bits, input_bits, matmul="int"):
         return eqx_quant.quantize(
             model,
-            weights=eqx_quant.DynamicFakeQuant(bits, axis=0),
-            activations=eqx_quant.DynamicFakeQuant(bits),
+            weights=eqx_quant.DynamicFakeQuant(weight_bits, axis=0),
+            activations=eqx_quant.DynamicFakeQuant(input_bits),
             matmul=matmul,
         )
 
-    return {"float": model, "W8A8": q(8), "W4A4": q(4), "W8A8 float-matmul": q(8, "float")}
+    return {"float": model, "W8A8": q(8, 8), "W4A8": q(4, 8), "W4A4": q(4, 4), "W8A8 float-matmul": q(8, 8, "float")}
 
 
 class _CastLinear(eqx.Module):
@@ -91,6 +96,49 @@ def _compiled_step(model, x, y, rounds):
         new, loss = _step(eqx.combine(params, static), x, y)
         return eqx.filter(new, eqx.is_inexact_array), loss
 
+    return _compiled(step, params, x, y, rounds)
+
+
+def _qwix_steps(x) -> dict:
+    """The MLP in Flax, float and quantized by Qwix (int8 / int4 weights per channel, int8 activations, dynamic), as
+    `(jitted SGD step, params)` pairs; empty if `qwix` or `flax` is not installed."""
+    try:
+        import flax.linen as nn
+        import qwix
+    except ImportError:
+        return {}
+
+    class FlaxMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            x = nn.relu(nn.Dense(1024)(x))
+            x = nn.relu(nn.Dense(1024)(x))
+            return nn.Dense(10)(x)
+
+    float_model = FlaxMLP()
+    params = float_model.init(jax.random.key(1), x)["params"]
+
+    def qat(weight_qtype):
+        rule = qwix.QtRule(module_path=".*", weight_qtype=weight_qtype, act_qtype=jnp.int8)
+        return qwix.quantize_model(float_model, qwix.QtProvider([rule]))
+
+    def step_of(model):
+        def loss(params, x, y):
+            log_probs = jax.nn.log_softmax(model.apply({"params": params}, x), axis=-1)
+            return -jnp.mean(jnp.take_along_axis(log_probs, y[:, None], axis=-1))
+
+        @jax.jit
+        def step(params, x, y):
+            value, grads = jax.value_and_grad(loss)(params, x, y)
+            return jax.tree.map(lambda p, g: p - 0.01 * g, params, grads), value
+
+        return step
+
+    models = {"Flax float": float_model, "Qwix W8A8": qat(jnp.int8), "Qwix W4A8": qat(jnp.int4)}
+    return {name: (step_of(model), params) for name, model in models.items()}
+
+
+def _compiled(step, params, x, y, rounds):
     equations = len(step.trace(params, x, y).jaxpr.eqns)
     trace_times, xla_times = [], []
     for _ in range(rounds):
@@ -104,27 +152,31 @@ def _compiled_step(model, x, y, rounds):
     return compiled, params, trace_times, xla_times, equations
 
 
-def _bench(title, model, x, y, rounds, repeats, floor=None):
+def _bench(title, model, x, y, rounds, repeats, floor=None, others=None):
     variants = _variants(model)
     if floor is not None:
         variants["floor (casts only)"] = floor
+    others = others or {}
     calls, compile_times, trace_times, kernels, temp_bytes, equations = {}, {}, {}, {}, {}, {}
-    for name, m in variants.items():
-        fn, params, traces, xla, equations[name] = _compiled_step(m, x, y, rounds)
+    for name in [*variants, *others]:
+        if name in variants:
+            fn, params, traces, xla, equations[name] = _compiled_step(variants[name], x, y, rounds)
+        else:
+            fn, params, traces, xla, equations[name] = _compiled(*others[name], x, y, rounds)
         calls[name] = functools.partial(fn, params, x, y)
         compile_times[name] = statistics.median(t + c for t, c in zip(traces, xla, strict=True))
         trace_times[name] = statistics.median(traces)
         kernels[name] = fn.as_text().count(" fusion(")  # XLA's fused kernels in the optimised program
         temp_bytes[name] = fn.memory_analysis().temp_size_in_bytes
     step_times = interleaved_times(calls, rounds, repeats)
-    base_step = statistics.median(step_times["float"])
-    base_compile = compile_times["float"]
     print(f"\n{title}")
     print(
         f"{'variant':<20}{'step ms':>9}{'step ratio':>12}{'compile s':>11}{'compile ratio':>15}{'trace s':>9}"
         f"{'kernels':>9}{'eqns':>7}{'temp MB':>9}"
     )
-    for name in variants:
+    for name in [*variants, *others]:
+        base = "Flax float" if name in others else "float"
+        base_step, base_compile = statistics.median(step_times[base]), compile_times[base]
         step = statistics.median(step_times[name])
         print(
             f"{name:<20}{1e3 * step:>9.2f}{step / base_step:>12.3f}{compile_times[name]:>11.2f}"
@@ -132,6 +184,10 @@ def _bench(title, model, x, y, rounds, repeats, floor=None):
             f"{equations[name]:>7}"
             f"{temp_bytes[name] / 1e6:>9.2f}"
         )
+    if others:
+        for ours, theirs in (("W8A8", "Qwix W8A8"), ("W4A8", "Qwix W4A8")):
+            ratio = statistics.median(step_times[ours]) / statistics.median(step_times[theirs])
+            print(f"step {ours} / {theirs}: {ratio:.3f}")
 
 
 def main():
@@ -142,7 +198,11 @@ def main():
     mlp = eqx.nn.MLP(784, 10, 1024, 2, activation=jax.nn.relu, key=key)
     x = jnp.asarray(rng.standard_normal((256, 784), dtype=np.float32))
     y = jnp.asarray(rng.integers(0, 10, 256, dtype=np.int32))
-    _bench("MLP 784-1024-1024-10, batch 256", mlp, x, y, args.rounds, args.repeats, floor=_floor(mlp))
+    others = _qwix_steps(x)
+    if not others:
+        print('qwix and flax are not installed: no Qwix rows (pip install -e ".[bench]")')
+    mlp_title = "MLP 784-1024-1024-10, batch 256"
+    _bench(mlp_title, mlp, x, y, args.rounds, args.repeats, floor=_floor(mlp), others=others)
 
     convnet = ConvNet(key)
     x = jnp.asarray(rng.uniform(0, 1, (64, 1, 8, 8)).astype(np.float32))

@@ -1,5 +1,6 @@
 """NumPy reference implementations and comparison helpers for the tests."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -100,3 +101,17 @@ def np_absmax_scale(absmax, qmax):
     for _ in range(4):
         scale = np.where(absmax * (f32(1) / scale) > qmax, np.nextafter(scale, f32(np.inf)), scale)
     return scale.astype(f32)
+
+
+def init(make, seed: int):
+    """The layer (or model) `make(key)` with NumPy-random parameters instead of its own random initialisation, which
+    would compile a few operations for every new shape."""
+    rng = np.random.default_rng(seed)
+
+    def fill(leaf):
+        if not isinstance(leaf, jax.ShapeDtypeStruct):
+            return leaf
+        fan_in = int(np.prod(leaf.shape[1:])) if len(leaf.shape) > 1 else 4
+        return jnp.asarray((rng.uniform(-1, 1, leaf.shape) / np.sqrt(fan_in)).astype(leaf.dtype))
+
+    return jax.tree.map(fill, eqx.filter_eval_shape(make, jax.random.key(0)))

@@ -31,7 +31,7 @@ from eqx_quant import (
 from eqx_quant._int_ops import ConvSpec, int_conv, safe_contraction
 from eqx_quant.nn import IntConv, IntEmbedding, IntLinear, QuantConv, QuantEmbedding, QuantizedTensor, QuantLinear
 
-from .helpers import assert_bitwise_equal, assert_trees_equal, reference_fake_quant, zeros_like_tree
+from .helpers import assert_bitwise_equal, assert_trees_equal, init, reference_fake_quant, zeros_like_tree
 
 
 INT32_MAX = 2**31 - 1
@@ -39,20 +39,6 @@ INT32_MAX = 2**31 - 1
 
 # ---------------------------------------------------------------------------------------------------------------------
 # Construction, application and NumPy references.
-
-
-def init(make, seed: int):
-    """The layer (or model) `make(key)` with NumPy-random parameters instead of its own random initialisation, which
-    would compile a few operations for every new shape."""
-    rng = np.random.default_rng(seed)
-
-    def fill(leaf):
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        fan_in = int(np.prod(leaf.shape[1:])) if len(leaf.shape) > 1 else 4
-        return jnp.asarray((rng.uniform(-1, 1, leaf.shape) / np.sqrt(fan_in)).astype(leaf.dtype))
-
-    return jax.tree.map(fill, eqx.filter_eval_shape(make, jax.random.key(0)))
 
 
 def normal(seed: int, shape, loc: float = 0.0) -> jax.Array:

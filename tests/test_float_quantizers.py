@@ -23,7 +23,7 @@ from eqx_quant import (
 )
 from eqx_quant.nn import FloatQuantizedTensor, IntConv, IntEmbedding, IntLinear, QuantEmbedding, QuantLinear
 
-from .helpers import assert_trees_equal
+from .helpers import assert_trees_equal, init
 from .test_float_formats import (
     BITS,
     DTYPES,
@@ -104,19 +104,6 @@ def data(seed, shape, spread=8.0):
     x = (np.where(rng.random(shape) < 0.5, -1, 1) * np.exp2(rng.uniform(-spread, spread, shape))).astype(F32)
     x.reshape(-1)[:5] = [0.0, -0.0, np.inf, -np.inf, 1e-40]
     return x
-
-
-def init(make, seed):
-    """The model `make(key)` with NumPy-random parameters (no random initialisation to compile)."""
-    rng = np.random.default_rng(seed)
-
-    def fill(leaf):
-        if not isinstance(leaf, jax.ShapeDtypeStruct):
-            return leaf
-        fan_in = int(np.prod(leaf.shape[1:])) if len(leaf.shape) > 1 else 4
-        return jnp.asarray((rng.uniform(-1, 1, leaf.shape) / np.sqrt(fan_in)).astype(leaf.dtype))
-
-    return jax.tree.map(fill, eqx.filter_eval_shape(make, jax.random.key(0)))
 
 
 def assert_dequantizes_to(tensor, want):
