@@ -262,14 +262,31 @@ def _mx_scales(xb: Array, fmt: _Format, scale_rule: str) -> tuple[Array, tuple[A
     return inv, (_pow2(half, xb.dtype), _pow2(e - half, xb.dtype))
 
 
-def _nvfp4_scales(xb: Array) -> tuple[Array, tuple[Array, ...]]:
-    dtype = xb.dtype
+def _divide(a: Array, b: Array | float | int) -> Array:
+    """`a / b`, correctly rounded on every path. XLA turns a division by a scalar (a constant, or a broadcast one)
+    into a multiplication by its reciprocal, which differs in the last bit for some values, and under `jax.vmap` an
+    unmapped divisor is broadcast. So the divisor enters at the shape (and mapping) of `a`, computed from `a` (`a * 0`
+    is 0 for the finite `a` this is used on), behind an optimization barrier that keeps XLA from seeing through it."""
+    divisor = jax.lax.optimization_barrier(a * jnp.zeros((), a.dtype) + jnp.asarray(b, a.dtype))
+    return a / divisor
+
+
+def nvfp4_scales(xb: Array) -> tuple[Array, Array, Array]:
+    """NVFP4's tensor scale `t = amax / 2688`, block scales `b = float8_e4m3fn(clip(amax_b / (6 t), 0, 448))` (as
+    floats) and non-finite-block mask of blocked `xb` (blocks along the last axis), in that order of float
+    operations, each correctly rounded."""
     amax_block, bad = _finite_block_amax(xb)
     amax = jnp.max(amax_block, initial=0)
-    t = amax * (dtype.type(1) / dtype.type(_NVFP4_TENSOR_DIVISOR))
-    zero = jnp.zeros((), dtype)
-    ratio = jnp.where(t > 0, amax_block * (1 / (6 * t)), zero)
+    t = _divide(amax, _NVFP4_TENSOR_DIVISOR)
+    ratio = jnp.where(t > 0, _divide(amax_block, 6 * jnp.where(t > 0, t, 1)), jnp.zeros((), xb.dtype))
     b = _quantize(ratio, _FORMATS["float8_e4m3fn"])  # ratio >= 0: the clip to [-448, 448] is the clip to [0, 448]
+    return t, b, bad
+
+
+def _nvfp4_scales(xb: Array) -> tuple[Array, tuple[Array, ...]]:
+    dtype = xb.dtype
+    t, b, bad = nvfp4_scales(xb)
+    zero = jnp.zeros((), dtype)
     s = b * t
     inv = jnp.where(bad, jnp.asarray(jnp.nan, dtype), jnp.where(s > 0, 1 / jnp.where(s > 0, s, 1), zero))
     return inv, (s,)
@@ -430,15 +447,16 @@ def nvfp4_fake_quant(x: RealLike, *, axis: int = -1) -> Float[Array, "*shape"]:
     With `amax` the largest finite $|x|$ of the whole array and `amax_b` that of a block of 16 consecutive elements
     along `axis`, in the compute dtype (float32) and in this order:
 
-    - the tensor scale is `t = amax * (1 / 2688)` ($2688 = 448 \cdot 6$; the reciprocal is a float32 constant);
-    - the block scale is `b = float8_e4m3fn(clip(amax_b * (1 / (6 * t)), 0, 448))`, rounded to nearest, ties to
-        even;
+    - the tensor scale is `t = amax / 2688` ($2688 = 448 \cdot 6$);
+    - the block scale is `b = float8_e4m3fn(clip(amax_b / (6 * t), 0, 448))`, rounded to nearest, ties to even;
     - the elements are [`eqx_quant.fake_quant_float`][]`(x, b * t, float4_e2m1fn)`: `x * (1 / (b * t))`
         saturated to ±6, rounded onto the E2M1 grid and multiplied by `b * t`. Rounding `b` down can make the
         largest elements of a block saturate.
 
-    Divisions are reciprocal multiplications, as everywhere in eqx_quant, so eager calls, `jax.jit` and `jax.vmap`
-    agree bit for bit. Special cases:
+    The two divisions that make the scales are exact float32 divisions (correctly rounded, as the format's
+    specification computes them) on every path: eager calls, `jax.jit` and `jax.vmap` agree bit for bit, although
+    XLA would otherwise turn a division by a scalar into a multiplication by its reciprocal. The elements use the
+    reciprocal of `b * t`, as [`eqx_quant.fake_quant_float`][] does. Special cases:
 
     - where `b * t` is zero (an all-zero tensor or block, a block too small next to the tensor's `amax` for a
         nonzero E4M3 scale, or a tensor whose `t` falls below the normal float32 range, since subnormals count as

@@ -14,7 +14,6 @@ from ._fake_quant import prepare_scale, scaled
 from ._float_formats import (
     _FORMATS,
     _MX_ELEMENTS,
-    _NVFP4_TENSOR_DIVISOR,
     _block_scales,
     _exponent,
     _finite_block_amax,
@@ -22,6 +21,7 @@ from ._float_formats import (
     _mx_exponent,
     _pow2,
     _quantize,
+    nvfp4_scales,
 )
 from ._misc import compute_dtype, expand_to_rank, is_concrete
 from ._packing import pack_bits, unpack_bits
@@ -316,17 +316,6 @@ def scaled_tensor(x: Array, scale: Array, element: str, channel_axes: tuple[int,
     )
 
 
-def _nvfp4_block_scales(xb: Array) -> tuple[Array, Array]:
-    """NVFP4's tensor scale `t` and block scales `b` (float values on the E4M3 grid) of blocked `xb`, computed as
-    `nvfp4_fake_quant` computes them."""
-    dtype = xb.dtype
-    amax_block, _ = _finite_block_amax(xb)
-    amax = jnp.max(amax_block, initial=0)
-    t = amax * (dtype.type(1) / dtype.type(_NVFP4_TENSOR_DIVISOR))
-    ratio = jnp.where(t > 0, amax_block * (1 / (6 * t)), jnp.zeros((), dtype))
-    return t, _quantize(ratio, _E4M3)
-
-
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def _block_codes(
     x: Array, axis: int, block_size: int, element: _Format, scheme: tuple[str, ...]
@@ -344,7 +333,7 @@ def _block_codes(
         e = _mx_exponent(amax, element, scheme[1])
         scale = jnp.where(bad, _E8M0_NAN, e + 127).astype(jnp.uint8)  # E8M0: the exponent plus 127
     else:
-        tensor_scale, b = _nvfp4_block_scales(xb)
+        tensor_scale, b, _ = nvfp4_scales(xb)
         scale = jnp.where(bad, _NAN_CODES["float8_e4m3fn"], encode(b, "float8_e4m3fn")).astype(jnp.uint8)
     codes = jnp.moveaxis(codes.reshape(shape), -1, axis)
     if _BITS[element.name] == 4:

@@ -93,8 +93,8 @@ def ref_nvfp4(x):
     amax_b = np.where(finite, np.abs(xb), F32(0)).max(-1, keepdims=True)
     amax = amax_b.max(-2, keepdims=True)
     with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        t = ftz(amax * (F32(1) / F32(2688)))
-        ratio = np.where(t > 0, ftz(amax_b * ftz(F32(1) / ftz(F32(6) * t))), F32(0))
+        t = ftz(amax / F32(2688))
+        ratio = np.where(t > 0, ftz(amax_b / ftz(F32(6) * t)), F32(0))
         b = cast(np.clip(ratio, F32(0), F32(448)), "float8_e4m3fn")
         s = ftz(b * t)
         v = np.where(s > 0, ftz(xb * (F32(1) / s)), xb * F32(0))
@@ -490,7 +490,7 @@ def test_nvfp4_edges_eager_jit_vmap(rng):
 
 
 def test_nvfp4_hand_values():
-    # amax = 2688 -> t = 2688 * fl(1 / 2688), within a rounding of 1. Block 0 has ratio 448 (b = 448): the grid is
+    # amax = 2688 -> t = 2688 / 2688 = 1. Block 0 has ratio 448 (b = 448): the grid is
     # 448 * t * E2M1. Block 1 has amax 50.4: ratio 8.4 -> b = 8, so 50.4 / 8 = 6.3 saturates to 6 -> 48 t, and 1.0 is
     # 0.125 -> 0 (below the E2M1 tie 0.25). Block 2 has amax 0.001: ratio 1.67e-4, below E4M3's half subnormal 2**-10,
     # so b = 0 and the block is zeros.
@@ -498,7 +498,7 @@ def test_nvfp4_hand_values():
     x[0], x[1], x[2] = 2688.0, 1000.0, -500.0
     x[16], x[17], x[18] = 50.4, 1.0, -9.0
     x[32], x[33] = 0.001, -0.0005
-    t = F32(2688) * (F32(1) / F32(2688))
+    t = F32(1)
     s0, s1 = F32(448) * t, F32(8) * t
     out = np.asarray(nvfp4_fake_quant(jnp.asarray(x)))
     np.testing.assert_array_equal(out[:3], [s0 * 6, s0 * 2, -s0])  # 1000 / 448 = 2.23 -> 2, -500 / 448 = -1.12 -> -1
@@ -510,6 +510,19 @@ def test_nvfp4_hand_values():
     # 2688 / 448 is 6, but 1 / 448 rounds up in float32 and 2688 * (1 / 448) = 6.0000005 saturates, as does 6.3.
     want[0] = want[16] = 0.0
     np.testing.assert_array_equal(g, want)
+
+
+def test_nvfp4_scales_divide_as_the_format_specifies():
+    # t = amax / 2688 and amax_b / (6 t), each correctly rounded: here 448 t is exactly amax / 6 = 11 / 128, so the
+    # largest element comes back exactly. Multiplying by the float32 reciprocal of 2688 instead gives a t one ulp
+    # larger, and 0.51562506 for the first element.
+    x = np.array([0.515625] + [0.1] * 15, F32)
+    want = np.array([0.515625] + [0.0859375] * 15, F32)
+    for path in (nvfp4_fake_quant, jax.jit(nvfp4_fake_quant)):
+        np.testing.assert_array_equal(path(jnp.asarray(x)), want)
+    np.testing.assert_array_equal(
+        jax.vmap(nvfp4_fake_quant)(jnp.asarray(np.stack([x, 2 * x]))), np.stack([want, 2 * want])
+    )
 
 
 def test_nvfp4_special_values():

@@ -79,9 +79,9 @@ def ref_nvfp4_scales(x):
     xb = ftz(np.asarray(x, F32)).reshape(-1, 16)
     finite = np.isfinite(xb)
     amax_b = np.where(finite, np.abs(xb), F32(0)).max(-1)
-    t = ftz(amax_b.max() * (F32(1) / F32(2688)))
-    with np.errstate(divide="ignore"):
-        ratio = np.where(t > 0, ftz(amax_b * ftz(F32(1) / ftz(F32(6) * t))), F32(0))
+    t = ftz(amax_b.max() / F32(2688))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.where(t > 0, ftz(amax_b / ftz(F32(6) * t)), F32(0))
     b = cast(np.clip(ratio, F32(0), F32(448)), "float8_e4m3fn")
     return t, np.where(finite.all(-1), ml_codes(b, "float8_e4m3fn"), 0x7F).reshape(*x.shape[:-1], -1)
 
