@@ -27,7 +27,7 @@ def _frozen_input_quant(quantizer: Any) -> Any:
         if quantizer.zero_point is not None:
             zero_point = int(np.round(np.clip(float(quantizer.zero_point), quantizer.qmin, quantizer.qmax)))
         return FakeQuant(scale, quantizer.qmin, quantizer.qmax, zero_point=zero_point)
-    if isinstance(quantizer, LearnedFloatFakeQuant) and quantizer.axis is None:
+    if isinstance(quantizer, LearnedFloatFakeQuant) and quantizer.axis is None and quantizer.scale.ndim == 0:
         return FloatFakeQuant(quantizer.dtype, max(float(quantizer.scale), quantizer.min_scale))
     return quantizer
 

@@ -477,6 +477,20 @@ def test_convert_embedding_stacked_and_learned_inputs():
     # Float weights with integer inputs compute in floating point on both sides.
     fake = QuantLinear(linear, weight_quant=NVFP4FakeQuant(), input_quant=eqx_quant.DynamicFakeQuant(8))
     assert_same(eqx_quant.convert(fake)(x), np.asarray(fake(x)))
+    # A stacked layer's per-tensor learned input quantizer holds one scale per layer: it stays learned, and the
+    # converted stack, run with `jax.lax.scan`, computes what the fake-quantized one does.
+    inputs = LearnedFloatFakeQuant.init_from(
+        jnp.ones((3, 32)) * jnp.arange(1.0, 4.0)[:, None], "float8_e4m3fn", stacked=1
+    )
+    fake = QuantLinear(stack, weight_quant=MXFakeQuant("mxfp4"), input_quant=inputs)
+    real = eqx_quant.convert(fake)
+    assert real.input_quant is inputs
+
+    def scanned(layer):
+        arrays, static = eqx.partition(layer, eqx.is_array)
+        return jax.lax.scan(lambda carry, a: (carry, eqx.combine(a, static)(x)), 0, arrays)[1]
+
+    assert_same(scanned(real), np.asarray(scanned(fake)))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
