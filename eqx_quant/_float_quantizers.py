@@ -25,7 +25,7 @@ from ._float_formats import (
 )
 from ._float_tensor import FloatQuantizedTensor, block_tensor, scaled_tensor
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, as_float_input, check_int, expand_to_rank
+from ._misc import FLOAT32_TINY, as_float_input, check_int, check_real, expand_to_rank
 from ._quantizers import (
     AbstractQuantizer,
     StaticFloats,
@@ -262,7 +262,7 @@ class LearnedFloatFakeQuant(_ScaledFloatQuantizer):
         self.scale = jnp.asarray(scale, jnp.float32)
         self.dtype = _format_name(dtype)
         self.axis = _check_layout(axis).axis
-        self.min_scale = float(min_scale)
+        self.min_scale = check_real("min_scale", min_scale)
 
     def __check_init__(self):
         _check_scale_values("min_scale", [self.min_scale])
@@ -476,7 +476,7 @@ def quantizer_metadata(quantizer: AbstractFloatQuantizer) -> dict[str, Any]:
     if isinstance(quantizer, DynamicFloatFakeQuant):
         return {"kind": kind, "dtype": quantizer.dtype, "axis": quantizer.axis}
     if isinstance(quantizer, LearnedFloatFakeQuant):
-        scale = np.asarray(quantizer.scale).tolist()
+        scale = np.maximum(np.asarray(quantizer.scale), np.float32(quantizer.min_scale)).tolist()  # the scale in use
         return {"kind": kind, "dtype": quantizer.dtype, "scale": scale, "axis": quantizer.axis}
     if isinstance(quantizer, MXFakeQuant):
         rule = quantizer.scale_rule

@@ -19,6 +19,16 @@ def check_int(name: str, value: object) -> int:
     return int(value)
 
 
+def check_real(name: str, value: object) -> float:
+    """Returns `value` as a Python `float`, or raises a `TypeError` naming `name`.
+
+    Python and NumPy real scalars are accepted; bools are not.
+    """
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"`{name}` must be a real number, got {value!r} of type {type(value).__name__}.")
+    return float(value)
+
+
 def is_concrete(x: object) -> bool:
     """Whether `x`'s value is known now (it is not a tracer inside `jit`, `vmap`, `grad`, ...)."""
     return not isinstance(x, jax.core.Tracer)

@@ -12,7 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 from ._clip import clip_passthrough
 from ._fake_quant import check_range, fake_quant, round_ste, scale_gradient
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, as_float_input, check_int, compute_dtype
+from ._misc import FLOAT32_TINY, as_float_input, check_int, check_real, compute_dtype
 from ._qtensor import QuantizedTensor, quantize_tensor
 from ._ranges import int_range
 from ._scales import (
@@ -668,7 +668,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         self.qmin, self.qmax = check_range(qmin, qmax)
         self.axis = Layout.of(axis, group_size).axis
         self.group_size = group_size
-        self.min_scale = float(min_scale)
+        self.min_scale = check_real("min_scale", min_scale)
         self.axis_name = axis_name
 
     def __check_init__(self):

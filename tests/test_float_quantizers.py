@@ -346,6 +346,10 @@ def test_gradients_straight_through():
 
 def test_errors():
     x = jnp.ones((2, 32))
+    for cls, args in ((LearnedFloatFakeQuant, ("float8_e4m3fn", 1.0)), (eqx_quant.LearnedFakeQuant, (1.0, -8, 7))):
+        for bad in ("x", None, True):
+            with pytest.raises(TypeError, match="min_scale"):
+                cls(*args, min_scale=bad)
     with pytest.raises(ValueError, match="`dtype`"):
         FloatFakeQuant("float8_e4m3", 1.0)
     with pytest.raises(TypeError, match="dtype"):
@@ -575,3 +579,14 @@ def test_file_sizes(tmp_path):
     for name, weights, limit in (("mxfp4", MXFakeQuant("mxfp4"), 0.14), ("nvfp4", NVFP4FakeQuant(), 0.15)):
         eqx_quant.save(tmp_path / f"{name}.eqx", eqx_quant.convert(eqx_quant.quantize(model, weights=weights)))
         assert (tmp_path / f"{name}.eqx").stat().st_size <= limit * base
+
+
+def test_exported_learned_scale_is_the_scale_in_use():
+    from eqx_quant._float_quantizers import quantizer_metadata
+
+    q = LearnedFloatFakeQuant("float8_e4m3fn", jnp.array([1e-9, 0.5]), axis=0, min_scale=1e-3)
+    assert quantizer_metadata(q)["scale"] == [float(F32(1e-3)), 0.5]
+    # The forward pass uses the same scales: 0.0123 / 1e-3 = 12.3 rounds to 12 on the E4M3 grid (steps of 1 in
+    # [8, 16)), and 0.3 / 0.5 = 0.6 to 0.625 (steps of 1/16 in [0.5, 1)).
+    x = jnp.array([[0.0123], [0.3]])
+    np.testing.assert_array_equal(q(x), np.array([[F32(1e-3) * F32(12)], [F32(0.3125)]], F32))

@@ -54,6 +54,10 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.PassthroughClip("a", 1.0)),
         (TypeError, "`qmin` must be an int, got 1.5 of type float.",
          lambda: eqx_quant.FakeQuant(1.0, 1.5, 7)),
+        (TypeError, "`min_scale` must be a real number, got 'x' of type str.",
+         lambda: eqx_quant.LearnedFakeQuant(1.0, -8, 7, min_scale="x")),
+        (TypeError, "`min_scale` must be a real number, got None of type NoneType.",
+         lambda: eqx_quant.LearnedFloatFakeQuant("float8_e4m3fn", 1.0, min_scale=None)),
     ]  # fmt: skip
     for error, message, call in cases:
         with pytest.raises(error) as info:
