@@ -1,4 +1,6 @@
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
@@ -67,6 +69,13 @@ def _sharded_like(tensor: QuantizedTensor, weight: Any) -> QuantizedTensor:
         return jax.device_put(leaf, NamedSharding(sharding.mesh, PartitionSpec(*leaf_spec)))
 
     return jax.tree.map(place, tensor)
+
+
+@functools.cache
+def _weight_quantization(depth: int) -> Callable[[Any, Any], Any]:
+    """`quantizer.quantize(weight)` for a layer stacked `depth` times, compiled: one program per layer (and reused
+    across layers of the same shapes), rather than one per operation of an eager call."""
+    return eqx.filter_jit(per_layer(lambda quantizer, weight: quantizer.quantize(weight), depth))
 
 
 def convert(model: PyTree) -> PyTree:
@@ -156,8 +165,7 @@ def convert(model: PyTree) -> PyTree:
                 "can store; the fake-quant weight is NaN there. Replace the NaN entries before converting."
             )
         depth = stack_depth(layer.layer, weight.shape)
-        quantize = per_layer(lambda quantizer, w: quantizer.quantize(w), depth)
-        tensor = quantize(_whole_tensor(layer.weight_quant), weight)
+        tensor = _weight_quantization(depth)(_whole_tensor(layer.weight_quant), weight)
         if isinstance(tensor, QuantizedTensor):
             tensor = _sharded_like(tensor, weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
