@@ -140,6 +140,15 @@ def test_float_recipes_give_the_documented_quantizers_and_convert_exactly():
             weight, inputs = layer.weight_quant(layer.layer.weight), jax.vmap(layer.input_quant)(h)
             h = inputs @ weight.T + layer.layer.bias[None]
         np.testing.assert_allclose(run(qmodel, x), h, rtol=1e-5, atol=1e-6)
+    # A convolution blocks along its input channels: axis 1 of its weight (out, in, kh, kw), axis 0 of its input
+    # (in, h, w), both counted from the end (-3) so that stacked weights block alike.
+    conv = eqx.nn.Conv2d(32, 4, 3, key=jax.random.key(4))
+    qconv = quantize(conv, **recipe("mxfp4"))
+    assert qconv.weight_quant == eqx_quant.MXFakeQuant("mxfp4", axis=-3)
+    assert qconv.input_quant == eqx_quant.MXFakeQuant("mxfp8_e4m3", axis=-3)
+    image = jax.random.normal(jax.random.key(5), (32, 5, 5))
+    by_hand = eqx.tree_at(lambda c: c.weight, conv, qconv.weight_quant(conv.weight))(qconv.input_quant(image))
+    assert_bitwise_equal(qconv(image), by_hand)
     learned = quantize(model, **recipe("fp8", learned=True)).layers[0].weight_quant
     assert type(learned) is eqx_quant.LearnedFloatFakeQuant and learned.scale.shape == (48,)
     with pytest.raises(ValueError, match="group_size"):
