@@ -329,13 +329,12 @@ def _check_blocks(x: Array, axis: int, block_size: int) -> int:
         raise ValueError(f"`x` must have at least one axis to split into blocks, got a scalar, x={x!r}.")
     if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"`axis` must be in [{-x.ndim}, {x.ndim}) for `x` of shape {x.shape}, got axis={axis}.")
-    axis = axis % x.ndim
     if x.shape[axis] % block_size != 0:
         raise ValueError(
-            f"`block_size` must divide the length of axis {axis} of `x` ({x.shape[axis]}, shape {x.shape}), "
+            f"`block_size` must divide the length of axis={axis} of `x` ({x.shape[axis]}, shape {x.shape}), "
             f"got block_size={block_size}."
         )
-    return axis
+    return axis % x.ndim
 
 
 # Compiled as one program even in eager calls: a few dozen small operations, each compiled on its own otherwise.
