@@ -581,7 +581,7 @@ def run(
     say(f"control: fine-tuned {c['steps']} steps in {c['seconds']:.1f} s, val {c['val_bpc']:.4f} bpc")
 
     results["rows"] = []
-    converted_models = {}
+    int_model = None  # the converted W8A8 round-to-nearest model, for the decoding benchmark
     for recipe in recipes:
         for method in methods:
             if method == "gptq" and recipe in FLOAT_RECIPES:
@@ -590,7 +590,8 @@ def run(
             derived = ARMS[method](model, bench, recipe)
             seconds = time.perf_counter() - start
             converted = eqx_quant.convert(derived)
-            converted_models[recipe, method] = converted
+            if (recipe, method) == ("w8a8", "rtn"):
+                int_model = converted
             path = out / f"{recipe}_{method}.eqx"
             row = {
                 "recipe": recipe,
@@ -617,7 +618,6 @@ def run(
     )
 
     # Decoding: the float model with a float cache, and the converted W8A8 model with an int8 cache.
-    int_model = converted_models.get(("w8a8", "rtn"))
     if int_model is None:
         int_model = eqx_quant.convert(quantized(model, "w8a8"))
     float_decoding = decoding_speed(model, bench)

@@ -151,6 +151,17 @@ def _fake_quant_float_bwd(fmt, residuals, g):
 
 _fake_quant_float.defvjp(_fake_quant_float_fwd, _fake_quant_float_bwd)
 
+
+def check_nvfp4_blocks(x: Array, axis: int) -> int:
+    """Checks that `x`'s `axis` splits into NVFP4's blocks of 16, and returns the axis as a nonnegative int."""
+    if x.ndim >= 1 and -x.ndim <= axis < x.ndim and x.shape[axis] % _NVFP4_BLOCK != 0:
+        raise ValueError(
+            f"the length of `axis` in `x` must be a multiple of {_NVFP4_BLOCK}, got axis={axis} of length "
+            f"{x.shape[axis]} in `x` of shape {x.shape}."
+        )
+    return _check_blocks(x, axis, _NVFP4_BLOCK)
+
+
 # Compiled as one program even in eager calls: a dozen small operations, each compiled on its own otherwise.
 _fake_quant_float_jit = jax.jit(_fake_quant_float, static_argnums=(2,))
 
@@ -497,10 +508,6 @@ def nvfp4_fake_quant(x: RealLike, *, axis: int = -1) -> Float[Array, "*shape"]:
     """
     axis = check_int("axis", axis)
     x = as_float_input("x", x)
-    if x.ndim >= 1 and -x.ndim <= axis < x.ndim and x.shape[axis] % _NVFP4_BLOCK != 0:
-        raise ValueError(
-            f"the length of `axis` in `x` must be a multiple of {_NVFP4_BLOCK}, got axis={axis} of length "
-            f"{x.shape[axis]} in `x` of shape {x.shape}."
-        )
+    check_nvfp4_blocks(x, axis)
     with jax.named_scope("eqx_quant.nvfp4_fake_quant"):
         return _run_blocks(x, axis, _NVFP4_BLOCK, _FORMATS["float4_e2m1fn"], ("nvfp4",))

@@ -19,6 +19,7 @@ from ._float_formats import (
     _NVFP4_BLOCK,
     _check_blocks,
     _float_format,
+    check_nvfp4_blocks,
     fake_quant_float,
     mx_fake_quant,
     nvfp4_fake_quant,
@@ -36,11 +37,6 @@ from ._quantizers import (
     _static_array,
 )
 from ._scales import _first_fitting, finite_absmax
-
-
-def _check_layout(axis: object) -> Layout:
-    """The per-tensor or per-channel layout of `axis` (an int, a tuple of ints or `None`), checked."""
-    return Layout.of(axis)  # pyright: ignore[reportArgumentType]
 
 
 def _format_name(dtype: object) -> str:
@@ -154,7 +150,7 @@ class FloatFakeQuant(_ScaledFloatQuantizer):
         """
         self.dtype = _format_name(dtype)
         self.scale = _as_static_floats("scale", scale)
-        self.axis = _check_layout(axis).axis
+        self.axis = Layout.of(axis).axis
 
     def __check_init__(self):
         _check_scale_values("scale", _flat(self.scale))
@@ -203,7 +199,7 @@ class DynamicFloatFakeQuant(_ScaledFloatQuantizer):
         - `axis`: the channel axis (or axes) for one scale per channel, or `None` for one scale per tensor.
         """
         self.dtype = _format_name(dtype)
-        self.axis = _check_layout(axis).axis
+        self.axis = Layout.of(axis).axis
 
     @property
     def layout(self) -> Layout:
@@ -261,7 +257,7 @@ class LearnedFloatFakeQuant(_ScaledFloatQuantizer):
         """
         self.scale = jnp.asarray(scale, jnp.float32)
         self.dtype = _format_name(dtype)
-        self.axis = _check_layout(axis).axis
+        self.axis = Layout.of(axis).axis
         self.min_scale = check_real("min_scale", min_scale)
 
     def __check_init__(self):
@@ -322,7 +318,7 @@ class LearnedFloatFakeQuant(_ScaledFloatQuantizer):
         if check_int("stacked", stacked) < 0:
             raise ValueError(f"`stacked` must be a non-negative int, got stacked={stacked}.")
         name = _format_name(dtype)
-        layout = _check_layout(axis)
+        layout = Layout.of(axis)
         x = as_float_input("x", x)
         if x.ndim < stacked:
             raise ValueError(f"`stacked`={stacked} leading axes do not fit `x` of shape {x.shape}.")
@@ -458,12 +454,7 @@ class NVFP4FakeQuant(AbstractFloatQuantizer):
 
     def quantize(self, x: Float[Array, "*shape"]) -> FloatQuantizedTensor:
         _check_float_input(x)
-        if x.ndim >= 1 and -x.ndim <= self.axis < x.ndim and x.shape[self.axis] % _NVFP4_BLOCK != 0:
-            raise ValueError(
-                f"the length of `axis` in `x` must be a multiple of {_NVFP4_BLOCK}, got axis={self.axis} of length "
-                f"{x.shape[self.axis]} in `x` of shape {x.shape}."
-            )
-        axis = _check_blocks(x, self.axis, _NVFP4_BLOCK)
+        axis = check_nvfp4_blocks(x, self.axis)
         return block_tensor(x, "nvfp4", axis, _NVFP4_BLOCK, None)
 
 

@@ -59,7 +59,7 @@ def _contraction_axis(layer: eqx.Module) -> int:
 def _blocks_fit(layer: eqx.Module, block: int) -> bool:
     """Whether the contraction of `layer`, in its weight and in its input, splits into blocks of `block`."""
     if isinstance(layer, eqx.nn.Conv):
-        return (layer.in_channels // layer.groups) % block == 0 and layer.in_channels % block == 0
+        return (layer.in_channels // layer.groups) % block == 0  # then `in_channels`, a multiple of it, splits too
     if isinstance(layer, eqx.nn.Linear):
         return layer.in_features != "scalar" and layer.in_features % block == 0
     return layer.weight.shape[-1] % block == 0  # pyright: ignore  # an embedding: blocks along its features
