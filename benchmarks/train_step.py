@@ -2,13 +2,15 @@
 
 Run with `python benchmarks/train_step.py`. For the MLP 784-1024-1024-10 (ReLU, batch 256, softmax cross-entropy,
 SGD) and for the demo convnet (batch 64), it times the float model and the same model quantized with
-`eqx_quant.quantize` at W8A8, W4A8 and W4A4 (weights per output channel, inputs per tensor, integer forward) and at W8A8
-with the float-matmul fallback (`matmul="float"`). Step times are medians of interleaved rounds; compile times are
-ahead-of-time `lower(...).compile()` after clearing JAX's caches, also medians over rounds; `trace s` is the part
-of it before XLA (JAX tracing the step and lowering it), and `kernels` the number of fused kernels in XLA's
-optimised program, and `eqns` the number of equations in the step's jaxpr (top level: a call of a jitted helper
-counts once). `temp MB` is the size of the temporary buffers XLA allocates for one step
-(`Compiled.memory_analysis()`).
+`eqx_quant.quantize` at W8A8, W4A8 and W4A4 (weights per output channel, inputs per tensor, integer forward), at
+W8A8 with the float-matmul fallback (`matmul="float"`), and at W8A8 with the opt-in quantized backward
+(`eqx_quant.QuantizedBackward(8)`: the linear layers' input gradients as int8 products). Step times are medians of
+interleaved rounds; compile times are ahead-of-time `lower(...).compile()` after clearing JAX's caches, also
+medians over rounds; `trace s` is the part of it before XLA (JAX tracing the step and lowering it), `kernels` the
+number of fused kernels in XLA's optimised program, `eqns` the number of equations in the step's jaxpr (top
+level: a call of a jitted helper counts once) and `all eqns` the number with those inside nested jaxprs (jitted
+helpers, custom derivative rules) counted too. `temp MB` is the size of the temporary buffers XLA allocates for one
+step (`Compiled.memory_analysis()`).
 
 For the MLP, a last row times a floor: the least work that a W8A8 step with an integer forward and the float
 backward of the fake-quant formulation must do. Each layer only casts its weight and input to int8 (no scales,
@@ -26,6 +28,7 @@ import time
 
 import equinox as eqx
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 from _timing import arguments, interleaved_times
@@ -47,15 +50,23 @@ def _step(model, x, y):
 
 
 def _variants(model):
-    def q(weight_bits, input_bits, matmul="int"):
+    def q(weight_bits, input_bits, matmul="int", backward=None):
         return eqx_quant.quantize(
             model,
             weights=eqx_quant.DynamicFakeQuant(weight_bits, axis=0),
             activations=eqx_quant.DynamicFakeQuant(input_bits),
             matmul=matmul,
+            backward=backward,
         )
 
-    return {"float": model, "W8A8": q(8, 8), "W4A8": q(4, 8), "W4A4": q(4, 4), "W8A8 float-matmul": q(8, 8, "float")}
+    return {
+        "float": model,
+        "W8A8": q(8, 8),
+        "W4A8": q(4, 8),
+        "W4A4": q(4, 4),
+        "W8A8 float-matmul": q(8, 8, "float"),
+        "W8A8 int8 backward": q(8, 8, backward=eqx_quant.QuantizedBackward(8)),
+    }
 
 
 class _CastLinear(eqx.Module):
@@ -138,8 +149,14 @@ def _qwix_steps(x) -> dict:
     return {name: (step_of(model), params) for name, model in models.items()}
 
 
+def _all_equations(jaxpr) -> int:
+    """The equations of `jaxpr` and, recursively, of the jaxprs inside them (jitted helpers, custom rules, ...)."""
+    return sum(1 + sum(_all_equations(sub) for sub in jax.extend.core.jaxprs_in_params(e.params)) for e in jaxpr.eqns)
+
+
 def _compiled(step, params, x, y, rounds):
-    equations = len(step.trace(params, x, y).jaxpr.eqns)
+    jaxpr = step.trace(params, x, y).jaxpr
+    equations = (len(jaxpr.eqns), _all_equations(jaxpr))
     trace_times, xla_times = [], []
     for _ in range(rounds):
         jax.clear_caches()
@@ -172,7 +189,7 @@ def _bench(title, model, x, y, rounds, repeats, floor=None, others=None):
     print(f"\n{title}")
     print(
         f"{'variant':<20}{'step ms':>9}{'step ratio':>12}{'compile s':>11}{'compile ratio':>15}{'trace s':>9}"
-        f"{'kernels':>9}{'eqns':>7}{'temp MB':>9}"
+        f"{'kernels':>9}{'eqns':>7}{'all eqns':>10}{'temp MB':>9}"
     )
     for name in [*variants, *others]:
         base = "Flax float" if name in others else "float"
@@ -181,7 +198,7 @@ def _bench(title, model, x, y, rounds, repeats, floor=None, others=None):
         print(
             f"{name:<20}{1e3 * step:>9.2f}{step / base_step:>12.3f}{compile_times[name]:>11.2f}"
             f"{compile_times[name] / base_compile:>15.3f}{trace_times[name]:>9.2f}{kernels[name]:>9}"
-            f"{equations[name]:>7}"
+            f"{equations[name][0]:>7}{equations[name][1]:>10}"
             f"{temp_bytes[name] / 1e6:>9.2f}"
         )
     if others:

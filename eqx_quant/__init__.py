@@ -1,6 +1,7 @@
 """Equinox-native fake quantization and quantization-aware training for JAX."""
 
 from . import nn as nn
+from ._backward import QuantizedBackward as QuantizedBackward
 from ._calibrate import calibrate as calibrate
 from ._clip import clip_passthrough as clip_passthrough
 from ._convert import convert as convert

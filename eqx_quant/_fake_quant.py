@@ -38,10 +38,11 @@ def scaled(x: Array, scale: Array) -> Array:
 
 def quantize_levels(x: Array, scale: Array, zero_point: Array | None, qmin: int, qmax: int) -> Array:
     """The integer levels `clip(round(x / scale) + zero_point, qmin, qmax)`, as floats of the compute dtype."""
-    r = jnp.round(scaled(x, scale))
+    # `jax.lax` directly (what `jnp.round` and `jnp.clip` call): the hottest lines of every quantizer, traced once each.
+    r = jax.lax.round(scaled(x, scale), jax.lax.RoundingMethod.TO_NEAREST_EVEN)
     if zero_point is not None:
         r = r + expand_to_rank(zero_point, x.ndim)
-    return jnp.clip(r, qmin, qmax)
+    return jax.lax.clamp(np.asarray(qmin, r.dtype), r, np.asarray(qmax, r.dtype))
 
 
 def dequantize_levels(levels: Array, scale: Array, zero_point: Array | None) -> Array:
@@ -74,31 +75,43 @@ _fake_quant = jax.custom_vjp(_fake_quant_impl, nondiff_argnums=(3, 4))
 
 
 def _fake_quant_fwd(x, scale, zero_point, qmin, qmax):
+    # Called with `CustomVJPPrimal`s: `perturbed` says which inputs carry a derivative. A dynamic quantizer's scale and
+    # zero point carry none (they are `stop_gradient`-ed statistics), and their cotangents are then not computed.
     # The backward recomputes everything it needs from `x`, so nothing full-size is saved besides `x` itself.
-    return _fake_quant_impl(x, scale, zero_point, qmin, qmax), (x, scale, zero_point)
+    value = _fake_quant_impl(x.value, scale.value, _value(zero_point), qmin, qmax)
+    # Which cotangents are wanted is static: it is told by the residuals' structure (an empty tuple or `None`), which no
+    # transformation turns into a traced value.
+    wanted = tuple(() if p else None for p in (scale.perturbed, zero_point is not None and zero_point.perturbed))
+    return value, (x.value, scale.value, _value(zero_point), wanted)
+
+
+def _value(primal):
+    return None if primal is None else primal.value
 
 
 def _fake_quant_bwd(qmin, qmax, residuals, g):
-    x, scale, zero_point = residuals
+    x, scale, zero_point, (scale_wanted, zero_point_wanted) = residuals
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        g = jnp.zeros(g.shape, g.dtype)
     v = scaled(x, scale)
     low, high = _shifted_grid(zero_point, qmin, qmax, x.ndim)
-    below = v < low
-    above = v > high
     inside = in_range(v, zero_point, qmin, qmax)  # False for NaN, like `below` and `above`
     zero = jnp.zeros((), g.dtype)
     grad_x = jnp.where(inside, g, zero)
-    d_scale = jnp.where(inside, jnp.round(v) - v, jnp.where(below, low, jnp.where(above, high, zero)))
-    # NaN entries of `x` contribute nothing to the scale, even where their incoming gradient is NaN too.
-    grad_scale = sum_to_shape(jnp.where(jnp.isnan(v), zero, g * d_scale), scale.shape)
-    if zero_point is None:
-        grad_zero_point = None
-    else:
+    below = v < low
+    above = v > high
+    grad_scale = grad_zero_point = None
+    if scale_wanted is not None:
+        d_scale = jnp.where(inside, jnp.round(v) - v, jnp.where(below, low, jnp.where(above, high, zero)))
+        # NaN entries of `x` contribute nothing to the scale, even where their incoming gradient is NaN too.
+        grad_scale = sum_to_shape(jnp.where(jnp.isnan(v), zero, g * d_scale), scale.shape)
+    if zero_point_wanted is not None:
         d_zp = jnp.where(below | above, -expand_to_rank(scale, x.ndim) * g, zero)
         grad_zero_point = sum_to_shape(d_zp, zero_point.shape)
     return grad_x, grad_scale, grad_zero_point
 
 
-_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd, symbolic_zeros=True)
 
 
 def _check_values(name: str, a: np.ndarray, ok: np.ndarray | np.bool_, requirement: str) -> None:

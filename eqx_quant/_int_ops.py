@@ -15,8 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from ._fake_quant import dequantize_levels
-from ._misc import FLOAT32_TINY, compute_dtype, vary_alike
+from ._fake_quant import dequantize_levels, quantize_levels
+from ._misc import compute_dtype, vary_alike
 from ._qtensor import QuantizedTensor, shifted_bound
 
 
@@ -94,35 +94,32 @@ def plan(
     return None
 
 
-_BIAS_GRID = 2.0**-16
+def _rescale(acc: Array, w_scale: Array | None, x_scale: Array, bias: Array | None) -> Array:
+    """`(acc * scale_w) * scale_x + bias` in float32, `scale_w` broadcast along the output channels (axis 0); `None`
+    for an accumulator already in the input's units.
 
-
-def _rescale(acc: Array, w_scale: Array, x_scale: Array, bias: Array | None) -> Array:
-    """`(acc + bias / s) * s` with `s = scale_w * scale_x` broadcast along the output channels (axis 0).
-
-    The bias joins the accumulator in its units, as `round(bias * (1 / s) * 2**16) * 2**-16` (a grid 65536 times
-    finer than the accumulator's, so the bias keeps about 16 more bits than integer runtimes keep), and the sum is
-    rescaled by a single multiplication. No rounded product feeds a sum: XLA contracts a product and a sum into a fused
-    multiply-add under `jit` but not in eager mode, and a multiplication by a power of two is exact either way, so
-    eager and compiled calls give the same bits.
-
-    Where `s` is below the smallest normal float32 (it flushes to zero: an all-zero input gets the smallest normal
-    scale) or the bias in accumulator units overflows, the accumulator is far below the bias's last bit
-    (`|acc * s| <= 2**31 * s`), and the output is the bias itself; without a bias (or with a zero one) it is
-    `(acc * scale_w) * scale_x`, which keeps a product that `s` alone would lose.
+    The two scales multiply the accumulator one after the other, so that a product of scales below float32's
+    smallest normal (which the CPU flushes to zero) never stands in for them. The bias is added to the rounded
+    product in float32, at full precision. The product passes `opaque` first: XLA would otherwise contract it and the
+    sum into a fused multiply-add under `jit` only, and round differently there than in eager mode. A scale tagged
+    NaN (see `_tag_nan`) makes its outputs NaN.
     """
-    w_scale = w_scale.reshape((-1,) + (1,) * (acc.ndim - 1))
-    x_scale = x_scale.reshape(())
-    scale = w_scale * x_scale
-    acc = acc.astype(jnp.float32)
-    split = (acc * w_scale) * x_scale
+    y = acc.astype(jnp.float32)
+    if w_scale is not None:
+        y = y * w_scale.reshape((-1,) + (1,) * (acc.ndim - 1))
+    y = opaque(y * x_scale.reshape(()))
     if bias is None:
-        return jnp.where(scale >= FLOAT32_TINY, acc * scale, split)
-    bias = bias.astype(jnp.float32).reshape(acc.shape[:1] + (1,) * (acc.ndim - 1))
-    units = bias * (1 / scale) * (1 / _BIAS_GRID)
-    fits = jnp.isfinite(units)  # False where `scale` flushed to zero or the bias overflows the accumulator's units
-    y = (acc + jnp.round(jnp.where(fits, units, 0.0)) * _BIAS_GRID) * scale
-    return jnp.where(fits, y, jnp.where(bias == 0, split, bias))
+        return y
+    return y + bias.astype(jnp.float32).reshape(acc.shape[:1] + (1,) * (acc.ndim - 1))
+
+
+def _tag_nan(scale: Array, nan: Array | None) -> Array:
+    """`scale` with NaN where `nan` (broadcast along its leading axes) is true: the factor that rescales the integer
+    sums then makes NaN the outputs that a NaN operand entry reaches, as in the float product. Integers hold no NaN,
+    and the scales are small arrays, so this costs nothing on the full-size output."""
+    if nan is None:
+        return scale
+    return jnp.where(nan.reshape(nan.shape + (1,) * (scale.ndim - nan.ndim)), jnp.nan, scale)
 
 
 _NAN_BITS = 0x7FC00001  # a NaN whose bits `opaque` may flip into another NaN; no number has them
@@ -158,7 +155,7 @@ def int_linear(
     w_nan: Array | None = None,
     x_nan: Array | None = None,
 ) -> Array:
-    """`w @ x` on integers with int32 accumulation, plus the bias on the accumulator's grid, rescaled once.
+    """`w @ x` on integers with int32 accumulation, rescaled, plus the bias.
 
     Contractions longer than `spec.chunk` are split into chunks whose int32 results are summed in float32. `w_nan`
     and `x_nan` mark the operands' NaN entries (an integer holds none): as in the float product, a NaN in `x` makes
@@ -167,10 +164,10 @@ def int_linear(
     # `x` is the left operand: under `jax.vmap` over inputs, XLA's CPU integer product is faster with the batch as
     # the rows of its result than as the columns (as `w @ x` would give). An exact sum does not depend on the order.
     x, w = _common_int(x, w)
+    w_scale = _tag_nan(w_scale, None if w_nan is None else _rows(w_nan))
+    x_scale = _tag_nan(x_scale, None if x_nan is None else jnp.any(x_nan))
     if spec.group is not None:
-        y = _grouped_sum(spec.group, w, x, w_scale)
-        y = _rescale(y, jnp.ones((), jnp.float32), x_scale, bias)
-        return opaque(_with_nans(y, w_nan, x_nan))
+        return _rescale(_grouped_sum(spec.group, w, x, w_scale), None, x_scale, bias)
     dims = (((0,), (1,)), ((), ()))
     k = x.shape[0]
     if k <= spec.chunk:
@@ -183,18 +180,12 @@ def int_linear(
                 preferred_element_type=jnp.int32,
             )  # fmt: skip
             acc = acc + part.astype(jnp.float32)
-    return opaque(_with_nans(_rescale(acc, w_scale, x_scale, bias), w_nan, x_nan))
+    return _rescale(acc, w_scale, x_scale, bias)
 
 
 def _rows(nan: Array) -> Array:
     """Whether each row (index along the first axis) of a weight's NaN mask holds a NaN."""
     return jnp.any(nan, axis=tuple(range(1, nan.ndim)))
-
-
-def _with_nans(y: Array, w_nan: Array | None, x_nan: Array | None) -> Array:
-    """A linear layer's output `y` with NaN where a NaN weight entry (its row) or input entry (all) reaches it."""
-    y = _with_nan(y, None if w_nan is None else _rows(w_nan))
-    return _with_nan(y, None if x_nan is None else jnp.any(x_nan))
 
 
 def _grouped_sum(group: int, w: Array, x: Array, w_scale: Array) -> Array:
@@ -226,7 +217,7 @@ def int_conv(
     w_nan: Array | None = None,
     x_nan: Array | None = None,
 ) -> Array:
-    """The convolution of integers with int32 accumulation, plus the bias on the accumulator's grid, rescaled once.
+    """The convolution of integers with int32 accumulation, rescaled, plus the bias.
 
     `w_nan` and `x_nan` mark the operands' NaN entries, as for `int_linear`: as in the float
     convolution, a NaN in `x` makes NaN every output whose window covers it (in every output channel of its group),
@@ -256,16 +247,14 @@ def int_conv(
         acc = jax.lax.platform_dependent(lhs, rhs, cpu=exact_float, default=integer)
     else:
         acc = integer(lhs, rhs)
-    y = _rescale(acc[0], w_scale, x_scale, bias)
-    if w_nan is not None:
-        y = _with_nan(y, _rows(w_nan).reshape((-1,) + (1,) * (y.ndim - 1)))
+    y = _rescale(acc[0], _tag_nan(w_scale, None if w_nan is None else _rows(w_nan)), x_scale, bias)
     if x_nan is not None:
         # The windows that cover a NaN: a convolution of the NaN mask with a kernel of ones, one output per group.
         ones = jnp.ones((spec.groups,) + w.shape[1:], jnp.float32)
         hits = conv(x_nan.astype(jnp.float32)[None], ones, precision=jax.lax.Precision.HIGHEST)[0] > 0
         per_group = y.reshape((spec.groups, -1) + y.shape[1:])
         y = _with_nan(per_group, hits[:, None]).reshape(y.shape)
-    return opaque(y)
+    return y
 
 
 def _float_linear(spec: LinearSpec, w: Array, x: Array, bias: Array | None) -> Array:
@@ -294,22 +283,50 @@ def integer_forward(
     x: QuantizedTensor,
     w_nan: Array | None,
     x_nan: Array | None,
+    w_float: Array,
+    x_float: Array,
 ) -> Array:
     """The integer computation in the forward pass, the float one of the fake-quantized operands for derivatives.
 
     `wq` and `xq` are the fake-quantized weight and input (`scale * (levels - zero_point)`); `w` and `x` the same
-    operands as (unpacked) quantized tensors, `w_nan` and `x_nan` where they are NaN. The value is the integer
-    product (or convolution); the derivative is that of the float `wq @ xq + bias`, so that gradients continue
-    through the quantizers' straight-through estimators. Only the tangents of `wq` and `xq` (and their dtypes and
-    shapes) are used: their values, where the derivative needs them, are rebuilt from the integers, so that under
-    `jit` the forward pass never computes them.
+    operands as (unpacked) quantized tensors, `w_nan` and `x_nan` where they are NaN, and `w_float` and `x_float` the
+    float operands that all of these were computed from. The value is the integer product (or convolution); the
+    derivative is that of the float `wq @ xq + bias`, so that gradients continue through the quantizers'
+    straight-through estimators. Only the tangents of `wq` and `xq` (and their dtypes and shapes) are used: their
+    values, where the derivative needs them, are computed again from the float operands (which the quantizers' own
+    backward passes keep anyway), so that under `jit` the forward pass never computes them and keeps nothing more
+    for the backward pass.
 
     The derivative is given as a JVP rule, which JAX transposes for reverse mode: under `jax.vmap`, the weight's
     gradient is then one matrix product over the batch, as for a float layer, never a per-example outer product
     summed afterwards.
     """
     operands = (w.shifted()[0], x.shifted()[0], w.scale, x.scale, w_nan, x_nan)
-    return _integer_forward(spec, *vary_alike(wq, xq, bias, *operands))
+    floats = (_FloatOperand.of(w_float, w), _FloatOperand.of(x_float, x))
+    return _integer_forward(spec, *vary_alike(wq, xq, bias, *operands), *floats)
+
+
+class _FloatOperand(eqx.Module):
+    """What a fake-quantized operand is computed from: the float operand under the layout's view, its scale and zero
+    point (`None` for 0) as the integers were computed with, and the grid."""
+
+    view: Array
+    scale: Array
+    zero_point: Array | None
+    qmin: int = eqx.field(static=True)
+    qmax: int = eqx.field(static=True)
+
+    @classmethod
+    def of(cls, x: Array, tensor: QuantizedTensor) -> "_FloatOperand":
+        view = jax.lax.stop_gradient(tensor.layout.view(x))
+        return cls(view, tensor.scale, tensor.zero_point, tensor.qmin, tensor.qmax)
+
+    def fake_quantized(self, like: Array) -> Array:
+        """`scale * (levels - zero_point)`, computed as [`eqx_quant.fake_quant`][] computes it, with the dtype and
+        shape of `like` (the fake-quantized operand)."""
+        compute = compute_dtype(like.dtype)
+        levels = quantize_levels(self.view.astype(compute), self.scale, self.zero_point, self.qmin, self.qmax)
+        return dequantize_levels(levels, self.scale, self.zero_point).astype(like.dtype).reshape(like.shape)
 
 
 def integer_product(
@@ -326,34 +343,43 @@ def integer_product(
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
-def _integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale, w_nan, x_nan):
-    del wq, xq
+def _integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale, w_nan, x_nan, w_float, x_float):
+    del wq, xq, w_float, x_float
     return _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias, w_nan, x_nan)
 
 
-@_integer_forward.defjvp
 def _integer_forward_jvp(spec, primals, tangents):
-    wq, xq, bias, w_int, x_int, w_scale, x_scale, w_nan, x_nan = primals
+    wq, xq, bias, w_int, x_int, w_scale, x_scale, w_nan, x_nan, w_float, x_float = primals
+    dw, dx, dbias = (None if _is_zero(t) else t for t in tangents[:3])
     y = _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias, w_nan, x_nan)
     float_op = functools.partial(_FLOAT_OPS[type(spec)], spec)
 
-    # The tangent of the float formulation at the fake-quantized operands, which are rebuilt from the integers (bit
-    # for bit) inside `jax.checkpoint`: the backward pass keeps the integers and recomputes the float operands where
-    # it multiplies with them, so no full-size float copy of them is kept from the forward pass for it (nor made
-    # there at all: the forward computes on the integers). The integers and scales carry no derivative of their own:
-    # the scales' reaches `wq` and `xq` through the quantizers, and counting it here as well would count it twice.
+    # The tangent of the float formulation at the fake-quantized operands. The product is bilinear, so the tangent is
+    # `dw @ xq + wq @ dx` (plus `dbias`), written out: no primal product is traced only to be discarded, and an
+    # operand without a tangent (the data fed to the first layer, a frozen weight) costs no product at all. The
+    # operands are computed again from the float ones, bit for bit, inside `jax.checkpoint`: the backward pass keeps
+    # no copy of them (nor of the integers or their NaN masks) from the forward pass, and XLA fuses their computation
+    # into the loops that read them. The integers and scales carry no derivative of their own: the scales' reaches
+    # `wq` and `xq` through the quantizers, and counting it here as well would count it twice.
     @jax.checkpoint
-    def tangent(w_int, x_int, w_scale, x_scale, w_nan, x_nan, dw, dx, dbias):
-        operands = (_dequantized(w_int, w_scale, w_nan, wq), _dequantized(x_int, x_scale, x_nan, xq), bias)
-        return jax.jvp(float_op, operands, (dw, dx, dbias))[1]
+    def tangent(w_float, x_float, dw, dx):
+        terms = []
+        if dw is not None:
+            terms.append(float_op(dw, x_float.fake_quantized(xq), None))
+        if dx is not None:
+            terms.append(float_op(w_float.fake_quantized(wq), dx, None))
+        return terms
 
-    dy = tangent(w_int, x_int, w_scale, x_scale, w_nan, x_nan, *tangents[:3])
+    terms = tangent(w_float, x_float, dw, dx)
+    if dbias is not None:
+        terms.append(jnp.broadcast_to(dbias, y.shape))
+    dy = functools.reduce(jnp.add, terms) if terms else jnp.zeros_like(y)
     return y, dy.astype(y.dtype)
 
 
-def _dequantized(values: Array, scale: Array, nan: Array, like: Array) -> Array:
-    """`scale * values` (NaN where `nan`) with the dtype and shape of `like`: a fake-quantized operand, from its
-    integers minus zero point, computed as [`eqx_quant.fake_quant`][] computes it."""
-    compute = compute_dtype(like.dtype)
-    operand = _with_nan(dequantize_levels(values.astype(compute), scale, None), nan)
-    return operand.astype(like.dtype).reshape(like.shape)
+_integer_forward.defjvp(_integer_forward_jvp, symbolic_zeros=True)
+
+
+def _is_zero(tangent: object) -> bool:
+    """Whether a tangent is absent (`None` operand) or a symbolic zero (an operand without a derivative)."""
+    return tangent is None or isinstance(tangent, jax.custom_derivatives.SymbolicZero)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Integer
 
-from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
+from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels, scaled
 from ._layout import Layout
 from ._misc import compute_dtype, expand_to_rank
 from ._packing import PACKED_WIDTHS, pack_bits, unpack_bits
@@ -189,3 +189,19 @@ def quantize_tensor(
         values = levels.astype(int_dtype(qmin, qmax))
     tensor = QuantizedTensor(values, scale, zp, tuple(x.shape), layout, qmin, qmax, bits, np.dtype(x.dtype).name)
     return tensor, jnp.isnan(levels)
+
+
+def nan_levels(x: Array, tensor: QuantizedTensor, axes: tuple[int, ...]) -> Bool[Array, "..."]:
+    """Whether the levels of `tensor` (the quantized `x`) hold a NaN, reduced over `axes` of the layout's view of `x`
+    (kept as unit axes): what the integer products need of a NaN mask, computed without one.
+
+    The levels are NaN exactly where `x / scale` is (rounding and clipping keep NaN and make nothing else NaN) or the
+    zero point is, and a float maximum propagates NaN: so this is `isnan(max(x / scale))`, which XLA fuses into one
+    pass over `x`, where a reduction of a boolean mask makes it write the full-size mask first.
+    """
+    view = jax.lax.stop_gradient(tensor.layout.view(x)).astype(tensor.scale.dtype)
+    nan = jnp.isnan(jnp.max(scaled(view, tensor.scale), axis=axes, keepdims=True))
+    if tensor.zero_point is not None:
+        zero_point = jnp.broadcast_to(tensor.zero_point, view.shape[: tensor.zero_point.ndim])
+        nan = nan | jnp.isnan(jnp.max(zero_point, axis=axes, keepdims=True))
+    return nan

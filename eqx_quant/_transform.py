@@ -5,7 +5,8 @@ from typing import Any, Literal, TypeAlias
 import equinox as eqx
 from jaxtyping import PyTree
 
-from ._quantizers import AbstractQuantizer
+from ._backward import QuantizedBackward
+from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer
 from ._tree import map_nodes, nodes
 from .nn._attention import Einsum, QuantEinsum, QuantMultiheadAttention
 from .nn._layers import (
@@ -111,6 +112,7 @@ def quantize(
     products: ProductSpec = None,
     match: Literal["search", "full"] = "search",
     subclasses: Literal["error", "wrap", "skip"] = "error",
+    backward: QuantizedBackward | None = None,
 ) -> PyTree:
     """Replaces the layers of a model by their quantized wrappers.
 
@@ -162,6 +164,10 @@ def quantize(
     - `match`: `"search"` (default) or `"full"`: how layer patterns match paths (see Patterns above).
     - `subclasses`: `"error"`, `"skip"` or `"wrap"`: what to do with subclasses of the float layers that override
         `__call__` (see Subclasses above).
+    - `backward`: an [`eqx_quant.QuantizedBackward`][] for every [`eqx_quant.nn.QuantLinear`][] whose weight and
+        input both have an integer quantizer (with `matmul="int"`): their input's gradient is then an integer
+        product (which changes the gradient contract). `None` (the default) keeps the float backward everywhere;
+        convolutions always keep it.
 
     **Returns:**
 
@@ -192,6 +198,10 @@ def quantize(
     """
     if matmul not in ("int", "float"):
         raise ValueError(f"`matmul` must be 'int' or 'float', got matmul={matmul!r}.")
+    if backward is not None and not isinstance(backward, QuantizedBackward):
+        raise TypeError(f"`backward` must be a QuantizedBackward or None, got backward={backward!r}.")
+    if backward is not None and matmul != "int":
+        raise ValueError(f"`backward` needs the integer forward, matmul='int'; got matmul={matmul!r}.")
     if match not in ("search", "full"):
         raise ValueError(f"`match` must be 'search' or 'full', got match={match!r}.")
     if subclasses not in ("error", "wrap", "skip"):
@@ -235,8 +245,13 @@ def quantize(
         if isinstance(layer, eqx.nn.Embedding):
             return QuantEmbedding(layer, weight_quant=weight_quant)
         input_quant = _resolve("activations", activations, path, layer, match)
-        wrapper = QuantLinear if isinstance(layer, eqx.nn.Linear) else QuantConv
-        return wrapper(layer, weight_quant=weight_quant, input_quant=input_quant, matmul=matmul)
+        if isinstance(layer, eqx.nn.Conv):
+            return QuantConv(layer, weight_quant=weight_quant, input_quant=input_quant, matmul=matmul)
+        integer = all(isinstance(q, AbstractFakeQuantizer) for q in (weight_quant, input_quant))
+        return QuantLinear(
+            layer, weight_quant=weight_quant, input_quant=input_quant, matmul=matmul,
+            backward=backward if integer else None,
+        )  # fmt: skip
 
     model = map_nodes(model, layer_types, wrap)
     if products is None:

@@ -75,13 +75,17 @@ def parse_config(name: str) -> tuple[int, int]:
     return weight_bits, activation_bits
 
 
-def quantized(model: eqx.Module, weight_bits: int, activation_bits: int) -> eqx.Module:
+def quantized(
+    model: eqx.Module, weight_bits: int, activation_bits: int, backward: eqx_quant.QuantizedBackward | None = None
+) -> eqx.Module:
     """Weights quantized per output channel (dynamic, symmetric); inputs per tensor on an unsigned grid, since every
-    layer of the convnet sees non-negative inputs (pixels, then ReLU outputs); they are calibrated afterwards."""
+    layer of the convnet sees non-negative inputs (pixels, then ReLU outputs); they are calibrated afterwards.
+    `backward` is the linear layers' [`eqx_quant.QuantizedBackward`][], or `None` for the float backward."""
     return eqx_quant.quantize(
         model,
         weights=eqx_quant.DynamicFakeQuant(weight_bits, axis=0),
         activations=eqx_quant.DynamicFakeQuant(activation_bits, signed=False),
+        backward=backward,
     )
 
 
@@ -221,6 +225,7 @@ def run(
     quick: bool = False,
     progress: bool = True,
     log: Callable[[str], None] | None = print,
+    backward: eqx_quant.QuantizedBackward | None = None,
 ) -> dict:
     """Trains and evaluates every variant and writes `results.json` and `accuracy.png` to `out`.
 
@@ -235,6 +240,8 @@ def run(
         ends).
     - `log`: receives a one-line summary of each phase as it ends (float training; for each configuration, PTQ
         calibration, QAT training and each conversion); `None` for none.
+    - `backward`: the linear layers' [`eqx_quant.QuantizedBackward`][] in QAT (and PTQ, where it changes nothing), or
+        `None` (the default) for the float backward of the fake-quant formulation.
 
     **Returns:**
 
@@ -291,7 +298,7 @@ def run(
     ptq_models = {}
     for name in configs:
         w_bits, a_bits = parse_config(name)
-        model, wall = _timed(calibrated, quantized(float_model, w_bits, a_bits), x_calibration, a_bits)
+        model, wall = _timed(calibrated, quantized(float_model, w_bits, a_bits, backward), x_calibration, a_bits)
         ptq_models[name] = model
         r = results["ptq"][name] = summary(model, w_bits, wall, f"ptq_{name}")
         say(f"{name} PTQ: calibrated in {r['wall_time_s']:.1f} s, test accuracy {_percent(r['accuracy'])}")
@@ -316,6 +323,7 @@ def run(
         "qat_epochs": qat_epochs,
         "seed": seed,
         "quick": quick,
+        "backward": None if backward is None else repr(backward),
         "train_examples": int(len(x_train)),
         "test_examples": int(len(x_test)),
         "jax": jax.__version__,
@@ -400,6 +408,12 @@ def main(argv: list[str] | None = None) -> None:
         "--bits", default=",".join(CONFIGS), help="comma-separated bit widths for PTQ and QAT (default: %(default)s)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--backward",
+        choices=("float", "int8"),
+        default="float",
+        help="the linear layers' backward in QAT: the float one (default) or QuantizedBackward(8)",
+    )
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("eqx_quant_demo_out"))
     parser.add_argument(
         "--quick",
@@ -424,6 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed,
         out=args.out,
         quick=args.quick,
+        backward=eqx_quant.QuantizedBackward(8) if args.backward == "int8" else None,
     )
     print(table(results))
     print(f"\nwrote {args.out / 'results.json'} and {args.out / 'accuracy.png'}")

@@ -63,9 +63,9 @@ class IntLinear(AbstractIntLayer):
     When its input quantizer has one scale for the whole input (a calibrated [`eqx_quant.FakeQuant`][], or a
     per-tensor [`eqx_quant.DynamicFakeQuant`][], which computes it at every call) and the weight has one scale per
     tensor or per output channel, a call quantizes the input to integers, multiplies the weight's and the input's
-    integers minus their zero points with `jax.lax.dot_general(..., preferred_element_type=jnp.int32)`, adds the
-    bias in the accumulator's units and rescales once, `y = (acc + bias / s) * s` with `s = scale_w * scale_x`: the
-    same computation as [`eqx_quant.nn.QuantLinear`][]'s integer forward, bit for bit. A weight with one scale per
+    integers minus their zero points with `jax.lax.dot_general(..., preferred_element_type=jnp.int32)`, rescales
+    the sum and adds the bias, `y = (acc * scale_w) * scale_x + bias`: the same computation as
+    [`eqx_quant.nn.QuantLinear`][]'s integer forward, bit for bit. A weight with one scale per
     group along the contraction runs on integers too (each group's int32 sum scaled by its group's scale). Otherwise
     (per-channel inputs, say) it runs the dequantized weight in floating point, as the quantized layer does.
 

@@ -6,7 +6,9 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._int_ops import integer_forward, plan
+from .._backward import QuantizedBackward, quantized_input_gradient
+from .._int_ops import LinearSpec, integer_forward, plan
+from .._qtensor import nan_levels
 from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant
 
 
@@ -124,9 +126,28 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
     wq, w, w_nan = layer.weight_quant.fake_quant_and_tensor(weight)  # pyright: ignore[reportOptionalMemberAccess]
     xq, x_int, x_nan = layer.input_quant.fake_quant_and_tensor(vector)  # pyright: ignore[reportOptionalMemberAccess]
     spec = plan(float_layer, weight.shape, w, x_int)
+    if isinstance(spec, LinearSpec):
+        # A linear product needs to know only which rows of the weight, and whether the input, hold a NaN.
+        w_nan = nan_levels(weight, w, tuple(range(1, w.values.ndim)))
+        x_nan = nan_levels(vector, x_int, tuple(range(x_int.values.ndim)))
+    backward = getattr(layer, "backward", None)
     if spec is None:
+        if backward is not None:
+            raise ValueError(
+                "This layer has a `backward=QuantizedBackward(...)`, which needs the integer forward, but its "
+                f"quantizers (weight_quant={layer.weight_quant!r}, input_quant={layer.input_quant!r}) compute in "
+                "floating point: the weight needs one scale per tensor, per output channel or per group along the "
+                "contraction, and the input one scale per tensor."
+            )
         return layer._float_path(x, key)
-    y = integer_forward(spec, wq, xq, float_layer.bias, w, x_int, w_nan, x_nan)  # pyright: ignore[reportArgumentType]
+    if backward is None:
+        y = integer_forward(spec, wq, xq, float_layer.bias, w, x_int, w_nan, x_nan, weight, vector)  # pyright: ignore[reportArgumentType]
+    else:
+        # The input's gradient comes from the quantized backward instead of the float product's transpose.
+        y = integer_forward(
+            spec, wq, jax.lax.stop_gradient(xq), float_layer.bias, w, x_int, w_nan, x_nan, weight, vector
+        )  # pyright: ignore[reportArgumentType]
+        y = quantized_input_gradient(backward, y, xq, w, weight, key)
     return scalar_output(float_layer, y.astype(weight.dtype))
 
 
@@ -136,15 +157,14 @@ class QuantLinear(AbstractQuantLayer):
     **Integer forward.** With `matmul="int"` (the default), when the weight quantizer has one scale per tensor or per
     output channel, and the input quantizer one scale for the whole input, the forward pass
     runs the integer product: the weight's and the input's integers (minus zero points) are multiplied with int32
-    accumulation, the bias is added in the accumulator's units and the sum is rescaled once,
-    `y = (acc + bias / s) * s` with `s = scale_w * scale_x` (the bias rounded to `2**-16` of a unit) — the
+    accumulation, the sum is rescaled and the bias added, `y = (acc * scale_w) * scale_x + bias` — the
     computation of the converted [`eqx_quant.nn.IntLinear`][], bit for bit, in eager mode and under `jit` alike.
     It differs from the float product `fake_quant(W) @ fake_quant(x) + b` only by that product's rounding errors,
     which the exact integer sum does not make. The backward pass is that of the fake-quant formulation
     `y = fake_quant(W) @ fake_quant(x) + b`: the float product's gradients, through the quantizers'
     straight-through estimators (and learned-scale gradients). A weight with one scale per group along the
     contraction (`group_size`) runs on integers as well: each group's int32 sum is scaled by its group's scale, the
-    scaled sums are added in float32, and the bias joins in the input scale's units. Otherwise, or with
+    scaled sums are added in float32, rescaled by the input's scale, and the bias is added. Otherwise, or with
     `matmul="float"`, the forward is that float product.
 
     !!! example
@@ -165,6 +185,7 @@ class QuantLinear(AbstractQuantLayer):
     weight_quant: AbstractQuantizer | None
     input_quant: AbstractQuantizer | None
     matmul: Literal["int", "float"] = eqx.field(static=True)
+    backward: QuantizedBackward | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -173,6 +194,7 @@ class QuantLinear(AbstractQuantLayer):
         weight_quant: AbstractQuantizer | None = default_weight_quant(),
         input_quant: AbstractQuantizer | None = default_input_quant(),
         matmul: Literal["int", "float"] = "int",
+        backward: QuantizedBackward | None = None,
     ):
         """**Arguments:**
 
@@ -182,11 +204,15 @@ class QuantLinear(AbstractQuantLayer):
         - `input_quant`: the input quantizer; by default 8 bits per tensor. `None` keeps the input as it is.
         - `matmul`: `"int"` to compute the forward with the integer product where the quantizers allow it,
             `"float"` for the float product of the fake-quantized operands.
+        - `backward`: `None` (default) for the float backward of the fake-quant formulation, or an
+            [`eqx_quant.QuantizedBackward`][] to compute the input's gradient with an integer product (which changes
+            the gradient contract). It needs `matmul="int"` and integer quantizers for both operands.
         """
         self.layer = layer
         self.weight_quant = weight_quant
         self.input_quant = input_quant
         self.matmul = matmul
+        self.backward = backward
 
     def __check_init__(self):
         if not isinstance(self.layer, eqx.nn.Linear):
@@ -194,6 +220,16 @@ class QuantLinear(AbstractQuantLayer):
         _check_quantizer("weight_quant", self.weight_quant)
         _check_quantizer("input_quant", self.input_quant)
         _check_matmul(self.matmul)
+        if self.backward is not None:
+            if not isinstance(self.backward, QuantizedBackward):
+                raise TypeError(f"`backward` must be a QuantizedBackward or None, got {self.backward!r}.")
+            if self.matmul != "int":
+                raise ValueError(f"`backward` needs the integer forward, matmul='int'; got matmul={self.matmul!r}.")
+            for name in ("weight_quant", "input_quant"):
+                if not isinstance(getattr(self, name), AbstractFakeQuantizer):
+                    raise ValueError(
+                        f"`backward` needs an integer quantizer for both operands; got {name}={getattr(self, name)!r}."
+                    )
 
     def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
         """Like `eqx.nn.Linear.__call__`, on the fake-quantized weight and input."""

@@ -58,6 +58,12 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.LearnedFakeQuant(1.0, -8, 7, min_scale="x")),
         (TypeError, "`min_scale` must be a real number, got None of type NoneType.",
          lambda: eqx_quant.LearnedFloatFakeQuant("float8_e4m3fn", 1.0, min_scale=None)),
+        (TypeError, "`backward` must be a QuantizedBackward or None, got backward='int8'.",
+         lambda: eqx_quant.quantize(mlp, backward="int8")),
+        (ValueError, "`rounding` must be one of ('nearest', 'stochastic'), got rounding='up'.",
+         lambda: eqx_quant.QuantizedBackward(8, rounding="up")),
+        (TypeError, "`backward` must be a QuantizedBackward or None, got 'int8'.",
+         lambda: eqx_quant.nn.QuantLinear(linear, backward="int8")),
     ]  # fmt: skip
     for error, message, call in cases:
         with pytest.raises(error) as info:

@@ -1,0 +1,195 @@
+"""The opt-in quantized backward: input gradients as integer products, against NumPy loops."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_quant
+from eqx_quant import DynamicFakeQuant, QuantizedBackward
+from eqx_quant.nn import QuantLinear
+
+from .helpers import assert_bitwise_equal, init
+
+
+F32 = np.float32
+
+
+def np_input_gradient(w_int, w_scale, g, qmax, uniforms=None, chunk=None):
+    """The input's cotangent of `QuantizedBackward`, one example (row of `g`) and one weight group at a time:
+    `h = scale_w * g`, `s = max(max|h| / qmax, 2**-126)`, levels rounded half to even (or `floor(h / s + u)`),
+    `s * sum_o W_int[o, j] * level[o]` with int64 sums (per chunk of output channels, each rounded to float32 and
+    summed in float32)."""
+    w_int = np.asarray(w_int, np.int64)
+    w_int = w_int.reshape(w_int.shape[0], -1)
+    out, k = w_int.shape
+    w_scale = np.asarray(w_scale, F32)
+    w_scale = w_scale.reshape(w_scale.shape[0], -1)
+    w_scale = np.broadcast_to(w_scale, (out, w_scale.shape[1]))
+    groups = w_scale.shape[1]
+    size = k // groups
+    chunk = chunk or out
+    rows = []
+    for b, row in enumerate(np.asarray(g, F32)):
+        dx = np.zeros(k, F32)
+        for j in range(groups):
+            h = row * w_scale[:, j]
+            s = max(F32(np.abs(h).max()) * F32(1 / qmax), F32(2.0**-126))
+            v = h * (F32(1) / s)
+            levels = np.round(v) if uniforms is None else np.floor(v + uniforms[b][:, j])
+            levels = np.clip(levels, -qmax, qmax).astype(np.int64)
+            acc = np.zeros(size, F32)
+            for start in range(0, out, chunk):
+                part = levels[start : start + chunk] @ w_int[start : start + chunk, j * size : (j + 1) * size]
+                acc = acc + part.astype(F32)
+            dx[j * size : (j + 1) * size] = acc * s
+        rows.append(dx)
+    return np.stack(rows)
+
+
+def layer(out, k, weight_quant, bits=8, rounding="nearest", seed=0):
+    linear = init(lambda key: eqx.nn.Linear(k, out, key=key), seed)
+    return QuantLinear(linear, weight_quant=weight_quant, backward=QuantizedBackward(bits, rounding=rounding))
+
+
+def weight_integers(q):
+    tensor = q.weight_quant.quantize(q.layer.weight, pack=False)
+    return np.asarray(tensor.values), np.asarray(tensor.scale, F32)
+
+
+@jax.jit
+def _input_gradient(q, x, cotangent, keys):
+    def loss(x):
+        if keys is None:
+            y = jax.vmap(q)(x)
+        else:
+            y = jax.vmap(lambda x, key: q(x, key=key))(x, keys)
+        return jnp.sum(y * cotangent)
+
+    return jax.grad(loss)(x)
+
+
+def _data(batch, k, out, seed):
+    rng = np.random.default_rng(seed)
+    return jnp.asarray(rng.standard_normal((batch, k), dtype=F32)), jnp.asarray(
+        rng.standard_normal((batch, out), dtype=F32)
+    )
+
+
+@pytest.mark.parametrize(
+    "weight_quant, bits",
+    [(DynamicFakeQuant(8, axis=0), 8), (DynamicFakeQuant(8), 8), (DynamicFakeQuant(4, group_size=4), 4)],
+    ids=["per-channel-8", "per-tensor-8", "grouped-4"],
+)
+def test_nearest_rounding_against_numpy(weight_quant, bits):
+    q = layer(6, 8, weight_quant, bits)
+    x, cotangent = _data(5, 8, 6, 1)
+    w_int, w_scale = weight_integers(q)
+    expected = np_input_gradient(w_int, w_scale, cotangent, 2 ** (bits - 1) - 1)
+    # The input quantizer (dynamic, per tensor) passes every finite entry's gradient straight through.
+    assert_bitwise_equal(_input_gradient(q, x, cotangent, None), expected)
+    # One example, eagerly, is the same row.
+    eager = jax.grad(lambda v: jnp.sum(q(v) * cotangent[2]))(x[2])
+    assert_bitwise_equal(eager, expected[2])
+
+
+def test_stochastic_rounding_against_numpy_with_the_same_uniforms():
+    q = layer(6, 8, DynamicFakeQuant(8, axis=0), rounding="stochastic")
+    x, cotangent = _data(4, 8, 6, 2)
+    keys = jax.random.split(jax.random.key(3), 4)
+    uniforms = [np.asarray(jax.random.uniform(key, (6, 1), jnp.float32)) for key in keys]
+    w_int, w_scale = weight_integers(q)
+    expected = np_input_gradient(w_int, w_scale, cotangent, 127, uniforms)
+    assert_bitwise_equal(_input_gradient(q, x, cotangent, keys), expected)
+    # Rounding to nearest differs: stochastic rounding moves some levels.
+    assert not np.array_equal(expected, np_input_gradient(w_int, w_scale, cotangent, 127))
+
+
+def test_stochastic_rounding_is_unbiased():
+    """Over many keys, the mean input gradient approaches `W_intᵀ h` with `h` unrounded, within four standard
+    errors (each level's rounding error is at most one step, so its variance is at most 1/4 step²)."""
+    q = layer(6, 8, DynamicFakeQuant(4, axis=0), bits=4, rounding="stochastic")
+    n = 4000
+    x = jnp.broadcast_to(_data(1, 8, 6, 4)[0], (n, 8))
+    cotangent = jnp.broadcast_to(_data(1, 8, 6, 5)[1], (n, 6))
+    grads = np.asarray(_input_gradient(q, x, cotangent, jax.random.split(jax.random.key(6), n)), np.float64)
+    w_int, w_scale = weight_integers(q)
+    h = np.asarray(cotangent[0], np.float64) * w_scale.reshape(-1)
+    exact = h @ w_int.astype(np.float64)
+    step = np.abs(h).max() / 7
+    standard_error = np.sqrt((w_int.astype(np.float64) ** 2).sum(axis=0) * step**2 / 4 / n)
+    assert np.all(np.abs(grads.mean(axis=0) - exact) <= 4 * standard_error + 1e-6)
+    # The rounding is really random: the gradients vary from key to key.
+    assert np.std(grads, axis=0).max() > 0
+
+
+def test_long_contractions_are_split_where_int32_could_overflow():
+    # 16-bit gradient levels and 8-bit weights: at most 2**31 // (32767 * 128) = 512 output channels per int32 sum.
+    q = layer(600, 3, DynamicFakeQuant(8, axis=0), bits=16)
+    x, cotangent = _data(2, 3, 600, 7)
+    w_int, w_scale = weight_integers(q)
+    expected = np_input_gradient(w_int, w_scale, cotangent, 32767, chunk=2**31 // (32767 * 128))
+    assert_bitwise_equal(_input_gradient(q, x, cotangent, None), expected)
+
+
+def test_forward_and_weight_gradient_are_those_of_the_float_backward():
+    q = layer(6, 8, DynamicFakeQuant(8, axis=0))
+    plain = QuantLinear(q.layer, weight_quant=q.weight_quant)
+    x, cotangent = _data(5, 8, 6, 8)
+
+    def loss(model):
+        return jnp.sum(jax.vmap(model)(x) * cotangent)
+
+    assert_bitwise_equal(jax.vmap(q)(x), jax.vmap(plain)(x))
+    grads, plain_grads = (eqx.filter_jit(eqx.filter_grad(loss))(m) for m in (q, plain))
+    assert_bitwise_equal(grads.layer.weight, plain_grads.layer.weight)
+    assert_bitwise_equal(grads.layer.bias, plain_grads.layer.bias)
+    # The input's gradient is close to the float product's, not equal to it.
+    dx = np.asarray(_input_gradient(q, x, cotangent, None))
+    plain_dx = np.asarray(jax.grad(lambda v: jnp.sum(jax.vmap(plain)(v) * cotangent))(x))
+    assert not np.array_equal(dx, plain_dx)
+    assert np.abs(dx - plain_dx).max() <= 0.02 * np.abs(plain_dx).max()
+
+
+def test_nan_in_the_weight_and_in_the_incoming_gradient():
+    q = layer(4, 5, DynamicFakeQuant(8, axis=0))
+    q = eqx.tree_at(lambda m: m.layer.weight, q, q.layer.weight.at[1, 3].set(jnp.nan))
+    x, cotangent = _data(3, 5, 4, 9)
+    cotangent = cotangent.at[2, 0].set(jnp.nan)
+    dx = np.asarray(_input_gradient(q, x, cotangent, None))
+    # The NaN weight reaches column 3 of every example; the NaN gradient every entry of example 2.
+    assert np.isnan(dx[:2, 3]).all() and np.isfinite(np.delete(dx[:2], 3, axis=1)).all()
+    assert np.isnan(dx[2]).all()
+
+
+def test_quantize_and_calibrate_keep_the_backward():
+    mlp = init(lambda key: eqx.nn.MLP(4, 2, 8, 1, key=key), 10)
+    backward = QuantizedBackward(8)
+    qmlp = eqx_quant.quantize(mlp, backward=backward)
+    assert all(layer.backward == backward for layer in qmlp.layers)
+    calibrated = eqx_quant.calibrate(qmlp, [jnp.ones((3, 4))])
+    assert all(layer.backward == backward for layer in calibrated.layers)
+    assert isinstance(calibrated.layers[0].input_quant, eqx_quant.FakeQuant)
+    # Layers without integer quantizers for both operands keep the float backward.
+    mixed = eqx_quant.quantize(mlp, weights={"layers.0": DynamicFakeQuant(8, axis=0)}, backward=backward)
+    assert mixed.layers[0].backward == backward and mixed.layers[1].backward is None
+    # The converted model does not depend on it.
+    x = jnp.ones((3, 4))
+    assert_bitwise_equal(jax.vmap(eqx_quant.convert(calibrated))(x), jax.vmap(calibrated)(x))
+
+
+def test_errors():
+    linear = init(lambda key: eqx.nn.Linear(3, 2, key=key), 11)
+    with pytest.raises(ValueError, match="`bits` must be between 2 and 16, got bits=1."):
+        QuantizedBackward(1)
+    with pytest.raises(ValueError, match="needs the integer forward, matmul='int'; got matmul='float'"):
+        QuantLinear(linear, matmul="float", backward=QuantizedBackward())
+    with pytest.raises(ValueError, match="needs an integer quantizer for both operands; got weight_quant=None"):
+        QuantLinear(linear, weight_quant=None, backward=QuantizedBackward())
+    per_channel_input = QuantLinear(linear, input_quant=DynamicFakeQuant(8, axis=0), backward=QuantizedBackward())
+    with pytest.raises(ValueError, match="needs the integer forward, but its quantizers"):
+        per_channel_input(jnp.ones(3))
+    stochastic = QuantLinear(linear, backward=QuantizedBackward(rounding="stochastic"))
+    with pytest.raises(ValueError, match="needs a `key` at every call"):
+        stochastic(jnp.ones(3))
