@@ -78,11 +78,14 @@ def _fake_quant_fwd(x, scale, zero_point, qmin, qmax):
     # Called with `CustomVJPPrimal`s: `perturbed` says which inputs carry a derivative. A dynamic quantizer's scale and
     # zero point carry none (they are `stop_gradient`-ed statistics), and their cotangents are then not computed.
     # The backward recomputes everything it needs from `x`, so nothing full-size is saved besides `x` itself.
-    value = _fake_quant_impl(x.value, scale.value, _value(zero_point), qmin, qmax)
+    return _fake_quant_impl(x.value, scale.value, _value(zero_point), qmin, qmax), _residuals(x, scale, zero_point)
+
+
+def _residuals(x, scale, zero_point):
     # Which cotangents are wanted is static: it is told by the residuals' structure (an empty tuple or `None`), which no
     # transformation turns into a traced value.
     wanted = tuple(() if p else None for p in (scale.perturbed, zero_point is not None and zero_point.perturbed))
-    return value, (x.value, scale.value, _value(zero_point), wanted)
+    return x.value, scale.value, _value(zero_point), wanted
 
 
 def _value(primal):
@@ -112,6 +115,36 @@ def _fake_quant_bwd(qmin, qmax, residuals, g):
 
 
 _fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd, symbolic_zeros=True)
+
+
+def _straight_through_impl(x, scale, zero_point, qmin, qmax):
+    del scale, zero_point
+    return x
+
+
+# `x` itself, with `fake_quant`'s derivatives: for the integer products, which compute their value from the integers
+# and need of the fake-quantized operand only its cotangent's path through the straight-through estimator (and the
+# scale's gradient). Nothing of the fake-quantized value is traced.
+_straight_through = jax.custom_vjp(_straight_through_impl, nondiff_argnums=(3, 4))
+
+
+def _straight_through_fwd(x, scale, zero_point, qmin, qmax):
+    del qmin, qmax
+    return x.value, _residuals(x, scale, zero_point)
+
+
+_straight_through.defvjp(_straight_through_fwd, _fake_quant_bwd, symbolic_zeros=True)
+
+
+def straight_through(x: Array, scale: float | Array, qmin: int, qmax: int, zero_point: int | Array) -> Array:
+    """`x` unchanged, with the derivatives of `fake_quant(x, scale, qmin, qmax, zero_point)` (arguments prepared as
+    `fake_quant` prepares them): what the integer products take for the fake-quantized operand, whose value they
+    never use."""
+    dtype = compute_dtype(x.dtype)
+    scale = prepare_scale(scale, x.shape, dtype)
+    zero_point = prepare_zero_point(zero_point, x.shape, dtype)
+    xc, scale, zero_point = vary_alike(x.astype(dtype), scale, zero_point)
+    return _straight_through(xc, scale, zero_point, qmin, qmax).astype(x.dtype)
 
 
 def _check_values(name: str, a: np.ndarray, ok: np.ndarray | np.bool_, requirement: str) -> None:

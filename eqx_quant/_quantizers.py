@@ -10,7 +10,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from ._clip import clip_passthrough
-from ._fake_quant import check_range, fake_quant, round_ste, scale_gradient
+from ._fake_quant import check_range, fake_quant, round_ste, scale_gradient, straight_through
 from ._layout import Layout
 from ._misc import FLOAT32_TINY, as_float_input, check_int, check_real, compute_dtype
 from ._qtensor import QuantizedTensor, quantize_tensor
@@ -247,12 +247,17 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         _check_float_input(x)
         return quantize_tensor(x, *self.params(x), self.qmin, self.qmax, self.layout, pack=pack)
 
-    def fake_quant_and_tensor(self, x: Float[Array, "*shape"]) -> tuple[Array, QuantizedTensor, Array]:
+    def fake_quant_and_tensor(
+        self, x: Float[Array, "*shape"], *, value: bool = True
+    ) -> tuple[Array, QuantizedTensor, Array]:
         """A call on `x` and [`eqx_quant.AbstractFakeQuantizer.quantize_with_mask`][] (unpacked), from one
-        computation of the parameters: what the integer forward of a quantized layer needs of each operand."""
+        computation of the parameters: what the integer forward of a quantized layer needs of each operand.
+        With `value=False`, the first is `x` itself with the call's derivatives (for products that use only the
+        fake-quantized operand's tangent)."""
         _check_float_input(x)
         scale, zero_point = self.params(x)
-        fake = fake_quant(self.layout.view(x), scale, self.qmin, self.qmax, zero_point).reshape(x.shape)
+        apply = fake_quant if value else straight_through
+        fake = apply(self.layout.view(x), scale, self.qmin, self.qmax, zero_point).reshape(x.shape)
         tensor, nan = quantize_tensor(x, scale, zero_point, self.qmin, self.qmax, self.layout, pack=False)
         return fake, tensor, nan
 
