@@ -193,3 +193,14 @@ def test_errors():
     stochastic = QuantLinear(linear, backward=QuantizedBackward(rounding="stochastic"))
     with pytest.raises(ValueError, match="needs a `key` at every call"):
         stochastic(jnp.ones(3))
+
+
+def test_the_demo_passes_the_backward_to_its_linear_layers():
+    from eqx_quant.demo import ConvNet, quantized
+
+    model = quantized(ConvNet(jax.random.key(0)), 4, 4, QuantizedBackward(8))
+    is_layer = lambda node: isinstance(node, (QuantLinear, eqx_quant.nn.QuantConv))  # noqa: E731
+    layers = [node for node in jax.tree.leaves(model, is_leaf=is_layer) if is_layer(node)]
+    linears = [node for node in layers if isinstance(node, QuantLinear)]
+    assert linears and len(linears) < len(layers)
+    assert all(node.backward == QuantizedBackward(8) for node in linears)
