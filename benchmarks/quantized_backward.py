@@ -18,21 +18,17 @@ import functools
 import json
 import pathlib
 import statistics
-import sys
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import lm
 import numpy as np
 from _timing import interleaved_times
+from train_step import _compiled_step
 
 import eqx_quant
 import eqx_quant.demo
-
-
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-import lm  # noqa: E402
-from train_step import _compiled_step  # noqa: E402
 
 
 RECIPE = "w4a8_g32"

@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray
 
-from ._int_ops import safe_contraction
-from ._misc import FLOAT32_TINY, check_int
+from ._int_ops import opaque, safe_contraction
+from ._misc import FLOAT32_TINY, check_int, vary_alike
 from ._qtensor import QuantizedTensor, nan_levels, shifted_bound
 
 
@@ -30,8 +30,9 @@ class QuantizedBackward(eqx.Module):
         for weights with one scale per group along the contraction, one `h` per group), so that the contraction runs
         over integers only;
     - `h` is put on the symmetric grid `[-qmax, qmax]`, `qmax = 2**(bits - 1) - 1`, with one scale
-        `s = max|h| / qmax` (per example, and per weight group), rounding to nearest (half to even) or
-        stochastically (`floor(h / s + u)`, `u` uniform in `[0, 1)` from the layer call's `key`, which is unbiased);
+        `s = max(max|h| * (1 / qmax), 2**-126)` (per example, and per weight group; the floor, float32's smallest
+        normal, serves an all-zero gradient), as `h * (1 / s)` rounded to nearest (half to even) or stochastically
+        (`floor(h * (1 / s) + u)`, `u` uniform in `[0, 1)` from the layer call's `key`, which is unbiased);
     - the input's cotangent is `s * (W_intᵀ @ h_int)`, an int32-accumulated product (split into chunks where int32
         could overflow), and then passes the input quantizer's straight-through estimator as usual.
 
@@ -68,8 +69,8 @@ class QuantizedBackward(eqx.Module):
 
         - `bits`: the width of the gradient's grid, 2 to 16.
         - `rounding`: `"nearest"` (half to even) or `"stochastic"`, which needs a `key` at every call of the layer
-            (under the model's `jax.vmap`, one key per example: `jax.random.split(key, batch)` mapped with the
-            inputs).
+            whose gradient is taken (under the model's `jax.vmap`, one key per example: `jax.random.split(key,
+            batch)` mapped with the inputs); calls without a gradient need none.
         """
         self.bits = check_int("bits", bits)
         self.rounding = rounding
@@ -84,6 +85,9 @@ class QuantizedBackward(eqx.Module):
     def qmax(self) -> int:
         """The largest level of the gradient's symmetric grid `[-qmax, qmax]`."""
         return 2 ** (self.bits - 1) - 1
+
+
+_NOISE_STREAM = 0x9B  # folded into the layer call's key for the stochastic rounding's noise
 
 
 class _Spec(NamedTuple):
@@ -107,11 +111,6 @@ def quantized_input_gradient(
     `xq` the fake-quantized input vector (its value unused); `w` the weight as a quantized tensor (unpacked), and
     `w_float` the float weight it was computed from.
     """
-    if backward.rounding == "stochastic" and key is None:
-        raise ValueError(
-            "A layer with QuantizedBackward(rounding='stochastic') needs a `key` at every call: pass `key=` to the "
-            "layer (one per example under `jax.vmap`)."
-        )
     w_int = w.shifted()[0]
     w_int = w_int.reshape(w_int.shape[0], -1)  # per-group weights come as (out, groups, group_size)
     out, k = w_int.shape
@@ -120,9 +119,16 @@ def quantized_input_gradient(
     column_nan = nan_levels(w_float, w, (0,)).reshape(k)
     w_bound = shifted_bound(w.qmin, w.qmax, w.zero_point is not None)
     chunk = safe_contraction(w_bound, backward.qmax)
+    if chunk < 1:
+        raise ValueError(
+            f"QuantizedBackward({backward.bits}) cannot multiply this weight's integers (magnitudes up to {w_bound}) "
+            "with int32 accumulation: a single product may overflow. Use fewer gradient bits or a narrower weight grid."
+        )
     spec = _Spec(backward.qmax, backward.rounding == "stochastic", chunk, xq.dtype.name)
     key = key if spec.stochastic else None
-    return _through(spec, y, xq, w_int, w_scale, column_nan, key)
+    # Inside `jax.shard_map`, the operands that are the same on every device are cast to varying first, so that the
+    # rule's cotangents are per device and summed across devices on the way back (see `vary_alike`).
+    return _through(spec, *vary_alike(y, xq, w_int, w_scale, column_nan), key)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -138,16 +144,25 @@ def _through_fwd(spec, y, xq, w_int, w_scale, column_nan, key):
 
 def _through_bwd(spec, residuals, g):
     w_int, w_scale, column_nan, key = residuals
+    if spec.stochastic and key is None:
+        raise ValueError(
+            "A layer with QuantizedBackward(rounding='stochastic') needs a `key` at every call whose gradient is "
+            "taken: pass `key=` to the layer (one per example under `jax.vmap`)."
+        )
     out, k = w_int.shape
     groups = w_scale.shape[1]
     # The weight's scales join the gradient, one `h` per weight group: `dx[j] = sum_o W_int[o, j] * h[o, group(j)]`.
     h = g.astype(jnp.float32)[:, None] * w_scale  # (out, groups)
-    absmax = jnp.max(jnp.abs(h), axis=0)  # per group; NaN or inf when the gradient is not finite
+    absmax = jnp.max(jnp.abs(h), axis=0, initial=0.0)  # per group; NaN or inf when the gradient is not finite
     scale = jnp.maximum(absmax * np.float32(1 / spec.qmax), FLOAT32_TINY)
     scale = jnp.where(jnp.isfinite(absmax), scale, jnp.nan)
     v = h * (1 / scale)[None]
     if spec.stochastic:
-        levels = jnp.floor(v + jax.random.uniform(key, v.shape, jnp.float32))
+        # `opaque`: the product must not be fused with the sum into one rounding under `jit` only. The noise comes
+        # from the key folded with a constant, so that a key the layer's caller also uses elsewhere (for dropout)
+        # gives unrelated noise here.
+        noise = jax.random.uniform(jax.random.fold_in(key, _NOISE_STREAM), v.shape, jnp.float32)
+        levels = jnp.floor(opaque(v) + noise)
     else:
         levels = jax.lax.round(v, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
     levels = jnp.clip(levels, -spec.qmax, spec.qmax).astype(jnp.int8 if spec.qmax <= 127 else jnp.int16)

@@ -101,15 +101,14 @@ def _fake_quant_bwd(qmin, qmax, residuals, g):
     inside = in_range(v, zero_point, qmin, qmax)  # False for NaN, like `below` and `above`
     zero = jnp.zeros((), g.dtype)
     grad_x = jnp.where(inside, g, zero)
-    below = v < low
-    above = v > high
     grad_scale = grad_zero_point = None
     if scale_wanted is not None:
+        below, above = v < low, v > high
         d_scale = jnp.where(inside, jnp.round(v) - v, jnp.where(below, low, jnp.where(above, high, zero)))
         # NaN entries of `x` contribute nothing to the scale, even where their incoming gradient is NaN too.
         grad_scale = sum_to_shape(jnp.where(jnp.isnan(v), zero, g * d_scale), scale.shape)
     if zero_point_wanted is not None:
-        d_zp = jnp.where(below | above, -expand_to_rank(scale, x.ndim) * g, zero)
+        d_zp = jnp.where((v < low) | (v > high), -expand_to_rank(scale, x.ndim) * g, zero)
         grad_zero_point = sum_to_shape(d_zp, zero_point.shape)
     return grad_x, grad_scale, grad_zero_point
 

@@ -288,8 +288,9 @@ def integer_forward(
 ) -> Array:
     """The integer computation in the forward pass, the float one of the fake-quantized operands for derivatives.
 
-    `wq` and `xq` are the fake-quantized weight and input (`scale * (levels - zero_point)`); `w` and `x` the same
-    operands as (unpacked) quantized tensors, `w_nan` and `x_nan` where they are NaN, and `w_float` and `x_float` the
+    `wq` and `xq` carry the fake-quantized weight's and input's derivatives (their values are not used: the layers
+    pass the operands themselves, with `fake_quant`'s derivatives); `w` and `x` the same operands as (unpacked)
+    quantized tensors, `w_nan` and `x_nan` where they are NaN, and `w_float` and `x_float` the
     float operands that all of these were computed from. The value is the integer product (or convolution); the
     derivative is that of the float `wq @ xq + bias`, so that gradients continue through the quantizers'
     straight-through estimators. Only the tangents of `wq` and `xq` (and their dtypes and shapes) are used: their

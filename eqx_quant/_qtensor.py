@@ -200,8 +200,8 @@ def nan_levels(x: Array, tensor: QuantizedTensor, axes: tuple[int, ...]) -> Bool
     pass over `x`, where a reduction of a boolean mask makes it write the full-size mask first.
     """
     view = jax.lax.stop_gradient(tensor.layout.view(x)).astype(tensor.scale.dtype)
-    nan = jnp.isnan(jnp.max(scaled(view, tensor.scale), axis=axes, keepdims=True))
+    nan = jnp.isnan(jnp.max(scaled(view, tensor.scale), axis=axes, keepdims=True, initial=-jnp.inf))
     if tensor.zero_point is not None:
         zero_point = jnp.broadcast_to(tensor.zero_point, view.shape[: tensor.zero_point.ndim])
-        nan = nan | jnp.isnan(jnp.max(zero_point, axis=axes, keepdims=True))
+        nan = nan | jnp.isnan(jnp.max(zero_point, axis=axes, keepdims=True, initial=-jnp.inf))
     return nan

@@ -167,7 +167,9 @@ def quantize(
     - `backward`: an [`eqx_quant.QuantizedBackward`][] for every [`eqx_quant.nn.QuantLinear`][] whose weight and
         input both have an integer quantizer (with `matmul="int"`): their input's gradient is then an integer
         product (which changes the gradient contract). `None` (the default) keeps the float backward everywhere;
-        convolutions always keep it.
+        convolutions always keep it. A layer so configured whose quantizers cannot run the integer forward (an
+        input quantizer per channel, say) raises a `ValueError` when called. Layers that are already quantized
+        are left as they are, their `backward` included.
 
     **Returns:**
 

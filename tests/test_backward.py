@@ -98,12 +98,17 @@ def test_stochastic_rounding_against_numpy_with_the_same_uniforms():
     q = layer(6, 8, DynamicFakeQuant(8, axis=0), rounding="stochastic")
     x, cotangent = _data(4, 8, 6, 2)
     keys = jax.random.split(jax.random.key(3), 4)
-    uniforms = [np.asarray(jax.random.uniform(key, (6, 1), jnp.float32)) for key in keys]
+    # The noise is drawn from the layer call's key folded with the library's constant stream number.
+    uniforms = [np.asarray(jax.random.uniform(jax.random.fold_in(key, 0x9B), (6, 1), jnp.float32)) for key in keys]
     w_int, w_scale = weight_integers(q)
     expected = np_input_gradient(w_int, w_scale, cotangent, 127, uniforms)
     assert_bitwise_equal(_input_gradient(q, x, cotangent, keys), expected)
-    # Rounding to nearest differs: stochastic rounding moves some levels.
-    assert not np.array_equal(expected, np_input_gradient(w_int, w_scale, cotangent, 127))
+    # Eagerly, one example is the same row.
+    eager = jax.grad(lambda v: jnp.sum(q(v, key=keys[1]) * cotangent[1]))(x[1])
+    assert_bitwise_equal(eager, expected[1])
+    # Stochastic rounding moves some levels away from the nearest ones.
+    nearest = QuantLinear(q.layer, weight_quant=q.weight_quant, backward=QuantizedBackward(8))
+    assert not np.array_equal(expected, np.asarray(_input_gradient(nearest, x, cotangent, None)))
 
 
 def test_stochastic_rounding_is_unbiased():
@@ -126,9 +131,18 @@ def test_stochastic_rounding_is_unbiased():
 
 def test_long_contractions_are_split_where_int32_could_overflow():
     # 16-bit gradient levels and 8-bit weights: at most 2**31 // (32767 * 128) = 512 output channels per int32 sum.
+    # A weight whose rows all reach -128 in the same column and a gradient of one sign drive the full sum of column 0
+    # to 600 * 128 * 32767 > 2**31: one int32 sum would wrap around.
     q = layer(600, 3, DynamicFakeQuant(8, axis=0), bits=16)
+    weight = q.layer.weight.at[:, 0].set(-1.0).at[:, 1:].multiply(0.25)
+    q = eqx.tree_at(lambda m: m.layer.weight, q, weight)
     x, cotangent = _data(2, 3, 600, 7)
+    cotangent = 1.0 + 0.01 * jnp.abs(cotangent)
     w_int, w_scale = weight_integers(q)
+    for row in np.asarray(cotangent, F32):  # the whole sum of column 0, in int64, is beyond int32
+        h = row * w_scale.reshape(-1)
+        levels = np.round(h * (F32(1) / (F32(np.abs(h).max()) * F32(1 / 32767))))
+        assert abs(int(levels.astype(np.int64) @ np.asarray(w_int, np.int64)[:, 0])) > 2**31
     expected = np_input_gradient(w_int, w_scale, cotangent, 32767, chunk=2**31 // (32767 * 128))
     assert_bitwise_equal(_input_gradient(q, x, cotangent, None), expected)
 
@@ -179,6 +193,15 @@ def test_quantize_and_calibrate_keep_the_backward():
     assert_bitwise_equal(jax.vmap(eqx_quant.convert(calibrated))(x), jax.vmap(calibrated)(x))
 
 
+def test_asymmetric_weights_multiply_their_integers_minus_the_zero_point():
+    q = layer(5, 8, DynamicFakeQuant(8, axis=0, symmetric=False))
+    x, cotangent = _data(3, 8, 5, 12)
+    tensor = q.weight_quant.quantize(q.layer.weight, pack=False)
+    w_int = np.asarray(tensor.values, np.int64) - np.asarray(tensor.zero_point, np.int64)
+    expected = np_input_gradient(w_int, np.asarray(tensor.scale, F32), cotangent, 127)
+    assert_bitwise_equal(_input_gradient(q, x, cotangent, None), expected)
+
+
 def test_errors():
     linear = init(lambda key: eqx.nn.Linear(3, 2, key=key), 11)
     with pytest.raises(ValueError, match="`bits` must be between 2 and 16, got bits=1."):
@@ -191,8 +214,10 @@ def test_errors():
     with pytest.raises(ValueError, match="needs the integer forward, but its quantizers"):
         per_channel_input(jnp.ones(3))
     stochastic = QuantLinear(linear, backward=QuantizedBackward(rounding="stochastic"))
-    with pytest.raises(ValueError, match="needs a `key` at every call"):
-        stochastic(jnp.ones(3))
+    # A call without a gradient needs no key; a gradient does.
+    assert_bitwise_equal(stochastic(jnp.ones(3)), QuantLinear(linear)(jnp.ones(3)))
+    with pytest.raises(ValueError, match="needs a `key` at every call whose gradient is taken"):
+        jax.grad(lambda v: jnp.sum(stochastic(v)))(jnp.ones(3))
 
 
 def test_the_demo_passes_the_backward_to_its_linear_layers():

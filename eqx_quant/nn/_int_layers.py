@@ -92,7 +92,8 @@ class IntConv(AbstractIntLayer):
     With an input quantizer that has one scale for the whole input, zero padding, per-tensor or per-output-channel
     weight scales and a contraction `K = in_channels / groups * prod(kernel_size)` within the int32 bound of
     [`eqx_quant.nn.IntLinear`][], a call runs `jax.lax.conv_general_dilated` on the integers minus their zero points
-    (so that padding stays real zero) with `preferred_element_type=jnp.int32`, and rescales once: the computation of
+    (so that padding stays real zero) with `preferred_element_type=jnp.int32`, rescales the sums and adds the bias:
+    the computation of
     [`eqx_quant.nn.QuantConv`][]'s integer forward. Otherwise it runs the dequantized weight in floating point.
     """
 

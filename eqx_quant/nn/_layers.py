@@ -163,10 +163,11 @@ class QuantLinear(AbstractQuantLayer):
     It differs from the float product `fake_quant(W) @ fake_quant(x) + b` only by that product's rounding errors,
     which the exact integer sum does not make. The backward pass is that of the fake-quant formulation
     `y = fake_quant(W) @ fake_quant(x) + b`: the float product's gradients, through the quantizers'
-    straight-through estimators (and learned-scale gradients). A weight with one scale per group along the
-    contraction (`group_size`) runs on integers as well: each group's int32 sum is scaled by its group's scale, the
-    scaled sums are added in float32, rescaled by the input's scale, and the bias is added. Otherwise, or with
-    `matmul="float"`, the forward is that float product.
+    straight-through estimators (and learned-scale gradients), unless `backward` asks for the opt-in quantized
+    backward ([`eqx_quant.QuantizedBackward`][]), which computes the input's gradient as an integer product. A
+    weight with one scale per group along the contraction (`group_size`) runs on integers as well: each group's
+    int32 sum is scaled by its group's scale, the scaled sums are added in float32, rescaled by the input's scale,
+    and the bias is added. Otherwise, or with `matmul="float"`, the forward is that float product.
 
     !!! example
 

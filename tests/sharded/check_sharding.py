@@ -77,7 +77,7 @@ def shard_batch(x, y, mesh):
 
 def quantizers(variant: str):
     """`(weights, activations, matmul)` for `eqx_quant.quantize`."""
-    if variant == "dynamic":
+    if variant in ("dynamic", "int8-backward"):
         return eqx_quant.DynamicFakeQuant(8, axis=0), eqx_quant.DynamicFakeQuant(8), "int"
     if variant == "per-tensor":
         return eqx_quant.DynamicFakeQuant(8), eqx_quant.DynamicFakeQuant(8), "int"
@@ -105,7 +105,8 @@ def quantized(kind: str, variant: str, mesh=None, row_parallel=ROW_PARALLEL):
     if mesh is not None:
         model = shard(model, mesh, row_parallel)
     weights, activations, matmul = quantizers(variant)
-    model = eqx_quant.quantize(model, weights=weights, activations=activations, matmul=matmul)
+    backward = eqx_quant.QuantizedBackward(8) if variant == "int8-backward" else None
+    model = eqx_quant.quantize(model, weights=weights, activations=activations, matmul=matmul, backward=backward)
     if mesh is not None:  # the learned input scales, made on one device, are replicated
         model = jax.tree.map(lambda a: replicate(a, mesh) if eqx.is_array(a) else a, model)
     return model
@@ -172,6 +173,7 @@ STEP_CASES = [
     ("mlp", "static"),
     ("mlp", "w4a4"),
     ("mlp", "float-matmul"),
+    ("mlp", "int8-backward"),
     ("convnet", "dynamic"),
     ("convnet", "learned"),
 ]
