@@ -12,9 +12,13 @@ level: a call of a jitted helper counts once) and `all eqns` the number with tho
 helpers, custom derivative rules) counted too. `temp MB` is the size of the temporary buffers XLA allocates for one
 step (`Compiled.memory_analysis()`).
 
-For the MLP, a last row times a floor: the least work that a W8A8 step with an integer forward and the float
-backward of the fake-quant formulation must do. Each layer only casts its weight and input to int8 (no scales,
-rounding, clipping or straight-through masks) for the int8 product, and its backward is the float layer's.
+For the MLP, two more rows time floors. `floor (casts only)` is the least work of any W8A8 step with an integer
+forward: each layer only casts its weight and input to int8 (no scales, rounding, clipping or straight-through
+masks) for the int8 product, and its backward is the float layer's, with the original operands. `floor (contract)`
+is the least work of eqx_quant's gradient contract at W8A8, written directly in `jax.lax` (`_contract_product`):
+dynamic scales from the finite maxima, the int8 product rescaled, and the derivative of `fake_quant(W) @
+fake_quant(x) + b`, with the fake-quantized operands recomputed and the clipped straight-through masks. It leaves
+out NaN propagation through the integer product and the ulp-exact scale nudge, which the library adds.
 
 When `qwix` and `flax` are installed (`pip install -e ".[bench]"`), the MLP's table has three more rows, timed in
 the same interleaved rounds: the same MLP in Flax, and Qwix's quantization-aware training of it (`QtProvider`, int8
@@ -34,6 +38,7 @@ import numpy as np
 from _timing import arguments, interleaved_times
 
 import eqx_quant
+from eqx_quant._scales import absmax_scale
 from eqx_quant.demo import ConvNet
 
 
@@ -93,8 +98,66 @@ def _cast_product_jvp(primals, tangents):
     return _cast_product(w, x), dw @ x + w @ dx
 
 
-def _floor(mlp: eqx.nn.MLP) -> eqx.nn.MLP:
-    return eqx.tree_at(lambda m: m.layers, mlp, tuple(_CastLinear(layer) for layer in mlp.layers))
+def _floor(mlp: eqx.nn.MLP, layer=None) -> eqx.nn.MLP:
+    return eqx.tree_at(lambda m: m.layers, mlp, tuple((layer or _CastLinear)(layer_) for layer_ in mlp.layers))
+
+
+# The least work of eqx_quant's gradient contract at W8A8 (weights per output channel, inputs per example), written
+# directly in `jax.lax`: the scales from the finite maxima, the integers, the int8 product rescaled `(acc * s_w) * s_x
+# + b`, and the derivative of `fake_quant(W) @ fake_quant(x) + b` (the product of the fake-quantized operands,
+# recomputed, and the clipped straight-through masks). It leaves out what the library adds to it: NaN propagation
+# through the integer product, and the ulp-exact scale nudge (a scale from `max|x| * c`, with `c` the reciprocal of
+# 127 rounded up by three float32 rounding errors, fits as well: the largest magnitude lands at or below 127).
+_MARGIN = np.float32(np.nextafter(np.float32((1 + 3 * 2.0**-24) / 127), np.float32(1)))
+
+
+def _levels(v, axis, nudged):
+    """Integer levels (as float32), the scale and `v / scale` of `v`, absmax per slice along `axis`; `nudged` takes
+    the library's scale instead of the margin's."""
+    magnitude = jax.lax.abs(jax.lax.stop_gradient(v))
+    finite = jax.lax.select(magnitude < np.float32(np.inf), magnitude, jnp.zeros_like(magnitude))
+    absmax = jax.lax.reduce_max(finite, (axis,))
+    if nudged:
+        scale = absmax_scale(absmax, -128, 127)
+    else:
+        scale = jax.lax.max(absmax * _MARGIN, np.float32(np.finfo(np.float32).tiny))
+    scale = jax.lax.expand_dims(scale, (axis,))
+    ratio = jax.lax.stop_gradient(v) * (1 / scale)
+    rounded = jax.lax.round(ratio, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+    return jax.lax.clamp(np.float32(-128), rounded, np.float32(127)), scale, ratio
+
+
+def _int8_product(w_levels, w_scale, x_levels, x_scale):
+    dims = (((0,), (1,)), ((), ()))
+    x_int, w_int = x_levels[0].astype(jnp.int8), w_levels.astype(jnp.int8)
+    acc = jax.lax.dot_general(x_int, w_int, dims, preferred_element_type=jnp.int32)
+    return (acc.astype(jnp.float32) * w_scale[:, 0]) * x_scale[0, 0]
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _contract_product(nudged, w, x):
+    return _int8_product(*_levels(w, 1, nudged)[:2], *_levels(x[None], 1, nudged)[:2])
+
+
+@_contract_product.defjvp
+def _contract_product_jvp(nudged, primals, tangents):
+    (w, x), (dw, dx) = primals, tangents
+    (w_levels, w_scale, w_ratio), (x_levels, x_scale, x_ratio) = _levels(w, 1, nudged), _levels(x[None], 1, nudged)
+    inside = lambda r: (r >= -128) & (r <= 127)  # noqa: E731
+    dw = jax.lax.select(inside(w_ratio), dw, jnp.zeros_like(dw))
+    dx = jax.lax.select(inside(x_ratio[0]), dx, jnp.zeros_like(dx))
+    y = _int8_product(w_levels, w_scale, x_levels, x_scale)
+    return y, dw @ (x_levels[0] * x_scale[0]) + (w_levels * w_scale) @ dx
+
+
+class _ContractLinear(eqx.Module):
+    """An `eqx.nn.Linear` computed by `_contract_product` (with the library's scales if `nudged`)."""
+
+    linear: eqx.nn.Linear
+    nudged: bool = eqx.field(static=True, default=False)
+
+    def __call__(self, x):
+        return _contract_product(self.nudged, self.linear.weight, x) + self.linear.bias
 
 
 def _compiled_step(model, x, y, rounds):
@@ -169,10 +232,8 @@ def _compiled(step, params, x, y, rounds):
     return compiled, params, trace_times, xla_times, equations
 
 
-def _bench(title, model, x, y, rounds, repeats, floor=None, others=None):
-    variants = _variants(model)
-    if floor is not None:
-        variants["floor (casts only)"] = floor
+def _bench(title, model, x, y, rounds, repeats, floors=None, others=None):
+    variants = {**_variants(model), **(floors or {})}
     others = others or {}
     calls, compile_times, trace_times, kernels, temp_bytes, equations = {}, {}, {}, {}, {}, {}
     for name in [*variants, *others]:
@@ -219,7 +280,12 @@ def main():
     if not others:
         print('qwix and flax are not installed: no Qwix rows (pip install -e ".[bench]")')
     mlp_title = "MLP 784-1024-1024-10, batch 256"
-    _bench(mlp_title, mlp, x, y, args.rounds, args.repeats, floor=_floor(mlp), others=others)
+    floors = {"floor (casts only)": _floor(mlp), "floor (contract)": _floor(mlp, _ContractLinear)}
+    # The contract floor computes the library's W8A8 step: with the library's scales, the same loss, bit for bit.
+    nudged = _floor(mlp, functools.partial(_ContractLinear, nudged=True))
+    same = eqx.filter_jit(_loss)(nudged, x, y) == eqx.filter_jit(_loss)(_variants(mlp)["W8A8"], x, y)
+    print(f"floor (contract) with the library's scales: its loss equals W8A8's bit for bit: {bool(same)}")
+    _bench(mlp_title, mlp, x, y, args.rounds, args.repeats, floors=floors, others=others)
 
     convnet = ConvNet(key)
     x = jnp.asarray(rng.uniform(0, 1, (64, 1, 8, 8)).astype(np.float32))
