@@ -56,7 +56,7 @@ class QuantizedBackward(eqx.Module):
         mlp = eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0))
         qmlp = eqx_quant.quantize(mlp, backward=eqx_quant.QuantizedBackward(8))
         x = jnp.ones((3, 4))
-        grads = eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2))(qmlp)
+        grads = eqx.filter_jit(eqx.filter_grad(lambda m: jnp.sum(jax.vmap(m)(x) ** 2)))(qmlp)
         print(grads.layers[0].layer.weight.shape)  # (8, 4)
         ```
     """

@@ -1,9 +1,34 @@
+import os
+import shutil
+import tempfile
+
 import jax
 import pytest
 
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+
+# Compiling is most of the suite's time, and the same small programs (eager operations above all) are compiled in
+# many files: XLA's persistent cache, in a folder of this run's own that the pytest-xdist workers share (they inherit
+# its path from the main process), compiles each of them once per run. Nothing is kept between runs.
+_CACHE = "EQX_QUANT_TEST_COMPILATION_CACHE"
+_created_cache = None
+
+
+def pytest_configure(config):
+    global _created_cache
+    if _CACHE not in os.environ:
+        _created_cache = os.environ[_CACHE] = tempfile.mkdtemp(prefix="eqx_quant-jax-cache-")
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_unconfigure(config):
+    if _created_cache is not None:
+        shutil.rmtree(_created_cache, ignore_errors=True)
+
 
 # pytest-xdist (pyproject.toml) hands whole files to its workers in the order collected: the longest files go first,
 # so that none of them is left to run alone at the end.

@@ -326,7 +326,7 @@ def _quantizer_cases(draw):
     return dtype, rows, cols, bits, signed, symmetric, granularity, log_scale, seed, with_nan
 
 
-@settings(max_examples=15, deadline=None, derandomize=True)
+@settings(max_examples=10, deadline=None, derandomize=True)
 @given(_quantizer_cases())
 def test_property_paths_agree_and_keep_finite_and_nan_data(case):
     dtype, rows, cols, bits, signed, symmetric, granularity, log_scale, seed, with_nan = case
