@@ -100,7 +100,7 @@ def _fake_quant_bwd(qmin, qmax, residuals, g):
     low, high = _shifted_grid(zero_point, qmin, qmax, x.ndim)
     inside = in_range(v, zero_point, qmin, qmax)  # False for NaN, like `below` and `above`
     zero = jnp.zeros((), g.dtype)
-    grad_x = jnp.where(inside, g, zero)
+    grad_x = jax.lax.select(inside, g, jax.lax.full_like(g, 0))
     grad_scale = grad_zero_point = None
     if scale_wanted is not None:
         below, above = v < low, v > high

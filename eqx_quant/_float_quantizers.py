@@ -49,6 +49,7 @@ def absmax_float_scale(x: Array, layout: Layout, largest: float) -> Array:
     largest magnitude lands inside the range and keeps its gradient), at least the smallest normal float32. Shaped
     to broadcast against `x` (unit axes where shared); no gradient flows through it."""
     amax = finite_absmax(x, layout.reduction_axes(x.shape))
+    # Every format's largest value is at least 4, so the scale is at most `2**126`, as `_first_fitting` needs.
     scale = jnp.maximum(amax * (np.float32(1) / np.float32(largest)), FLOAT32_TINY)
     return _first_fitting(scale, lambda s: expand_to_rank(amax, s.ndim) * (1 / s) <= largest)
 

@@ -119,7 +119,10 @@ def _tag_nan(scale: Array, nan: Array | None) -> Array:
     and the scales are small arrays, so this costs nothing on the full-size output."""
     if nan is None:
         return scale
-    return jnp.where(nan.reshape(nan.shape + (1,) * (scale.ndim - nan.ndim)), jnp.nan, scale)
+    nan = nan.reshape(nan.shape + (1,) * (scale.ndim - nan.ndim))
+    shape = jnp.broadcast_shapes(nan.shape, scale.shape)  # a per-tensor scale takes the shape of the rows' mask
+    scale = jnp.broadcast_to(scale, shape)
+    return jax.lax.select(jnp.broadcast_to(nan, shape), jax.lax.full_like(scale, jnp.nan), scale)
 
 
 _NAN_BITS = 0x7FC00001  # a NaN whose bits `opaque` may flip into another NaN; no number has them

@@ -168,9 +168,10 @@ def quantize_tensor(
     layout: Layout,
     *,
     pack: bool = True,
-) -> tuple[QuantizedTensor, Bool[Array, "*view_shape"]]:
+    mask: bool = True,
+) -> tuple[QuantizedTensor, Bool[Array, "*view_shape"] | None]:
     """The [`eqx_quant.nn.QuantizedTensor`][] of `x` on a grid, and where its levels are NaN (no integer holds NaN: the
-    integer products take those positions apart). No gradient flows through either.
+    integer products take those positions apart; `None` with `mask=False`). No gradient flows through either.
 
     `scale` and `zero_point` broadcast against `layout.view(x)` (a zero point of the int 0 for symmetric grids), as a
     fake quantizer's `params` returns them; `pack` packs grids of at most 4 bits ([`eqx_quant.pack_bits`][]), as
@@ -188,7 +189,7 @@ def quantize_tensor(
     else:
         values = levels.astype(int_dtype(qmin, qmax))
     tensor = QuantizedTensor(values, scale, zp, tuple(x.shape), layout, qmin, qmax, bits, np.dtype(x.dtype).name)
-    return tensor, jnp.isnan(levels)
+    return tensor, jnp.isnan(levels) if mask else None
 
 
 def nan_levels(x: Array, tensor: QuantizedTensor, axes: tuple[int, ...]) -> Bool[Array, "..."]:

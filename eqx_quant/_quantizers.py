@@ -248,17 +248,17 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         return quantize_tensor(x, *self.params(x), self.qmin, self.qmax, self.layout, pack=pack)
 
     def fake_quant_and_tensor(
-        self, x: Float[Array, "*shape"], *, value: bool = True
-    ) -> tuple[Array, QuantizedTensor, Array]:
+        self, x: Float[Array, "*shape"], *, value: bool = True, mask: bool = True
+    ) -> tuple[Array, QuantizedTensor, Array | None]:
         """A call on `x` and [`eqx_quant.AbstractFakeQuantizer.quantize_with_mask`][] (unpacked), from one
         computation of the parameters: what the integer forward of a quantized layer needs of each operand.
         With `value=False`, the first is `x` itself with the call's derivatives (for products that use only the
-        fake-quantized operand's tangent)."""
+        fake-quantized operand's tangent); with `mask=False`, the NaN mask is `None` (not computed)."""
         _check_float_input(x)
         scale, zero_point = self.params(x)
         apply = fake_quant if value else straight_through
         fake = apply(self.layout.view(x), scale, self.qmin, self.qmax, zero_point).reshape(x.shape)
-        tensor, nan = quantize_tensor(x, scale, zero_point, self.qmin, self.qmax, self.layout, pack=False)
+        tensor, nan = quantize_tensor(x, scale, zero_point, self.qmin, self.qmax, self.layout, pack=False, mask=mask)
         return fake, tensor, nan
 
     def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:

@@ -34,19 +34,14 @@ def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
     leading axis (to whose rank it must expand its other operands). `fits` must be monotone (once true, true for
     every larger scale), so that the number of candidates that do not fit is the number of steps up. For positive
     floats the order of the bit patterns is the order of the values: the `k`-th float above `scale` is its bit
-    pattern plus `k`, up to infinity, where `nextafter` stops too (and a NaN stays NaN).
+    pattern plus `k`. `scale` must be positive and at most `2**126` (or NaN, which stays NaN), so that the candidates
+    stay far below infinity.
     """
     scale_bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
-    inf_bits = jnp.int32(0x7F800000)
-
-    def up(k):  # the `k`-th float above `scale`, stopping at infinity; `k` may have more axes (leading)
-        bits = expand_to_rank(scale_bits, k.ndim)
-        bits = jnp.where(bits >= inf_bits, bits, jnp.minimum(bits + k, inf_bits))
-        return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-    k = jnp.arange(_NUDGES, dtype=jnp.int32).reshape((_NUDGES,) + (1,) * scale.ndim)
-    steps = jnp.sum(~fits(up(k)), axis=0, dtype=jnp.int32)
-    return up(steps)
+    k = np.arange(_NUDGES, dtype=np.int32).reshape((_NUDGES,) + (1,) * scale.ndim)
+    candidates = jax.lax.bitcast_convert_type(expand_to_rank(scale_bits, k.ndim) + k, jnp.float32)
+    steps = jnp.sum(~fits(candidates), axis=0, dtype=jnp.int32)
+    return jax.lax.bitcast_convert_type(scale_bits + steps, jnp.float32)
 
 
 def symmetric_bound(qmin: int, qmax: int) -> int:
@@ -70,8 +65,17 @@ def largest_scale(largest_level: int) -> float:
 
 
 def _bounded(scale: Array, largest_level: int) -> Array:
-    """`scale` floored at the smallest normal float32 and capped at `largest_scale(largest_level)`."""
-    return jnp.clip(scale, FLOAT32_TINY, largest_scale(largest_level))
+    """`scale` floored at the smallest normal float32 and capped at `largest_scale(largest_level)` (NaN stays NaN)."""
+    scale = jax.lax.max(scale, jnp.float32(FLOAT32_TINY))
+    return jax.lax.min(scale, jnp.float32(largest_scale(largest_level)))
+
+
+def _fitted(scale: Array, fits: Callable[[Array], Array], largest_level: int) -> Array:
+    """`_first_fitting` of `scale`, bounded like `_bounded`: bounded first, so that the steps start from a scale that
+    `_first_fitting` takes, and capped again after them (steps up from below the cap end at the cap, as they would
+    have from above it)."""
+    scale = _first_fitting(_bounded(scale, largest_level), fits)
+    return jax.lax.min(scale, jnp.float32(largest_scale(largest_level)))
 
 
 def absmax_scale(absmax: Float[Array, "*c"], qmin: int, qmax: int) -> Float[Array, "*c"]:
@@ -86,9 +90,8 @@ def absmax_scale(absmax: Float[Array, "*c"], qmin: int, qmax: int) -> Float[Arra
     """
     bound = symmetric_bound(qmin, qmax)
     absmax = absmax.astype(jnp.float32)
-    scale = jnp.maximum(absmax * (1.0 / bound), FLOAT32_TINY)
-    scale = _first_fitting(scale, lambda s: expand_to_rank(absmax, s.ndim) * (1 / s) <= bound)
-    return _bounded(scale, max(-qmin, qmax))
+    fits = lambda s: expand_to_rank(absmax, s.ndim) * (1 / s) <= bound  # noqa: E731
+    return _fitted(absmax * (1.0 / bound), fits, max(-qmin, qmax))
 
 
 def minmax_scale(
@@ -129,7 +132,7 @@ def minmax_scale(
     zero_point = jnp.where(degenerate, float(min(max(0, qmin), qmax)), zero_point)
     scale = jnp.maximum(jnp.where(degenerate, 0.0, scale), FLOAT32_TINY)
     fits = lambda s: _lands_inside(lo, s, zero_point, qmin, qmax) & _lands_inside(hi, s, zero_point, qmin, qmax)  # noqa: E731
-    return _bounded(_first_fitting(scale, fits), qmax - qmin), zero_point
+    return _fitted(scale, fits, qmax - qmin), zero_point
 
 
 def finite_or(x: Array, fill: float) -> Array:

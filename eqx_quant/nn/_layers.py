@@ -123,9 +123,11 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
     quantizers = (layer.weight_quant, layer.input_quant)
     if layer.matmul == "float" or not all(isinstance(q, AbstractFakeQuantizer) for q in quantizers):  # pyright: ignore
         return layer._float_path(x, key)
-    # The integer forward uses of the fake-quantized operands only their tangents (`value=False`).
-    wq, w, w_nan = layer.weight_quant.fake_quant_and_tensor(weight, value=False)  # pyright: ignore[reportOptionalMemberAccess]
-    xq, x_int, x_nan = layer.input_quant.fake_quant_and_tensor(vector, value=False)  # pyright: ignore[reportOptionalMemberAccess]
+    # The integer forward uses of the fake-quantized operands only their tangents (`value=False`), and a linear
+    # product no full NaN mask (below).
+    mask = not isinstance(float_layer, eqx.nn.Linear)
+    wq, w, w_nan = layer.weight_quant.fake_quant_and_tensor(weight, value=False, mask=mask)  # pyright: ignore[reportOptionalMemberAccess]
+    xq, x_int, x_nan = layer.input_quant.fake_quant_and_tensor(vector, value=False, mask=mask)  # pyright: ignore[reportOptionalMemberAccess]
     spec = plan(float_layer, weight.shape, w, x_int)
     if isinstance(spec, LinearSpec):
         # A linear product needs to know only which rows of the weight, and whether the input, hold a NaN.
