@@ -202,6 +202,19 @@ def test_asymmetric_weights_multiply_their_integers_minus_the_zero_point():
     assert_bitwise_equal(_input_gradient(q, x, cotangent, None), expected)
 
 
+def test_bfloat16_layer_gets_a_bfloat16_input_gradient_from_the_float32_computation():
+    linear = init(lambda key: eqx.nn.Linear(8, 6, dtype=jnp.bfloat16, key=key), 13)
+    q = QuantLinear(linear, weight_quant=DynamicFakeQuant(8, axis=0), backward=QuantizedBackward(8))
+    x, cotangent = (a.astype(jnp.bfloat16) for a in _data(3, 8, 6, 14))
+    w_int, w_scale = weight_integers(q)
+    # The incoming gradient is taken to float32 (exactly), the product is computed as for float32 layers, and the
+    # input's gradient is rounded to the input's dtype once, at the end.
+    expected = np_input_gradient(w_int, w_scale, np.asarray(cotangent, F32), 127)
+    dx = _input_gradient(q, x, cotangent, None)
+    assert dx.dtype == jnp.bfloat16
+    assert_bitwise_equal(dx, jnp.asarray(expected).astype(jnp.bfloat16))
+
+
 def test_errors():
     linear = init(lambda key: eqx.nn.Linear(3, 2, key=key), 11)
     with pytest.raises(ValueError, match="`bits` must be between 2 and 16, got bits=1."):

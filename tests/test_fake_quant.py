@@ -243,6 +243,16 @@ def test_scale_and_zero_point_gradients_against_numpy(x_shape, scale_shape):
     assert grad_s.shape == scale_shape and grad_z.shape == scale_shape
     np.testing.assert_allclose(grad_s, sum_to_shape(ref_gs, scale_shape), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(grad_z, sum_to_shape(ref_gz, scale_shape), rtol=1e-5, atol=1e-5)
+    # Cotangents are computed only for the inputs that carry a derivative (symbolic zeros): each one alone, the
+    # others held fixed (a frozen scale with a learned zero point, ...), gets the same bits as all three together.
+    x, s, z, c = (jnp.asarray(a) for a in (x_np, s_np, z_np, cot))
+    alone = [
+        jax.vjp(lambda x: f(x, s, z), x)[1](c)[0],
+        jax.vjp(lambda s: f(x, s, z), s)[1](c)[0],
+        jax.vjp(lambda z: f(x, s, z), z)[1](c)[0],
+    ]
+    for one, joint in zip(alone, (grad_x, grad_s, grad_z), strict=True):
+        assert_bitwise_equal(one, joint)
 
 
 def test_scale_gradient_hand_computed():
