@@ -346,3 +346,34 @@ def test_shard_map_learned_scale_gradient_with_axis_name():
     )
     grad = jax.jit(fn)(q_named, w, target).scale
     np.testing.assert_allclose(np.asarray(grad), np.asarray(expected), rtol=1e-5)
+
+
+def test_shard_map_quantized_backward_matches_one_device():
+    """Data parallel inside `shard_map`: each device runs the quantized backward on its examples; the input's gradient
+    is per example, so it matches one device bit for bit, and the weight's gradient is summed across devices."""
+    linear = eqx.nn.Linear(8, 6, key=jax.random.key(5))
+    quantizers = dict(weights=eqx_quant.DynamicFakeQuant(8, axis=0), activations=eqx_quant.DynamicFakeQuant(8))
+    q = eqx_quant.quantize(linear, **quantizers, backward=eqx_quant.QuantizedBackward(8))
+    x = jax.random.normal(jax.random.key(6), (BATCH, 8))
+    cotangent = jax.random.normal(jax.random.key(7), (BATCH, 6))
+
+    def loss(q, x, cotangent):
+        return jnp.sum(jax.vmap(q)(x) * cotangent)
+
+    grad_q, grad_x = jax.jit(jax.grad(loss, argnums=(0, 1)))(q, x, cotangent)
+
+    def sharded_loss(q, x, cotangent):
+        return jax.lax.psum(loss(q, x, cotangent), "data")
+
+    fn = jax.shard_map(
+        jax.grad(sharded_loss, argnums=(0, 1)),
+        mesh=AUTO,
+        in_specs=(P(), P("data", None), P("data", None)),
+        out_specs=(P(), P("data", None)),
+    )
+    sharded_q, sharded_x = jax.jit(fn)(q, x, cotangent)
+    np.testing.assert_array_equal(np.asarray(sharded_x), np.asarray(grad_x))
+    assert_trees_close(sharded_q, grad_q)
+    # The input's gradient is the quantized backward's, not the float one's.
+    float_q = eqx_quant.quantize(linear, **quantizers)
+    assert not np.array_equal(np.asarray(jax.grad(loss, argnums=1)(float_q, x, cotangent)), np.asarray(grad_x))
