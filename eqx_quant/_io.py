@@ -17,7 +17,7 @@ from ._float_quantizers import AbstractFloatQuantizer, FloatFakeQuant, quantizer
 from ._float_tensor import FloatQuantizedTensor
 from ._packing import BIT_ORDER, NIBBLE_ORDER
 from ._qtensor import QuantizedTensor
-from ._quantizers import DynamicFakeQuant, FakeQuant
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
 from ._tree import map_nodes, path_string
 from .nn._int_layers import AbstractIntLayer
 
@@ -72,6 +72,15 @@ def _static_quantizers(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _other_quantizers(model: PyTree, name: str) -> dict[str, str]:
+    """The configuration of every other quantizer of `model` (dynamic, learned, ...) by path: its `repr` on one line,
+    which shows its static fields in full and its arrays by dtype and shape. The arrays are saved, but these fields
+    live in the treedef, which the file does not carry: `load` checks that `like` has the same."""
+    found = _unique_nodes(model, (AbstractQuantizer,), name)
+    static = (FakeQuant, FloatFakeQuant)
+    return {path: " ".join(repr(q).split()) for path, q in found.items() if not isinstance(q, static)}
+
+
 def _tensor_descriptions(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The static fields of every [`eqx_quant.nn.QuantizedTensor`][] (shape, grid, packing, dtype, and whether it
     has a zero point) and [`eqx_quant.nn.FloatQuantizedTensor`][] (format, scale rule, block size and axis, channel
@@ -104,12 +113,13 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
 
     The file starts with a small JSON header holding the static configuration that the arrays alone do not carry:
     the scales, zero points and ranges of every static [`eqx_quant.FakeQuant`][] (e.g. calibrated input
-    quantizers) and the format and scales of every [`eqx_quant.FloatFakeQuant`][]; the shape, grid (`qmin`,
-    `qmax`), packing width and dtype of every [`eqx_quant.nn.QuantizedTensor`][]; and the format, scale rule, block
-    size and axis, shape and dtype of every [`eqx_quant.nn.FloatQuantizedTensor`][]. [`eqx_quant.load`][] checks
-    them against the model it loads into. The arrays follow, written by `eqx.tree_serialise_leaves`; weights of at
-    most 4 bits are already packed at their width in a converted model (FP4 codes two per byte), so they read back
-    exactly. Each array carries a NumPy header of about 128 bytes.
+    quantizers) and the format and scales of every [`eqx_quant.FloatFakeQuant`][]; the configuration of every other
+    quantizer (dynamic ones such as [`eqx_quant.DynamicFakeQuant`][], and the static fields of learned ones); the
+    shape, grid (`qmin`, `qmax`), packing width and dtype of every [`eqx_quant.nn.QuantizedTensor`][]; and the
+    format, scale rule, block size and axis, shape and dtype of every [`eqx_quant.nn.FloatQuantizedTensor`][].
+    [`eqx_quant.load`][] checks them against the model it loads into. The arrays follow, written by
+    `eqx.tree_serialise_leaves`; weights of at most 4 bits are already packed at their width in a converted model
+    (FP4 codes two per byte), so they read back exactly. Each array carries a NumPy header of about 128 bytes.
 
     The file is written to a temporary file beside `path` and then renamed over it, so a save that fails leaves an
     existing file at `path` as it was.
@@ -125,7 +135,7 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
 
     **Raises:**
 
-    `ValueError` if two static quantizers or quantized tensors of `model` have the same path (nothing is written).
+    `ValueError` if two quantizers or quantized tensors of `model` have the same path (nothing is written).
     """
     found = _header_nodes(model, "model")
     header = {
@@ -134,6 +144,9 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
         "static_quantizers": _static_quantizers(found),
         "quantized_tensors": _tensor_table(_tensor_descriptions(found)),
     }
+    others = _other_quantizers(model, "model")
+    if others:  # a model without any (a converted, calibrated one) writes the same bytes as before they were saved
+        header["other_quantizers"] = others
     encoded = json.dumps(header, separators=(",", ":")).encode()
 
     def write(f):
@@ -181,6 +194,20 @@ def _check_tensors(saved: dict[str, Any], like: dict[str, Any], path: str | os.P
                 )
 
 
+def _check_other_quantizers(saved: dict[str, str], like: dict[str, str], path: str | os.PathLike) -> None:
+    if set(saved) != set(like):
+        raise ValueError(
+            f"The dynamic and learned quantizers saved in {str(path)!r} are at {sorted(saved)}, but `like` has them "
+            f"at {sorted(like)}."
+        )
+    for name, config in saved.items():
+        if like[name] != config:
+            raise ValueError(
+                f"The quantizer at {name!r} is {config} in {str(path)!r} but {like[name]} in `like`: the saved model "
+                "computes with the former."
+            )
+
+
 def load(path: str | os.PathLike, like: PyTree) -> PyTree:
     """Loads what [`eqx_quant.save`][] wrote.
 
@@ -189,7 +216,9 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
     - `path`: the file.
     - `like`: a model with the same structure, e.g. the converted model of a freshly initialised and calibrated
         network. Its arrays and the configuration of its static [`eqx_quant.FakeQuant`][]s and
-        [`eqx_quant.FloatFakeQuant`][]s are replaced by the saved ones, so its calibration need not match; its
+        [`eqx_quant.FloatFakeQuant`][]s are replaced by the saved ones, so its calibration need not match; its other
+        quantizers must be configured as the saved ones (a file written before their configuration was saved is
+        not checked for it); its
         [`eqx_quant.nn.QuantizedTensor`][]s must have the shapes, grids (`qmin`, `qmax`), packing widths and dtypes
         of the saved ones, since the stored integers mean nothing on another grid, and its
         [`eqx_quant.nn.FloatQuantizedTensor`][]s their formats, scale rules, block sizes and axes, shapes and
@@ -202,7 +231,8 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
     **Raises:**
 
     `ValueError` if the file was not written by [`eqx_quant.save`][], is cut short or holds more than `like` reads;
-    if its static quantizers or quantized tensors are not at the places of those in `like`, or a quantized tensor
+    if its quantizers or quantized tensors are not at the places of those in `like`, a dynamic or learned quantizer
+    is configured differently from the one in `like` (its bits, range, layout, ...), or a quantized tensor
     differs from the one in `like` (the message names the path and the field); or if an array does not match the
     one in `like`.
 
@@ -223,6 +253,9 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
         try:
             header = json.loads(encoded.decode())
             version, saved = header["version"], header["static_quantizers"]
+            # Absent where the model had none, and from files written before they were saved: only a file that has
+            # them is checked, so that those older files still load.
+            others = header.get("other_quantizers")
             tensors = _from_table(header["quantized_tensors"]) if version == _VERSION else None
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"`path`={str(path)!r} has a damaged `eqx_quant.save` header.") from error
@@ -244,6 +277,8 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
                     f"`path`={str(path)!r} has format version 1, which stored grids of at most 4 bits as 4-bit "
                     f"values, but `like` has 2- or 3-bit weights at {narrow}; save the model again."
                 )
+        if others is not None:
+            _check_other_quantizers(others, _other_quantizers(like, "like"), path)
 
         def restore(name: str, quantizer: FakeQuant | FloatFakeQuant) -> FakeQuant | FloatFakeQuant:
             c = saved[name]

@@ -136,6 +136,48 @@ def test_quantized_tensors_elsewhere_are_refused(model, tmp_path):
         eqx_quant.load(path, [None, *model])
 
 
+def with_input(input_quant, seed: int = 0, convert: bool = True):
+    """`converted()` with `input_quant` as the layers' input quantizer (or the model before conversion)."""
+    layers = [linear(seed), linear(seed + 1, 4, 3)]
+    weight_quant = DynamicFakeQuant(4, axis=0)
+    model = [QuantLinear(layer, weight_quant=weight_quant, input_quant=input_quant) for layer in layers]
+    return eqx_quant.convert(model) if convert else model
+
+
+def test_dynamic_and_learned_quantizers_of_another_configuration_are_refused(tmp_path):
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, with_input(DynamicFakeQuant(8)))
+    data = path.read_bytes()
+    saved = json.loads(data[16 : header_end(data)])["other_quantizers"]
+    line = "DynamicFakeQuant( bits=8, signed=True, narrow=False, axis=None, group_size=None, symmetric=True, axis_name=None )"
+    assert saved == {"0.input_quant": line, "1.input_quant": line}
+    # Integers on the same grid, but inputs quantized at another width: the loaded model would compute otherwise.
+    with pytest.raises(ValueError, match=r"The quantizer at '0.input_quant' is DynamicFakeQuant\( bits=8, .* but "):
+        eqx_quant.load(path, with_input(DynamicFakeQuant(4), seed=5))
+    assert_trees_equal(eqx_quant.load(path, with_input(DynamicFakeQuant(8), seed=5)), with_input(DynamicFakeQuant(8)))
+    # A learned quantizer of a model in training (conversion makes it static): its arrays are saved, its static
+    # fields checked.
+    eqx_quant.save(path, with_input(eqx_quant.LearnedFakeQuant(0.1, -128, 127), convert=False))
+    other_range = with_input(eqx_quant.LearnedFakeQuant(0.1, -8, 7), seed=5, convert=False)
+    with pytest.raises(ValueError, match=r"is LearnedFakeQuant\( scale=f32\[\], .* qmin=-128, .* but LearnedFakeQuant"):
+        eqx_quant.load(path, other_range)
+    with pytest.raises(ValueError, match=r"dynamic and learned quantizers saved in .* are at \['0.input_quant', "):
+        eqx_quant.load(path, with_input(None, seed=5, convert=False))
+
+
+def test_files_without_the_other_quantizers_are_not_checked_for_them(tmp_path):
+    """A file written before the configuration of dynamic and learned quantizers was saved loads as before."""
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, with_input(DynamicFakeQuant(8)))
+    data = path.read_bytes()
+    header = json.loads(data[16 : header_end(data)])
+    del header["other_quantizers"]
+    encoded = json.dumps(header).encode()
+    path.write_bytes(MAGIC + struct.pack("<Q", len(encoded)) + encoded + data[header_end(data) :])
+    loaded = eqx_quant.load(path, with_input(DynamicFakeQuant(4), seed=5))
+    assert loaded[0].input_quant == DynamicFakeQuant(4)  # `like`'s, unchecked
+
+
 def test_version_1_files(model, tmp_path):
     """A file as format version 1 wrote it: no description of the quantized tensors."""
     leaves = io.BytesIO()
