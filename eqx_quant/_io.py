@@ -23,7 +23,7 @@ from .nn._int_layers import AbstractIntLayer
 
 
 _MAGIC = b"EQXQUANT"
-_VERSION = 2
+_VERSION = 3  # 2 added the descriptions of the quantized tensors, 3 the configuration of the other quantizers
 
 
 def _header_nodes(model: PyTree, name: str) -> dict[str, Any]:
@@ -72,13 +72,30 @@ def _static_quantizers(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _other_quantizers(model: PyTree, name: str) -> dict[str, str]:
-    """The configuration of every other quantizer of `model` (dynamic, learned, ...) by path: its `repr` on one line,
-    which shows its static fields in full and its arrays by dtype and shape. The arrays are saved, but these fields
-    live in the treedef, which the file does not carry: `load` checks that `like` has the same."""
+def _json_value(value: Any) -> Any:
+    """A static field's value as JSON: numbers, strings, `None` and (nested) lists of them; anything else (a function,
+    an object) by its name, so that the file never depends on a memory address or a printer's layout."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, (tuple, list)):  # a `Layout` too (a named tuple)
+        return [_json_value(v) for v in value]
+    return f"<{getattr(value, '__qualname__', type(value).__qualname__)}>"
+
+
+def _other_quantizers(model: PyTree, name: str) -> dict[str, dict[str, Any]]:
+    """The configuration of every other quantizer of `model` (dynamic, learned, ...) by path: its type and its static
+    fields. Its arrays (a learned scale) are saved with the others and checked by their shapes and dtypes, but these
+    fields live in the treedef, which the file does not carry: `load` checks that `like` has the same."""
     found = _unique_nodes(model, (AbstractQuantizer,), name)
-    static = (FakeQuant, FloatFakeQuant)
-    return {path: " ".join(repr(q).split()) for path, q in found.items() if not isinstance(q, static)}
+    out = {}
+    for path, q in found.items():
+        if isinstance(q, (FakeQuant, FloatFakeQuant)):
+            continue
+        fields = {f.name: _json_value(getattr(q, f.name)) for f in dataclasses.fields(q) if f.metadata.get("static")}
+        out[path] = {"type": type(q).__name__, **fields}
+    return json.loads(json.dumps(out))  # as it reads back from the file
 
 
 def _tensor_descriptions(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
@@ -145,7 +162,7 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
         "quantized_tensors": _tensor_table(_tensor_descriptions(found)),
     }
     others = _other_quantizers(model, "model")
-    if others:  # a model without any (a converted, calibrated one) writes the same bytes as before they were saved
+    if others:  # none (a converted, calibrated model): no entry, as in files of version 2 (of the same length)
         header["other_quantizers"] = others
     encoded = json.dumps(header, separators=(",", ":")).encode()
 
@@ -194,7 +211,7 @@ def _check_tensors(saved: dict[str, Any], like: dict[str, Any], path: str | os.P
                 )
 
 
-def _check_other_quantizers(saved: dict[str, str], like: dict[str, str], path: str | os.PathLike) -> None:
+def _check_other_quantizers(saved: dict[str, Any], like: dict[str, Any], path: str | os.PathLike) -> None:
     if set(saved) != set(like):
         raise ValueError(
             f"The dynamic and learned quantizers saved in {str(path)!r} are at {sorted(saved)}, but `like` has them "
@@ -202,8 +219,11 @@ def _check_other_quantizers(saved: dict[str, str], like: dict[str, str], path: s
         )
     for name, config in saved.items():
         if like[name] != config:
+            keys = [k for k in config | like[name] if config.get(k) != like[name].get(k)]
+            ours = ", ".join(f"{k}={config.get(k)!r}" for k in keys)
+            theirs = ", ".join(f"{k}={like[name].get(k)!r}" for k in keys)
             raise ValueError(
-                f"The quantizer at {name!r} is {config} in {str(path)!r} but {like[name]} in `like`: the saved model "
+                f"The quantizer at {name!r} has {ours} in {str(path)!r} but {theirs} in `like`: the saved model "
                 "computes with the former."
             )
 
@@ -217,12 +237,11 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
     - `like`: a model with the same structure, e.g. the converted model of a freshly initialised and calibrated
         network. Its arrays and the configuration of its static [`eqx_quant.FakeQuant`][]s and
         [`eqx_quant.FloatFakeQuant`][]s are replaced by the saved ones, so its calibration need not match; its other
-        quantizers must be configured as the saved ones (a file written before their configuration was saved is
-        not checked for it); its
-        [`eqx_quant.nn.QuantizedTensor`][]s must have the shapes, grids (`qmin`, `qmax`), packing widths and dtypes
-        of the saved ones, since the stored integers mean nothing on another grid, and its
-        [`eqx_quant.nn.FloatQuantizedTensor`][]s their formats, scale rules, block sizes and axes, shapes and
-        dtypes.
+        quantizers (dynamic, learned) must be of the saved types and have their static fields (bits, range, layout,
+        ...), since the saved model computes with those; its [`eqx_quant.nn.QuantizedTensor`][]s must have the
+        shapes, grids (`qmin`, `qmax`), packing widths and dtypes of the saved ones, since the stored integers mean
+        nothing on another grid, and its [`eqx_quant.nn.FloatQuantizedTensor`][]s their formats, scale rules, block
+        sizes and axes, shapes and dtypes.
 
     **Returns:**
 
@@ -231,16 +250,16 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
     **Raises:**
 
     `ValueError` if the file was not written by [`eqx_quant.save`][], is cut short or holds more than `like` reads;
-    if its quantizers or quantized tensors are not at the places of those in `like`, a dynamic or learned quantizer
-    is configured differently from the one in `like` (its bits, range, layout, ...), or a quantized tensor
-    differs from the one in `like` (the message names the path and the field); or if an array does not match the
-    one in `like`.
+    if its quantizers or quantized tensors are not at the places of those in `like`, or a dynamic or learned
+    quantizer or a quantized tensor differs from the one in `like` (the message names the path and the fields); or
+    if an array does not match the one in `like`.
 
     !!! note
 
         Files of format version 1, written before weights of 2 and 3 bits were packed at their width, carry no
         description of their quantized tensors: they load into a `like` whose grids are all wider than 3 bits, and
-        raise `ValueError` for one with a 2- or 3-bit grid (save them again from the model).
+        raise `ValueError` for one with a 2- or 3-bit grid (save them again from the model). Files of versions 1 and
+        2 carry no configuration of the dynamic and learned quantizers, which are then taken from `like` unchecked.
     """
     with open(path, "rb") as f:
         if f.read(len(_MAGIC)) != _MAGIC:
@@ -253,14 +272,13 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
         try:
             header = json.loads(encoded.decode())
             version, saved = header["version"], header["static_quantizers"]
-            # Absent where the model had none, and from files written before they were saved: only a file that has
-            # them is checked, so that those older files still load.
-            others = header.get("other_quantizers")
-            tensors = _from_table(header["quantized_tensors"]) if version == _VERSION else None
+            # Absent where the model had none, and from files of the versions before 3, which did not save them.
+            others = header.get("other_quantizers", {}) if version == _VERSION else None
+            tensors = _from_table(header["quantized_tensors"]) if version in (2, _VERSION) else None
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"`path`={str(path)!r} has a damaged `eqx_quant.save` header.") from error
-        if version not in (1, _VERSION):
-            raise ValueError(f"`path`={str(path)!r} has format version {version!r}; this version reads 1 and 2.")
+        if version not in (1, 2, _VERSION):
+            raise ValueError(f"`path`={str(path)!r} has format version {version!r}; this version reads 1 to 3.")
         found = _header_nodes(like, "like")
         expected = set(_static_quantizers(found))
         if set(saved) != expected:

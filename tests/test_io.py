@@ -73,9 +73,9 @@ def test_header_damaged(model, tmp_path):
         damaged.write_bytes(data[:16] + header + data[end:])
         with pytest.raises(ValueError, match="damaged `eqx_quant.save` header"):
             eqx_quant.load(damaged, model)
-    newer = json.dumps({"format": "eqx_quant", "version": 3, "static_quantizers": {}}).encode()
+    newer = json.dumps({"format": "eqx_quant", "version": 4, "static_quantizers": {}}).encode()
     damaged.write_bytes(MAGIC + struct.pack("<Q", len(newer)) + newer + data[end:])
-    with pytest.raises(ValueError, match="format version 3"):
+    with pytest.raises(ValueError, match="format version 4"):
         eqx_quant.load(damaged, model)
 
 
@@ -149,33 +149,43 @@ def test_dynamic_and_learned_quantizers_of_another_configuration_are_refused(tmp
     eqx_quant.save(path, with_input(DynamicFakeQuant(8)))
     data = path.read_bytes()
     saved = json.loads(data[16 : header_end(data)])["other_quantizers"]
-    line = "DynamicFakeQuant( bits=8, signed=True, narrow=False, axis=None, group_size=None, symmetric=True, axis_name=None )"
-    assert saved == {"0.input_quant": line, "1.input_quant": line}
+    config = {"type": "DynamicFakeQuant", "bits": 8, "signed": True, "narrow": False, "axis": None}
+    config |= {"group_size": None, "symmetric": True, "axis_name": None}
+    assert saved == {"0.input_quant": config, "1.input_quant": config}
     # Integers on the same grid, but inputs quantized at another width: the loaded model would compute otherwise.
-    with pytest.raises(ValueError, match=r"The quantizer at '0.input_quant' is DynamicFakeQuant\( bits=8, .* but "):
+    with pytest.raises(ValueError, match=r"The quantizer at '0.input_quant' has bits=8 in .* but bits=4 in `like`"):
         eqx_quant.load(path, with_input(DynamicFakeQuant(4), seed=5))
     assert_trees_equal(eqx_quant.load(path, with_input(DynamicFakeQuant(8), seed=5)), with_input(DynamicFakeQuant(8)))
-    # A learned quantizer of a model in training (conversion makes it static): its arrays are saved, its static
-    # fields checked.
+    # A `like` made with `eqx.filter_eval_shape` (its arrays only shapes and dtypes) loads as well.
+    shapes = eqx.filter_eval_shape(lambda: with_input(DynamicFakeQuant(8), seed=5))
+    assert_trees_equal(eqx_quant.load(path, shapes), with_input(DynamicFakeQuant(8)))
+    # A model saved without input quantizers does not load into one with them.
+    eqx_quant.save(path, with_input(None))
+    with pytest.raises(ValueError, match=r"dynamic and learned quantizers saved in .* are at \[\], but `like` has"):
+        eqx_quant.load(path, with_input(DynamicFakeQuant(4), seed=5))
+    # A learned quantizer of a model in training (conversion makes it static): its arrays are saved, its type and
+    # static fields checked.
     eqx_quant.save(path, with_input(eqx_quant.LearnedFakeQuant(0.1, -128, 127), convert=False))
     other_range = with_input(eqx_quant.LearnedFakeQuant(0.1, -8, 7), seed=5, convert=False)
-    with pytest.raises(ValueError, match=r"is LearnedFakeQuant\( scale=f32\[\], .* qmin=-128, .* but LearnedFakeQuant"):
+    with pytest.raises(ValueError, match=r"has qmin=-128, qmax=127 in .* but qmin=-8, qmax=7 in `like`"):
         eqx_quant.load(path, other_range)
-    with pytest.raises(ValueError, match=r"dynamic and learned quantizers saved in .* are at \['0.input_quant', "):
-        eqx_quant.load(path, with_input(None, seed=5, convert=False))
+    with pytest.raises(ValueError, match=r"has type='LearnedFakeQuant', .* but type='DynamicFakeQuant', "):
+        eqx_quant.load(path, with_input(DynamicFakeQuant(8), seed=5, convert=False))
 
 
-def test_files_without_the_other_quantizers_are_not_checked_for_them(tmp_path):
-    """A file written before the configuration of dynamic and learned quantizers was saved loads as before."""
+def test_version_2_files_are_not_checked_for_the_other_quantizers(tmp_path):
+    """A file as format version 2 wrote it: no configuration of the dynamic and learned quantizers."""
     path = tmp_path / "model.eqx"
     eqx_quant.save(path, with_input(DynamicFakeQuant(8)))
     data = path.read_bytes()
     header = json.loads(data[16 : header_end(data)])
+    assert header["version"] == 3
     del header["other_quantizers"]
-    encoded = json.dumps(header).encode()
+    encoded = json.dumps(header | {"version": 2}).encode()
     path.write_bytes(MAGIC + struct.pack("<Q", len(encoded)) + encoded + data[header_end(data) :])
     loaded = eqx_quant.load(path, with_input(DynamicFakeQuant(4), seed=5))
     assert loaded[0].input_quant == DynamicFakeQuant(4)  # `like`'s, unchecked
+    assert_trees_equal(eqx.filter(loaded, eqx.is_array), eqx.filter(with_input(DynamicFakeQuant(4)), eqx.is_array))
 
 
 def test_version_1_files(model, tmp_path):
