@@ -18,7 +18,9 @@ masks) for the int8 product, and its backward is the float layer's, with the ori
 is the least work of eqx_quant's gradient contract at W8A8, written directly in `jax.lax` (`_contract_product`):
 dynamic scales from the finite maxima, the int8 product rescaled, and the derivative of `fake_quant(W) @
 fake_quant(x) + b`, with the fake-quantized operands recomputed and the clipped straight-through masks. It leaves
-out NaN propagation through the integer product and the ulp-exact scale nudge, which the library adds.
+out what the library adds: NaN propagation through the integer product, the ulp-exact scale nudge and its cap, and
+the `opaque` guard against fused multiply-adds. A line printed first checks it against the library: given the
+library's scales, the same loss bit for bit and the same gradients up to float32 sums, and its equation counts.
 
 When `qwix` and `flax` are installed (`pip install -e ".[bench]"`), the MLP's table has three more rows, timed in
 the same interleaved rounds: the same MLP in Flax, and Qwix's quantization-aware training of it (`QtProvider`, int8
@@ -106,8 +108,9 @@ def _floor(mlp: eqx.nn.MLP, layer=None) -> eqx.nn.MLP:
 # directly in `jax.lax`: the scales from the finite maxima, the integers, the int8 product rescaled `(acc * s_w) * s_x
 # + b`, and the derivative of `fake_quant(W) @ fake_quant(x) + b` (the product of the fake-quantized operands,
 # recomputed, and the clipped straight-through masks). It leaves out what the library adds to it: NaN propagation
-# through the integer product, and the ulp-exact scale nudge (a scale from `max|x| * c`, with `c` the reciprocal of
-# 127 rounded up by three float32 rounding errors, fits as well: the largest magnitude lands at or below 127).
+# through the integer product, the ulp-exact scale nudge and its cap (a scale from `max|x| * c`, with `c` the
+# reciprocal of 127 rounded up by three float32 rounding errors, fits as well: the largest magnitude lands at or
+# below 127), and `opaque`.
 _MARGIN = np.float32(np.nextafter(np.float32((1 + 3 * 2.0**-24) / 127), np.float32(1)))
 
 
@@ -268,6 +271,26 @@ def _bench(title, model, x, y, rounds, repeats, floors=None, others=None):
             print(f"step {ours} / {theirs}: {ratio:.3f}")
 
 
+def _check_contract_floor(mlp, x, y):
+    """Prints that the contract floor, given the library's scales, computes the library's W8A8 step (the same loss,
+    bit for bit, and the same gradients up to the order of float32 sums), and how many equations its step traces:
+    the difference from the floor's count is the scale nudge's, and the rest of the difference from the W8A8 row's
+    is NaN propagation and the library's other bookkeeping."""
+    nudged = _floor(mlp, functools.partial(_ContractLinear, nudged=True))
+    library = _variants(mlp)["W8A8"]
+    loss_and_grad = eqx.filter_jit(eqx.filter_value_and_grad(_loss))
+    (floor_loss, floor_grads), (loss, grads) = loss_and_grad(nudged, x, y), loss_and_grad(library, x, y)
+    leaves = [jax.tree.leaves(eqx.filter(g, eqx.is_array)) for g in (floor_grads, grads)]
+    close = all(np.allclose(a, b, rtol=1e-5, atol=1e-7) for a, b in zip(*leaves, strict=True))
+    params, static = eqx.partition(nudged, eqx.is_inexact_array)
+    jaxpr = jax.make_jaxpr(lambda p: eqx.filter(_step(eqx.combine(p, static), x, y), eqx.is_array))(params).jaxpr
+    print(
+        f"floor (contract) with the library's scales: its loss equals W8A8's bit for bit: {bool(floor_loss == loss)}; "
+        f"its gradients are W8A8's (within float32 sums): {close}; its step traces {len(jaxpr.eqns)} / "
+        f"{_all_equations(jaxpr)} equations"
+    )
+
+
 def main():
     args = arguments(__doc__, repeats=10)
     rng = np.random.default_rng(0)
@@ -281,10 +304,7 @@ def main():
         print('qwix and flax are not installed: no Qwix rows (pip install -e ".[bench]")')
     mlp_title = "MLP 784-1024-1024-10, batch 256"
     floors = {"floor (casts only)": _floor(mlp), "floor (contract)": _floor(mlp, _ContractLinear)}
-    # The contract floor computes the library's W8A8 step: with the library's scales, the same loss, bit for bit.
-    nudged = _floor(mlp, functools.partial(_ContractLinear, nudged=True))
-    same = eqx.filter_jit(_loss)(nudged, x, y) == eqx.filter_jit(_loss)(_variants(mlp)["W8A8"], x, y)
-    print(f"floor (contract) with the library's scales: its loss equals W8A8's bit for bit: {bool(same)}")
+    _check_contract_floor(mlp, x, y)
     _bench(mlp_title, mlp, x, y, args.rounds, args.repeats, floors=floors, others=others)
 
     convnet = ConvNet(key)

@@ -11,7 +11,9 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 # Compiling is most of the suite's time, and the same small programs (eager operations above all) are compiled in
 # many files: XLA's persistent cache, in a folder of this run's own that the pytest-xdist workers share (they inherit
-# its path from the main process), compiles each of them once per run. Nothing is kept between runs.
+# its path from the main process), compiles each of them once per run. Nothing is kept between runs. The cache takes
+# no lock: an entry read while another process writes it, or not written (a full disk), is compiled again, with a
+# warning that pyproject.toml's `filterwarnings` lets pass.
 _CACHE = "EQX_QUANT_TEST_COMPILATION_CACHE"
 _created_cache = None
 
@@ -28,6 +30,7 @@ def pytest_configure(config):
 def pytest_unconfigure(config):
     if _created_cache is not None:
         shutil.rmtree(_created_cache, ignore_errors=True)
+        os.environ.pop(_CACHE, None)
 
 
 # pytest-xdist (pyproject.toml) hands whole files to its workers in the order collected: the longest files go first,
