@@ -196,12 +196,16 @@ def _write_replacing(path: str | os.PathLike, write: Callable[[Any], None]) -> N
         raise
 
 
-def _check_tensors(saved: dict[str, Any], like: dict[str, Any], path: str | os.PathLike) -> None:
+def _check_paths(what: str, saved: Any, like: Any, path: str | os.PathLike) -> None:
+    """Raises unless the paths (keys) of `saved`, read from the file at `path`, are those of `like`."""
     if set(saved) != set(like):
         raise ValueError(
-            f"The quantized tensors saved in {str(path)!r} are at {sorted(saved)}, but `like` has them at "
-            f"{sorted(like)}."
+            f"The {what} saved in {str(path)!r} are at {sorted(saved)}, but `like` has them at {sorted(like)}."
         )
+
+
+def _check_tensors(saved: dict[str, Any], like: dict[str, Any], path: str | os.PathLike) -> None:
+    _check_paths("quantized tensors", saved, like, path)
     for name, expected in like.items():
         for field in sorted(set(saved[name]) | set(expected)):
             if saved[name].get(field) != expected.get(field):
@@ -212,11 +216,7 @@ def _check_tensors(saved: dict[str, Any], like: dict[str, Any], path: str | os.P
 
 
 def _check_other_quantizers(saved: dict[str, Any], like: dict[str, Any], path: str | os.PathLike) -> None:
-    if set(saved) != set(like):
-        raise ValueError(
-            f"The dynamic and learned quantizers saved in {str(path)!r} are at {sorted(saved)}, but `like` has them "
-            f"at {sorted(like)}."
-        )
+    _check_paths("dynamic and learned quantizers", saved, like, path)
     for name, config in saved.items():
         if like[name] != config:
             keys = [k for k in config | like[name] if config.get(k) != like[name].get(k)]
@@ -280,12 +280,7 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
         if version not in (1, 2, _VERSION):
             raise ValueError(f"`path`={str(path)!r} has format version {version!r}; this version reads 1 to 3.")
         found = _header_nodes(like, "like")
-        expected = set(_static_quantizers(found))
-        if set(saved) != expected:
-            raise ValueError(
-                f"The static quantizers saved in {str(path)!r} are at {sorted(saved)}, but `like` has them at "
-                f"{sorted(expected)}."
-            )
+        _check_paths("static quantizers", saved, _static_quantizers(found), path)
         if tensors is not None:
             _check_tensors(tensors, _tensor_descriptions(found), path)
         else:
