@@ -11,7 +11,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ._int_ops import opaque, safe_contraction
 from ._misc import FLOAT32_TINY, check_int, vary_alike
-from ._qtensor import QuantizedTensor, nan_levels, shifted_bound
+from ._qtensor import QuantizedTensor, nan_levels
 
 
 _ROUNDINGS = ("nearest", "stochastic")
@@ -111,13 +111,12 @@ def quantized_input_gradient(
     `xq` the fake-quantized input vector (its value unused); `w` the weight as a quantized tensor (unpacked), and
     `w_float` the float weight it was computed from.
     """
-    w_int = w.shifted()[0]
+    w_int, w_bound = w.shifted()
     w_int = w_int.reshape(w_int.shape[0], -1)  # per-group weights come as (out, groups, group_size)
     out, k = w_int.shape
     scale = w.scale.reshape(w.scale.shape[0], -1)
     w_scale = jnp.broadcast_to(scale, (out, scale.shape[1])).astype(jnp.float32)
     column_nan = nan_levels(w_float, w, (0,)).reshape(k)
-    w_bound = shifted_bound(w.qmin, w.qmax, w.zero_point is not None)
     chunk = safe_contraction(w_bound, backward.qmax)
     if chunk < 1:
         raise ValueError(

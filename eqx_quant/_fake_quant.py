@@ -1,5 +1,5 @@
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -98,7 +98,7 @@ def _fake_quant_bwd(qmin, qmax, residuals, g):
         g = jnp.zeros(g.shape, g.dtype)
     v = scaled(x, scale)
     low, high = _shifted_grid(zero_point, qmin, qmax, x.ndim)
-    inside = in_range(v, zero_point, qmin, qmax)  # False for NaN, like `below` and `above`
+    inside = in_range(v, zero_point, qmin, qmax)  # False for NaN (as `v < low` and `v > high` are below)
     zero = jnp.zeros((), g.dtype)
     grad_x = jax.lax.select(inside, g, jax.lax.full_like(g, 0))
     grad_scale = grad_zero_point = None
@@ -139,11 +139,17 @@ def straight_through(x: Array, scale: float | Array, qmin: int, qmax: int, zero_
     """`x` unchanged, with the derivatives of `fake_quant(x, scale, qmin, qmax, zero_point)` (arguments prepared as
     `fake_quant` prepares them): what the integer products take for the fake-quantized operand, whose value they
     never use."""
+    return _apply(_straight_through, x, scale, qmin, qmax, zero_point)
+
+
+def _apply(op: Callable, x: Array, scale: object, qmin: int, qmax: int, zero_point: object) -> Array:
+    """`op(x, scale, zero_point, qmin, qmax)` on the arguments as `fake_quant` prepares them (in the compute dtype,
+    checked, and alike in `jax.shard_map`), cast back to the dtype of `x`."""
     dtype = compute_dtype(x.dtype)
     scale = prepare_scale(scale, x.shape, dtype)
     zero_point = prepare_zero_point(zero_point, x.shape, dtype)
     xc, scale, zero_point = vary_alike(x.astype(dtype), scale, zero_point)
-    return _straight_through(xc, scale, zero_point, qmin, qmax).astype(x.dtype)
+    return op(xc, scale, zero_point, qmin, qmax).astype(x.dtype)
 
 
 def _check_values(name: str, a: np.ndarray, ok: np.ndarray | np.bool_, requirement: str) -> None:
@@ -283,12 +289,8 @@ def fake_quant(
     """
     qmin, qmax = check_range(qmin, qmax)
     x = as_float_input("x", x)
-    dtype = compute_dtype(x.dtype)
-    scale = prepare_scale(scale, x.shape, dtype)
-    zero_point = prepare_zero_point(zero_point, x.shape, dtype)
     with jax.named_scope("eqx_quant.fake_quant"):
-        xc, scale, zero_point = vary_alike(x.astype(dtype), scale, zero_point)
-        return _fake_quant(xc, scale, zero_point, qmin, qmax).astype(x.dtype)
+        return _apply(_fake_quant, x, scale, qmin, qmax, zero_point)
 
 
 def _as_float32(name: str, value: object) -> Array:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from ._fake_quant import dequantize_levels, quantize_levels
+from ._fake_quant import _fake_quant_impl
 from ._misc import compute_dtype, vary_alike
 from ._qtensor import QuantizedTensor, shifted_bound
 
@@ -161,8 +161,9 @@ def int_linear(
     """`w @ x` on integers with int32 accumulation, rescaled, plus the bias.
 
     Contractions longer than `spec.chunk` are split into chunks whose int32 results are summed in float32. `w_nan`
-    and `x_nan` mark the operands' NaN entries (an integer holds none): as in the float product, a NaN in `x` makes
-    every output NaN, and a NaN in row `i` of `w` makes output `i` NaN.
+    and `x_nan` mark where the operands hold NaN (an integer holds none), entry by entry or already reduced (per
+    row of `w`, one flag for `x`, as `nan_levels` gives them): as in the float product, a NaN in `x` makes every
+    output NaN, and a NaN in row `i` of `w` makes output `i` NaN.
     """
     # `x` is the left operand: under `jax.vmap` over inputs, XLA's CPU integer product is faster with the batch as
     # the rows of its result than as the columns (as `w @ x` would give). An exact sum does not depend on the order.
@@ -328,9 +329,9 @@ class _FloatOperand(eqx.Module):
     def fake_quantized(self, like: Array) -> Array:
         """`scale * (levels - zero_point)`, computed as [`eqx_quant.fake_quant`][] computes it, with the dtype and
         shape of `like` (the fake-quantized operand)."""
-        compute = compute_dtype(like.dtype)
-        levels = quantize_levels(self.view.astype(compute), self.scale, self.zero_point, self.qmin, self.qmax)
-        return dequantize_levels(levels, self.scale, self.zero_point).astype(like.dtype).reshape(like.shape)
+        view = self.view.astype(compute_dtype(like.dtype))
+        fake = _fake_quant_impl(view, self.scale, self.zero_point, self.qmin, self.qmax)
+        return fake.astype(like.dtype).reshape(like.shape)
 
 
 def integer_product(

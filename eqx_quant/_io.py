@@ -95,7 +95,7 @@ def _other_quantizers(model: PyTree, name: str) -> dict[str, dict[str, Any]]:
             continue
         fields = {f.name: _json_value(getattr(q, f.name)) for f in dataclasses.fields(q) if f.metadata.get("static")}
         out[path] = {"type": type(q).__name__, **fields}
-    return json.loads(json.dumps(out))  # as it reads back from the file
+    return out
 
 
 def _tensor_descriptions(found: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -64,18 +64,13 @@ def largest_scale(largest_level: int) -> float:
     return float(scale)
 
 
-def _bounded(scale: Array, largest_level: int) -> Array:
-    """`scale` floored at the smallest normal float32 and capped at `largest_scale(largest_level)` (NaN stays NaN)."""
-    scale = jax.lax.max(scale, jnp.float32(FLOAT32_TINY))
-    return jax.lax.min(scale, jnp.float32(largest_scale(largest_level)))
-
-
 def _fitted(scale: Array, fits: Callable[[Array], Array], largest_level: int) -> Array:
-    """`_first_fitting` of `scale`, bounded like `_bounded`: bounded first, so that the steps start from a scale that
-    `_first_fitting` takes, and capped again after them (steps up from below the cap end at the cap, as they would
-    have from above it)."""
-    scale = _first_fitting(_bounded(scale, largest_level), fits)
-    return jax.lax.min(scale, jnp.float32(largest_scale(largest_level)))
+    """`_first_fitting` of `scale` floored at the smallest normal float32 and capped at `largest_scale(largest_level)`
+    (NaN stays NaN): bounded first, so that the steps start from a scale that `_first_fitting` takes, and capped again
+    after them (steps up from below the cap end at the cap, as they would have from above it)."""
+    cap = jnp.float32(largest_scale(largest_level))
+    scale = jax.lax.min(jax.lax.max(scale, jnp.float32(FLOAT32_TINY)), cap)
+    return jax.lax.min(_first_fitting(scale, fits), cap)
 
 
 def absmax_scale(absmax: Float[Array, "*c"], qmin: int, qmax: int) -> Float[Array, "*c"]:
@@ -130,7 +125,7 @@ def minmax_scale(
     zero_point = jnp.where(low_scale <= high_scale, low_zp, high_zp)
     scale = jnp.minimum(low_scale, high_scale)
     zero_point = jnp.where(degenerate, float(min(max(0, qmin), qmax)), zero_point)
-    scale = jnp.maximum(jnp.where(degenerate, 0.0, scale), FLOAT32_TINY)
+    scale = jnp.where(degenerate, 0.0, scale)  # floored at the smallest normal by `_fitted`
     fits = lambda s: _lands_inside(lo, s, zero_point, qmin, qmax) & _lands_inside(hi, s, zero_point, qmin, qmax)  # noqa: E731
     return _fitted(scale, fits, qmax - qmin), zero_point
 

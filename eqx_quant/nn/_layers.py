@@ -143,13 +143,10 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
                 "contraction, and the input one scale per tensor."
             )
         return layer._float_path(x, key)
-    if backward is None:
-        y = integer_forward(spec, wq, xq, float_layer.bias, w, x_int, w_nan, x_nan, weight, vector)  # pyright: ignore[reportArgumentType]
-    else:
-        # The input's gradient comes from the quantized backward instead of the float product's transpose.
-        y = integer_forward(
-            spec, wq, jax.lax.stop_gradient(xq), float_layer.bias, w, x_int, w_nan, x_nan, weight, vector
-        )  # pyright: ignore[reportArgumentType]
+    # With the quantized backward, the input's gradient comes from it instead of the float product's transpose.
+    x_derivative = xq if backward is None else jax.lax.stop_gradient(xq)
+    y = integer_forward(spec, wq, x_derivative, float_layer.bias, w, x_int, w_nan, x_nan, weight, vector)  # pyright: ignore[reportArgumentType]
+    if backward is not None:
         y = quantized_input_gradient(backward, y, xq, w, weight, key)
     return scalar_output(float_layer, y.astype(weight.dtype))
 
