@@ -4,7 +4,7 @@ Run with `python benchmarks/float_formats_size.py --out DIR`. For an MLP of thre
 biases), it writes the float32 model with `eqx.tree_serialise_leaves`, then quantizes it with each weight format
 (FP8 e4m3 per output channel, MXFP8 e4m3, MXFP6 e2m3, MXFP4, NVFP4; blocks along the input axis), converts it with
 `eqx_quant.convert` and writes it with `eqx_quant.save`. It prints each file's size, its ratio to the float32 file,
-and the bits per weight element of the stored codes and scales alone (`FloatQuantizedTensor.nbytes`), and writes the
+and the bits per weight element of the stored codes and scales alone (`QuantizedArray.nbytes`), and writes the
 figures to `DIR/float_formats_size.json`. Sizes do not depend on the machine.
 """
 

@@ -40,6 +40,7 @@ import numpy as np
 from _timing import arguments, interleaved_times
 
 import eqx_quant
+from eqx_quant._format import IntFormat
 from eqx_quant._scales import absmax_scale
 from eqx_quant.demo import ConvNet
 
@@ -121,7 +122,7 @@ def _levels(v, axis, nudged):
     finite = jax.lax.select(magnitude < np.float32(np.inf), magnitude, jnp.zeros_like(magnitude))
     absmax = jax.lax.reduce_max(finite, (axis,))
     if nudged:
-        scale = absmax_scale(absmax, -128, 127)
+        scale = absmax_scale(absmax, IntFormat(-128, 127))
     else:
         scale = jax.lax.max(absmax * _MARGIN, np.float32(np.finfo(np.float32).tiny))
     scale = jax.lax.expand_dims(scale, (axis,))

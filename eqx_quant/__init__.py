@@ -5,22 +5,27 @@ from ._backward import QuantizedBackward as QuantizedBackward
 from ._calibrate import calibrate as calibrate
 from ._clip import clip_passthrough as clip_passthrough
 from ._convert import convert as convert
-from ._fake_quant import fake_quant as fake_quant, fake_quant_vjp as fake_quant_vjp
-from ._float_formats import (
+from ._export import export_safetensors as export_safetensors
+from ._fake_quant import (
+    fake_quant as fake_quant,
     fake_quant_float as fake_quant_float,
+    fake_quant_format as fake_quant_format,
+    fake_quant_vjp as fake_quant_vjp,
     mx_fake_quant as mx_fake_quant,
     nvfp4_fake_quant as nvfp4_fake_quant,
 )
-from ._float_quantizers import (
-    AbstractFloatQuantizer as AbstractFloatQuantizer,
-    DynamicFloatFakeQuant as DynamicFloatFakeQuant,
-    FloatFakeQuant as FloatFakeQuant,
-    LearnedFloatFakeQuant as LearnedFloatFakeQuant,
-    MXFakeQuant as MXFakeQuant,
-    NVFP4FakeQuant as NVFP4FakeQuant,
+from ._format import (
+    FloatFormat as FloatFormat,
+    Format as Format,
+    IntFormat as IntFormat,
+    float_format as float_format,
+    format_named as format_named,
+    int_format as int_format,
+    int_range as int_range,
+    mx_format as mx_format,
 )
-from ._gptq import gptq as gptq, gptq_quantize as gptq_quantize
-from ._io import export_safetensors as export_safetensors, load as load, save as save
+from ._gptq import gptq_quantize as gptq_quantize
+from ._gptq_model import gptq as gptq
 from ._layout import Layout as Layout
 from ._packing import (
     NIBBLE_ORDER as NIBBLE_ORDER,
@@ -29,17 +34,32 @@ from ._packing import (
     unpack_bits as unpack_bits,
     unpack_int4 as unpack_int4,
 )
+from ._qarray import QuantizedArray as QuantizedArray
 from ._quantizers import (
     AbstractFakeQuantizer as AbstractFakeQuantizer,
     AbstractQuantizer as AbstractQuantizer,
     DynamicFakeQuant as DynamicFakeQuant,
+    DynamicFloatFakeQuant as DynamicFloatFakeQuant,
     FakeQuant as FakeQuant,
+    FloatFakeQuant as FloatFakeQuant,
     LearnedFakeQuant as LearnedFakeQuant,
+    LearnedFloatFakeQuant as LearnedFloatFakeQuant,
+    MXFakeQuant as MXFakeQuant,
+    NVFP4FakeQuant as NVFP4FakeQuant,
     PassthroughClip as PassthroughClip,
 )
-from ._ranges import int_range as int_range
 from ._recipes import recipe as recipe
-from ._transform import dequantize as dequantize, quantize as quantize
+from ._rules import (
+    LayerQuantizer as LayerQuantizer,
+    Rule as Rule,
+    dequantize as dequantize,
+    float_model as float_model,
+    quantize as quantize,
+)
+from ._serialise import load as load, save as save
 
+
+# The name of earlier releases: every quantizer onto a number format, float formats among them.
+AbstractFloatQuantizer = AbstractFakeQuantizer
 
 __version__ = "0.1.0"

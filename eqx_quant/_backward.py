@@ -11,7 +11,7 @@ from jaxtyping import Array, PRNGKeyArray
 
 from ._int_ops import opaque, safe_contraction
 from ._misc import FLOAT32_TINY, check_int, vary_alike
-from ._qtensor import QuantizedTensor, nan_levels
+from ._qarray import QuantizedArray, nan_levels
 
 
 _ROUNDINGS = ("nearest", "stochastic")
@@ -101,7 +101,7 @@ def quantized_input_gradient(
     backward: QuantizedBackward,
     y: Array,
     xq: Array,
-    w: QuantizedTensor,
+    w: QuantizedArray,
     w_float: Array,
     key: PRNGKeyArray | None,
 ) -> Array:

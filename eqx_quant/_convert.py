@@ -1,3 +1,5 @@
+"""Conversion of a fake-quantized model into one that stores its weights quantized."""
+
 import dataclasses
 import functools
 from collections.abc import Callable
@@ -9,34 +11,34 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._float_quantizers import AbstractFloatQuantizer, FloatFakeQuant, LearnedFloatFakeQuant
-from ._qtensor import QuantizedTensor
+from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
 from ._tree import map_nodes
-from .nn._int_layers import IntConv, IntEmbedding, IntLinear
+from .nn._converted import ConvertedConv, ConvertedEmbedding, ConvertedLinear
 from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear, per_layer, stack_depth
 
 
-_INT_LAYERS = {QuantLinear: IntLinear, QuantConv: IntConv}
+_CONVERTED = {QuantLinear: ConvertedLinear, QuantConv: ConvertedConv}
 
 
 def _frozen_input_quant(quantizer: Any) -> Any:
-    """A per-tensor learned input quantizer becomes the static quantizer with its current values (a
-    [`eqx_quant.LearnedFloatFakeQuant`][] a [`eqx_quant.FloatFakeQuant`][])."""
-    if isinstance(quantizer, LearnedFakeQuant) and quantizer.axis is None and quantizer.scale.ndim == 0:
+    """A per-tensor learned input quantizer with float32 scales becomes the static quantizer with its current
+    values."""
+    if (
+        isinstance(quantizer, LearnedFakeQuant)
+        and quantizer.layout.is_per_tensor()
+        and quantizer.scale.ndim == 0
+        and quantizer.format.scale == "float32"
+    ):
         scale = max(float(quantizer.scale), quantizer.min_scale)
         zero_point = 0
         if quantizer.zero_point is not None:
             zero_point = int(np.round(np.clip(float(quantizer.zero_point), quantizer.qmin, quantizer.qmax)))
-        return FakeQuant(scale, quantizer.qmin, quantizer.qmax, zero_point=zero_point)
-    if isinstance(quantizer, LearnedFloatFakeQuant) and quantizer.axis is None and quantizer.scale.ndim == 0:
-        return FloatFakeQuant(quantizer.dtype, max(float(quantizer.scale), quantizer.min_scale))
+        return FakeQuant(scale, format=quantizer.format, zero_point=zero_point)
     return quantizer
 
 
-def _whole_tensor(
-    quantizer: AbstractFakeQuantizer | AbstractFloatQuantizer,
-) -> AbstractFakeQuantizer | AbstractFloatQuantizer:
+def _whole_tensor(quantizer: AbstractFakeQuantizer) -> AbstractFakeQuantizer:
     """The quantizer as it applies to a whole weight: without the `axis_name` that let it see one shard of it inside
     `jax.shard_map` (conversion sees the whole weight, and the grid is the same)."""
     if getattr(quantizer, "axis_name", None) is None:
@@ -44,7 +46,7 @@ def _whole_tensor(
     return dataclasses.replace(quantizer, axis_name=None)  # pyright: ignore[reportArgumentType]
 
 
-def _sharded_like(tensor: QuantizedTensor, weight: Any) -> QuantizedTensor:
+def _sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
     """`tensor` with its integers, scales and zero points sharded like the weight they come from.
 
     An axis of a leaf that has the length of the weight's axis in the same position (the weight's own axes, and the
@@ -75,31 +77,27 @@ def _sharded_like(tensor: QuantizedTensor, weight: Any) -> QuantizedTensor:
 def _weight_quantization(depth: int) -> Callable[[Any, Any], Any]:
     """`quantizer.quantize(weight)` for a layer stacked `depth` times, compiled: one program per layer (and reused
     across layers of the same shapes), rather than one per operation of an eager call."""
-    return eqx.filter_jit(per_layer(lambda quantizer, weight: quantizer.quantize(weight), depth))
+    return eqx.filter_jit(per_layer(lambda quantizer, weight: quantizer.quantize_array(weight), depth))
 
 
 def convert(model: PyTree) -> PyTree:
-    """Converts a fake-quantized model into one that stores integer weights.
+    """Converts a fake-quantized model into one that stores its weights quantized.
 
     Every [`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][] and [`eqx_quant.nn.QuantEmbedding`][] becomes
-    an [`eqx_quant.nn.IntLinear`][], [`eqx_quant.nn.IntConv`][] or [`eqx_quant.nn.IntEmbedding`][]. The weight is
-    stored as the integers that the weight quantizer's forward pass used (same grid, same rounding, same arithmetic),
-    as int8 (int16/int32 for wider grids) or, for grids of at most 4 bits, packed at their width (see
-    [`eqx_quant.pack_bits`][]); plus its float scales and zero points. No float copy of the weight is kept. Biases
-    stay float32.
-
-    A weight quantized to a low-precision float format (an [`eqx_quant.AbstractFloatQuantizer`][]: FP8, FP6, FP4
-    with float scales, MX, NVFP4) is stored as its codes and scales, an [`eqx_quant.nn.FloatQuantizedTensor`][]:
-    one byte per FP8 or FP6 element, two FP4 elements per byte, and E8M0 (MX) or `float8_e4m3fn` (NVFP4) block
-    scales. Such layers compute on the dequantized weight, which is bit for bit the fake-quantized one, so the
-    converted forward equals the fake-quant forward bit for bit.
+    a [`eqx_quant.nn.ConvertedLinear`][], [`eqx_quant.nn.ConvertedConv`][] or [`eqx_quant.nn.ConvertedEmbedding`][].
+    The weight is stored as a [`eqx_quant.QuantizedArray`][]: the codes that the weight quantizer's forward pass
+    rounded it to (same format, same rounding, same arithmetic), with its scales. Integers are stored as int8
+    (int16/int32 for wider grids) or, for grids of at most 4 bits, packed at their width (see
+    [`eqx_quant.pack_bits`][]); low-precision float elements as their codes, one byte per FP8 or FP6 element, two FP4
+    elements per byte, with float32, E8M0 (MX) or `float8_e4m3fn` (NVFP4) scales. No float copy of the weight is
+    kept. Biases stay float32.
 
     Input quantizers are kept; a per-tensor [`eqx_quant.LearnedFakeQuant`][] is frozen into a static
-    [`eqx_quant.FakeQuant`][] with its current scale and zero point (a per-tensor
-    [`eqx_quant.LearnedFloatFakeQuant`][] into a [`eqx_quant.FloatFakeQuant`][]). Layers whose input quantizer has
+    [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers whose input quantizer has
     one scale for the whole input (static, or a per-tensor dynamic one) and whose integer weight has one scale per
     tensor, per output channel or (linear layers) per group along the contraction then compute on integers (see
-    [`eqx_quant.nn.IntLinear`][]); the others on the dequantized weight. A layer without a weight quantizer becomes
+    [`eqx_quant.nn.ConvertedLinear`][]); the others (float formats among them) on the dequantized weight, which is
+    bit for bit the fake-quantized one. A layer without a weight quantizer becomes
     its float layer, or, if its input is quantized, stays as it is (the quantized input shapes the output). All
     other leaves are kept as they are (shardings included).
 
@@ -117,13 +115,14 @@ def convert(model: PyTree) -> PyTree:
 
     **Returns:**
 
-    The converted model. Its outputs equal the fake-quant model's up to floating-point summation order.
+    The converted model. Its outputs equal the fake-quant model's bit for bit (see
+    [Parity with integer inference](../concepts/parity.md)).
 
     **Raises:**
 
     `ValueError`, naming the layer, if a weight holds NaN (which no integer represents; the check needs concrete
-    weights, so call `convert` outside `jax.jit`); `TypeError` for a weight quantizer with neither an integer grid
-    nor a float format.
+    weights, so call `convert` outside `jax.jit`); `TypeError` for a weight quantizer without a number format (a
+    [`eqx_quant.PassthroughClip`][]).
 
     !!! example
 
@@ -147,11 +146,10 @@ def convert(model: PyTree) -> PyTree:
         if layer.weight_quant is None:
             # No integers to store; a quantized input still shapes the output, so the layer stays as it is.
             return layer.layer if layer.input_quant is None else layer
-        if not isinstance(layer.weight_quant, (AbstractFakeQuantizer, AbstractFloatQuantizer)):
+        if not isinstance(layer.weight_quant, AbstractFakeQuantizer):
             raise TypeError(
-                f"Layer {path!r} has weight quantizer {type(layer.weight_quant).__name__}, which has no integer "
-                "grid; only fake quantizers (FakeQuant, DynamicFakeQuant, LearnedFakeQuant) and float quantizers "
-                "(AbstractFloatQuantizer) can be converted."
+                f"Layer {path!r} has weight quantizer {type(layer.weight_quant).__name__}, which has no number "
+                "format; only fake quantizers (FakeQuant, DynamicFakeQuant, LearnedFakeQuant) can be converted."
             )
         weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
         if not eqx.is_array(weight):
@@ -166,11 +164,10 @@ def convert(model: PyTree) -> PyTree:
             )
         depth = stack_depth(layer.layer, weight.shape)
         tensor = _weight_quantization(depth)(_whole_tensor(layer.weight_quant), weight)
-        if isinstance(tensor, QuantizedTensor):
-            tensor = _sharded_like(tensor, weight)
+        tensor = _sharded_like(tensor, weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
         if isinstance(layer, QuantEmbedding):
-            return IntEmbedding(skeleton, tensor)
-        return _INT_LAYERS[type(layer)](skeleton, tensor, _frozen_input_quant(layer.input_quant))
+            return ConvertedEmbedding(skeleton, tensor)
+        return _CONVERTED[type(layer)](skeleton, tensor, _frozen_input_quant(layer.input_quant))
 
     return map_nodes(model, (AbstractQuantLayer,), to_int)

@@ -4,28 +4,21 @@ error fed back into the columns not yet quantized through the inverse Hessian of
 import functools
 import math
 import numbers
-from collections.abc import Callable, Iterable
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int, PyTree
+from jaxtyping import Array, Float, Shaped
 
-from ._calibrate import fold, layer_stack
-from ._fake_quant import check_range, dequantize_levels, quantize_levels
-from ._misc import FLOAT32_TINY, check_int
-from ._quantizers import DynamicFakeQuant, FakeQuant, LearnedFakeQuant
-from ._scales import absmax_scale, finite_absmax
-from ._tree import map_nodes, nodes
-from .nn._layers import QuantLinear, per_layer
+from ._format import Format, IntFormat, apply_scale, as_format, check_range, effective_scale, reciprocal
+from ._misc import check_int
+from ._scales import Scales, absmax_scale, block_absmax, block_scale, e8m0_scale, finite_absmax, tensor_scale_of
 
 
 def _check(
     weight: Array,
     hessian: Array,
-    qmin: int,
-    qmax: int,
+    fmt: Format,
     group_size: object,
     act_order: object,
     damp: object,
@@ -45,10 +38,13 @@ def _check(
         raise ValueError(
             f"`hessian` must have shape ({n}, {n}) for a weight of shape {weight.shape}, got shape {hessian.shape}."
         )
-    if not (qmin <= 0 < qmax):
+    if isinstance(fmt, IntFormat) and not (fmt.qmin <= 0 < fmt.qmax):
         raise ValueError(
-            f"GPTQ quantizes symmetrically: the grid needs `qmin` <= 0 < `qmax`, got qmin={qmin} and qmax={qmax}."
+            f"GPTQ quantizes symmetrically: the grid needs `qmin` <= 0 < `qmax`, got qmin={fmt.qmin} and "
+            f"qmax={fmt.qmax}."
         )
+    if fmt.scale != "float32" and group_size is None:
+        raise ValueError(f"{fmt.name} has block scales: `group_size` must be its block size, got None.")
     if group_size is not None:
         group_size = check_int("group_size", group_size)
         if group_size < 1 or n % group_size:
@@ -68,18 +64,21 @@ def _check(
 def gptq_quantize(
     weight: Float[Array, "out in"],
     hessian: Float[Array, "rows cols"],
-    qmin: int,
-    qmax: int,
+    qmin: int | None = None,
+    qmax: int | None = None,
     *,
+    format: Format | str | None = None,
     group_size: int | None = None,
     act_order: bool = False,
     damp: float = 0.01,
     block_size: int = 128,
-) -> tuple[Int[Array, "out in"], Float[Array, "out groups"]]:
+) -> tuple[Shaped[Array, "out in"], Float[Array, "out groups"]]:
     """Quantizes a linear layer's weight with GPTQ.
 
     For `y = W x`, the columns of `W` (one per input feature) are quantized one after another on the symmetric grid
-    `[qmin, qmax]`; the rounding error of column `i`, divided by `U[i, i]`, is subtracted from every later column `j`
+    `[qmin, qmax]` (or onto the grid of `format`: an FP8, FP6 or FP4 element type, an MX format or NVFP4, whose
+    rounding is as exact as an integer's); the rounding error of column `i`, divided by `U[i, i]`, is subtracted from
+    every later column `j`
     in proportion to `U[i, j]`, where `U` is the upper Cholesky factor of `H⁻¹`. This minimises, column by column,
     the output error `‖W X - Ŵ X‖²` over the calibration inputs, whose second moment is the Hessian
     `H = 2 Σ x xᵀ` (any positive multiple of it gives the same result).
@@ -87,9 +86,10 @@ def gptq_quantize(
     Before inverting: input features that never vary (`H[i, i] = 0`) get `H[i, i] = 1` and a zero weight column,
     and `damp * mean(diag(H))` is added to the diagonal.
 
-    Scales are those of [`eqx_quant.DynamicFakeQuant`][]'s symmetric scale (`absmax_scale`), and levels are rounded
-    with [`eqx_quant.fake_quant`][]'s arithmetic, so that the fake quantizer with these scales reproduces the levels
-    exactly from `scale * levels`:
+    Scales are those of [`eqx_quant.DynamicFakeQuant`][]'s symmetric scale (`absmax_scale`; the block rule of an MX
+    format; NVFP4's block scales under the tensor scale of the whole original weight), and levels are rounded with
+    [`eqx_quant.fake_quant_format`][]'s arithmetic, so that the fake quantizer with these scales reproduces the
+    levels exactly from `scale * levels`:
 
     - per output row (`group_size=None`): from the original row;
     - per group of `group_size` input columns: from the group's columns as the error feedback has left them when the
@@ -108,18 +108,20 @@ def gptq_quantize(
     - `weight`: the weight, shape `(out_features, in_features)`.
     - `hessian`: `Σ x xᵀ` (times any positive constant) over the layer's calibration inputs, shape
         `(in_features, in_features)`.
-    - `qmin`, `qmax`: the integer grid, Python ints with `qmin <= 0 < qmax`.
+    - `qmin`, `qmax`: the integer grid, Python ints with `qmin <= 0 < qmax`; or, instead of them,
+    - `format`: a [`eqx_quant.Format`][] or its name (float32-scaled, MX or NVFP4).
     - `group_size`: `None` for one scale per output row, or the size of the groups of input columns (a divisor of
-        `in_features`).
+        `in_features`); the block size of an MX format or NVFP4.
     - `act_order`: visit the columns in order of decreasing `H[i, i]` (the inputs with the most energy first).
     - `damp`: the relative damping of the Hessian's diagonal, `>= 0`.
     - `block_size`: the number of columns updated together, `>= 1`.
 
     **Returns:**
 
-    `(levels, scale)`: int32 levels of the weight's shape, in the original column order, and float32 scales of shape
-    `(out_features, 1)` per row or `(out_features, in_features // group_size)` per group. The quantized weight is
-    `scale * levels`, the scales repeated over each group.
+    `(levels, scale)`: levels of the weight's shape, in the original column order (int32 integers, or the float
+    format's element values), and float32 scales of shape `(out_features, 1)` per row or
+    `(out_features, in_features // group_size)` per group (MX: the powers of two, `2**-127` as 0; NVFP4: the block
+    scale times the tensor scale). The quantized weight is `scale * levels`, the scales repeated over each group.
 
     **Raises:**
 
@@ -135,11 +137,33 @@ def gptq_quantize(
         damping (`damp=0` with fewer calibration inputs than features) gives NaN scales or levels that are not
         meaningful: it is not checked, since its values are not known under `jax.jit`.
     """
-    qmin, qmax = check_range(qmin, qmax)
+    if format is None:
+        if qmin is None or qmax is None:
+            raise ValueError("`qmin` and `qmax` (an integer grid) or `format` is needed.")
+        fmt: Format = IntFormat(*check_range(qmin, qmax))
+    elif qmin is not None or qmax is not None:
+        raise ValueError(f"Give `qmin` and `qmax` or `format`, not both: got format={format!r}, qmin={qmin!r}.")
+    else:
+        fmt = as_format(format)
+    levels, scales = gptq_solve(weight, hessian, fmt, group_size, act_order, damp, block_size)
+    return levels, effective_scale(scales.scale, scales.tensor_scale)
+
+
+def gptq_solve(
+    weight: Array,
+    hessian: Array,
+    fmt: Format,
+    group_size: object = None,
+    act_order: object = False,
+    damp: object = 0.01,
+    block_size: object = 128,
+) -> tuple[Array, Scales]:
+    """[`eqx_quant.gptq_quantize`][] onto `fmt`, with the scales as the format holds them: `(levels, scales)`, the
+    scales of shape `(out_features, groups)` and the tensor scale of a two-level format apart."""
     weight, hessian = jnp.asarray(weight), jnp.asarray(hessian)
-    _check(weight, hessian, qmin, qmax, group_size, act_order, damp, block_size)
-    group_size = None if group_size is None else int(group_size)
-    return _gptq(weight, hessian, qmin, qmax, group_size, act_order, float(damp), int(block_size))
+    _check(weight, hessian, fmt, group_size, act_order, damp, block_size)
+    group_size = None if group_size is None else int(group_size)  # pyright: ignore[reportArgumentType]
+    return _gptq(weight, hessian, fmt, group_size, act_order, float(damp), int(block_size))  # pyright: ignore
 
 
 def _block_length(n: int, group_size: int | None, lazy_groups: bool, block_size: int) -> int:
@@ -153,8 +177,8 @@ def _block_length(n: int, group_size: int | None, lazy_groups: bool, block_size:
     return max(d for d in range(1, block_size + 1) if group_size % d == 0)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
-def _gptq(weight, hessian, qmin, qmax, group_size, act_order, damp, block_size):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
+def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
     wide = weight.dtype == jnp.float64 or hessian.dtype == jnp.float64
     dtype = jnp.float64 if wide else jnp.float32
     w, h = weight.astype(dtype), hessian.astype(dtype)
@@ -174,8 +198,14 @@ def _gptq(weight, hessian, qmin, qmax, group_size, act_order, damp, block_size):
     h_inv = jax.scipy.linalg.cho_solve((lower, True), jnp.eye(n, dtype=dtype))
     u = jnp.linalg.cholesky(h_inv).T
 
+    # NVFP4's tensor scale, of the whole original weight; the block scales under it are fixed like the others.
+    t = tensor_scale_of(block_absmax(w.reshape(out, n // g, g), 2)[0], fmt) if fmt.scale == "e4m3" else None
+
     def group_scales(w_cols):  # the symmetric scale of each row of a block of columns
-        return absmax_scale(finite_absmax(w_cols, (1,)), qmin, qmax)[:, 0]
+        if fmt.scale == "float32":
+            return absmax_scale(finite_absmax(w_cols, (1,)), fmt)[:, 0]
+        amax = block_absmax(w_cols, 1)[0]
+        return (e8m0_scale(amax, fmt) if fmt.scale == "e8m0" else block_scale(amax, t, fmt))[:, 0]
 
     # Every group's scale from the original weight; lazy groups are refreshed from the updated weights in the loop.
     scales = jax.vmap(group_scales, in_axes=1, out_axes=1)(w.reshape(out, n // g, g))
@@ -218,19 +248,19 @@ def _gptq(weight, hessian, qmin, qmax, group_size, act_order, damp, block_size):
                 k = t * segment + c
                 s = jax.lax.dynamic_index_in_dim(scales, groups[k], axis=1, keepdims=False).astype(dtype)
                 col = jax.lax.dynamic_index_in_dim(wb, k, axis=1, keepdims=False)
-                q = quantize_levels(col, s, None, qmin, qmax)
-                err = (col - dequantize_levels(q, s, None)) / ub[k, k]
+                q = fmt.levels(col * reciprocal(fmt, s, t, 1), None)
+                err = (col - apply_scale(fmt, q, s, t)) / ub[k, k]
                 row = jnp.where(positions > k, ub[k], 0.0)
                 wb = wb - err[:, None] * row[None, :]
                 errors = jax.lax.dynamic_update_index_in_dim(errors, err, k, axis=1)
-                qb = jax.lax.dynamic_update_index_in_dim(qb, q.astype(jnp.int32), k, axis=1)
+                qb = jax.lax.dynamic_update_index_in_dim(qb, q.astype(level_dtype), k, axis=1)
                 return wb, errors, qb
 
             wb, errors, qb = jax.lax.fori_loop(0, segment, column, (wb, errors, qb))
             return wb, errors, qb, scales
 
         errors = jnp.zeros((out, length), dtype)
-        qb = jnp.zeros((out, length), jnp.int32)
+        qb = jnp.zeros((out, length), level_dtype)
         _, errors, qb, scales = jax.lax.fori_loop(0, length // segment, run_segment, (wb, errors, qb, scales))
         # The block's errors reach the columns after it at once.
         rows = jax.lax.dynamic_slice_in_dim(u, start, length, axis=0)
@@ -239,111 +269,8 @@ def _gptq(weight, hessian, qmin, qmax, group_size, act_order, damp, block_size):
         levels = jax.lax.dynamic_update_slice_in_dim(levels, qb, start, axis=1)
         return w, scales, levels
 
-    levels = jnp.zeros((out, padded), jnp.int32)
+    level_dtype = jnp.int32 if isinstance(fmt, IntFormat) else dtype
+    levels = jnp.zeros((out, padded), level_dtype)
     _, scales, levels = jax.lax.fori_loop(0, blocks, block, (w, scales, levels))
     levels = levels[:, :n][:, jnp.argsort(order)]
-    return levels, scales[:, : n // g].astype(jnp.float32)
-
-
-def _gptq_grid(path: str, quantizer: object) -> tuple[int, int, int | None]:
-    """`(qmin, qmax, group_size)` of a weight quantizer that GPTQ can stand in for, or a `ValueError` naming the
-    layer: symmetric, with one scale per output row (`axis=0`) or per group of input columns."""
-    symmetric = (
-        (isinstance(quantizer, DynamicFakeQuant) and quantizer.symmetric)
-        or (isinstance(quantizer, FakeQuant) and quantizer.zero_point == 0)
-        or (isinstance(quantizer, LearnedFakeQuant) and quantizer.zero_point is None)
-    )
-    layout = getattr(quantizer, "layout", None)
-    per_row = layout is not None and layout.axes in ((0,), (-2,)) and layout.group_size is None
-    per_group = layout is not None and layout.axes == () and layout.group_size is not None
-    if not symmetric or not (per_row or per_group) or not quantizer.qmin <= 0 < quantizer.qmax:  # pyright: ignore
-        raise ValueError(
-            f"Layer {path!r} has weight quantizer {quantizer!r}; GPTQ needs a symmetric one (DynamicFakeQuant, or a "
-            "FakeQuant / LearnedFakeQuant with zero point 0) with one scale per output row (axis=0) or per group "
-            "(group_size), on a grid holding 0 and positive levels. Exclude the layer with `where`."
-        )
-    return quantizer.qmin, quantizer.qmax, layout.group_size  # pyright: ignore
-
-
-def gptq(
-    model: PyTree,
-    batches: Iterable[PyTree],
-    *,
-    damp: float = 0.01,
-    act_order: bool = False,
-    batched: bool = False,
-    where: Callable[[str, eqx.Module], bool] | None = None,
-) -> PyTree:
-    """Post-training quantization of a model's linear weights with GPTQ ([`eqx_quant.gptq_quantize`][]).
-
-    Every [`eqx_quant.nn.QuantLinear`][] with a weight quantizer (or those `where` selects) gets its weight replaced
-    by GPTQ's quantized weight `scale * levels`, on the grid and layout of its weight quantizer (which must be
-    symmetric, per output row or per group), and its weight quantizer replaced by a fixed one with GPTQ's scales: a
-    static [`eqx_quant.FakeQuant`][], or for stacked layers (built with `eqx.filter_vmap`, run with `jax.lax.scan`)
-    a [`eqx_quant.LearnedFakeQuant`][] holding one set of scales per layer. The fake-quant forward then computes
-    exactly with GPTQ's integers, and [`eqx_quant.convert`][] stores them. Biases, input quantizers and other layers
-    are unchanged.
-
-    The Hessian of each layer is `Σ x xᵀ` over the inputs the layer sees when the model runs on `batches` with its
-    weight quantizers active and the chosen layers' input quantizers bypassed (all layers from one pass: layers are not
-    re-run one after another on the outputs of already-GPTQ-quantized ones). It is collected like
-    [`eqx_quant.calibrate`][]'s statistics, so that layers inside the model's own `jax.vmap` and `jax.lax.scan` are
-    seen, one Hessian per layer of a stack.
-
-    **Arguments:**
-
-    - `model`: a model from [`eqx_quant.quantize`][] whose linear weight quantizers are symmetric per-row or
-        per-group (e.g. `DynamicFakeQuant(4, group_size=32)`).
-    - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][].
-    - `damp`, `act_order`: as for [`eqx_quant.gptq_quantize`][].
-    - `batched`: as for [`eqx_quant.calibrate`][].
-    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
-        quantizer.
-
-    **Returns:**
-
-    The model with GPTQ-quantized linear weights.
-    """
-    layers = [
-        (path, layer)
-        for path, layer in nodes(model, (QuantLinear,))
-        # A layer whose weight is the placeholder of an `eqx.nn.Shared` tie has no weight of its own to quantize.
-        if layer.weight_quant is not None and eqx.is_array(layer.layer.weight)
-    ]
-    if where is not None:
-        layers = [(path, layer) for path, layer in layers if where(path, layer)]
-    if not layers:
-        raise ValueError("`model` has no QuantLinear layer with a weight quantizer to quantize with GPTQ.")
-    grids = {path: _gptq_grid(path, layer.weight_quant) for path, layer in layers}
-    # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes.
-    grams = fold(model, layers, batches, batched, "gram")
-
-    def replace(path: str, layer: QuantLinear) -> QuantLinear:
-        if path not in grids:
-            return layer
-        if path not in grams:
-            raise ValueError(f"Layer {path!r} was never called on the calibration batches.")
-        qmin, qmax, group_size = grids[path]
-        weight = layer.layer.weight
-        stack = layer_stack(layer)
-        hessian = jnp.asarray(np.stack([record["gram"] for record in grams[path]]))
-        hessian = hessian.reshape(stack + hessian.shape[1:])
-        solve = functools.partial(
-            gptq_quantize, qmin=qmin, qmax=qmax, group_size=group_size, act_order=act_order, damp=damp
-        )
-        for _ in stack:
-            solve = jax.vmap(solve)
-        levels, scales = solve(weight, hessian)
-        g = weight.shape[-1] if group_size is None else group_size
-        repeated = jnp.repeat(scales, g, axis=-1)
-        new_weight = dequantize_levels(levels.astype(jnp.float32), repeated, None).astype(weight.dtype)
-        compact = scales[..., 0] if group_size is None else scales
-        axis = 0 if group_size is None else None
-        if not stack:
-            quantizer = FakeQuant(np.asarray(compact), qmin, qmax, axis=axis, group_size=group_size)
-        else:
-            make = lambda s: LearnedFakeQuant(s, qmin, qmax, axis=axis, group_size=group_size, min_scale=FLOAT32_TINY)  # noqa: E731
-            quantizer = per_layer(make, len(stack))(compact)
-        return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant), layer, (new_weight, quantizer))
-
-    return map_nodes(model, (QuantLinear,), replace)
+    return levels, Scales(scales[:, : n // g].astype(jnp.float32), None, None if t is None else t.astype(jnp.float32))

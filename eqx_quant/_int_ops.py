@@ -1,8 +1,9 @@
 """Integer matrix products and convolutions with int32 accumulation, shared by training and deployment.
 
 The quantized layers ([`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][]) compute their forward pass with
-these functions when both operands are on integer grids, and the converted layers ([`eqx_quant.nn.IntLinear`][],
-[`eqx_quant.nn.IntConv`][]) call the very same functions on their stored integers, so that the two agree bit for bit.
+these functions when both operands are on integer grids, and the converted layers
+([`eqx_quant.nn.ConvertedLinear`][], [`eqx_quant.nn.ConvertedConv`][]) call the very same functions on their stored
+integers, so that the two agree bit for bit.
 """
 
 import functools
@@ -15,9 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from ._fake_quant import _fake_quant_impl
+from ._fake_quant import dequantize_levels, quantize_levels
+from ._format import Format, IntFormat
 from ._misc import compute_dtype, vary_alike
-from ._qtensor import QuantizedTensor, shifted_bound
+from ._qarray import QuantizedArray, shifted_range
+from ._scales import Scales
 
 
 INT32_MAX = 2**31 - 1
@@ -56,23 +59,38 @@ class ConvSpec(NamedTuple):
     product_bound: int
 
 
-def _bound(tensor: QuantizedTensor) -> int:
+def _bound(array: QuantizedArray) -> int:
     """A static bound on `|level - zero_point|` for the operand's grid."""
-    return shifted_bound(tensor.qmin, tensor.qmax, tensor.zero_point is not None)
+    assert isinstance(array.format, IntFormat)
+    lo, hi = shifted_range(array.format, array.zero_point is not None)
+    return max(-lo, hi)
+
+
+def _integer(array: QuantizedArray) -> bool:
+    """Whether an operand is on an integer grid with float32 scales, as the integer products take them."""
+    return isinstance(array.format, IntFormat) and array.format.scale == "float32"
+
+
+def integer_grid(quantizer: object) -> bool:
+    """Whether `quantizer` puts its operand on an integer grid with float32 scales: what the integer products need of
+    both operands (besides the layouts `plan` checks)."""
+    fmt = getattr(quantizer, "format", None)
+    return isinstance(fmt, IntFormat) and fmt.scale == "float32"
 
 
 def plan(
-    layer: eqx.Module, weight_shape: tuple[int, ...], w: QuantizedTensor, x: QuantizedTensor
+    layer: eqx.Module, weight_shape: tuple[int, ...], w: QuantizedArray, x: QuantizedArray
 ) -> LinearSpec | ConvSpec | None:
     """Whether `layer` (an `eqx.nn.Linear` or `eqx.nn.Conv`) computes its forward pass on integers, and how: the one
     decision that the quantized layers and their converted integer layers share, so that both take the same path.
 
-    The integer path needs an input with one scale (and zero point) for the whole input, and a weight with one scale
-    per tensor or per output channel, or (linear layers) per group along the contraction; a convolution needs zero
-    padding; and int32 must hold the sums exactly: a linear layer splits longer contractions into chunks (groups must
-    fit in one), a convolution is not split. Otherwise (`None`) the layer computes in floating point.
+    The integer path needs two integer grids with float32 scales: an input with one scale (and zero point) for the
+    whole input, and a weight with one scale per tensor or per output channel, or (linear layers) per group along the
+    contraction; a convolution needs zero padding; and int32 must hold the sums exactly: a linear layer splits longer
+    contractions into chunks (groups must fit in one), a convolution is not split. Otherwise (`None`) the layer
+    computes in floating point.
     """
-    if not x.layout.is_per_tensor() or x.layout.stacked:
+    if not (_integer(w) and _integer(x)) or not x.layout.is_per_tensor() or x.layout.stacked:
         return None
     w_bound, x_bound = _bound(w), _bound(x)
     chunk = safe_contraction(w_bound, x_bound)
@@ -82,7 +100,10 @@ def plan(
     grouped = w.layout.group_size is not None
     if isinstance(layer, eqx.nn.Linear):
         if grouped:
-            return LinearSpec(chunk, w.layout.group_size) if w.layout.group_size <= chunk else None
+            along_contraction = w.layout.tile_axis(weight_shape) == len(weight_shape) - 1
+            return (
+                LinearSpec(chunk, w.layout.group_size) if along_contraction and w.layout.group_size <= chunk else None
+            )
         return LinearSpec(chunk) if channels in ((), (0,)) else None
     if isinstance(layer, eqx.nn.Conv):
         if grouped or channels not in ((), (0,)) or layer.padding_mode != "ZEROS":
@@ -283,8 +304,8 @@ def integer_forward(
     wq: Array,
     xq: Array,
     bias: Array | None,
-    w: QuantizedTensor,
-    x: QuantizedTensor,
+    w: QuantizedArray,
+    x: QuantizedArray,
     w_nan: Array | None,
     x_nan: Array | None,
     w_float: Array,
@@ -312,32 +333,30 @@ def integer_forward(
 
 
 class _FloatOperand(eqx.Module):
-    """What a fake-quantized operand is computed from: the float operand under the layout's view, its scale and zero
-    point (`None` for 0) as the integers were computed with, and the grid."""
+    """What a fake-quantized operand is computed from: the float operand under the layout's view, its scales as the
+    integers were computed with, and the format."""
 
     view: Array
-    scale: Array
-    zero_point: Array | None
-    qmin: int = eqx.field(static=True)
-    qmax: int = eqx.field(static=True)
+    scales: Scales
+    format: Format = eqx.field(static=True)
 
     @classmethod
-    def of(cls, x: Array, tensor: QuantizedTensor) -> "_FloatOperand":
-        view = jax.lax.stop_gradient(tensor.layout.view(x))
-        return cls(view, tensor.scale, tensor.zero_point, tensor.qmin, tensor.qmax)
+    def of(cls, x: Array, array: QuantizedArray) -> "_FloatOperand":
+        view = jax.lax.stop_gradient(array.layout.view(x))
+        return cls(view, array.scales(), array.format)
 
     def fake_quantized(self, like: Array) -> Array:
-        """`scale * (levels - zero_point)`, computed as [`eqx_quant.fake_quant`][] computes it, with the dtype and
-        shape of `like` (the fake-quantized operand)."""
+        """The fake-quantized operand, computed as [`eqx_quant.fake_quant`][] computes it, with the dtype and shape
+        of `like`."""
         view = self.view.astype(compute_dtype(like.dtype))
-        fake = _fake_quant_impl(view, self.scale, self.zero_point, self.qmin, self.qmax)
+        fake = dequantize_levels(quantize_levels(view, self.scales, self.format), self.scales, self.format)
         return fake.astype(like.dtype).reshape(like.shape)
 
 
 def integer_product(
     spec: LinearSpec | ConvSpec,
-    w: QuantizedTensor,
-    x: QuantizedTensor,
+    w: QuantizedArray,
+    x: QuantizedArray,
     bias: Array | None,
     w_nan: Array | None,
     x_nan: Array | None,

@@ -1,4 +1,5 @@
-"""Which elements of a tensor share a scale: channel axes, groups along the last axis, leading stacked axes."""
+"""Which elements of a tensor share a scale: channel axes, tiles of a size along an axis (groups and the blocks of the
+MX and NVFP4 formats), leading stacked axes."""
 
 from typing import NamedTuple
 
@@ -11,25 +12,34 @@ class Layout(NamedTuple):
     """How the scales of a quantizer cover a tensor: which elements share one scale (and zero point).
 
     - `axes`: channel axes; every index along them has its own scale (negative axes count from the end).
-    - `group_size`: if set, the last axis is cut into contiguous groups of this many elements, and every group of
-        every index of the other axes has its own scale.
+    - `group_size`: if set, axis `group_axis` is cut into contiguous tiles of this many elements (the groups of an
+        integer weight, the blocks of an MX or NVFP4 format), and every tile of every index of the other axes has its
+        own scale.
     - `stacked`: the number of leading axes along which whole tensors are stacked (layers built with
         `eqx.filter_vmap` and run with `jax.lax.scan`): every index along them has its own scales.
+    - `group_axis`: the axis that `group_size` tiles; the last by default (negative axes count from the end).
 
-    With none of them, one scale covers the whole tensor. Scales are stored compact: with the shape
-    [`eqx_quant.Layout.scale_shape`][] gives (the kept axes of the tensor, in order; for groups,
-    `shape[:-1] + (shape[-1] // group_size,)`), and broadcast against the tensor's view (its shape, or for groups
-    `shape[:-1] + (shape[-1] // group_size, group_size)`) by [`eqx_quant.Layout.expand`][].
+    With none of them, one scale covers the whole tensor. A tensor is seen through its *view*: its shape, or with
+    the tiled axis of length `n` split into `(n // group_size, group_size)` in place. Scales broadcast against the
+    view, with unit axes where they are shared ([`eqx_quant.Layout.expand`][]); their compact shape
+    ([`eqx_quant.Layout.scale_shape`][]) drops those unit axes.
     """
 
     axes: tuple[int, ...] = ()
     group_size: int | None = None
     stacked: int = 0
+    group_axis: int = -1
 
     @classmethod
-    def of(cls, axis: int | tuple[int, ...] | None = None, group_size: int | None = None, stacked: int = 0) -> "Layout":
+    def of(
+        cls,
+        axis: int | tuple[int, ...] | None = None,
+        group_size: int | None = None,
+        stacked: int = 0,
+        group_axis: int = -1,
+    ) -> "Layout":
         """A layout from the arguments quantizers take, checked: `axis` an int, a tuple of ints or `None`,
-        `group_size` a positive int or `None`, `stacked` a non-negative int."""
+        `group_size` a positive int or `None`, `stacked` a non-negative int, `group_axis` an int."""
         if axis is None:
             axes = ()
         elif isinstance(axis, tuple):
@@ -42,12 +52,35 @@ class Layout(NamedTuple):
             raise ValueError(f"`group_size` must be a positive int, got group_size={group_size}.")
         if check_int("stacked", stacked) < 0:
             raise ValueError(f"`stacked` must be a non-negative int, got stacked={stacked}.")
-        return cls(axes, group_size, stacked)
+        group_axis = check_int("group_axis", group_axis)
+        return cls(axes, None if group_size is None else int(group_size), int(stacked), group_axis)
 
     @property
     def axis(self) -> int | tuple[int, ...] | None:
         """The channel axes as quantizers take them: `None`, one int, or a tuple of ints."""
         return None if not self.axes else self.axes[0] if len(self.axes) == 1 else self.axes
+
+    def tile_axis(self, shape: tuple[int, ...]) -> int | None:
+        """The tiled axis as a non-negative index into `shape` (`None` without tiles), checked against it."""
+        if self.group_size is None:
+            return None
+        ndim = len(shape)
+        if ndim <= self.stacked:
+            raise ValueError(f"`group_size` needs an axis to tile beyond the stacked ones, got shape {shape}.")
+        if not -ndim <= self.group_axis < ndim:
+            raise ValueError(
+                f"`group_axis` must be in [{-ndim}, {ndim}) for an input of rank {ndim}, got group_axis="
+                f"{self.group_axis}."
+            )
+        axis = self.group_axis % ndim
+        if axis < self.stacked:
+            raise ValueError(f"`group_axis`={self.group_axis} names a stacked axis of shape {shape}.")
+        if shape[axis] % self.group_size:
+            where = "the last axis" if axis == ndim - 1 else f"axis {self.group_axis}"
+            raise ValueError(
+                f"`group_size`={self.group_size} does not divide {where} of `x`, of size {shape[axis]} (shape {shape})."
+            )
+        return axis
 
     def channel_axes(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The channel axes as non-negative indices into `shape`, checked against it."""
@@ -63,26 +96,22 @@ class Layout(NamedTuple):
             raise ValueError(f"`stacked`={self.stacked} leading axes do not fit an input of shape {shape}.")
         if any(a < self.stacked for a in normalized):
             raise ValueError(f"`axis`={self.axis!r} names a stacked axis (the first {self.stacked}) of shape {shape}.")
-        if self.group_size is not None:
-            if ndim <= self.stacked:
-                raise ValueError(f"`group_size` needs an axis to group beyond the stacked ones, got shape {shape}.")
-            if ndim - 1 in normalized:
-                raise ValueError(
-                    f"`axis` must not be the last axis when `group_size` is given, got axis={self.axis!r} for an "
-                    f"input of rank {ndim}."
-                )
-            if shape[-1] % self.group_size:
-                raise ValueError(
-                    f"`group_size`={self.group_size} does not divide the last axis of `x`, of size {shape[-1]}."
-                )
+        tile = self.tile_axis(shape)
+        if tile is not None and tile in normalized:
+            raise ValueError(
+                f"`axis` must not be the tiled axis when `group_size` is given, got axis={self.axis!r} and "
+                f"group_axis={self.group_axis} for an input of rank {ndim}."
+            )
         return tuple(normalized)
 
     def view_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
-        """The shape against which scales broadcast: `shape`, or with the last axis split into groups."""
+        """The shape against which scales broadcast: `shape`, or with the tiled axis split into tiles."""
         self.channel_axes(shape)
-        if self.group_size is None:
+        tile = self.tile_axis(shape)
+        if tile is None:
             return tuple(shape)
-        return tuple(shape[:-1]) + (shape[-1] // self.group_size, self.group_size)
+        assert self.group_size is not None
+        return (*shape[:tile], shape[tile] // self.group_size, self.group_size, *shape[tile + 1 :])
 
     def view(self, x: Array) -> Array:
         """`x` reshaped to [`eqx_quant.Layout.view_shape`][]."""
@@ -90,8 +119,9 @@ class Layout(NamedTuple):
 
     def _kept(self, shape: tuple[int, ...]) -> tuple[bool, ...]:
         """For each axis of the view, whether scales vary along it."""
-        if self.group_size is not None:
-            return (True,) * len(shape) + (False,)
+        tile = self.tile_axis(shape)
+        if tile is not None:
+            return tuple(i != tile + 1 for i in range(len(shape) + 1))
         channels = self.channel_axes(shape)
         return tuple(i < self.stacked or i in channels for i in range(len(shape)))
 
@@ -104,16 +134,21 @@ class Layout(NamedTuple):
         view = self.view_shape(shape)
         return tuple(n for n, kept in zip(view, self._kept(shape), strict=True) if kept)
 
+    def broadcast_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of scales that broadcast against the view: the view's, with unit axes where scales are shared."""
+        view = self.view_shape(shape)
+        return tuple(n if kept else 1 for n, kept in zip(view, self._kept(shape), strict=True))
+
     def expand(self, scale: Array, shape: tuple[int, ...]) -> Array:
         """Compact scales (of [`eqx_quant.Layout.scale_shape`][]) reshaped to broadcast against the view."""
-        view = self.view_shape(shape)
         expected = self.scale_shape(shape)
         if tuple(scale.shape) != expected:
             raise ValueError(
                 f"Scales of shape {tuple(scale.shape)} do not fit an input of shape {tuple(shape)}, which needs scales "
-                f"of shape {expected} for axis={self.axis!r}, group_size={self.group_size!r}, stacked={self.stacked}."
+                f"of shape {expected} for axis={self.axis!r}, group_size={self.group_size!r}, stacked={self.stacked}"
+                + ("." if self.group_size is None else f", group_axis={self.group_axis}.")
             )
-        return scale.reshape(tuple(n if kept else 1 for n, kept in zip(view, self._kept(shape), strict=True)))
+        return scale.reshape(self.broadcast_shape(shape))
 
     def compact(self, scale: Array, shape: tuple[int, ...]) -> Array:
         """Scales that broadcast against the view (with unit axes where they are shared) in their compact shape."""

@@ -1,4 +1,6 @@
+import math
 import numbers
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -101,3 +103,97 @@ def vary_alike(*arrays: Array | None) -> tuple[Array | None, ...]:
         return jax.lax.pcast(a, missing, to="varying") if missing else a
 
     return tuple(cast(a) for a in arrays)
+
+
+def check_float_input(x: Array) -> None:
+    """Raises a `TypeError` unless `x` has a floating dtype: what a quantizer's call takes."""
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"`x` must be a floating array, got dtype {x.dtype}.")
+
+
+#
+# Static configuration: numbers as hashable Python values, so that they can be static fields.
+#
+
+
+def as_static_floats(name: str, value: object) -> float | tuple:
+    """A Python float, or nested tuples of them for an array: hashable, so that it can be a static field."""
+    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.ndim == 0:
+        value = value.item()
+    if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer):
+        raise TypeError(f"`{name}` must be a Python float or a sequence of floats, got {value!r}.")
+    a = np.asarray(value)
+    if a.dtype.kind not in "iuf":
+        raise TypeError(f"`{name}` must be a Python float or a sequence of floats, got {value!r}.")
+    if a.ndim and a.size == 0:
+        raise ValueError(f"`{name}` must be a float or a non-empty array of floats, got shape {a.shape}.")
+    return float(a) if a.ndim == 0 else nested(a.astype(np.float64), float)
+
+
+def as_static_ints(name: str, value: object) -> int | tuple:
+    """A Python int, or nested tuples of them for an array (see `as_static_floats`)."""
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int(value)
+    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
+        raise TypeError(f"`{name}` must be an int or a sequence of ints, got {value!r}.")
+    a = np.asarray(value, dtype=object)
+    for v in a.ravel():
+        check_int(name, v)
+    if a.ndim == 0 or a.size == 0:
+        raise ValueError(f"`{name}` must be an int or a non-empty array of ints, got {value!r}.")
+    return nested(a, int)
+
+
+def nested(a: np.ndarray, kind: type) -> tuple:
+    """An array as nested tuples of Python numbers."""
+    return tuple(nested(row, kind) if a.ndim > 1 else kind(row) for row in a)
+
+
+def flat(value: float | int | tuple) -> list:
+    """The numbers of a static value, flattened."""
+    return [value] if not isinstance(value, tuple) else [v for row in value for v in flat(row)]
+
+
+#
+# Named axes: quantizers called inside `jax.shard_map` on one shard of a tensor.
+#
+
+AxisName = str | tuple[str, ...]
+
+
+def axis_names(axis_name: object) -> tuple:
+    """The named axes of an `axis_name` argument, as a tuple (empty for `None`)."""
+    return () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
+
+
+def check_axis_name(axis_name: object) -> None:
+    """Raises a `TypeError` unless `axis_name` is `None`, a non-empty string or a tuple of them."""
+    names = axis_names(axis_name)
+    if axis_name is not None and not (names and all(isinstance(n, str) and n for n in names)):
+        raise TypeError(f"`axis_name` must be None, a non-empty str or a tuple of them, got axis_name={axis_name!r}.")
+
+
+def _unbound(axis_name: object, error: NameError) -> ValueError:
+    return ValueError(
+        f"`axis_name`={axis_name!r} names an axis that is not bound here: call the quantizer inside the "
+        f"`jax.shard_map` (or `jax.vmap(..., axis_name=...)`) that defines it. ({error})"
+    )
+
+
+def shards(axis_name: AxisName | None) -> int:
+    """The number of shards that a tensor is split into along the named axes (1 for none)."""
+    try:
+        return math.prod(jax.lax.axis_size(name) for name in axis_names(axis_name))
+    except NameError as error:
+        raise _unbound(axis_name, error) from error
+
+
+def across_shards(axis_name: AxisName | None, maxima: tuple[Array, ...], minima: tuple[Array, ...] = ()) -> tuple:
+    """The statistics of the whole tensor from those of each shard: `maxima` reduced with `pmax`, `minima` with
+    `pmin`, returned in that order."""
+    if axis_name is None:
+        return maxima + minima
+    try:
+        return tuple(jax.lax.pmax(a, axis_name) for a in maxima) + tuple(jax.lax.pmin(a, axis_name) for a in minima)
+    except NameError as error:
+        raise _unbound(axis_name, error) from error

@@ -1,25 +1,53 @@
+"""The quantizer modules: static, dynamic and learned scales, each for every format and layout."""
+
 import abc
 import math
-from collections.abc import Sequence
 from typing import Literal
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from ._clip import clip_passthrough
-from ._fake_quant import check_range, fake_quant, round_ste, scale_gradient, straight_through
+from ._fake_quant import check_blocks, e4m3_ste, fake_quant_scales, pow2_ste, round_ste, scale_gradient
+from ._format import (
+    E4M3,
+    NVFP4,
+    NVFP4_BLOCK,
+    Format,
+    IntFormat,
+    as_format,
+    check_range,
+    float_format,
+    int_format,
+    integer_grid_of,
+    mx_format,
+)
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, as_float_input, check_int, check_real, compute_dtype
-from ._qtensor import QuantizedTensor, quantize_tensor
-from ._ranges import int_range
+from ._misc import (
+    FLOAT32_TINY,
+    AxisName,
+    as_float_input,
+    as_static_floats,
+    as_static_ints,
+    check_axis_name,
+    check_float_input,
+    check_int,
+    check_real,
+    compute_dtype,
+    flat,
+    shards,
+)
+from ._qarray import QuantizedArray, quantize_array
 from ._scales import (
+    Scales,
     absmax_scale,
     check_method,
-    finite_absmax,
     finite_or,
+    fit_scales,
     least_error_scale,
     minmax_scale,
     percentile_threshold,
@@ -27,139 +55,16 @@ from ._scales import (
 )
 
 
-StaticFloats = float | int | np.number | Sequence | np.ndarray | jax.Array
-StaticInts = int | np.integer | Sequence | np.ndarray
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Small helpers.
-
-
-def _as_static_floats(name: str, value: object) -> float | tuple:
-    """A Python float, or nested tuples of them for an array: hashable, so that it can be a static field."""
-    if isinstance(value, jax.Array) and not isinstance(value, jax.core.Tracer) and value.ndim == 0:
-        value = value.item()
-    if isinstance(value, (bool, np.bool_)) or isinstance(value, jax.core.Tracer):
-        raise TypeError(f"`{name}` must be a Python float or a sequence of floats, got {value!r}.")
-    a = np.asarray(value)
-    if a.dtype.kind not in "iuf":
-        raise TypeError(f"`{name}` must be a Python float or a sequence of floats, got {value!r}.")
-    if a.ndim and a.size == 0:
-        raise ValueError(f"`{name}` must be a float or a non-empty array of floats, got shape {a.shape}.")
-    return float(a) if a.ndim == 0 else _nested(a.astype(np.float64), float)
-
-
-def _as_static_ints(name: str, value: object) -> int | tuple:
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, (str, bytes)) or not isinstance(value, (Sequence, np.ndarray)):
-        raise TypeError(f"`{name}` must be an int or a sequence of ints, got {value!r}.")
-    a = np.asarray(value, dtype=object)
-    for v in a.ravel():
-        check_int(name, v)
-    if a.ndim == 0 or a.size == 0:
-        raise ValueError(f"`{name}` must be an int or a non-empty array of ints, got {value!r}.")
-    return _nested(a, int)
-
-
-def _nested(a: np.ndarray, kind: type) -> tuple:
-    """An array as nested tuples of Python numbers."""
-    return tuple(_nested(row, kind) if a.ndim > 1 else kind(row) for row in a)
-
-
-def _flat(value: float | int | tuple) -> list:
-    """The numbers of a static value, flattened."""
-    return [value] if not isinstance(value, tuple) else [v for row in value for v in _flat(row)]
-
-
-def _check_scale_values(name: str, values: list[float]) -> None:
-    for v in values:
-        if not (math.isfinite(v) and FLOAT32_TINY <= v <= 1 / FLOAT32_TINY):
-            raise ValueError(f"`{name}` must be finite, positive and a normal float32, got {name}={v!r}.")
-
-
-def _static_array(name: str, value: float | int | tuple, layout: Layout, x: Array) -> Array:
-    """A static scale or zero point as an array that broadcasts against `layout`'s view of `x`."""
-    a = jnp.asarray(value, compute_dtype(x.dtype))
-    if a.ndim == 0 and layout.scale_shape(x.shape) != ():
-        a = jnp.broadcast_to(a, layout.scale_shape(x.shape))  # one value for every channel or group
-    try:
-        return layout.expand(a, x.shape)
-    except ValueError as error:
-        raise ValueError(f"`{name}` does not fit `x`: {error}") from None
-
-
-def _sample_data(x: object, layout: Layout) -> tuple[Array, Array]:
-    """Calibration data as float32 and its view under `layout`, checked."""
-    x = as_float_input("x", x).astype(jnp.float32)
-    if x.size == 0:
-        raise ValueError(f"`x` is empty (shape {x.shape}): fitting a scale needs data.")
-    return x, layout.view(x)
-
-
-def _percentile_of_data(view: Array, axes: tuple[int, ...], percentile: float) -> np.ndarray:
-    """The `"percentile"` threshold of the finite `|view|` over `axes` (kept as unit axes)."""
-    view = np.asarray(view, np.float32)
-    kept = [i for i in range(view.ndim) if i not in axes]
-    rows = np.transpose(view, kept + list(axes)).reshape([view.shape[i] for i in kept] + [-1])
-    finite = np.isfinite(rows)
-    threshold = percentile_threshold(np.where(finite, np.abs(rows), 0.0), finite, percentile)
-    return threshold.reshape([1 if i in axes else n for i, n in enumerate(view.shape)])
-
-
-def _check_float_input(x: Array) -> None:
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"`x` must be a floating array, got dtype {x.dtype}.")
-
-
-AxisName = str | tuple[str, ...]
-
-
-def _axis_names(axis_name: object) -> tuple:
-    return () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
-def _check_axis_name(axis_name: object) -> None:
-    names = _axis_names(axis_name)
-    if axis_name is not None and not (names and all(isinstance(n, str) and n for n in names)):
-        raise TypeError(f"`axis_name` must be None, a non-empty str or a tuple of them, got axis_name={axis_name!r}.")
-
-
-def _unbound(axis_name: AxisName, error: NameError) -> ValueError:
-    return ValueError(
-        f"`axis_name`={axis_name!r} names an axis that is not bound here: call the quantizer inside the "
-        f"`jax.shard_map` (or `jax.vmap(..., axis_name=...)`) that defines it. ({error})"
-    )
-
-
-def _shards(axis_name: AxisName | None) -> int:
-    """The number of shards that `x` is split into along the named axes (1 for none)."""
-    try:
-        return math.prod(jax.lax.axis_size(name) for name in _axis_names(axis_name))
-    except NameError as error:
-        raise _unbound(axis_name, error) from error  # pyright: ignore[reportArgumentType]
-
-
-def _across_shards(axis_name: AxisName | None, maxima: tuple[Array, ...], minima: tuple[Array, ...] = ()) -> tuple:
-    """The statistics of the whole tensor from those of each shard: `maxima` reduced with `pmax`, `minima` with
-    `pmin`, returned in that order."""
-    if axis_name is None:
-        return maxima + minima
-    try:
-        return tuple(jax.lax.pmax(a, axis_name) for a in maxima) + tuple(jax.lax.pmin(a, axis_name) for a in minima)
-    except NameError as error:
-        raise _unbound(axis_name, error) from error
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# The quantizers.
+StaticFloats = float | int | np.number | tuple | list | np.ndarray | jax.Array
+StaticInts = int | np.integer | tuple | list | np.ndarray
+FormatLike = Format | str | int | np.integer
 
 
 class AbstractQuantizer(eqx.Module):
     """Base class of the quantizer modules.
 
-    A quantizer maps an array to an array of the same shape and dtype whose values lie on a quantization grid (or,
-    for [`eqx_quant.PassthroughClip`][], in a range), with gradients defined by [`eqx_quant.fake_quant`][] or
+    A quantizer maps an array to an array of the same shape and dtype whose values lie on a number format's grid
+    (or, for [`eqx_quant.PassthroughClip`][], in a range), with gradients defined by [`eqx_quant.fake_quant`][] or
     [`eqx_quant.clip_passthrough`][].
     """
 
@@ -179,23 +84,26 @@ class AbstractQuantizer(eqx.Module):
 
 
 class AbstractFakeQuantizer(AbstractQuantizer):
-    """Base class of the quantizers that put their input on an integer grid (all but
-    [`eqx_quant.PassthroughClip`][]); their output is [`eqx_quant.fake_quant`][] with the step size and zero point
-    that `params` returns, and `quantize` stores the same integers as a [`eqx_quant.nn.QuantizedTensor`][].
+    """Base class of the quantizers that put their input on a number format's grid: [`eqx_quant.FakeQuant`][]
+    (static scales), [`eqx_quant.DynamicFakeQuant`][] (computed from the input) and [`eqx_quant.LearnedFakeQuant`][]
+    (trained).
 
-    Every fake quantizer has an integer range `qmin`, `qmax` and a `layout` (an [`eqx_quant.Layout`][]: per tensor,
-    per channel along any axes, or per group of `group_size` along the last axis).
+    Every one has a `format` (a [`eqx_quant.Format`][]: an integer grid, a float element type, an MX format, NVFP4)
+    and a `layout` (an [`eqx_quant.Layout`][]: per tensor, per channel along any axes, or per tile of `group_size`
+    elements along an axis, as groups and MX or NVFP4 blocks are). A call is
+    [`eqx_quant.fake_quant_format`][] with the scales of `scales`; `quantize_array` stores the same codes as a
+    [`eqx_quant.QuantizedArray`][].
     """
 
-    qmin: eqx.AbstractVar[int]
-    qmax: eqx.AbstractVar[int]
+    format: eqx.AbstractVar[Format]
     layout: eqx.AbstractVar[Layout]
 
     @abc.abstractmethod
-    def params(self, x: Float[Array, "*shape"]) -> tuple[float | Array, int | Array]:
-        """The step size and zero point of a call on `x`, as they enter [`eqx_quant.fake_quant`][]: shaped to
-        broadcast against `self.layout.view(x)`, the zero point the int 0 for a symmetric grid. Learned parameters
-        carry their gradients; [`eqx_quant.AbstractFakeQuantizer.quantization_params`][] gives them compact.
+    def scales(self, x: Float[Array, "*shape"]) -> Scales:
+        """The scales of a call on `x`, broadcasting against `self.layout.view(x)`: the scale, the zero point of an
+        asymmetric integer grid (else `None`), and the tensor scale of two-level formats (else `None`). Learned
+        parameters carry their gradients; [`eqx_quant.AbstractFakeQuantizer.quantization_params`][] gives the
+        scales compact.
 
         **Arguments:**
 
@@ -203,67 +111,52 @@ class AbstractFakeQuantizer(AbstractQuantizer):
 
         **Returns:**
 
-        `(scale, zero_point)`.
+        A named tuple `(scale, zero_point, tensor_scale)`.
         """
 
-    def quantization_params(self, x: Float[Array, "*shape"]) -> tuple[Array, Array]:
-        """The scale and zero point that a call on `x` uses, in the compact shape of the layout.
+    @property
+    def bits(self) -> int:
+        """The width of one element of the format."""
+        return self.format.bits
 
-        **Arguments:**
+    @property
+    def qmin(self) -> int:
+        """The lowest level of an integer grid."""
+        return integer_grid_of(self.format).qmin
 
-        - `x`: a floating array.
+    @property
+    def qmax(self) -> int:
+        """The highest level of an integer grid."""
+        return integer_grid_of(self.format).qmax
 
-        **Returns:**
+    @property
+    def axis(self) -> int | tuple[int, ...] | None:
+        """The channel axes of the layout: `None`, one int, or a tuple of ints."""
+        return self.layout.axis
 
-        `(scale, zero_point)`, float32 arrays in the compact shape of the layout
-        ([`eqx_quant.Layout.scale_shape`][]): `()` per tensor, `(x.shape[axis],)` per channel, and
-        `x.shape[:-1] + (x.shape[-1] // group_size,)` per group. The zero point is integer-valued (0 when symmetric).
-        No gradient flows through them.
-        """
-        tensor = self.quantize(x)
-        zero_point = jnp.zeros_like(tensor.scale) if tensor.zero_point is None else tensor.zero_point
-        return tuple(self.layout.compact(a, x.shape).astype(jnp.float32) for a in (tensor.scale, zero_point))  # pyright: ignore
+    @property
+    def group_size(self) -> int | None:
+        """The tile size of the layout, or `None`."""
+        return self.layout.group_size
 
-    def quantize(self, x: Float[Array, "*shape"], *, pack: bool = True) -> QuantizedTensor:
-        """The integers that a call on `x` puts it on, with their scale, zero point, grid and layout: the
-        [`eqx_quant.nn.QuantizedTensor`][] whose `dequantize()` is, bit for bit, this quantizer's output for `x`.
-        No gradient flows through it.
+    def params(self, x: Float[Array, "*shape"]) -> tuple[Array, int | Array]:
+        """`(scale, zero_point)` of a call on `x`, as they enter [`eqx_quant.fake_quant`][]: broadcasting against the
+        view of `x`, the zero point the int 0 for a symmetric grid, and for two-level formats the product of the two
+        scales."""
+        s = self.scales(x)
+        scale = s.scale if s.tensor_scale is None else s.scale * s.tensor_scale
+        return scale, 0 if s.zero_point is None else s.zero_point
 
-        **Arguments:**
-
-        - `x`: a floating array.
-        - `pack`: pack grids of at most 4 bits at their width ([`eqx_quant.pack_bits`][]), as stored weights are;
-            `False` keeps one integer per element.
-
-        **Returns:**
-
-        A [`eqx_quant.nn.QuantizedTensor`][].
-        """
-        return self.quantize_with_mask(x, pack=pack)[0]
-
-    def quantize_with_mask(self, x: Float[Array, "*shape"], *, pack: bool = False) -> tuple[QuantizedTensor, Array]:
-        """[`eqx_quant.AbstractFakeQuantizer.quantize`][] (unpacked by default), and where the levels are NaN (no
-        integer holds NaN; the integer products take those positions apart)."""
-        _check_float_input(x)
-        return quantize_tensor(x, *self.params(x), self.qmin, self.qmax, self.layout, pack=pack)
-
-    def fake_quant_and_tensor(
-        self, x: Float[Array, "*shape"], *, value: bool = True, mask: bool = True
-    ) -> tuple[Array, QuantizedTensor, Array | None]:
-        """A call on `x` and [`eqx_quant.AbstractFakeQuantizer.quantize_with_mask`][] (unpacked), from one
-        computation of the parameters: what the integer forward of a quantized layer needs of each operand.
-        With `value=False`, the first is `x` itself with the call's derivatives (for products that use only the
-        fake-quantized operand's tangent); with `mask=False`, the NaN mask is `None` (not computed)."""
-        _check_float_input(x)
-        scale, zero_point = self.params(x)
-        apply = fake_quant if value else straight_through
-        fake = apply(self.layout.view(x), scale, self.qmin, self.qmax, zero_point).reshape(x.shape)
-        tensor, nan = quantize_tensor(x, scale, zero_point, self.qmin, self.qmax, self.layout, pack=False, mask=mask)
-        return fake, tensor, nan
+    def _view(self, x: Array) -> Array:
+        check_float_input(x)
+        if self.format.scale != "float32":
+            assert self.layout.group_size is not None
+            check_blocks(x.shape, self.layout.group_axis, self.layout.group_size, self.format)
+        return self.layout.view(x)
 
     def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:
-        """Fake-quantizes `x`: `fake_quant(view, scale, qmin, qmax, zero_point)` with the view of `x` under the
-        layout and the parameters of `self.params(x)`, reshaped back.
+        """Fake-quantizes `x`: [`eqx_quant.fake_quant_format`][] of the view of `x` under the layout, with the
+        scales of `self.scales(x)`, reshaped back.
 
         **Arguments:**
 
@@ -275,22 +168,150 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         An array with the shape and dtype of `x`.
         """
         del key
-        _check_float_input(x)
+        view = self._view(x)
         with jax.named_scope(f"eqx_quant.{type(self).__name__}"):
-            scale, zero_point = self.params(x)
-            return fake_quant(self.layout.view(x), scale, self.qmin, self.qmax, zero_point).reshape(x.shape)
+            return fake_quant_scales(view, self.scales(x), self.format).reshape(x.shape)
+
+    def quantization_params(self, x: Float[Array, "*shape"]) -> tuple[Array, Array]:
+        """The scale and zero point that a call on `x` uses, in the compact shape of the layout.
+
+        **Arguments:**
+
+        - `x`: a floating array.
+
+        **Returns:**
+
+        `(scale, zero_point)`, float32 arrays in the compact shape of the layout
+        ([`eqx_quant.Layout.scale_shape`][]): `()` per tensor, `(x.shape[axis],)` per channel, and the tiled axis
+        shortened by `group_size` per tile. The zero point is integer-valued (0 when symmetric); a two-level scale is
+        given as the product of its two levels, an E8M0 scale `2**-127` as 0. No gradient flows through them.
+        """
+        self._view(x)
+        scale, zero_point = self.params(jax.lax.stop_gradient(x))
+        scale = jax.lax.stop_gradient(jnp.broadcast_to(scale, self.layout.broadcast_shape(x.shape)))
+        zero_point = jnp.broadcast_to(jax.lax.stop_gradient(jnp.asarray(zero_point, scale.dtype)), scale.shape)
+        return tuple(self.layout.compact(a, x.shape).astype(jnp.float32) for a in (scale, zero_point))  # pyright: ignore
+
+    def quantize_array(self, x: Float[Array, "*shape"], *, pack: bool = True) -> QuantizedArray:
+        """The codes that a call on `x` puts it on, with their scales, format and layout: the
+        [`eqx_quant.QuantizedArray`][] whose `dequantize()` is, bit for bit, this quantizer's output for `x`. No
+        gradient flows through it.
+
+        **Arguments:**
+
+        - `x`: a floating array.
+        - `pack`: pack codes of at most 4 bits at their width ([`eqx_quant.pack_bits`][]), as stored weights are;
+            `False` keeps one code per element.
+
+        **Returns:**
+
+        A [`eqx_quant.QuantizedArray`][].
+        """
+        return self.quantize_with_mask(x, pack=pack)[0]
+
+    def quantize(self, x: Float[Array, "*shape"], *, pack: bool = True) -> QuantizedArray:
+        """An alias of [`eqx_quant.AbstractFakeQuantizer.quantize_array`][] (the name of earlier releases)."""
+        return self.quantize_array(x, pack=pack)
+
+    def quantize_with_mask(self, x: Float[Array, "*shape"], *, pack: bool = False) -> tuple[QuantizedArray, Array]:
+        """[`eqx_quant.AbstractFakeQuantizer.quantize_array`][] (unpacked by default), and where its grid points are
+        NaN (no integer holds NaN; the integer products take those positions apart)."""
+        self._view(x)
+        array, nan = quantize_array(x, self.scales(x), self.format, self.layout, pack=pack)
+        assert nan is not None
+        return array, nan
+
+    def fake_quant_and_array(
+        self, x: Float[Array, "*shape"], *, value: bool = True, mask: bool = True
+    ) -> tuple[Array, QuantizedArray, Array | None]:
+        """A call on `x` and [`eqx_quant.AbstractFakeQuantizer.quantize_with_mask`][] (unpacked), from one
+        computation of the scales: what the integer forward of a quantized layer needs of each operand. With
+        `value=False`, the first is `x` itself with the call's derivatives (for products that use only the
+        fake-quantized operand's tangent); with `mask=False`, the NaN mask is `None` (not computed)."""
+        view = self._view(x)
+        scales = self.scales(x)
+        fake = fake_quant_scales(view, scales, self.format, value=value).reshape(x.shape)
+        array, nan = quantize_array(x, scales, self.format, self.layout, pack=False, mask=mask)
+        return fake, array, nan
+
+
+def _format_of(value: object, qmin: object, qmax: object, signed: bool = True, narrow: bool = False) -> Format:
+    """The format of quantizer arguments: `qmin` and `qmax` (an integer grid), or a format (a
+    [`eqx_quant.Format`][], its name, or a number of bits with `signed` and `narrow`)."""
+    if value is not None and (qmin is not None or qmax is not None):
+        raise ValueError(f"Give `qmin` and `qmax` or `format`, not both: got format={value!r}, qmin={qmin!r}.")
+    if value is None:
+        if qmin is None or qmax is None:
+            raise ValueError("`qmin` and `qmax` (an integer grid) or `format` is needed.")
+        return IntFormat(*check_range(qmin, qmax))
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int_format(value, signed=signed, narrow=narrow)
+    if not (signed and not narrow):
+        raise ValueError(f"`signed` and `narrow` apply to a number of bits, got format={value!r}.")
+    return as_format(value)
+
+
+def _layout_of(layout: object, axis: object, group_size: object, group_axis: object) -> Layout:
+    """The layout of quantizer arguments: `layout` itself (checked), or the one `axis`, `group_size` and
+    `group_axis` describe."""
+    if layout is None:
+        return Layout.of(axis, group_size, group_axis=group_axis)  # pyright: ignore[reportArgumentType]
+    if not isinstance(layout, Layout):
+        raise TypeError(f"`layout` must be an eqx_quant.Layout or None, got layout={layout!r}.")
+    if (axis, group_size, group_axis) != (None, None, -1):
+        raise ValueError(f"Give `layout` or `axis` / `group_size` / `group_axis`, not both: got layout={layout!r}.")
+    return Layout.of(layout.axis, layout.group_size, layout.stacked, layout.group_axis)
+
+
+def _check_scale_values(name: str, values: list[float], kind: str) -> None:
+    """Raises unless static or initial scales are ones of the scale format `kind` (see `SCALE_FORMATS`)."""
+    for v in values:
+        if kind == "float32":
+            ok = math.isfinite(v) and FLOAT32_TINY <= v <= 1 / FLOAT32_TINY
+            requirement = "finite, positive and a normal float32"
+        elif kind == "e8m0":
+            ok = v == 0 or (math.isfinite(v) and v > 0 and math.frexp(v)[0] == 0.5 and -127 <= math.log2(v) <= 127)
+            requirement = "a power of two 2**e with -127 <= e <= 127 (or 0 for 2**-127)"
+        else:
+            ok = math.isfinite(v) and 0 <= v <= E4M3.bound and float(np.float32(v).astype(ml_dtypes.float8_e4m3fn)) == v
+            requirement = "a non-negative float8_e4m3fn value"
+        if not ok:
+            raise ValueError(f"`{name}` must be {requirement}, got {name}={v!r}.")
+
+
+def _static_array(name: str, value: float | int | tuple, layout: Layout, x: Array) -> Array:
+    """A static scale or zero point as an array that broadcasts against `layout`'s view of `x`."""
+    a = jnp.asarray(value, compute_dtype(x.dtype))
+    if a.ndim == 0 and layout.scale_shape(x.shape) != ():
+        a = jnp.broadcast_to(a, layout.scale_shape(x.shape))  # one value for every channel or tile
+    try:
+        return layout.expand(a, x.shape)
+    except ValueError as error:
+        raise ValueError(f"`{name}` does not fit `x`: {error}") from None
+
+
+def _check_layout(fmt: Format, layout: Layout) -> None:
+    if fmt.scale != "float32" and layout.group_size is None:
+        raise ValueError(f"{fmt.name} has block scales: give its block size as `group_size` (and its axis as "
+                         "`group_axis`).")  # fmt: skip
+    if fmt.scale == "e4m3" and layout.group_size != NVFP4_BLOCK:
+        raise ValueError(f"NVFP4 has blocks of {NVFP4_BLOCK}, got group_size={layout.group_size}.")
+    if fmt.scale != "float32" and layout.axes:
+        raise ValueError(f"{fmt.name} has a scale per block: `axis` does not apply, got axis={layout.axis!r}.")
 
 
 class FakeQuant(AbstractFakeQuantizer):
-    """A fixed fake quantizer: scale, zero point and integer range are static configuration.
+    """A fixed fake quantizer: format, layout and scales are static configuration.
 
-    `FakeQuant(scale, qmin, qmax)(x)` is `fake_quant(x, scale, qmin, qmax)`. Per-channel scales and zero points are
-    tuples with one entry per index of `x.shape[axis]`; per-group ones (`group_size=g`) nested tuples of the shape
-    `x.shape[:-1] + (x.shape[-1] // g,)`: the compact shapes of [`eqx_quant.Layout`][].
+    `FakeQuant(scale, qmin, qmax)(x)` is `fake_quant(x, scale, qmin, qmax)`; `FakeQuant(scale,
+    format="float8_e4m3fn")(x)` is `fake_quant_float(x, scale, "float8_e4m3fn")`. Per-channel scales and zero points
+    are tuples with one entry per index of `x.shape[axis]`; per-tile ones (`group_size=g`) nested tuples in the
+    compact shape of [`eqx_quant.Layout`][]. Block formats hold their block scales so (powers of two for MX,
+    `float8_e4m3fn` values and a `tensor_scale` for NVFP4): GPTQ's result on such a weight, say.
 
     The module has no array leaves: optimizers never change it and gradients never reach it, which suits a frozen,
-    calibrated quantizer (see [`eqx_quant.FakeQuant.calibrate`][]). Because its configuration is static, it is part of
-    the compiled program: repeated calls under `eqx.filter_jit` with the same module compile once, and a module with
+    calibrated quantizer (see [`eqx_quant.FakeQuant.fit`][]). Because its configuration is static, it is part of the
+    compiled program: repeated calls under `eqx.filter_jit` with the same module compile once, and a module with
     another scale compiles again. Use [`eqx_quant.LearnedFakeQuant`][] for scales that change during training.
 
     !!! example
@@ -305,50 +326,70 @@ class FakeQuant(AbstractFakeQuantizer):
     """
 
     scale: float | tuple = eqx.field(static=True)
-    qmin: int = eqx.field(static=True)
-    qmax: int = eqx.field(static=True)
     zero_point: int | tuple = eqx.field(static=True)
-    axis: int | tuple[int, ...] | None = eqx.field(static=True)
-    group_size: int | None = eqx.field(static=True)
+    tensor_scale: float | None = eqx.field(static=True)
+    format: Format = eqx.field(static=True)
+    layout: Layout = eqx.field(static=True)
 
     def __init__(
         self,
         scale: StaticFloats,
-        qmin: int | np.integer,
-        qmax: int | np.integer,
+        qmin: int | np.integer | None = None,
+        qmax: int | np.integer | None = None,
         *,
+        format: FormatLike | None = None,
         zero_point: StaticInts = 0,
+        tensor_scale: float | None = None,
         axis: int | tuple[int, ...] | None = None,
         group_size: int | None = None,
+        group_axis: int = -1,
+        layout: Layout | None = None,
     ):
         """**Arguments:**
 
         - `scale`: the step size, a positive float, or an array of them in the compact shape of the layout (one per
-            channel along `axis`, or one per group).
-        - `qmin`, `qmax`: the inclusive integer range; see [`eqx_quant.int_range`][].
+            channel along `axis`, or one per tile).
+        - `qmin`, `qmax`: the inclusive integer range (see [`eqx_quant.int_range`][]); or, instead of them,
+        - `format`: a [`eqx_quant.Format`][] or its name.
         - `zero_point`: the integer that represents 0, in `[qmin, qmax]`; an int or an array of ints shaped like
-            `scale`.
+            `scale`. Integer grids with float32 scales only.
+        - `tensor_scale`: the float32 scale of the whole tensor of a two-level format (NVFP4).
         - `axis`: the channel axis (or axes) of the input for per-channel `scale` / `zero_point`; negative values
             count from the end.
-        - `group_size`: the size of the groups along the last axis for per-group `scale` / `zero_point`.
+        - `group_size`, `group_axis`: the size of the tiles along axis `group_axis` (the last by default) for
+            per-tile `scale` / `zero_point`.
 
-        A per-channel or per-group `scale` needs `axis` or `group_size`; a scalar applies to every channel or group.
+        - `layout`: instead of `axis`, `group_size` and `group_axis`, the [`eqx_quant.Layout`][] itself.
+
+        A per-channel or per-tile `scale` needs `axis` or `group_size`; a scalar applies to every channel or tile.
         """
-        self.scale = _as_static_floats("scale", scale)
-        self.qmin, self.qmax = check_range(qmin, qmax)
-        self.zero_point = _as_static_ints("zero_point", zero_point)
-        self.axis = Layout.of(axis, group_size).axis
-        self.group_size = group_size
+        self.format = _format_of(format, qmin, qmax)
+        self.scale = as_static_floats("scale", scale)
+        self.zero_point = as_static_ints("zero_point", zero_point)
+        self.tensor_scale = None if tensor_scale is None else check_real("tensor_scale", tensor_scale)
+        self.layout = _layout_of(layout, axis, group_size, group_axis)
 
     def __check_init__(self):
-        _check_scale_values("scale", _flat(self.scale))
-        for zp in _flat(self.zero_point):
-            if not self.qmin <= zp <= self.qmax:
-                raise ValueError(
-                    f"`zero_point` must lie in [qmin, qmax] = [{self.qmin}, {self.qmax}], got zero_point={zp}."
-                )
+        fmt = self.format
+        _check_layout(fmt, self.layout)
+        _check_scale_values("scale", flat(self.scale), fmt.scale)
+        if (fmt.scale == "e4m3") != (self.tensor_scale is not None):
+            raise ValueError(f"`tensor_scale` is given exactly for two-level scales (NVFP4), got format={fmt.name!r} "
+                             f"and tensor_scale={self.tensor_scale!r}.")  # fmt: skip
+        if self.tensor_scale is not None:
+            _check_scale_values("tensor_scale", [self.tensor_scale], "float32")
+        if not fmt.zero_points and any(zp != 0 for zp in flat(self.zero_point)):
+            raise ValueError(f"{fmt.name} has no zero point, got zero_point={self.zero_point!r}.")
+        if isinstance(fmt, IntFormat):
+            for zp in flat(self.zero_point):
+                if not fmt.qmin <= zp <= fmt.qmax:
+                    raise ValueError(
+                        f"`zero_point` must lie in [qmin, qmax] = [{fmt.qmin}, {fmt.qmax}], got zero_point={zp}."
+                    )
         arrays = [name for name in ("scale", "zero_point") if isinstance(getattr(self, name), tuple)]
         if arrays and self.layout.is_per_tensor():
+            if fmt.scale == "float32" and not isinstance(fmt, IntFormat) and arrays == ["scale"]:
+                raise ValueError(f"A per-channel `scale` needs `axis`, got scale={self.scale!r} and axis=None.")
             raise ValueError(f"`axis` or `group_size` is required for an array `{arrays[0]}`, got neither.")
         if len(arrays) == 2 and np.shape(self.scale) != np.shape(self.zero_point):
             raise ValueError(
@@ -356,16 +397,17 @@ class FakeQuant(AbstractFakeQuantizer):
                 f"{np.shape(self.zero_point)}."
             )
 
-    @property
-    def layout(self) -> Layout:
-        return Layout.of(self.axis, self.group_size)
+    def scales(self, x: Float[Array, "*shape"]) -> Scales:
+        zero_point = None
+        if self.zero_point != 0:
+            zero_point = _static_array("zero_point", self.zero_point, self.layout, x)
+        tensor_scale = None if self.tensor_scale is None else jnp.asarray(self.tensor_scale, jnp.float32)
+        return Scales(_static_array("scale", self.scale, self.layout, x), zero_point, tensor_scale)
 
-    def params(self, x: Float[Array, "*shape"]) -> tuple[Array, int | Array]:
-        scale = _static_array("scale", self.scale, self.layout, x)
-        zero_point = self.zero_point
-        if zero_point != 0:
-            zero_point = _static_array("zero_point", zero_point, self.layout, x)
-        return scale, zero_point
+    @property
+    def dtype(self) -> str:
+        """The element type of a float format (as [`eqx_quant.FloatFakeQuant`][] took it)."""
+        return self.format.element
 
     @classmethod
     def from_bits(
@@ -390,19 +432,19 @@ class FakeQuant(AbstractFakeQuantizer):
 
         A [`eqx_quant.FakeQuant`][] with zero point 0.
         """
-        qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
-        return cls(scale, qmin, qmax, axis=axis, group_size=group_size)
+        return cls(scale, format=int_format(bits, signed=signed, narrow=narrow), axis=axis, group_size=group_size)
 
     @classmethod
-    def calibrate(
+    def fit(
         cls,
         x: Real[ArrayLike, "*shape"],
-        bits: int | np.integer,
+        format: FormatLike,
         *,
         signed: bool = True,
         narrow: bool = False,
         axis: int | tuple[int, ...] | None = None,
         group_size: int | None = None,
+        group_axis: int = -1,
         method: Literal["absmax", "minmax", "percentile", "mse"] = "absmax",
         percentile: float = 99.99,
         num_candidates: int = 100,
@@ -414,17 +456,19 @@ class FakeQuant(AbstractFakeQuantizer):
         **Arguments:**
 
         - `x`: the sample data, e.g. a weight or a batch of activations.
-        - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
+        - `format`: the number of bits of an integer grid (with `signed` and `narrow`, as for
+            [`eqx_quant.int_range`][]), or a [`eqx_quant.Format`][] or its name.
         - `axis`: `None` for one scale for the whole tensor, or the channel axis (or axes) for one scale per index
             along it.
-        - `group_size`: one scale per group of this many contiguous elements along the last axis (per-group scales
-            of shape `x.shape[:-1] + (x.shape[-1] // group_size,)`), or `None`.
+        - `group_size`, `group_axis`: one scale per tile of this many contiguous elements along axis `group_axis`,
+            or `None`. Block formats (MX, NVFP4) need their blocks so.
         - `method`:
-            - `"absmax"`: symmetric, `scale ≈ max|x| / qmax`, nudged up by at most a few ulps so that the largest
-                magnitude maps inside `[qmin, qmax]` with the arithmetic of [`eqx_quant.fake_quant`][] (so it lands on
-                the grid and keeps its gradient).
+            - `"absmax"`: symmetric, `scale ≈ max|x| / bound` (`bound` the grid's `qmax`, or the largest value of a
+                float format), nudged up by at most a few ulps so that the largest magnitude maps inside the grid
+                with the arithmetic of [`eqx_quant.fake_quant`][] (so it lands on the grid and keeps its gradient).
+                Block formats take their own rule (E8M0 or two-level scales).
             - `"minmax"`: asymmetric, covering `[min(x, 0), max(x, 0)]` with an integer zero point, so that 0 is
-                exactly representable and both extremes map inside the range.
+                exactly representable and both extremes map inside the range. Integer grids only.
             - `"percentile"`: symmetric, clipping at the `percentile`-th percentile of the finite `|x|`: the smallest
                 magnitude at or below which `percentile` percent of them lie (the inverted empirical distribution,
                 NumPy's `method="inverted_cdf"`), the definition [`eqx_quant.calibrate`][] applies to its histograms.
@@ -438,25 +482,70 @@ class FakeQuant(AbstractFakeQuantizer):
         A [`eqx_quant.FakeQuant`][] with float32-representable scales.
         """
         check_method(method, percentile, num_candidates)
-        qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
-        layout = Layout.of(axis, group_size)
+        fmt = _format_of(format, None, None, signed, narrow)
+        layout = Layout.of(axis, group_size, group_axis=group_axis)
+        _check_layout(fmt, layout)
+        check_fit_method(fmt, method)
         x, view = _sample_data(x, layout)
         axes = layout.reduction_axes(x.shape)
-        absmax, lo, hi = stats(view, axes)
-        zero_point = jnp.zeros_like(absmax)
-        if method == "absmax":
-            scale = absmax_scale(absmax, qmin, qmax)
+        zero_point = tensor_scale = None
+        if fmt.scale != "float32":
+            check_blocks(x.shape, layout.group_axis, layout.group_size, fmt)  # pyright: ignore[reportArgumentType]
+            scale, _, tensor_scale = fit_scales(view, axes, fmt)
         elif method == "minmax":
-            scale, zero_point = minmax_scale(lo, hi, qmin, qmax)
+            assert isinstance(fmt, IntFormat)
+            _, lo, hi = stats(view, axes)
+            scale, zero_point = minmax_scale(lo, hi, fmt)
+        elif method == "absmax":
+            scale = absmax_scale(stats(view, axes)[0], fmt)
         elif method == "percentile":
-            scale = absmax_scale(jnp.asarray(_percentile_of_data(view, axes, percentile), jnp.float32), qmin, qmax)
+            scale = absmax_scale(jnp.asarray(_percentile_of_data(view, axes, percentile), jnp.float32), fmt)
         else:
-            scale = least_error_scale(view, None, absmax, axes, qmin, qmax, int(num_candidates))
+            scale = least_error_scale(view, None, stats(view, axes)[0], axes, fmt, int(num_candidates))
         scale = np.asarray(layout.compact(scale, x.shape))
-        zero_point = np.asarray(layout.compact(zero_point, x.shape)).astype(np.int64)
+        tensor_scale = None if tensor_scale is None else float(tensor_scale)
+        if zero_point is None and fmt.zero_points:  # zeros in the shape of the scales, as minmax gives them
+            zero_point = jnp.zeros(np.shape(scale), jnp.float32)
+        zp = 0 if zero_point is None else np.asarray(layout.compact(zero_point, x.shape)).astype(np.int64)
         if layout.is_per_tensor():
-            return cls(float(scale), qmin, qmax, zero_point=int(zero_point))
-        return cls(scale, qmin, qmax, zero_point=zero_point, axis=layout.axis, group_size=group_size)
+            return cls(float(scale), format=fmt, zero_point=int(np.asarray(zp)))
+        return cls(scale, format=fmt, zero_point=zp, tensor_scale=tensor_scale, axis=layout.axis,
+                   group_size=layout.group_size, group_axis=layout.group_axis)  # fmt: skip
+
+    @classmethod
+    def calibrate(cls, x: Real[ArrayLike, "*shape"], bits: FormatLike, **kwargs) -> "FakeQuant":
+        """An alias of [`eqx_quant.FakeQuant.fit`][] (the name of earlier releases)."""
+        return cls.fit(x, bits, **kwargs)
+
+
+def check_fit_method(fmt: Format, method: str) -> None:
+    """Raises unless `method` can fit a static scale of `fmt`."""
+    if method == "minmax" and not fmt.zero_points:
+        raise ValueError(
+            f"`method`='minmax' fits an asymmetric grid with a zero point, which {fmt.name} does not have; use "
+            "'absmax', 'percentile' or 'mse'."
+        )
+    if fmt.scale != "float32" and method != "absmax":
+        raise ValueError(f"{fmt.name} computes its block scales by its own rule: only `method`='absmax' fits them, "
+                         f"got method={method!r}.")  # fmt: skip
+
+
+def _sample_data(x: object, layout: Layout) -> tuple[Array, Array]:
+    """Calibration data as float32 and its view under `layout`, checked."""
+    x = as_float_input("x", x).astype(jnp.float32)
+    if x.size == 0:
+        raise ValueError(f"`x` is empty (shape {x.shape}): fitting a scale needs data.")
+    return x, layout.view(x)
+
+
+def _percentile_of_data(view: Array, axes: tuple[int, ...], percentile: float) -> np.ndarray:
+    """The `"percentile"` threshold of the finite `|view|` over `axes` (kept as unit axes)."""
+    view = np.asarray(view, np.float32)
+    kept = [i for i in range(view.ndim) if i not in axes]
+    rows = np.transpose(view, kept + list(axes)).reshape([view.shape[i] for i in kept] + [-1])
+    finite = np.isfinite(rows)
+    threshold = percentile_threshold(np.where(finite, np.abs(rows), 0.0), finite, percentile)
+    return threshold.reshape([1 if i in axes else n for i, n in enumerate(view.shape)])
 
 
 class PassthroughClip(AbstractQuantizer):
@@ -496,27 +585,31 @@ class PassthroughClip(AbstractQuantizer):
 
     def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:
         del key
-        _check_float_input(x)
+        check_float_input(x)
         with jax.named_scope("eqx_quant.PassthroughClip"):
             return clip_passthrough(x, self.lo, self.hi)
 
 
 class DynamicFakeQuant(AbstractFakeQuantizer):
-    """A fake quantizer that computes its scale from its input at every call: the usual weight quantizer in QAT.
+    """A fake quantizer that computes its scales from its input at every call: the usual weight quantizer in QAT,
+    and the usual activation quantizer of integer and float inference.
 
-    The scale is `max|x| / qmax` (symmetric), nudged up by at most a few ulps so that the largest magnitude always
-    maps inside the range and keeps its gradient, whichever way the program is compiled; or, with
-    `symmetric=False`, an asymmetric scale and integer zero point covering `[min(x, 0), max(x, 0)]`. Scale and zero
-    point are computed in float32 from the finite entries of `x` and are `stop_gradient`-ed: gradients reach `x`
-    through the straight-through estimator only. An all-zero tensor (channel, group) quantizes to exact zeros.
+    The scale of an integer grid is `max|x| / qmax` (symmetric), nudged up by at most a few ulps so that the largest
+    magnitude always maps inside the range and keeps its gradient, whichever way the program is compiled; or, with
+    `symmetric=False`, an asymmetric scale and integer zero point covering `[min(x, 0), max(x, 0)]`. A float format
+    with float32 scales takes `max|x| / M` (`M` its largest value: 448 for `float8_e4m3fn`), nudged alike. MX blocks
+    take the power of two of their scale rule, NVFP4 blocks their two levels (see [`eqx_quant.mx_fake_quant`][] and
+    [`eqx_quant.nvfp4_fake_quant`][]). Scales are computed from the finite entries of `x` and are `stop_gradient`-ed:
+    gradients reach `x` through the straight-through estimator only. An all-zero tensor (channel, tile) quantizes to
+    exact zeros.
 
     Granularity:
 
     - per tensor (`axis=None`, `group_size=None`): one scale;
     - per channel (`axis=k`, or a tuple of axes): one scale per index along axis `k`;
-    - per group (`group_size=g`): the last axis is split into contiguous groups of `g`, and every group of every
-        index of the other axes has its own scale: scales of shape `x.shape[:-1] + (x.shape[-1] // g,)`. These are
-        already separate for every channel, so `axis` (if given) only has to name another axis than the last.
+    - per tile (`group_size=g`): axis `group_axis` (the last by default) is split into contiguous tiles of `g`, and
+        every tile of every index of the other axes has its own scale: the groups of an integer weight, the blocks
+        of MX (32) and NVFP4 (16) formats.
 
     !!! example
 
@@ -527,90 +620,91 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
         q = eqx_quant.DynamicFakeQuant(8, axis=0)  # one scale per row
         w = jnp.array([[0.1, -0.2, 0.3], [10.0, 5.0, -2.5]])
         print(q(w))
+        mxfp4 = eqx_quant.DynamicFakeQuant("mxfp4", group_size=4)  # blocks of 4 with power-of-two scales
+        print(mxfp4(jnp.array([0.1, -0.7, 3.0, 7.0])))  # [ 0.  -0.5  3.   6. ]
         ```
     """
 
-    bits: int = eqx.field(static=True)
-    signed: bool = eqx.field(static=True)
-    narrow: bool = eqx.field(static=True)
-    axis: int | tuple[int, ...] | None = eqx.field(static=True)
-    group_size: int | None = eqx.field(static=True)
+    format: Format = eqx.field(static=True)
+    layout: Layout = eqx.field(static=True)
     symmetric: bool = eqx.field(static=True)
     axis_name: AxisName | None = eqx.field(static=True)
 
     def __init__(
         self,
-        bits: int | np.integer,
+        format: FormatLike,
         *,
         signed: bool = True,
         narrow: bool = False,
         axis: int | tuple[int, ...] | None = None,
         group_size: int | None = None,
+        group_axis: int = -1,
         symmetric: bool = True,
         axis_name: AxisName | None = None,
+        layout: Layout | None = None,
     ):
         """**Arguments:**
 
-        - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
+        - `format`: the number of bits of an integer grid (with `signed` and `narrow`, as for
+            [`eqx_quant.int_range`][]), or a [`eqx_quant.Format`][] or its name (`"float8_e4m3fn"`, `"mxfp4"`,
+            `"nvfp4"`, ...).
         - `axis`: the channel axis for per-channel scales, or `None`.
-        - `group_size`: the size of the groups along the last axis for per-group scales, or `None`.
-        - `symmetric`: `True` for a zero point of 0 and `scale = max|x| / qmax`; `False` for a min/max range with an
-            integer zero point.
+        - `group_size`, `group_axis`: the size of the tiles along axis `group_axis` for per-tile scales, or `None`.
+        - `symmetric`: `True` for a zero point of 0 and `scale = max|x| / bound`; `False` for a min/max range with an
+            integer zero point (integer grids with float32 scales only).
         - `axis_name`: for calls inside `jax.shard_map` (or a `jax.vmap` with an `axis_name`) where `x` is one shard
             of a larger tensor: the named axes along which the tensor is split. The statistics are then reduced
             across them (`jax.lax.pmax`, `jax.lax.pmin`), so that every shard uses the scale of the whole tensor. Name
             only axes that split the elements sharing a scale, never the channel axis. Not needed under `jax.jit`
             with sharded arrays, where reductions are global already.
+        - `layout`: instead of `axis`, `group_size` and `group_axis`, the [`eqx_quant.Layout`][] itself.
         """
-        self.bits = check_int("bits", bits)
-        self.signed = signed
-        self.narrow = narrow
-        self.axis = Layout.of(axis, group_size).axis
-        self.group_size = group_size
+        self.format = _format_of(format, None, None, signed, narrow)
+        self.layout = _layout_of(layout, axis, group_size, group_axis)
         self.symmetric = symmetric
         self.axis_name = axis_name
 
     def __check_init__(self):
-        int_range(self.bits, signed=self.signed, narrow=self.narrow)
-        _check_axis_name(self.axis_name)
+        _check_layout(self.format, self.layout)
+        check_axis_name(self.axis_name)
         if not isinstance(self.symmetric, bool):
             raise TypeError(f"`symmetric` must be a bool, got {self.symmetric!r}.")
+        if not self.symmetric and not self.format.zero_points:
+            raise ValueError(f"`symmetric`=False needs a zero point, which {self.format.name} does not have.")
 
     @property
-    def layout(self) -> Layout:
-        return Layout.of(self.axis, self.group_size)
+    def signed(self) -> bool:
+        """Whether the integer grid has negative levels."""
+        return self.qmin < 0
 
     @property
-    def qmin(self) -> int:
-        return int_range(self.bits, signed=self.signed, narrow=self.narrow)[0]
+    def narrow(self) -> bool:
+        """Whether the signed integer grid is symmetric about zero."""
+        return self.qmin == -self.qmax and self.qmin < 0
 
-    @property
-    def qmax(self) -> int:
-        return int_range(self.bits, signed=self.signed, narrow=self.narrow)[1]
-
-    def params(self, x: Float[Array, "*shape"]) -> tuple[Array, int | Array]:
-        layout = self.layout
-        view, axes = layout.view(x), layout.reduction_axes(x.shape)
-        if self.symmetric:  # only the absolute maximum: fewer operations to trace and compile
-            (absmax,) = _across_shards(self.axis_name, (finite_absmax(view, axes),))
-            return absmax_scale(absmax, self.qmin, self.qmax), 0
-        _, lo, hi = stats(view, axes)
-        hi, lo = _across_shards(self.axis_name, (hi,), (lo,))
-        return minmax_scale(lo, hi, self.qmin, self.qmax)
+    def scales(self, x: Float[Array, "*shape"]) -> Scales:
+        view = self.layout.view(x).astype(compute_dtype(x.dtype))
+        axes = self.layout.reduction_axes(x.shape)
+        return fit_scales(view, axes, self.format, symmetric=self.symmetric, axis_name=self.axis_name)
 
 
 class LearnedFakeQuant(AbstractFakeQuantizer):
-    """A fake quantizer with a learned step size (LSQ, Esser et al., ICLR 2020), and optionally a learned zero point.
+    """A fake quantizer with learned scales (LSQ, Esser et al., ICLR 2020), and optionally a learned zero point.
 
     `scale` is an array leaf in the compact shape of the layout: per tensor (shape `()`), per channel (shape
-    `(channels,)` along `axis`) or per group (`group_size=g`: shape `x.shape[:-1] + (x.shape[-1] // g,)`), trained
-    through the scale gradient of [`eqx_quant.fake_quant`][]. That gradient is multiplied by the LSQ gradient scale
-    `1 / sqrt(numel * qmax)`, where `numel` is the number of elements that share one scale in the call (`x.size` per
-    tensor, `x.size / channels` per channel, `g` per group); the forward value is unchanged.
+    `(channels,)` along `axis`) or per tile (the tiled axis shortened by `group_size`), trained through the scale
+    gradient of [`eqx_quant.fake_quant_format`][]. That gradient is multiplied by the LSQ gradient scale
+    `1 / sqrt(numel * level)`, where `numel` is the number of elements that share one scale in the call (`x.size` per
+    tensor, `x.size / channels` per channel, `g` per tile) and `level` the grid's `qmax` (or a float format's largest
+    value); the forward value is unchanged.
 
     **Positivity.** The forward pass uses `clip_passthrough(scale, min_scale, inf)`: whatever an optimizer does to the
     leaf, the step size used is at least `min_scale`, and since the clip passes its gradient straight through, a leaf
     pushed below the floor still receives gradients and can recover.
+
+    **Block formats.** An MX format's scale in use is the power of two nearest the leaf (in the log domain), an
+    NVFP4 block scale the nearest `float8_e4m3fn` value of the leaf, under the learned float32 `tensor_scale`; both
+    roundings pass gradients straight through.
 
     **Zero point (LSQ+).** With a `zero_point` leaf (asked for by `init_from(..., symmetric=False)`), the forward
     uses `round(clip(zero_point, qmin, qmax))`, with a straight-through gradient for both the round and the clip, and
@@ -632,81 +726,100 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
 
     scale: Float[Array, "*channels"]
     zero_point: Float[Array, "*channels"] | None
-    qmin: int = eqx.field(static=True)
-    qmax: int = eqx.field(static=True)
-    axis: int | tuple[int, ...] | None = eqx.field(static=True)
-    group_size: int | None = eqx.field(static=True)
+    tensor_scale: Float[Array, ""] | None
+    format: Format = eqx.field(static=True)
+    layout: Layout = eqx.field(static=True)
     min_scale: float = eqx.field(static=True)
     axis_name: AxisName | None = eqx.field(static=True)
 
     def __init__(
         self,
         scale: Real[ArrayLike, "*channels"],
-        qmin: int | np.integer,
-        qmax: int | np.integer,
+        qmin: int | np.integer | None = None,
+        qmax: int | np.integer | None = None,
         *,
+        format: FormatLike | None = None,
         zero_point: Real[ArrayLike, "*channels"] | None = None,
+        tensor_scale: Real[ArrayLike, ""] | None = None,
         axis: int | tuple[int, ...] | None = None,
         group_size: int | None = None,
+        group_axis: int = -1,
         min_scale: float = 1e-8,
         axis_name: AxisName | None = None,
+        layout: Layout | None = None,
     ):
         """**Arguments:**
 
         - `scale`: the initial step size: a positive scalar, or an array in the compact shape of the layout (one
-            entry per channel along `axis`, or one per group). Stored as a float32 array.
-        - `qmin`, `qmax`: the inclusive integer range; see [`eqx_quant.int_range`][].
+            entry per channel along `axis`, or one per tile). Stored as a float32 array.
+        - `qmin`, `qmax`: the inclusive integer range (see [`eqx_quant.int_range`][]); or, instead of them,
+        - `format`: a [`eqx_quant.Format`][] or its name.
         - `zero_point`: `None` for a symmetric quantizer, or the initial zero point (same shape as `scale`), stored
-            as a float32 array and learned.
+            as a float32 array and learned. Integer grids with float32 scales only.
+        - `tensor_scale`: the initial float32 tensor scale of a two-level format (NVFP4), learned too.
         - `axis`: the channel axis (or axes) for a per-channel `scale`, or `None`.
-        - `group_size`: the size of the groups along the last axis for a per-group `scale`, or `None`.
+        - `group_size`, `group_axis`: the size of the tiles along axis `group_axis` for a per-tile `scale`, or `None`.
         - `min_scale`: the smallest step size the forward pass uses; a positive, normal float32.
         - `axis_name`: for calls inside `jax.shard_map` where `x` is one shard of a larger tensor: the named axes
             along which the elements sharing a scale are split. The gradient scale then counts the elements of
             every shard, as it would for the whole tensor. (The scale's gradient itself is summed across shards by
             `shard_map`'s transpose when the scale is replicated along those axes.)
+        - `layout`: instead of `axis`, `group_size` and `group_axis`, the [`eqx_quant.Layout`][] itself.
         """
         # An explicit dtype: Python numbers would otherwise make weakly typed leaves (which recompile once updated).
         # A JAX array stays where it is, so a scale computed from a sharded weight keeps the weight's sharding.
         self.scale = jnp.asarray(scale, jnp.float32)
         self.zero_point = None if zero_point is None else jnp.asarray(zero_point, jnp.float32)
-        self.qmin, self.qmax = check_range(qmin, qmax)
-        self.axis = Layout.of(axis, group_size).axis
-        self.group_size = group_size
+        self.tensor_scale = None if tensor_scale is None else jnp.asarray(tensor_scale, jnp.float32)
+        self.format = _format_of(format, qmin, qmax)
+        self.layout = _layout_of(layout, axis, group_size, group_axis)
         self.min_scale = check_real("min_scale", min_scale)
         self.axis_name = axis_name
 
     def __check_init__(self):
-        _check_scale_values("min_scale", [self.min_scale])
-        _check_axis_name(self.axis_name)
-        layout = self.layout
+        fmt, layout = self.format, self.layout
+        _check_layout(fmt, layout)
+        _check_scale_values("min_scale", [self.min_scale], "float32")
+        check_axis_name(self.axis_name)
         if layout.group_size is None and self.scale.ndim != len(layout.axes):
             raise ValueError(
                 f"`scale` must have {len(layout.axes)} dimension(s) for axis={self.axis}, got shape {self.scale.shape}."
             )
-        if self.zero_point is not None and self.zero_point.shape != self.scale.shape:
-            raise ValueError(
-                f"`zero_point` must have the shape of `scale`, {self.scale.shape}, got {self.zero_point.shape}."
-            )
+        if self.zero_point is not None:
+            if not fmt.zero_points:
+                raise ValueError(f"{fmt.name} has no zero point, got a `zero_point`.")
+            if self.zero_point.shape != self.scale.shape:
+                raise ValueError(
+                    f"`zero_point` must have the shape of `scale`, {self.scale.shape}, got {self.zero_point.shape}."
+                )
+        if (fmt.scale == "e4m3") != (self.tensor_scale is not None):
+            raise ValueError(f"`tensor_scale` is given exactly for two-level scales (NVFP4), got format={fmt.name!r}.")
         if not isinstance(self.scale, jax.core.Tracer):
             s = np.asarray(self.scale)
-            if not np.all(np.isfinite(s) & (s > 0)):
+            positive = s > 0 if fmt.scale == "float32" else s >= 0
+            if not np.all(np.isfinite(s) & positive):
                 raise ValueError(f"`scale` must be finite and positive, got scale={s.tolist()!r}.")
 
-    @property
-    def layout(self) -> Layout:
-        return Layout.of(self.axis, self.group_size)
-
-    def params(self, x: Float[Array, "*shape"]) -> tuple[Array, int | Array]:
-        layout = self.layout
-        numel = layout.group_numel(x.shape) * _shards(self.axis_name)
-        factor = 1.0 / math.sqrt(numel * max(self.qmax, 1)) if numel else 1.0
-        scale = clip_passthrough(self._expand("scale", self.scale, x), self.min_scale, math.inf)
+    def scales(self, x: Float[Array, "*shape"]) -> Scales:
+        layout, fmt = self.layout, self.format
+        numel = layout.group_numel(x.shape) * shards(self.axis_name)
+        factor = 1.0 / math.sqrt(numel * fmt.lsq_level) if numel else 1.0
+        scale = self._expand("scale", self.scale, x)
+        if fmt.scale == "e4m3":
+            scale = e4m3_ste(clip_passthrough(scale, 0.0, math.inf))
+        else:
+            scale = clip_passthrough(scale, self.min_scale, math.inf)
+            if fmt.scale == "e8m0":
+                scale = pow2_ste(scale)
         scale = scale_gradient(scale, factor)
+        tensor_scale = None
+        if self.tensor_scale is not None:
+            tensor_scale = scale_gradient(clip_passthrough(self.tensor_scale, self.min_scale, math.inf), factor)
         if self.zero_point is None:
-            return scale, 0
+            return Scales(scale, None, tensor_scale)
+        assert isinstance(fmt, IntFormat)
         zero_point = self._expand("zero_point", self.zero_point, x)
-        return scale, round_ste(clip_passthrough(scale_gradient(zero_point, factor), self.qmin, self.qmax))
+        return Scales(scale, round_ste(clip_passthrough(scale_gradient(zero_point, factor), fmt.qmin, fmt.qmax)))
 
     def _expand(self, name: str, leaf: Array, x: Array) -> Array:
         try:
@@ -714,30 +827,39 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         except ValueError as error:
             raise ValueError(f"`{name}` does not fit `x`: {error}") from None
 
+    @property
+    def dtype(self) -> str:
+        """The element type of a float format (as [`eqx_quant.LearnedFloatFakeQuant`][] took it)."""
+        return self.format.element
+
     @classmethod
     def init_from(
         cls,
         x: Real[ArrayLike, "*shape"],
-        bits: int | np.integer,
+        format: FormatLike,
         *,
         signed: bool = True,
         narrow: bool = False,
         axis: int | tuple[int, ...] | None = None,
         group_size: int | None = None,
+        group_axis: int = -1,
         symmetric: bool = True,
         min_scale: float = 1e-8,
         axis_name: AxisName | None = None,
         stacked: int = 0,
     ) -> "LearnedFakeQuant":
-        """Initialises the step size from data as LSQ does: `2 * mean|x| / sqrt(qmax)`, per tensor, per channel or
-        per group.
+        """Initialises the scales from data: for an integer grid as LSQ does, `2 * mean|x| / sqrt(qmax)`; for a float
+        format the scales [`eqx_quant.DynamicFakeQuant`][] would use for `x` (`max|x| / M`, or the block scales of MX
+        and NVFP4). Per tensor, per channel or per tile.
 
         **Arguments:**
 
         - `x`: sample data (e.g. the weight it will quantize). Non-finite entries are ignored.
-        - `bits`, `signed`, `narrow`: the integer grid, as for [`eqx_quant.int_range`][].
+        - `format`: the number of bits of an integer grid (with `signed` and `narrow`, as for
+            [`eqx_quant.int_range`][]), or a [`eqx_quant.Format`][] or its name.
         - `axis`: the channel axis (or axes) for per-channel step sizes, or `None`.
-        - `group_size`: one step size per group of this many contiguous elements along the last axis, or `None`.
+        - `group_size`, `group_axis`: one step size per tile of this many contiguous elements along axis
+            `group_axis`, or `None`.
         - `symmetric`: `False` adds a learned zero point, initialised so that `min(x, 0)` maps to `qmin`.
         - `min_scale`: as for the constructor; the initial step size is at least this.
         - `axis_name`: as for the constructor (the initial step size is computed from `x` as given).
@@ -752,31 +874,168 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         """
         if check_int("stacked", stacked) < 0:
             raise ValueError(f"`stacked` must be a non-negative int, got stacked={stacked}.")
+        fmt = _format_of(format, None, None, signed, narrow)
+        layout = Layout.of(axis, group_size, group_axis=group_axis)
+        _check_layout(fmt, layout)
+        if not symmetric and not fmt.zero_points:
+            raise ValueError(f"`symmetric`=False needs a zero point, which {fmt.name} does not have.")
         if stacked:
             x = as_float_input("x", x)
             if x.ndim < stacked:
                 raise ValueError(f"`stacked`={stacked} leading axes do not fit `x` of shape {x.shape}.")
-            kwargs = dict(signed=signed, narrow=narrow, axis=axis, group_size=group_size, symmetric=symmetric)
-            init = lambda w: cls.init_from(w, bits, **kwargs, min_scale=min_scale, axis_name=axis_name)  # noqa: E731
+            kwargs = dict(axis=axis, group_size=group_size, group_axis=group_axis, symmetric=symmetric)
+            init = lambda w: cls.init_from(w, fmt, **kwargs, min_scale=min_scale, axis_name=axis_name)  # noqa: E731
             for _ in range(stacked):
                 init = eqx.filter_vmap(init)
             return init(x)
-        qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
-        layout = Layout.of(axis, group_size)
         x, view = _sample_data(x, layout)
         axes = layout.reduction_axes(x.shape)
+        like = dict(format=fmt, axis=layout.axis, group_size=group_size, group_axis=group_axis, min_scale=min_scale,
+                    axis_name=axis_name)  # fmt: skip
+        if not isinstance(fmt, IntFormat) or fmt.scale != "float32":
+            if fmt.scale != "float32":
+                check_blocks(x.shape, group_axis, group_size, fmt)  # pyright: ignore[reportArgumentType]
+            scale, _, tensor_scale = fit_scales(view, axes, fmt)
+            if fmt.scale == "float32":
+                scale = jnp.maximum(scale, min_scale)
+            return cls(layout.compact(scale, x.shape), tensor_scale=tensor_scale, **like)  # pyright: ignore
         finite = jnp.isfinite(view)
         magnitudes = jnp.where(finite, jnp.abs(view), 0.0)
         count = jnp.maximum(jnp.sum(finite, axis=axes, keepdims=True), 1).astype(jnp.float32)
         mean = jnp.sum(magnitudes, axis=axes, keepdims=True) / count
         # Past float32's range the sum overflows where the mean does not: then the sum of pre-divided magnitudes.
         mean = jnp.where(jnp.isfinite(mean), mean, jnp.sum(magnitudes / count, axis=axes, keepdims=True))
-        scale = layout.compact(jnp.maximum(2 * mean / math.sqrt(qmax), min_scale), x.shape)
+        scale = layout.compact(jnp.maximum(2 * mean / math.sqrt(fmt.qmax), min_scale), x.shape)
         zero_point = None
         if not symmetric:
             lo = jnp.minimum(jnp.min(finite_or(view, 0.0), axis=axes, initial=0.0), 0.0)
-            zero_point = jnp.clip(jnp.round(qmin - lo / scale), qmin, qmax)  # `lo` without unit axes, like `scale`
-        return cls(
-            scale, qmin, qmax, zero_point=zero_point, axis=layout.axis, group_size=group_size, min_scale=min_scale,
-            axis_name=axis_name,
-        )  # fmt: skip
+            zero_point = jnp.clip(jnp.round(fmt.qmin - lo / scale), fmt.qmin, fmt.qmax)  # `lo` without unit axes
+        return cls(scale, zero_point=zero_point, **like)  # pyright: ignore
+
+
+#
+# The constructors of earlier releases: the same modules, with a float format.
+#
+
+
+def FloatFakeQuant(dtype: object, scale: StaticFloats, *, axis: int | tuple[int, ...] | None = None) -> FakeQuant:
+    """A [`eqx_quant.FakeQuant`][] onto an FP8, FP6 or FP4 element type with a static float32 scale, per tensor or
+    per channel: `FakeQuant(scale, format=dtype, axis=axis)`.
+
+    `FloatFakeQuant(dtype, scale)(x)` is [`eqx_quant.fake_quant_float`][]`(x, scale, dtype)`.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_quant
+
+        q = eqx_quant.FloatFakeQuant("float8_e4m3fn", 0.5)
+        print(q(jnp.array([0.3, 1.25, -2.6, 5.5, 1000.0])))  # [  0.3125   1.25    -2.5      5.5    224.    ]
+        ```
+    """
+    return FakeQuant(scale, format=float_format(dtype), axis=axis)
+
+
+def DynamicFloatFakeQuant(dtype: object, *, axis: int | tuple[int, ...] | None = None) -> DynamicFakeQuant:
+    """A [`eqx_quant.DynamicFakeQuant`][] onto an FP8, FP6 or FP4 element type, per tensor or per channel:
+    `DynamicFakeQuant(dtype, axis=axis)`. The scale is `amax / M` (`M` the format's largest value), nudged so that
+    `amax` lands inside the range.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_quant
+
+        q = eqx_quant.DynamicFloatFakeQuant("float4_e2m1fn", axis=0)  # one scale per row
+        w = jnp.array([[0.25, -0.7, 1.5], [12.0, 5.0, -2.5]])  # scales 1.5 / 6 and 12 / 6
+        print(q(w))  # [[ 0.25 -0.75  1.5 ] [12.    4.   -2.  ]]
+        ```
+    """
+    return DynamicFakeQuant(float_format(dtype), axis=axis)
+
+
+def LearnedFloatFakeQuant(
+    dtype: object, scale: Real[ArrayLike, "*channels"], *, axis: int | tuple[int, ...] | None = None,
+    min_scale: float = 1e-8,
+) -> LearnedFakeQuant:  # fmt: skip
+    """A [`eqx_quant.LearnedFakeQuant`][] onto an FP8, FP6 or FP4 element type with a learned float32 scale, per
+    tensor or per channel: `LearnedFakeQuant(scale, format=dtype, axis=axis, min_scale=min_scale)`.
+    `LearnedFloatFakeQuant.init_from(x, dtype, axis=, min_scale=, stacked=)` is
+    [`eqx_quant.LearnedFakeQuant.init_from`][]`(x, dtype, ...)`: the scale [`eqx_quant.DynamicFakeQuant`][] would use.
+
+    !!! example
+
+        ```python
+        import jax
+        import jax.numpy as jnp
+        import eqx_quant
+
+        x = jax.random.normal(jax.random.key(0), (64,))
+        q = eqx_quant.LearnedFloatFakeQuant.init_from(x, "float8_e4m3fn")
+        grads = jax.grad(lambda q: jnp.sum((q(x) - x) ** 2))(q)
+        print(q.scale, grads.scale)
+        ```
+    """
+    return LearnedFakeQuant(scale, format=float_format(dtype), axis=axis, min_scale=min_scale)
+
+
+def _learned_float_init_from(
+    x: Real[ArrayLike, "*shape"], dtype: object, *, axis: int | tuple[int, ...] | None = None,
+    min_scale: float = 1e-8, stacked: int = 0,
+) -> LearnedFakeQuant:  # fmt: skip
+    return LearnedFakeQuant.init_from(x, float_format(dtype), axis=axis, min_scale=min_scale, stacked=stacked)
+
+
+LearnedFloatFakeQuant.init_from = _learned_float_init_from  # pyright: ignore[reportFunctionMemberAccess]
+
+
+def MXFakeQuant(fmt: str, *, axis: int = -1, block_size: int = 32, scale_rule: str = "floor") -> DynamicFakeQuant:
+    """A [`eqx_quant.DynamicFakeQuant`][] onto an OCP Microscaling (MX v1.0) format: blocks of `block_size`
+    contiguous elements along `axis` share a power-of-two scale (E8M0), computed from the block at every call:
+    `DynamicFakeQuant(mx_format(fmt, scale_rule=scale_rule), group_size=block_size, group_axis=axis)`.
+
+    A call is [`eqx_quant.mx_fake_quant`][]`(x, fmt, axis=axis, block_size=block_size, scale_rule=scale_rule)`:
+    see it for the formats, the two scale rules and the gradients. For a matrix product, block along its
+    contraction: the last axis of a linear layer's weight `(out, in)` and of its input, axis 1 of a convolution's
+    weight `(out, in, *kernel)` and axis 0 of its input `(in, *spatial)`.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_quant
+
+        q = eqx_quant.MXFakeQuant("mxfp4", block_size=4)
+        print(q(jnp.array([0.1, -0.7, 3.0, 7.0])))  # [ 0.  -0.5  3.   6. ]
+        ```
+    """
+    format = mx_format(fmt, scale_rule=scale_rule)
+    axis, block_size = check_int("axis", axis), check_int("block_size", block_size)
+    if block_size < 1:
+        raise ValueError(f"`block_size` must be >= 1, got block_size={block_size}.")
+    return DynamicFakeQuant(format, group_size=block_size, group_axis=axis)
+
+
+def NVFP4FakeQuant(*, axis: int = -1) -> DynamicFakeQuant:
+    """A [`eqx_quant.DynamicFakeQuant`][] onto NVFP4: `float4_e2m1fn` elements in blocks of 16 along `axis`, each
+    block with a `float8_e4m3fn` scale, under one float32 scale for the whole tensor, all computed from the input at
+    every call: `DynamicFakeQuant("nvfp4", group_size=16, group_axis=axis)`.
+
+    A call is [`eqx_quant.nvfp4_fake_quant`][]`(x, axis=axis)`: see it for the two levels of scales and the
+    gradients. Under `jax.vmap` (an Equinox model that maps a layer over tokens), each mapped slice has its own
+    tensor scale. For a matrix product, block along its contraction, as for [`eqx_quant.MXFakeQuant`][].
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_quant
+
+        q = eqx_quant.NVFP4FakeQuant()
+        x = jnp.linspace(-3.0, 3.0, 16)
+        print(q(x)[:4])  # [-3. -3. -2. -2.]
+        ```
+    """
+    return DynamicFakeQuant(NVFP4, group_size=NVFP4_BLOCK, group_axis=check_int("axis", axis))

@@ -1,15 +1,13 @@
-"""Named quantization schemes: the arguments of `quantize` for the usual weight / activation pairs."""
+"""Named quantization schemes: rule lists for the usual weight / activation pairs."""
 
 import re
 from collections.abc import Sequence
 from typing import Any
 
-import equinox as eqx
-
-from ._float_quantizers import DynamicFloatFakeQuant, LearnedFloatFakeQuant, MXFakeQuant, NVFP4FakeQuant
+from ._format import NVFP4, float_format, int_format, mx_format
 from ._misc import check_int
-from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
-from .nn._layers import stack_depth
+from ._quantizers import DynamicFakeQuant
+from ._rules import LayerQuantizer, Rule
 
 
 # name: (weight bits, default group size, activation bits, quantized attention products)
@@ -23,60 +21,14 @@ _RECIPES: dict[str, tuple[int, int | None, int | None, bool]] = {
     "w2a16_g32": (2, 32, None, False),
 }
 
-# name: (weight format, activation format); "fp8" is float8_e4m3fn with float32 scales.
-_FLOAT_RECIPES: dict[str, tuple[str, str]] = {
-    "fp8": ("fp8", "fp8"),
-    "mxfp4": ("mxfp4", "mxfp8_e4m3"),
-    "nvfp4": ("nvfp4", "nvfp4"),
+# name: the weight and input quantizers' formats and block sizes
+_FLOAT_RECIPES = {
+    "fp8": ((float_format("float8_e4m3fn"), None), (float_format("float8_e4m3fn"), None)),
+    "mxfp4": ((mx_format("mxfp4"), 32), (mx_format("mxfp8_e4m3"), 32)),
+    "nvfp4": ((NVFP4, 16), (NVFP4, 16)),
 }
-_BLOCK_SIZES = {"mxfp4": 32, "mxfp8_e4m3": 32, "nvfp4": 16}
 
 RECIPE_NAMES = (*_RECIPES, *_FLOAT_RECIPES)
-
-
-def _weight_quantizer(layer: eqx.Module, bits: int, group_size: int | None, learned: bool) -> AbstractQuantizer:
-    """Per group of `group_size` along the input axis for linear layers and embedding rows whose last axis it
-    divides, otherwise per output channel (row)."""
-    weight = layer.weight  # pyright: ignore[reportAttributeAccessIssue]
-    grouped = (
-        group_size is not None
-        and isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding))
-        and weight.shape[-1] % group_size == 0
-    )
-    layout = dict(group_size=group_size) if grouped else dict(axis=0)
-    if learned:
-        return LearnedFakeQuant.init_from(weight, bits, stacked=stack_depth(layer, weight.shape), **layout)
-    return DynamicFakeQuant(bits, **layout)  # pyright: ignore[reportArgumentType]
-
-
-def _contraction_axis(layer: eqx.Module) -> int:
-    """The axis a layer's product sums over, counted from the end so that it holds for stacked weights too: the last
-    axis of a linear weight `(out, in)` and of its input, the input channels of a convolution's weight
-    `(out, in, *kernel)` and of its input `(in, *spatial)`, the features of an embedding table."""
-    return -(layer.num_spatial_dims + 1) if isinstance(layer, eqx.nn.Conv) else -1  # pyright: ignore
-
-
-def _blocks_fit(layer: eqx.Module, block: int) -> bool:
-    """Whether the contraction of `layer`, in its weight and in its input, splits into blocks of `block`."""
-    if isinstance(layer, eqx.nn.Conv):
-        return (layer.in_channels // layer.groups) % block == 0  # then `in_channels`, a multiple of it, splits too
-    if isinstance(layer, eqx.nn.Linear):
-        return layer.in_features != "scalar" and layer.in_features % block == 0
-    return layer.weight.shape[-1] % block == 0  # pyright: ignore  # an embedding: blocks along its features
-
-
-def _float_quantizer(fmt: str, layer: eqx.Module, *, weight: bool, learned: bool) -> AbstractQuantizer:
-    """The weight (`weight=True`) or input quantizer of `fmt` for `layer`: FP8 E4M3 per output channel (weights) or
-    per tensor (inputs); MX and NVFP4 in blocks along the contraction, or FP8 where it does not split into blocks."""
-    if fmt != "fp8" and _blocks_fit(layer, _BLOCK_SIZES[fmt]):
-        axis = _contraction_axis(layer)
-        return NVFP4FakeQuant(axis=axis) if fmt == "nvfp4" else MXFakeQuant(fmt, axis=axis)
-    if not weight:
-        return DynamicFloatFakeQuant("float8_e4m3fn")
-    w = layer.weight  # pyright: ignore[reportAttributeAccessIssue]
-    if learned:
-        return LearnedFloatFakeQuant.init_from(w, "float8_e4m3fn", axis=0, stacked=stack_depth(layer, w.shape))
-    return DynamicFloatFakeQuant("float8_e4m3fn", axis=0)
 
 
 def recipe(
@@ -86,7 +38,8 @@ def recipe(
     keep: str | Sequence[str] = (),
     learned: bool = False,
 ) -> dict[str, Any]:
-    """The arguments of [`eqx_quant.quantize`][] for a named scheme: `eqx_quant.quantize(model, **recipe("w4a8_g32"))`.
+    """The configuration of a named scheme, as a list of [`eqx_quant.Rule`][]s:
+    `eqx_quant.quantize(model, **recipe("w4a8_g32"))`.
 
     | name | weights | activations | use |
     |---|---|---|---|
@@ -105,31 +58,43 @@ def recipe(
     [`eqx_quant.nn.Einsum`][] and of the two products of every `eqx.nn.MultiheadAttention` are quantized too (8 bits,
     dynamic, per tensor).
 
-    The float recipes block MX and NVFP4 along each product's contraction (a linear layer's input features, a
-    convolution's input channels); a layer whose contraction does not split into blocks gets the `"fp8"`
-    quantizers instead. Their block scales are always computed from the block, so `learned=True` only gives FP8
-    weights a [`eqx_quant.LearnedFloatFakeQuant`][], and `group_size` does not apply to them.
+    The quantizers are made for each layer by [`eqx_quant.LayerQuantizer`][]s: groups and blocks run along each
+    product's contraction (a linear layer's input features, a convolution's input channels for the block formats).
+    A linear layer whose input size the group size does not divide, and every convolution, gets one scale per output
+    channel for its integer weights; a layer whose contraction does not split into MX or NVFP4 blocks gets the
+    `"fp8"` quantizers instead. The block scales of MX and NVFP4 are always computed from the block, so
+    `learned=True` only gives FP8 weights a learned scale, and `group_size` does not apply to them.
 
-    Weights are symmetric. Groups run along a linear layer's input axis (and along an embedding's rows); a layer
-    whose input size the group size does not divide, and every convolution, gets one scale per output channel.
-    Dynamic activation scales are computed at every call from the input the layer sees: in a model that maps its
-    layers over tokens with `jax.vmap`, as Equinox transformers do, that is one scale per token, the standard
-    activation scheme of LLM W8A8 and W4A8 inference. [`eqx_quant.calibrate`][] turns them into static ones.
+    Weights are symmetric. Dynamic activation scales are computed at every call from the input the layer sees: in a
+    model that maps its layers over tokens with `jax.vmap`, as Equinox transformers do, that is one scale per token,
+    the standard activation scheme of LLM W8A8 and W4A8 inference. [`eqx_quant.calibrate`][] turns them into static
+    ones.
 
     **Arguments:**
 
     - `name`: one of the names above.
     - `group_size`: the group size of the grouped recipes (default: the number in the name); `None` keeps it. For
         a per-channel recipe it is ignored unless given, in which case its weights are grouped too.
-    - `keep`: patterns (regular expressions matched against the whole path, see [`eqx_quant.quantize`][]) of layers
+    - `keep`: patterns (regular expressions matched against the whole path, see [`eqx_quant.Rule`][]) of layers
         kept at 8 bits, weights per output channel and activations dynamic (W8A8): typically the first and last
-        layers, e.g. `keep=("embed", "head")`.
+        layers, e.g. `keep=("embed", "head")`. A pattern that reaches no layer is an error when the rules are applied.
     - `learned`: weights get a [`eqx_quant.LearnedFakeQuant`][] initialised from each layer's weight (stacked layers
         get one per layer), for quantization-aware training, instead of a [`eqx_quant.DynamicFakeQuant`][].
 
     **Returns:**
 
-    A dict with the keys `weights`, `activations` and `products`, the arguments of [`eqx_quant.quantize`][].
+    `{"rules": [...]}`: the keyword argument of [`eqx_quant.quantize`][]. The rules can be printed, read and
+    extended: `[eqx_quant.Rule("head", weight=None, input=None), *recipe("w4a8_g32")["rules"]]` keeps a head in
+    float.
+
+    !!! example
+
+        ```python
+        import eqx_quant
+
+        for rule in eqx_quant.recipe("w4a8_g32", keep="embed")["rules"]:
+            print(rule.pattern, rule.weight.format, rule.weight.group_size)
+        ```
     """
     if name not in RECIPE_NAMES:
         raise ValueError(f"`name` must be one of {RECIPE_NAMES}, got name={name!r}.")
@@ -148,35 +113,20 @@ def recipe(
     if not isinstance(learned, bool):
         raise TypeError(f"`learned` must be a bool, got learned={learned!r}.")
 
-    def kept(path: str) -> bool:
-        return any(re.fullmatch(pattern, path) for pattern in patterns)
-
     if name in _FLOAT_RECIPES:
-        weight_format, input_format = _FLOAT_RECIPES[name]
-
-        def weight_quant(layer: eqx.Module) -> AbstractQuantizer:
-            return _float_quantizer(weight_format, layer, weight=True, learned=learned)
-
-        def input_quant(layer: eqx.Module) -> AbstractQuantizer | None:
-            return _float_quantizer(input_format, layer, weight=False, learned=learned)
-
+        (weight_format, weight_block), (input_format, input_block) = _FLOAT_RECIPES[name]
+        weight = LayerQuantizer(weight_format, weight_block, learned=learned)
+        if input_block is None:
+            inputs = DynamicFakeQuant(input_format)
+        else:
+            inputs = LayerQuantizer(input_format, input_block, input=True)
         products = None
     else:
         bits, default_group, activation_bits, attention = _RECIPES[name]
         group = default_group if group_size is None else group_size
-
-        def weight_quant(layer: eqx.Module) -> AbstractQuantizer:
-            return _weight_quantizer(layer, bits, group, learned)
-
-        def input_quant(layer: eqx.Module) -> AbstractQuantizer | None:
-            return None if activation_bits is None else DynamicFakeQuant(activation_bits)
-
+        weight = LayerQuantizer(int_format(bits), group, learned=learned)
+        inputs = None if activation_bits is None else DynamicFakeQuant(activation_bits)
         products = DynamicFakeQuant(8) if attention else None
-
-    def weights(path: str, layer: eqx.Module) -> AbstractQuantizer:
-        return _weight_quantizer(layer, 8, None, learned) if kept(path) else weight_quant(layer)
-
-    def activations(path: str, layer: eqx.Module) -> AbstractQuantizer | None:
-        return DynamicFakeQuant(8) if kept(path) else input_quant(layer)
-
-    return {"weights": weights, "activations": activations, "products": products}
+    kept = [Rule(pattern, weight=LayerQuantizer(int_format(8), learned=learned), input=DynamicFakeQuant(8))
+            for pattern in patterns]  # fmt: skip
+    return {"rules": [*kept, Rule(".*", weight=weight, input=inputs, products=products)]}

@@ -1,29 +1,43 @@
-"""Scale and zero-point fitting, shared by calibration (of a quantizer on data, or of a model's activations from
-histograms) and dynamic quantizers (traced): each method is written once here.
+"""Fitting scales for any format and layout, shared by calibration (of a quantizer on data, or of a model's
+activations from histograms), GPTQ and the dynamic quantizers (traced): each method is written once here.
 
 Every function here is written with `jax.numpy`, so that a scale computed once at calibration time and a scale
-computed at every call of a dynamic quantizer come out of the same arithmetic. Statistics are float32.
+computed at every call of a dynamic quantizer come out of the same arithmetic. Statistics of float32 scales are
+float32; the block scales of the MX formats and NVFP4 are computed in the compute dtype of the data.
 """
 
 import functools
+import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float
 
-from ._fake_quant import dequantize_levels, in_range, quantize_levels, scaled
-from ._misc import FLOAT32_TINY, check_int, expand_to_rank
+from ._format import E4M3, Format, IntFormat, apply_scale, divide, exponent, pow2, reciprocal
+from ._misc import FLOAT32_TINY, AxisName, across_shards, check_int, expand_to_rank
+
+
+class Scales(NamedTuple):
+    """The scales of one call of a quantizer, broadcasting against the view of its input: `scale`, the zero point
+    of an integer grid (`None` for 0) and the float32 tensor scale of two-level formats (`None` otherwise)."""
+
+    scale: Array
+    zero_point: Array | None = None
+    tensor_scale: Array | None = None
 
 
 _HUGE = 1 / FLOAT32_TINY  # 2**126: the largest scale whose reciprocal is a normal float32 (a larger one's flushes to 0)
 _NUDGES = 4  # at most two are ever needed in float32; see `absmax_scale`
 
 
-def _lands_inside(x: Array, scale: Array, zero_point: Array, qmin: int, qmax: int) -> Array:
-    """Whether `x / scale + zero_point` lies in `[qmin, qmax]` with the arithmetic of `fake_quant`'s mask."""
-    return in_range(scaled(expand_to_rank(x, scale.ndim), scale), zero_point, qmin, qmax)
+def _lands_inside(x: Array, scale: Array, zero_point: Array, fmt: Format) -> Array:
+    """Whether `x / scale + zero_point` lies in the grid of `fmt`, with the arithmetic of `fake_quant`'s mask."""
+    v = expand_to_rank(x, scale.ndim) * reciprocal(fmt, scale, None, scale.ndim)
+    low, high = fmt.limits(zero_point, v.ndim)
+    return (v >= low) & (v <= high)
 
 
 def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
@@ -44,14 +58,8 @@ def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
     return jax.lax.bitcast_convert_type(scale_bits + steps, jnp.float32)
 
 
-def symmetric_bound(qmin: int, qmax: int) -> int:
-    """The level that a symmetric scale maps the largest magnitude to: `qmax`, or `-qmin` on a grid with no positive
-    level (such as `[-8, 0]`), or 1 on the one-level grid `[0, 0]`."""
-    return qmax if qmax > 0 else max(-qmin, 1)
-
-
 @functools.cache
-def largest_scale(largest_level: int) -> float:
+def largest_scale(largest_level: int | float) -> float:
     """The largest scale, at most `2**126` (whose reciprocal is the last normal float32), that maps `largest_level`
     to a finite float32: larger scales would make the reciprocal or the dequantized value unusable."""
     level, top = np.float32(largest_level), np.float32(_HUGE)
@@ -64,7 +72,7 @@ def largest_scale(largest_level: int) -> float:
     return float(scale)
 
 
-def _fitted(scale: Array, fits: Callable[[Array], Array], largest_level: int) -> Array:
+def _fitted(scale: Array, fits: Callable[[Array], Array], largest_level: int | float) -> Array:
     """`_first_fitting` of `scale` floored at the smallest normal float32 and capped at `largest_scale(largest_level)`
     (NaN stays NaN): bounded first, so that the steps start from a scale that `_first_fitting` takes, and capped again
     after them (steps up from below the cap end at the cap, as they would have from above it)."""
@@ -73,24 +81,25 @@ def _fitted(scale: Array, fits: Callable[[Array], Array], largest_level: int) ->
     return jax.lax.min(_first_fitting(scale, fits), cap)
 
 
-def absmax_scale(absmax: Float[Array, "*c"], qmin: int, qmax: int) -> Float[Array, "*c"]:
-    """The symmetric scale `absmax / bound`, nudged up by ulps until `absmax / scale <= bound` holds in float32.
+def absmax_scale(absmax: Float[Array, "*c"], fmt: Format) -> Float[Array, "*c"]:
+    """The symmetric float32 scale `absmax / bound`, nudged up by ulps until `absmax / scale <= bound` holds in
+    float32.
 
-    `bound` is `symmetric_bound(qmin, qmax)`, the grid's `qmax` when it is positive. A plain `absmax / bound` puts
-    `absmax` one ulp above `bound` about one time in seven, which clips the largest value and zeroes its gradient.
-    Scales are floored at the smallest normal float32, so an all-zero tensor gets a valid scale and quantizes to exact
-    zeros, and capped where a larger one would make its reciprocal subnormal or a level's value overflow (see
-    `largest_scale`): on grids of 3 bits or fewer, magnitudes above about `bound * 2**126` (`8.5e37` for 2 bits) then
-    saturate instead of making the scale unusable.
+    `bound` is [`eqx_quant.Format.bound`][]: the grid's `qmax` when it is positive, or the largest value of a float
+    format. A plain `absmax / bound` puts `absmax` one ulp above `bound` about one time in seven, which clips the
+    largest value and zeroes its gradient. Scales are floored at the smallest normal float32, so an all-zero tensor
+    gets a valid scale and quantizes to exact zeros, and capped where a larger one would make its reciprocal
+    subnormal or a grid point's value overflow (see `largest_scale`): on grids of 3 bits or fewer, magnitudes above
+    about `bound * 2**126` (`8.5e37` for 2 bits) then saturate instead of making the scale unusable.
     """
-    bound = symmetric_bound(qmin, qmax)
+    bound = fmt.bound
     absmax = absmax.astype(jnp.float32)
     fits = lambda s: expand_to_rank(absmax, s.ndim) * (1 / s) <= bound  # noqa: E731
-    return _fitted(absmax * (1.0 / bound), fits, max(-qmin, qmax))
+    return _fitted(absmax * (1.0 / bound), fits, fmt.largest)
 
 
 def minmax_scale(
-    lo: Float[Array, "*c"], hi: Float[Array, "*c"], qmin: int, qmax: int
+    lo: Float[Array, "*c"], hi: Float[Array, "*c"], fmt: IntFormat
 ) -> tuple[Float[Array, "*c"], Float[Array, "*c"]]:
     """An asymmetric `(scale, zero_point)` whose grid covers `[min(lo, 0), max(hi, 0)]`.
 
@@ -99,6 +108,7 @@ def minmax_scale(
     is taken; then the scale is nudged up by ulps until both ends land inside with `fake_quant`'s arithmetic. It is
     bounded like `absmax_scale`'s.
     """
+    qmin, qmax = fmt.qmin, fmt.qmax
     lo = jnp.minimum(lo.astype(jnp.float32), 0.0)
     hi = jnp.maximum(hi.astype(jnp.float32), 0.0)
     width = hi - lo
@@ -126,7 +136,7 @@ def minmax_scale(
     scale = jnp.minimum(low_scale, high_scale)
     zero_point = jnp.where(degenerate, float(min(max(0, qmin), qmax)), zero_point)
     scale = jnp.where(degenerate, 0.0, scale)  # floored at the smallest normal by `_fitted`
-    fits = lambda s: _lands_inside(lo, s, zero_point, qmin, qmax) & _lands_inside(hi, s, zero_point, qmin, qmax)  # noqa: E731
+    fits = lambda s: _lands_inside(lo, s, zero_point, fmt) & _lands_inside(hi, s, zero_point, fmt)  # noqa: E731
     return _fitted(scale, fits, qmax - qmin), zero_point
 
 
@@ -168,13 +178,13 @@ def check_method(method: object, percentile: object, num_candidates: object) -> 
         raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
 def least_error_scale(
-    values: Array, weights: Array | None, absmax: Array, axes: tuple[int, ...], qmin: int, qmax: int, candidates: int
+    values: Array, weights: Array | None, absmax: Array, axes: tuple[int, ...], fmt: Format, candidates: int
 ) -> Array:
-    """The `"mse"` method: of the symmetric scales for the clipping thresholds `absmax * k / candidates`
-    (`k = 1 ... candidates`), the one with the least squared quantization error of `values` on the grid
-    `[qmin, qmax]`, summed over `axes` (weighted by `weights`, a histogram's counts, unless `None`).
+    """The `"mse"` method: of the symmetric float32 scales for the clipping thresholds `absmax * k / candidates`
+    (`k = 1 ... candidates`), the one with the least squared quantization error of `values` on the grid of `fmt`,
+    summed over `axes` (weighted by `weights`, a histogram's counts, unless `None`).
 
     The error is that of `fake_quant`'s arithmetic. Non-finite values count as zeros. `absmax` has the shape of the
     sums (with unit axes at `axes`), and so does the result. Candidates are tried one after another, so that memory
@@ -186,13 +196,92 @@ def least_error_scale(
     unit = expand_to_rank(1 / jnp.maximum(absmax, FLOAT32_TINY), values.ndim)
 
     def error(fraction):
-        scale = absmax_scale(absmax * fraction, qmin, qmax)
-        quantized = dequantize_levels(quantize_levels(values, scale, None, qmin, qmax), scale, None)
-        squared = ((quantized - values) * unit) ** 2
+        scale = absmax_scale(absmax * fraction, fmt)
+        levels = fmt.levels(values * reciprocal(fmt, scale, None, values.ndim), None)
+        squared = ((apply_scale(fmt, levels, scale, None) - values) * unit) ** 2
         return jnp.sum(squared if weights is None else weights * squared, axis=axes, keepdims=True)
 
     best = fractions[jnp.argmin(jax.lax.map(error, fractions), axis=0)]
-    return absmax_scale(absmax * best, qmin, qmax)
+    return absmax_scale(absmax * best, fmt)
+
+
+#
+# Block scales: the E8M0 scales of the MX formats and NVFP4's two levels, from the blocks of a view.
+#
+
+
+def block_absmax(view: Array, axis: int) -> tuple[Array, Array]:
+    """Per block (along `axis` of the view, kept as a unit axis): the largest finite `|x|` (0 if none), in the
+    compute dtype, and whether the block holds a NaN or an inf."""
+    finite = jnp.isfinite(view)
+    amax = jnp.max(jnp.where(finite, jnp.abs(view), jnp.zeros((), view.dtype)), axis=axis, keepdims=True)
+    return amax, ~jnp.all(finite, axis=axis, keepdims=True)
+
+
+def e8m0_scale(amax: Array, fmt: Format) -> Array:
+    """The power-of-two scale `2**e` of blocks whose largest magnitude is `amax`, `e` clamped to [-127, 127] (held as
+    0 for `2**-127`, which float32 has only as a subnormal).
+
+    With `M` the format's largest value and `e_max` its exponent: `"floor"` (the MX specification's rule) takes
+    `e = floor(log2(amax)) - e_max`, `"rceil"` the smallest `e` with `amax <= M * 2**e`. Both are read exactly from the
+    bits of `amax`: with `amax = m_a * 2**k` and `M = m_M * 2**e_max` (mantissas in [1, 2)), `ceil(log2(amax / M))` is
+    `k - e_max`, plus one when `m_a > m_M`. Zero and subnormal `amax` land far below the clamp.
+    """
+    k = exponent(amax)
+    emax = math.frexp(fmt.largest)[1] - 1
+    e = k - emax
+    if fmt.scale_rule == "rceil":
+        nmant = jnp.finfo(amax.dtype).nmant
+        bits = jax.lax.bitcast_convert_type(amax, k.dtype)
+        max_bits = int((fmt.largest / 2**emax - 1) * 2**nmant)
+        e = e + ((bits & (2**nmant - 1)) > max_bits).astype(k.dtype)
+    return pow2(jnp.clip(e, -127, 127), amax.dtype)
+
+
+def tensor_scale_of(amax_block: Array, fmt: Format, axis_name: AxisName | None = None) -> Array:
+    """NVFP4's tensor scale `t = amax / (448 * M)`: `amax` the largest of `amax_block` (across the shards of
+    `axis_name`), `M` the element's largest value (2688 in all for `float4_e2m1fn`), correctly rounded."""
+    (amax,) = across_shards(axis_name, (jnp.max(amax_block, initial=0),))
+    return divide(amax, E4M3.bound * fmt.bound)
+
+
+def block_scale(amax_block: Array, t: Array, fmt: Format) -> Array:
+    """NVFP4's block scales under the tensor scale `t`: `b = float8_e4m3fn(clip(amax_b / (M * t), 0, 448))`, the
+    division correctly rounded; 0 where `t` is."""
+    ratio = jnp.where(t > 0, divide(amax_block, fmt.bound * jnp.where(t > 0, t, 1)), jnp.zeros((), t.dtype))
+    return E4M3.levels(ratio, None)  # ratio >= 0: the clip to [-448, 448] is the clip to [0, 448]
+
+
+def fit_scales(
+    view: Array, axes: tuple[int, ...], fmt: Format, *, symmetric: bool = True, axis_name: AxisName | None = None
+) -> Scales:
+    """The scales a dynamic quantizer takes for `view` (a tensor under its layout), the elements sharing a scale
+    along `axes` of it, without gradient:
+
+    - float32 scales: `absmax_scale` of the largest finite magnitude (or `minmax_scale` with `symmetric=False`);
+    - E8M0 scales: `e8m0_scale` of each block's largest finite magnitude;
+    - two-level scales: `block_scale` under `tensor_scale_of` the whole view.
+
+    A block holding NaN or inf gets a NaN scale (every entry of it quantizes to NaN). With `axis_name`, the
+    statistics of float32 scales, and NVFP4's tensor scale, are those of the whole tensor whose shards are split along
+    the named axes (blocks lie within one shard).
+    """
+    view = jax.lax.stop_gradient(view)
+    if fmt.scale == "float32":
+        if symmetric:
+            (absmax,) = across_shards(axis_name, (finite_absmax(view, axes),))
+            return Scales(absmax_scale(absmax, fmt))
+        assert isinstance(fmt, IntFormat)
+        _, lo, hi = stats(view, axes)
+        hi, lo = across_shards(axis_name, (hi,), (lo,))
+        return Scales(*minmax_scale(lo, hi, fmt))
+    (axis,) = axes
+    amax, bad = block_absmax(view, axis)
+    nan = jnp.asarray(jnp.nan, amax.dtype)
+    if fmt.scale == "e8m0":
+        return Scales(jnp.where(bad, nan, e8m0_scale(amax, fmt)))
+    t = tensor_scale_of(amax, fmt, axis_name)
+    return Scales(jnp.where(bad, nan, block_scale(amax, t, fmt)), None, t)
 
 
 def percentile_threshold(values: np.ndarray, weights: np.ndarray, percentile: float) -> np.ndarray:

@@ -25,3 +25,23 @@ def nodes(model: PyTree, types: tuple[type, ...]) -> list[tuple[str, Any]]:
     is_node = lambda node: isinstance(node, types)  # noqa: E731
     leaves = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)[0]
     return [(path_string(path), leaf) for path, leaf in leaves if is_node(leaf)]
+
+
+def unique_nodes(model: PyTree, types: tuple[type, ...], name: str) -> dict[str, Any]:
+    """The nodes of `model` that are instances of `types`, by path; raises if two of them have the same path (a dict
+    key with a dot, `{"a.b": ...}`, reads like the attributes `a.b`)."""
+    is_node = lambda node: isinstance(node, types)  # noqa: E731
+    found: dict[str, tuple[Any, Any]] = {}
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)[0]:
+        if not is_node(leaf):
+            continue
+        path = path_string(key_path)
+        if path in found:
+            first = jax.tree_util.keystr(found[path][0])
+            raise ValueError(
+                f"`{name}` has two quantizers or quantized arrays at the path {path!r}: at {first} and at "
+                f"{jax.tree_util.keystr(key_path)}. Paths join keys with '.', so rename the dict key that holds a "
+                f"'.' (or that reads like another key)."
+            )
+        found[path] = (key_path, leaf)
+    return {path: leaf for path, (_, leaf) in found.items()}

@@ -30,9 +30,8 @@ def main():
     print(f"d(quantization error)/d(scale) at scale 0.5: {float(grad):.4f}\n")
 
     # The pass-through clip keeps every tangent.
-    y, y_dot = jax.jvp(
-        lambda v: eqx_quant.clip_passthrough(v, 0.0, 1.0), (jnp.array([-2.0, 0.5, 3.0]),), (jnp.array([2.0, -3.0, 4.0]),)
-    )
+    clip = lambda v: eqx_quant.clip_passthrough(v, 0.0, 1.0)  # noqa: E731
+    y, y_dot = jax.jvp(clip, (jnp.array([-2.0, 0.5, 3.0]),), (jnp.array([2.0, -3.0, 4.0]),))
     print(f"clip_passthrough      : {y.tolist()}, tangent {y_dot.tolist()}")
 
 

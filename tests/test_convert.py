@@ -862,8 +862,8 @@ def test_export_safetensors(tmp_path):
         assert layer_info["nibble_order"] == ("low-first" if packed else None), name
     a_input = model["a"].input_quant
     assert info["a"]["input"] == {
-        "scale": a_input.scale, "zero_point": a_input.zero_point, "qmin": -128, "qmax": 127, "axis": None,
-        "group_size": None,
+        "kind": "FakeQuant", "format": "int8", "scale": a_input.scale, "zero_point": a_input.zero_point,
+        "tensor_scale": None, "qmin": -128, "qmax": 127, "axis": None, "group_size": None, "group_axis": -1,
     }  # fmt: skip
 
 
@@ -879,9 +879,9 @@ def test_convert_rejects_a_passthrough_clip_weight_quantizer():
 
 def test_export_needs_an_integer_layer(tmp_path):
     linear = init(lambda k: eqx.nn.Linear(3, 2, key=k), 0)
-    with pytest.raises(ValueError, match="no integer layer"):
+    with pytest.raises(ValueError, match="no converted layer"):
         export_safetensors(tmp_path / "a.safetensors", [linear])
-    with pytest.raises(ValueError, match="no integer layer"):
+    with pytest.raises(ValueError, match="no converted layer"):
         export_safetensors(tmp_path / "b.safetensors", quantize([linear]))
     assert not (tmp_path / "a.safetensors").exists() and not (tmp_path / "b.safetensors").exists()
 

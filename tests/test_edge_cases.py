@@ -18,7 +18,6 @@ import pytest
 from hypothesis import given, settings
 
 import eqx_quant
-from eqx_quant._qtensor import QuantizedTensor
 
 from .helpers import assert_bitwise_equal
 

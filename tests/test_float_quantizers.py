@@ -53,7 +53,7 @@ def ml_codes(values, name):
 
 def unpacked_codes(tensor):
     """The codes of a tensor, one per element, in its shape: FP4 nibbles unpacked by hand (low nibble first)."""
-    codes = np.asarray(tensor.codes)
+    codes = np.asarray(tensor.values)
     if not tensor.packed:
         return codes
     nibbles = np.stack([codes & 0xF, codes >> 4], axis=-1).reshape(codes.shape[0], -1)
@@ -107,7 +107,7 @@ def data(seed, shape, spread=8.0):
 
 
 def assert_dequantizes_to(tensor, want):
-    assert isinstance(tensor, FloatQuantizedTensor)
+    assert isinstance(tensor, eqx_quant.QuantizedArray)
     assert_same(tensor.dequantize(), want)
 
 
@@ -123,16 +123,16 @@ def test_codes_are_ml_dtypes_bit_patterns(name):
     x = np.concatenate([g, -g, [np.nan] if name.startswith("float8") else []]).astype(F32)
     x = np.concatenate([x, np.zeros(-len(x) % 2, F32)])
     tensor = FloatFakeQuant(name, 1.0).quantize(jnp.asarray(x))
-    assert tensor.codes.dtype == jnp.uint8 and tensor.format == name and tensor.element == name
+    assert tensor.values.dtype == jnp.uint8 and tensor.format.name == name and tensor.format.element == name
     if BITS[name] == 4:
-        assert tensor.packed and tensor.codes.shape == (1, len(x) // 2)
+        assert tensor.packed and tensor.values.shape == (1, len(x) // 2)
         low, high = ml_codes(x[0::2], name), ml_codes(x[1::2], name)
-        np.testing.assert_array_equal(np.asarray(tensor.codes)[0], low | (high << 4))
+        np.testing.assert_array_equal(np.asarray(tensor.values)[0], low | (high << 4))
     else:
-        assert not tensor.packed and tensor.codes.shape == x.shape
-        np.testing.assert_array_equal(tensor.codes, ml_codes(x, name))
+        assert not tensor.packed and tensor.values.shape == x.shape
+        np.testing.assert_array_equal(tensor.values, ml_codes(x, name))
     assert_same(tensor.dequantize(), x)
-    np.testing.assert_array_equal(tensor.elements(), np.asarray(tensor.dequantize()))
+    np.testing.assert_array_equal(tensor.levels(), np.asarray(tensor.dequantize()))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -171,7 +171,7 @@ def test_dynamic_scale_and_gradient():
             want = ref_fake_quant_float(x, scale, name)
             assert_same(q(jnp.asarray(x)), want)
             assert_dequantizes_to(tensor, want)
-            assert tensor.channel_axes == (() if axis is None else (0,))
+            assert tensor.layout.axes == (() if axis is None else (0,))
     # The largest magnitude keeps its gradient; the scale gets none (stop_gradient); infinities get 0.
     q = DynamicFloatFakeQuant("float8_e4m3fn", axis=0)
     grad = np.asarray(jax.grad(lambda x_: jnp.sum(q(x_)))(jnp.asarray(x)))
@@ -217,7 +217,7 @@ def test_nan_and_half_precision():
     # FP8 stores NaN as its NaN code; FP4 under a float scale has none, so `quantize` refuses it.
     tensor = FloatFakeQuant("float8_e5m2", 1.0).quantize(x)
     assert_dequantizes_to(tensor, np.asarray(FloatFakeQuant("float8_e5m2", 1.0)(x)))
-    assert int(tensor.codes[1]) == int(ml_codes(np.nan, "float8_e5m2"))
+    assert int(tensor.values[1]) == int(ml_codes(np.nan, "float8_e5m2"))
     with pytest.raises(ValueError, match=r"`x` holds NaN \(at index \(1,\)\).*float4_e2m1fn"):
         FloatFakeQuant("float4_e2m1fn", 1.0).quantize(x)
     # bfloat16 in, bfloat16 out, and the dequantized tensor in bfloat16 too.
@@ -253,13 +253,13 @@ def test_mx_bit_exact():
             want = ref_mx(x, fmt, 32, rule)
             assert_same(q(jnp.asarray(x)), want)
             tensor = q.quantize(jnp.asarray(x))
-            assert tensor.format == fmt and tensor.scale_rule == rule and tensor.block_size == 32
-            assert tensor.block_axis == 1 and tensor.scale_format == "float8_e8m0fnu"
-            assert tensor.scale.dtype == jnp.uint8 and tensor.scale.shape == (4, 2)
-            np.testing.assert_array_equal(tensor.scale, ref_mx_exponents(x, fmt, 32, rule))
+            assert tensor.format == eqx_quant.mx_format(fmt, scale_rule=rule) and tensor.layout.group_size == 32
+            assert tensor.layout.tile_axis(tensor.shape) == 1 and tensor.format.scale == "e8m0"
+            assert tensor.scale.dtype == jnp.uint8 and tensor.scale.shape == (4, 2, 1)  # against the view (4, 2, 32)
+            np.testing.assert_array_equal(tensor.scale[..., 0], ref_mx_exponents(x, fmt, 32, rule))
             assert_dequantizes_to(tensor, want)
             # Elements of finite blocks: `ml_dtypes` codes of x / X; E8M0 bytes read by `ml_dtypes` give X.
-            scale = np.asarray(tensor.scale).view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
+            scale = np.asarray(tensor.scale[..., 0]).view(ml_dtypes.float8_e8m0fnu).astype(np.float64)
             ok = np.isfinite(scale).repeat(32, -1)
             v = (x.astype(np.float64) / scale.repeat(32, -1)).astype(F32)
             np.testing.assert_array_equal(unpacked_codes(tensor)[ok], ml_codes(cast(v, MX[fmt][0]), MX[fmt][0])[ok])
@@ -269,8 +269,8 @@ def test_mx_bit_exact():
     want = ref_mx(xt.T, "mxfp6_e2m3", 8, "rceil").T
     assert_same(q(jnp.asarray(xt)), want)
     tensor = q.quantize(jnp.asarray(xt))
-    assert tensor.block_axis == 0 and tensor.scale.shape == (2, 8)
-    np.testing.assert_array_equal(tensor.scale, ref_mx_exponents(xt.T, "mxfp6_e2m3", 8, "rceil").T)
+    assert tensor.layout.tile_axis(tensor.shape) == 0 and tensor.scale.shape == (2, 1, 8)
+    np.testing.assert_array_equal(tensor.scale[:, 0], ref_mx_exponents(xt.T, "mxfp6_e2m3", 8, "rceil").T)
     assert_dequantizes_to(tensor, want)
     for i in (0, 5, 12):
         assert_same(tensor.dequantize_row(i), want[i])
@@ -286,18 +286,18 @@ def test_nvfp4_bit_exact():
     assert_same(q(jnp.asarray(x)), want)
     tensor = q.quantize(jnp.asarray(x))
     t, b = ref_nvfp4_scales(x)
-    assert tensor.format == "nvfp4" and tensor.block_size == 16 and tensor.scale_format == "float8_e4m3fn"
+    assert tensor.format.name == "nvfp4" and tensor.layout.group_size == 16 and tensor.format.scale == "e4m3"
     assert tensor.tensor_scale is not None and tensor.tensor_scale.dtype == jnp.float32
     np.testing.assert_array_equal(tensor.tensor_scale, t)
-    np.testing.assert_array_equal(tensor.scale, b)
-    assert int(tensor.scale[1, 1]) == 0x7F  # the NaN block's scale is E4M3 NaN
+    np.testing.assert_array_equal(tensor.scale[..., 0], b)
+    assert int(tensor.scale[1, 1, 0]) == 0x7F  # the NaN block's scale is E4M3 NaN
     assert_dequantizes_to(tensor, want)
     for i in range(4):
         assert_same(tensor.dequantize_row(i), want[i])
     # Along axis 0.
     assert_same(NVFP4FakeQuant(axis=0)(jnp.asarray(x[:, :16].T)), ref_nvfp4(x[:, :16].reshape(1, -1)).reshape(4, 16).T)
     tensor = NVFP4FakeQuant(axis=0).quantize(jnp.asarray(np.ascontiguousarray(x[:, :16].T)))
-    assert tensor.scale.shape == (1, 4) and tensor.codes.shape == (16, 2)
+    assert tensor.scale.shape == (1, 1, 4) and tensor.values.shape == (16, 2)
 
 
 def test_jit_vmap_and_stacked_tensors():
@@ -314,7 +314,7 @@ def test_jit_vmap_and_stacked_tensors():
         jitted = eqx.filter_jit(q.quantize)(x)
         assert_trees_equal(jitted, q.quantize(x))
         # Stacked: `quantize` mapped over two tensors gives one stacked tensor, which dequantizes slice by slice.
-        if isinstance(q, FloatFakeQuant):
+        if isinstance(q, eqx_quant.FakeQuant):
             continue
         pair = jnp.stack([x, -2 * x])
         tensor = eqx.filter_vmap(q.quantize)(pair)
@@ -391,11 +391,13 @@ def test_errors():
         MXFakeQuant("mxfp4", axis=2).quantize(x)
     with pytest.raises(ValueError, match="`dequantize_row` needs"):
         MXFakeQuant("mxfp4").quantize(jnp.ones(32)).dequantize_row(0)
-    assert all(
-        issubclass(c, AbstractFloatQuantizer) and issubclass(c, eqx_quant.AbstractQuantizer)
-        and not issubclass(c, eqx_quant.AbstractFakeQuantizer)
-        for c in (FloatFakeQuant, DynamicFloatFakeQuant, LearnedFloatFakeQuant, MXFakeQuant, NVFP4FakeQuant)
-    )  # fmt: skip
+    # The constructors of earlier releases make the one family of quantizers, with a float format.
+    made = (FloatFakeQuant("float8_e4m3fn", 1.0), DynamicFloatFakeQuant("float8_e4m3fn"),
+            LearnedFloatFakeQuant("float8_e4m3fn", 1.0), MXFakeQuant("mxfp4"), NVFP4FakeQuant())  # fmt: skip
+    kinds = (eqx_quant.FakeQuant, eqx_quant.DynamicFakeQuant, eqx_quant.LearnedFakeQuant, eqx_quant.DynamicFakeQuant,
+             eqx_quant.DynamicFakeQuant)  # fmt: skip
+    assert all(type(q) is kind and isinstance(q, AbstractFloatQuantizer) for q, kind in zip(made, kinds, strict=True))
+    assert all(isinstance(q.format, eqx_quant.FloatFormat) for q in made)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -449,8 +451,8 @@ def test_convert_bit_exact(conv):
         assert len(layers) == (2 if conv else 3)
         for layer in layers:
             assert isinstance(layer.qweight, FloatQuantizedTensor)
-            assert layer.qweight.format == {"fp8": "float8_e4m3fn", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}[name]
-            assert layer.qweight.codes.dtype == jnp.uint8
+            assert layer.qweight.format.name == {"fp8": "float8_e4m3fn", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}[name]
+            assert layer.qweight.values.dtype == jnp.uint8
         assert_same(_batched(real, x), np.asarray(_batched(fake, x)))
 
 
@@ -526,20 +528,19 @@ def test_save_load_round_trip_and_checks(tmp_path):
     assert_same(_batched(loaded, x), np.asarray(_batched(model, x)))
     # The header describes the codes: format, scale rule, block size.
     header = json.loads(path.read_bytes()[16 : 16 + int.from_bytes(path.read_bytes()[8:16], "little")])
-    table = header["quantized_tensors"]
+    table = header["quantized_arrays"]
     rows = {p: dict(zip(table["fields"], row, strict=True)) for p, row in table["tensors"].items()}
-    assert rows["layers.0.qweight"]["format"] == "mxfp4" and rows["layers.0.qweight"]["scale_rule"] == "floor"
-    assert rows["layers.1.qweight"]["format"] == "nvfp4" and rows["layers.1.qweight"]["block_size"] == 16
-    assert header["static_quantizers"]["layers.2.input_quant"]["kind"] == "FloatFakeQuant"
-    # A `like` of another scale rule (same shapes) or another format is refused, naming the field.
-    with pytest.raises(ValueError, match="`scale_rule`='floor'.*'rceil' in `like`"):
+    assert rows["layers.0.qweight"]["format"] == "mxfp4" and rows["layers.0.qweight"]["layout"][1] == 32
+    assert rows["layers.1.qweight"]["format"] == "nvfp4" and rows["layers.1.qweight"]["layout"][1] == 16
+    assert header["static_quantizers"]["layers.2.input_quant"]["format"] == "float8_e4m3fn"
+    # A `like` of another scale rule (same shapes) or another format is refused, naming the fields.
+    with pytest.raises(ValueError, match="format='mxfp4' in .* but format='mxfp4_rceil' in `like`"):
         eqx_quant.load(path, _mixed(1, rule="rceil"))
-    with pytest.raises(ValueError, match="`format`='mxfp4'.*'mxfp6_e2m3' in `like`"):
+    with pytest.raises(ValueError, match="format='mxfp4'.*format='mxfp6_e2m3'.* in `like`"):
         eqx_quant.load(path, _mixed(1, fmt="mxfp6_e2m3"))
-    # A static integer input quantizer where the file has a float one.
+    # A static integer input quantizer where the file has a float one: the file's format is restored.
     integer_input = eqx.tree_at(lambda m: m.layers[2].input_quant, like, eqx_quant.FakeQuant(0.02, -128, 127))
-    with pytest.raises(ValueError, match="is a FloatFakeQuant in .* but a FakeQuant in `like`"):
-        eqx_quant.load(path, integer_input)
+    assert eqx_quant.load(path, integer_input).layers[2].input_quant == FloatFakeQuant("float8_e4m3fn", 0.02)
 
 
 def test_export_safetensors_decodes_with_ml_dtypes(tmp_path):
@@ -582,10 +583,10 @@ def test_file_sizes(tmp_path):
 
 
 def test_exported_learned_scale_is_the_scale_in_use():
-    from eqx_quant._float_quantizers import quantizer_metadata
+    from eqx_quant._export import _input_metadata
 
     q = LearnedFloatFakeQuant("float8_e4m3fn", jnp.array([1e-9, 0.5]), axis=0, min_scale=1e-3)
-    assert quantizer_metadata(q)["scale"] == [float(F32(1e-3)), 0.5]
+    assert _input_metadata(q)["scale"] == [float(F32(1e-3)), 0.5]
     # The forward pass uses the same scales: 0.0123 / 1e-3 = 12.3 rounds to 12 on the E4M3 grid (steps of 1 in
     # [8, 16)), and 0.3 / 0.5 = 0.6 to 0.625 (steps of 1/16 in [0.5, 1)).
     x = jnp.array([[0.0123], [0.3]])

@@ -38,7 +38,7 @@ def test_layout_shapes_by_hand():
     assert Layout((), 4).view_shape(shape) == (2, 3, 2, 4)
     with pytest.raises(ValueError, match="does not divide"):
         Layout((), 3).view_shape(shape)
-    with pytest.raises(ValueError, match="must not be the last axis"):
+    with pytest.raises(ValueError, match="must not be the tiled axis"):
         Layout((2,), 4).view_shape(shape)
     with pytest.raises(ValueError, match="names a stacked axis"):
         Layout((0,), None, 1).view_shape(shape)

@@ -1079,7 +1079,7 @@ def test_wrong_types_raise_type_errors():
         FakeQuant("0.5", -8, 7)  # pyright: ignore
     with pytest.raises(TypeError, match=_names("qmin")):
         FakeQuant(0.5, -8.0, 7)  # pyright: ignore
-    with pytest.raises(TypeError, match=_names("bits")):
+    with pytest.raises(TypeError, match=_names("format")):
         DynamicFakeQuant(8.0)  # pyright: ignore
     with pytest.raises(TypeError, match=_names("bits")):
         FakeQuant.from_bits("8", 0.5)  # pyright: ignore
@@ -1097,10 +1097,12 @@ def test_wrong_types_raise_type_errors():
 
 def test_repr():
     cases = [
-        (FakeQuant((0.5, 0.25), -8, 7, zero_point=(1, -2), axis=0), ["FakeQuant", "0.5", "0.25", "-8", "7", "axis=0"]),
+        (FakeQuant((0.5, 0.25), -8, 7, zero_point=(1, -2), axis=0),
+         ["FakeQuant", "0.5", "0.25", "qmin=-8", "qmax=7", "axes=(0,)"]),
         (PassthroughClip(-1.5, 6.0), ["PassthroughClip", "lo=-1.5", "hi=6.0"]),
-        (DynamicFakeQuant(4, axis=1, symmetric=False), ["DynamicFakeQuant", "bits=4", "axis=1", "symmetric=False"]),
-        (LearnedFakeQuant(jnp.array([0.5, 0.2]), 0, 15, axis=-1), ["LearnedFakeQuant", "f32[2]", "qmax=15", "axis=-1"]),
+        (DynamicFakeQuant(4, axis=1, symmetric=False), ["DynamicFakeQuant", "qmax=7", "axes=(1,)", "symmetric=False"]),
+        (LearnedFakeQuant(jnp.array([0.5, 0.2]), 0, 15, axis=-1), ["LearnedFakeQuant", "f32[2]", "qmax=15", "axes=(-1,)"]),
+        (DynamicFakeQuant("mxfp4", group_size=32), ["element='float4_e2m1fn'", "scale='e8m0'", "group_size=32"]),
     ]
     for module, parts in cases:
         text = repr(module)
@@ -1179,6 +1181,7 @@ def test_scale_nudges_match_nextafter_loop_up_to_the_largest_float():
     """The scale fitting steps up by bit patterns; it must equal the plain `nextafter` loop everywhere, up to the cap
     on scales (2**126, or below it where the largest level times the scale would overflow), including next to the
     largest float32 and at infinity, where stepping up stops."""
+    from eqx_quant._format import IntFormat
     from eqx_quant._scales import _NUDGES, absmax_scale, minmax_scale
 
     def nextafter_loop(absmax, qmax):
@@ -1205,11 +1208,11 @@ def test_scale_nudges_match_nextafter_loop_up_to_the_largest_float():
         [np.float32([big, np.nextafter(big, 0), np.inf, 3e38, 1.0, 0.0]), rng.lognormal(0, 20, 200).astype(np.float32)]
     )
     for qmin, qmax in ((-2, 1), (-8, 7), (-128, 127), (0, 255)):
-        fitted = jax.jit(absmax_scale, static_argnums=(1, 2))(jnp.asarray(absmax), qmin, qmax)
+        fitted = jax.jit(absmax_scale, static_argnums=1)(jnp.asarray(absmax), IntFormat(qmin, qmax))
         loop = jax.jit(nextafter_loop, static_argnums=1)(jnp.asarray(absmax), qmax)
         assert_bitwise_equal(fitted, jnp.minimum(loop, cap(max(-qmin, qmax))))
         assert np.all(np.isfinite(np.asarray(fitted)))
-    scale, zero_point = minmax_scale(jnp.float32(0.0), jnp.float32(big), 0, 1)
+    scale, zero_point = minmax_scale(jnp.float32(0.0), jnp.float32(big), IntFormat(0, 1))
     assert float(scale) == 2.0**126 and float(zero_point) == 0.0
 
 

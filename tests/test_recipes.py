@@ -41,8 +41,9 @@ def test_recipe_keeps_first_and_last_layers_at_8_bits(mlp):
     bits = [layer.weight_quant.bits for layer in qmodel.layers]
     assert bits == [8, 2, 2, 8]
     assert qmodel.layers[0].input_quant == DynamicFakeQuant(8) and qmodel.layers[1].input_quant is None
-    # Full match: "layers.0" does not keep "layers.0x" style paths; a bare "0" keeps nothing.
-    assert [layer.weight_quant.bits for layer in quantize(mlp, **recipe("w2a16_g32", keep="0")).layers] == [2] * 4
+    # Full match: "layers.0" does not keep "layers.0x" style paths; a bare "0" keeps nothing, which is an error.
+    with pytest.raises(ValueError, match=r"Rule 0 \(pattern '0'\) reaches none of the layers.*'layers.0', 'layers.1'"):
+        quantize(mlp, **recipe("w2a16_g32", keep="0"))
 
 
 def test_recipe_equals_the_same_quantizers_by_hand(mlp):
@@ -150,6 +151,7 @@ def test_float_recipes_give_the_documented_quantizers_and_convert_exactly():
     by_hand = eqx.tree_at(lambda c: c.weight, conv, qconv.weight_quant(conv.weight))(qconv.input_quant(image))
     assert_bitwise_equal(qconv(image), by_hand)
     learned = quantize(model, **recipe("fp8", learned=True)).layers[0].weight_quant
-    assert type(learned) is eqx_quant.LearnedFloatFakeQuant and learned.scale.shape == (48,)
+    assert type(learned) is eqx_quant.LearnedFakeQuant and learned.scale.shape == (48,)
+    assert learned.format == eqx_quant.float_format("float8_e4m3fn")
     with pytest.raises(ValueError, match="group_size"):
         recipe("mxfp4", group_size=32)

@@ -322,10 +322,15 @@ def test_mappings_mixed_precision(mlp):
     assert [path for path, _ in calls] == ["layers.2"] and calls[0][1] is mlp.layers[2]
     assert [layer.input_quant for layer in qmlp.layers] == [DynamicFakeQuant(5), None, FakeQuant(0.1, -8, 7)]
     # Unmatched layers get no quantizer (but are still wrapped when `where` selects them).
-    qmlp = quantize(mlp, weights={r"layers\.1": q4}, activations={"nothing": q8})
+    qmlp = quantize(mlp, weights={r"layers\.1": q4}, activations={r"layers\.2": None})
     assert [type(layer) for layer in qmlp.layers] == [QuantLinear] * 3
     assert [layer.weight_quant for layer in qmlp.layers] == [None, q4, None]
     assert [layer.input_quant for layer in qmlp.layers] == [None, None, None]
+    # A pattern that matches no layer (a typo) is an error that lists the paths, not a model left in float.
+    with pytest.raises(ValueError, match=r"`activations`: the pattern 'nothing' matches none of the layers.*'layers.0'"):
+        quantize(mlp, weights={r"layers\.1": q4}, activations={"nothing": q8})
+    with pytest.raises(ValueError, match=r"`weights`: the pattern 'layer\\\\.1' matches none"):
+        quantize(mlp, weights={r"layer\.1": q4})
 
 
 # ---------------------------------------------------------------------------------------------------------------------

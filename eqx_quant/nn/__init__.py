@@ -1,22 +1,28 @@
-"""Quantized layers: Equinox layers computed on fake-quantized weights and inputs."""
+"""Quantized layers: Equinox layers computed on fake-quantized weights and inputs, and the layers that
+[`eqx_quant.convert`][] makes of them."""
 
-from ._attention import (
-    Einsum as Einsum,
-    QuantEinsum as QuantEinsum,
-    QuantKVCache as QuantKVCache,
-    QuantMultiheadAttention as QuantMultiheadAttention,
+from .._qarray import QuantizedArray as QuantizedArray
+from ._attention import QuantMultiheadAttention as QuantMultiheadAttention
+from ._converted import (
+    AbstractConvertedLayer as AbstractConvertedLayer,
+    ConvertedConv as ConvertedConv,
+    ConvertedEmbedding as ConvertedEmbedding,
+    ConvertedLinear as ConvertedLinear,
 )
-from ._int_layers import (
-    AbstractIntLayer as AbstractIntLayer,
-    FloatQuantizedTensor as FloatQuantizedTensor,
-    IntConv as IntConv,
-    IntEmbedding as IntEmbedding,
-    IntLinear as IntLinear,
-    QuantizedTensor as QuantizedTensor,
-)
+from ._einsum import Einsum as Einsum, QuantEinsum as QuantEinsum
+from ._kv_cache import QuantKVCache as QuantKVCache
 from ._layers import (
     AbstractQuantLayer as AbstractQuantLayer,
     QuantConv as QuantConv,
     QuantEmbedding as QuantEmbedding,
     QuantLinear as QuantLinear,
 )
+
+
+# The names of earlier releases.
+AbstractIntLayer = AbstractConvertedLayer
+IntLinear = ConvertedLinear
+IntConv = ConvertedConv
+IntEmbedding = ConvertedEmbedding
+QuantizedTensor = QuantizedArray
+FloatQuantizedTensor = QuantizedArray

@@ -7,9 +7,9 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._backward import QuantizedBackward, quantized_input_gradient
-from .._int_ops import LinearSpec, integer_forward, plan
-from .._qtensor import nan_levels
-from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant
+from .._int_ops import LinearSpec, integer_forward, integer_grid, plan
+from .._qarray import nan_levels
+from .._quantizers import AbstractQuantizer, DynamicFakeQuant
 
 
 def default_weight_quant() -> DynamicFakeQuant:
@@ -85,12 +85,12 @@ class AbstractQuantLayer(eqx.Module):
         return self.quantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
 
 
-def _check_quantizer(name: str, value: object) -> None:
+def check_quantizer(name: str, value: object) -> None:
     if value is not None and not isinstance(value, AbstractQuantizer):
         raise TypeError(f"`{name}` must be a quantizer module or None, got {value!r}.")
 
 
-def _check_matmul(matmul: object) -> None:
+def check_matmul(matmul: object) -> None:
     if matmul not in _MATMULS:
         raise ValueError(f"`matmul` must be one of {_MATMULS}, got matmul={matmul!r}.")
 
@@ -121,13 +121,13 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
     weight = float_layer.weight  # pyright: ignore[reportAttributeAccessIssue]
     vector = as_vector(float_layer, x)
     quantizers = (layer.weight_quant, layer.input_quant)
-    if layer.matmul == "float" or not all(isinstance(q, AbstractFakeQuantizer) for q in quantizers):  # pyright: ignore
+    if layer.matmul == "float" or not all(integer_grid(q) for q in quantizers):  # pyright: ignore
         return layer._float_path(x, key)
     # The integer forward uses of the fake-quantized operands only their tangents (`value=False`), and a linear
     # product no full NaN mask (below).
     mask = not isinstance(float_layer, eqx.nn.Linear)
-    wq, w, w_nan = layer.weight_quant.fake_quant_and_tensor(weight, value=False, mask=mask)  # pyright: ignore[reportOptionalMemberAccess]
-    xq, x_int, x_nan = layer.input_quant.fake_quant_and_tensor(vector, value=False, mask=mask)  # pyright: ignore[reportOptionalMemberAccess]
+    wq, w, w_nan = layer.weight_quant.fake_quant_and_array(weight, value=False, mask=mask)  # pyright: ignore[reportOptionalMemberAccess]
+    xq, x_int, x_nan = layer.input_quant.fake_quant_and_array(vector, value=False, mask=mask)  # pyright: ignore[reportOptionalMemberAccess]
     spec = plan(float_layer, weight.shape, w, x_int)
     if isinstance(spec, LinearSpec):
         # A linear product needs to know only which rows of the weight, and whether the input, hold a NaN.
@@ -158,7 +158,7 @@ class QuantLinear(AbstractQuantLayer):
     output channel, and the input quantizer one scale for the whole input, the forward pass
     runs the integer product: the weight's and the input's integers (minus zero points) are multiplied with int32
     accumulation, the sum is rescaled and the bias added, `y = (acc * scale_w) * scale_x + bias` — the
-    computation of the converted [`eqx_quant.nn.IntLinear`][], bit for bit, in eager mode and under `jit` alike.
+    computation of the converted [`eqx_quant.nn.ConvertedLinear`][], bit for bit, in eager mode and under `jit` alike.
     It differs from the float product `fake_quant(W) @ fake_quant(x) + b` only by that product's rounding errors,
     which the exact integer sum does not make. The backward pass is that of the fake-quant formulation
     `y = fake_quant(W) @ fake_quant(x) + b`: the float product's gradients, through the quantizers'
@@ -218,16 +218,16 @@ class QuantLinear(AbstractQuantLayer):
     def __check_init__(self):
         if not isinstance(self.layer, eqx.nn.Linear):
             raise TypeError(f"`layer` must be an eqx.nn.Linear, got {type(self.layer).__name__}.")
-        _check_quantizer("weight_quant", self.weight_quant)
-        _check_quantizer("input_quant", self.input_quant)
-        _check_matmul(self.matmul)
+        check_quantizer("weight_quant", self.weight_quant)
+        check_quantizer("input_quant", self.input_quant)
+        check_matmul(self.matmul)
         if self.backward is not None:
             if not isinstance(self.backward, QuantizedBackward):
                 raise TypeError(f"`backward` must be a QuantizedBackward or None, got {self.backward!r}.")
             if self.matmul != "int":
                 raise ValueError(f"`backward` needs the integer forward, matmul='int'; got matmul={self.matmul!r}.")
             for name in ("weight_quant", "input_quant"):
-                if not isinstance(getattr(self, name), AbstractFakeQuantizer):
+                if not integer_grid(getattr(self, name)):
                     raise ValueError(
                         f"`backward` needs an integer quantizer for both operands; got {name}={getattr(self, name)!r}."
                     )
@@ -256,7 +256,7 @@ class QuantConv(AbstractQuantLayer):
     The weight has shape `(out_channels, in_channels // groups, *kernel_size)`; the default weight quantizer has one
     scale per output channel. With `matmul="int"` (the default), zero padding, a per-tensor or per-output-channel
     weight grid, a per-tensor input grid and a contraction within the int32 bound, the forward runs the integer
-    convolution of the converted [`eqx_quant.nn.IntConv`][], bit for bit, with the gradients of the float
+    convolution of the converted [`eqx_quant.nn.ConvertedConv`][], bit for bit, with the gradients of the float
     convolution of the fake-quantized operands; see [`eqx_quant.nn.QuantLinear`][]. (On CPU, where XLA's integer
     convolution is slow, a convolution whose partial sums stay within `2**24` runs as an exact float32 convolution of
     the same integers: see [Parity with integer inference](../concepts/parity.md#the-integer-forward).)
@@ -290,9 +290,9 @@ class QuantConv(AbstractQuantLayer):
     def __check_init__(self):
         if not isinstance(self.layer, eqx.nn.Conv):
             raise TypeError(f"`layer` must be an eqx.nn.Conv, got {type(self.layer).__name__}.")
-        _check_quantizer("weight_quant", self.weight_quant)
-        _check_quantizer("input_quant", self.input_quant)
-        _check_matmul(self.matmul)
+        check_quantizer("weight_quant", self.weight_quant)
+        check_quantizer("input_quant", self.input_quant)
+        check_matmul(self.matmul)
 
     def __call__(
         self, x: Float[Array, "in_channels *spatial"], *, key: PRNGKeyArray | None = None
@@ -336,7 +336,7 @@ class QuantEmbedding(AbstractQuantLayer):
     def __check_init__(self):
         if not isinstance(self.layer, eqx.nn.Embedding):
             raise TypeError(f"`layer` must be an eqx.nn.Embedding, got {type(self.layer).__name__}.")
-        _check_quantizer("weight_quant", self.weight_quant)
+        check_quantizer("weight_quant", self.weight_quant)
 
     @property
     def input_quant(self) -> None:

@@ -48,7 +48,7 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.nn.QuantLinear(linear, weight_quant="int8")),
         (TypeError, "`axis_name` must be None, a non-empty str or a tuple of them, got axis_name=3.",
          lambda: eqx_quant.DynamicFakeQuant(8, axis_name=3)),
-        (TypeError, "`bits` must be an int, got 8.0 of type float.",
+        (TypeError, "`format` must be a Format, a format's name or a number of bits, got 8.0 of type float.",
          lambda: eqx_quant.DynamicFakeQuant(8.0)),
         (TypeError, "`lo` must be a real number, got 'a'.",
          lambda: eqx_quant.PassthroughClip("a", 1.0)),

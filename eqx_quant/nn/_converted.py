@@ -2,21 +2,20 @@ import equinox as eqx
 import jax
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._float_tensor import FloatQuantizedTensor
-from .._int_ops import integer_product, plan
-from .._qtensor import QuantizedTensor
-from .._quantizers import AbstractFakeQuantizer, AbstractQuantizer
+from .._int_ops import integer_grid, integer_product, plan
+from .._qarray import QuantizedArray
+from .._quantizers import AbstractQuantizer
 from ._layers import as_vector, check_input, scalar_output
 
 
-def int_forward(layer: "AbstractIntLayer", x: Array, key: PRNGKeyArray | None) -> Array:
+def converted_forward(layer: "AbstractConvertedLayer", x: Array, key: PRNGKeyArray | None) -> Array:
     """The forward pass of a converted `Linear` or `Conv` (`x` one example, checked): the integer computation where
     the same decision as the quantized layer's allows it, else the float layer on the dequantized weight."""
     float_layer = layer.layer
     vector = as_vector(float_layer, x)
-    if not isinstance(layer.input_quant, AbstractFakeQuantizer) or not isinstance(layer.qweight, QuantizedTensor):
+    if not (integer_grid(layer.input_quant) and integer_grid(layer.qweight)):
         return layer._float_path(x, key)
-    x_int, x_nan = layer.input_quant.quantize_with_mask(vector)
+    x_int, x_nan = layer.input_quant.quantize_with_mask(vector)  # pyright: ignore[reportOptionalMemberAccess]
     spec = plan(float_layer, layer.qweight.shape, layer.qweight, x_int)
     if spec is None:
         return layer._float_path(x, key)
@@ -25,19 +24,23 @@ def int_forward(layer: "AbstractIntLayer", x: Array, key: PRNGKeyArray | None) -
     return scalar_output(float_layer, y.astype(layer.qweight.dtype))
 
 
-class AbstractIntLayer(eqx.Module):
-    """Base class of the integer layers produced by [`eqx_quant.convert`][].
+class AbstractConvertedLayer(eqx.Module):
+    """Base class of the layers produced by [`eqx_quant.convert`][], which store their weight quantized.
 
     `layer` is the float layer with its weight removed (set to `None`): it keeps the configuration (strides,
-    padding, bias, ...) and the bias; `qweight` holds the integers (a [`eqx_quant.nn.QuantizedTensor`][]), or the
-    codes of a low-precision float format (a [`eqx_quant.nn.FloatQuantizedTensor`][]); for stacked layers, built
-    with `eqx.filter_vmap`, its arrays carry the stack in front. A call runs the integer computation of the
-    quantized layer's integer forward when the weight is stored as integers and the input quantizer has a single
-    scale for the whole input, and the dequantized weight in floating point otherwise (float formats always).
+    padding, bias, ...) and the bias; `qweight` holds the weight as a [`eqx_quant.QuantizedArray`][] (integers, or
+    the codes of a low-precision float format); for stacked layers, built with `eqx.filter_vmap`, its arrays carry the
+    stack in front. A call runs the integer computation of the quantized layer's integer forward when the weight is
+    stored as integers and the input quantizer has a single integer scale for the whole input, and the dequantized
+    weight in floating point otherwise (float formats always).
+
+    Every attribute of the wrapped float layer reads through (`bias`, `in_features`, `out_features`, `use_bias`,
+    a convolution's `stride` and `padding`, ...), and `weight` is the dequantized weight, so model code that reads
+    them works on a converted layer as on the float one.
     """
 
     layer: eqx.AbstractVar[eqx.Module]
-    qweight: eqx.AbstractVar[QuantizedTensor | FloatQuantizedTensor]
+    qweight: eqx.AbstractVar[QuantizedArray]
     input_quant: eqx.AbstractVar[AbstractQuantizer | None]
 
     @property
@@ -57,7 +60,7 @@ class AbstractIntLayer(eqx.Module):
         return self.dequantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
 
 
-class IntLinear(AbstractIntLayer):
+class ConvertedLinear(AbstractConvertedLayer):
     """A linear layer with integer weights.
 
     When its input quantizer has one scale for the whole input (a calibrated [`eqx_quant.FakeQuant`][], or a
@@ -76,46 +79,46 @@ class IntLinear(AbstractIntLayer):
     """
 
     layer: eqx.nn.Linear
-    qweight: QuantizedTensor | FloatQuantizedTensor
+    qweight: QuantizedArray
     input_quant: AbstractQuantizer | None
 
     def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
         """Like `eqx.nn.Linear.__call__`."""
-        with jax.named_scope("eqx_quant.IntLinear"):
+        with jax.named_scope("eqx_quant.ConvertedLinear"):
             check_input(self.layer, x)
-            return int_forward(self, x, key)
+            return converted_forward(self, x, key)
 
 
-class IntConv(AbstractIntLayer):
+class ConvertedConv(AbstractConvertedLayer):
     """A convolution (any dimensionality) with integer weights.
 
     With an input quantizer that has one scale for the whole input, zero padding, per-tensor or per-output-channel
     weight scales and a contraction `K = in_channels / groups * prod(kernel_size)` within the int32 bound of
-    [`eqx_quant.nn.IntLinear`][], a call runs `jax.lax.conv_general_dilated` on the integers minus their zero points
-    (so that padding stays real zero) with `preferred_element_type=jnp.int32`, rescales the sums and adds the bias:
-    the computation of
-    [`eqx_quant.nn.QuantConv`][]'s integer forward. Otherwise it runs the dequantized weight in floating point.
+    [`eqx_quant.nn.ConvertedLinear`][], a call runs `jax.lax.conv_general_dilated` on the integers minus their zero
+    points (so that padding stays real zero) with `preferred_element_type=jnp.int32`, rescales the sums and adds the
+    bias: the computation of [`eqx_quant.nn.QuantConv`][]'s integer forward. Otherwise it runs the dequantized weight
+    in floating point.
     """
 
     layer: eqx.nn.Conv
-    qweight: QuantizedTensor | FloatQuantizedTensor
+    qweight: QuantizedArray
     input_quant: AbstractQuantizer | None
 
     def __call__(
         self, x: Float[Array, "in_channels *spatial"], *, key: PRNGKeyArray | None = None
     ) -> Float[Array, "out_channels *out_spatial"]:
         """Like `eqx.nn.Conv.__call__`."""
-        with jax.named_scope("eqx_quant.IntConv"):
+        with jax.named_scope("eqx_quant.ConvertedConv"):
             check_input(self.layer, x)
-            return int_forward(self, x, key)
+            return converted_forward(self, x, key)
 
 
-class IntEmbedding(AbstractIntLayer):
+class ConvertedEmbedding(AbstractConvertedLayer):
     """An embedding with an integer table: a call dequantizes the one row it looks up (bit for bit the row of the
     fake-quantized table)."""
 
     layer: eqx.nn.Embedding
-    qweight: QuantizedTensor | FloatQuantizedTensor
+    qweight: QuantizedArray
 
     @property
     def input_quant(self) -> None:
@@ -125,5 +128,5 @@ class IntEmbedding(AbstractIntLayer):
     def __call__(self, x: Int[ArrayLike, ""], *, key: PRNGKeyArray | None = None) -> Float[Array, " embedding_size"]:
         """Like `eqx.nn.Embedding.__call__`."""
         del key
-        with jax.named_scope("eqx_quant.IntEmbedding"):
+        with jax.named_scope("eqx_quant.ConvertedEmbedding"):
             return self.qweight.dequantize_row(x)

@@ -1,0 +1,167 @@
+"""Exporting converted models to files other programs read."""
+
+import json
+import os
+import struct
+from typing import Any
+
+import numpy as np
+from jaxtyping import PyTree
+
+from ._format import FloatFormat, IntFormat
+from ._packing import BIT_ORDER, NIBBLE_ORDER
+from ._qarray import QuantizedArray
+from ._quantizers import AbstractFakeQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
+from ._serialise import write_replacing
+from ._tree import unique_nodes
+from .nn._converted import AbstractConvertedLayer
+
+
+def _json_axis(axes: tuple[int, ...]) -> int | list[int] | None:
+    return None if not axes else axes[0] if len(axes) == 1 else list(axes)
+
+
+def _input_metadata(quantizer: Any) -> dict[str, Any] | None:
+    """What an exported file says of a layer's input quantizer (`None` for none, or for one it cannot describe)."""
+    if not isinstance(quantizer, AbstractFakeQuantizer):
+        return None
+    fmt, layout = quantizer.format, quantizer.layout
+    info: dict[str, Any] = {"kind": type(quantizer).__name__, "format": fmt.name, "axis": quantizer.axis,
+                            "group_size": layout.group_size, "group_axis": layout.group_axis}  # fmt: skip
+    if isinstance(fmt, IntFormat):
+        info |= {"qmin": fmt.qmin, "qmax": fmt.qmax}
+    else:
+        info["element"] = fmt.element
+    if isinstance(quantizer, FakeQuant):
+        info |= {"scale": quantizer.scale, "zero_point": quantizer.zero_point, "tensor_scale": quantizer.tensor_scale}
+    elif isinstance(quantizer, LearnedFakeQuant):
+        scale = np.maximum(np.asarray(quantizer.scale), np.float32(quantizer.min_scale)).tolist()  # the scale in use
+        info["scale"] = scale
+    elif isinstance(quantizer, DynamicFakeQuant):
+        info["symmetric"] = quantizer.symmetric
+    return info
+
+
+def _layer_metadata(layer: AbstractConvertedLayer) -> dict[str, Any]:
+    w = layer.qweight
+    fmt, layout = w.format, w.layout
+    tile = layout.tile_axis(w.shape)
+    info: dict[str, Any] = {"kind": type(layer).__name__, "format": fmt.name, "shape": list(w.shape),
+                            "view_shape": list(w.view_shape), "dtype": w.dtype}  # fmt: skip
+    if isinstance(fmt, IntFormat) and fmt.scale == "float32":
+        info |= {
+            "qmin": fmt.qmin,
+            "qmax": fmt.qmax,
+            "packed_bits": w.packed_bits,
+            "bit_order": BIT_ORDER if w.packed else None,
+            "packed_int4": w.packed_bits == 4,
+            "nibble_order": NIBBLE_ORDER if w.packed_bits == 4 else None,
+            "group_size": layout.group_size,
+            # Per-group scales vary along every axis but the grouped one: a channel axis adds nothing to them.
+            "axis": None if layout.group_size else _json_axis(layout.channel_axes(w.shape)),
+        }
+    else:
+        assert isinstance(fmt, (FloatFormat, IntFormat))
+        info |= {
+            "element": fmt.element if isinstance(fmt, FloatFormat) else f"int[{fmt.qmin}, {fmt.qmax}]",
+            "scale_format": {"e8m0": "float8_e8m0fnu", "e4m3": "float8_e4m3fn"}.get(fmt.scale, w.scale.dtype.name),
+            "scale_rule": fmt.scale_rule,
+            "block_size": layout.group_size,
+            "block_axis": tile,
+            "channel_axes": list(layout.channel_axes(w.shape)),
+            "packed_fp4": w.packed,
+            "nibble_order": NIBBLE_ORDER if w.packed else None,
+        }
+    info["input"] = _input_metadata(layer.input_quant)
+    return info
+
+
+_SAFETENSORS_DTYPES = {
+    "int8": "I8", "uint8": "U8", "int16": "I16", "int32": "I32", "float32": "F32", "float16": "F16",
+    "bfloat16": "BF16", "float64": "F64",
+}  # fmt: skip
+
+
+def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
+    """Writes the converted layers of a model to a safetensors file.
+
+    For a layer at path `p` (as named by [`eqx_quant.quantize`][]) with integer weights, the file holds `p.weight`
+    (the stored integers: int8/int16/int32, or uint8 rows of 2-, 3- or 4-bit values packed by
+    [`eqx_quant.pack_bits`][]),
+    `p.weight_scale`, `p.weight_zero_point` (if any) and `p.bias` (if any). The header's metadata maps `p` to a JSON
+    object with the weight's `format`, `shape`, the grid (`qmin`, `qmax`), the per-channel `axis`, the `group_size`,
+    `packed_bits` (2, 3, 4, or `null` for unpacked integers) and its `bit_order` (`"low-first"`: element `j` of a
+    row in bits `j * packed_bits` onwards of the row's little-endian bit stream), and the input quantizer's
+    parameters. For readers of 4-bit files, `packed_int4` (whether the weight holds two 4-bit values per byte) and
+    its `nibble_order` (element `2i` of a row in the low nibble) are kept. It is readable with the `safetensors`
+    library alone (`safetensors.numpy.load_file`).
+
+    A layer whose weight is in a low-precision float format (or in MXINT8, with E8M0 scales) has
+    `p.weight` holding its codes (uint8: the `ml_dtypes` bit pattern of each FP8 or FP6 element, or two FP4
+    elements per byte, element `2i` of a row in the low nibble), `p.weight_scale` (uint8 E8M0 or `float8_e4m3fn`
+    bytes per block, or float32 scales per tensor or channel), `p.weight_tensor_scale` (NVFP4's float32 tensor
+    scale) and `p.bias`; its metadata gives the `format`, the `element` format, the `scale_format`, the MX
+    `scale_rule`, the `block_size` and `block_axis`, the `channel_axes` of float scales, the `shape`, `packed_fp4`
+    with its `nibble_order`, the `dtype`, and the input quantizer.
+
+    **Arguments:**
+
+    - `path`: the file to write (through a temporary file beside it, as [`eqx_quant.save`][] does).
+    - `model`: a model from [`eqx_quant.convert`][].
+
+    **Raises:**
+
+    `ValueError` if `model` has no converted layer, or two of its converted layers have the same path (nothing is
+    written).
+    """
+    layers = list(unique_nodes(model, (AbstractConvertedLayer,), "model").items())
+    if not layers:
+        raise ValueError("`model` has no converted layer; convert it first with `eqx_quant.convert`.")
+    tensors: dict[str, np.ndarray] = {}
+    metadata: dict[str, str] = {"format": "eqx_quant", "nibble_order": NIBBLE_ORDER, "bit_order": BIT_ORDER}
+    for name, layer in layers:
+        name = name or "layer"
+        w: QuantizedArray = layer.qweight
+        tensors[f"{name}.weight"] = np.asarray(w.values)
+        # Integer grids keep the scales' unit axes (they broadcast against the view); block scales come compact.
+        compact = w.format.scale != "float32" or not isinstance(w.format, IntFormat)
+        scale = np.asarray(w.scale)
+        if compact and w.layout.group_size is not None:
+            scale = scale.reshape(scale.shape[: w.stack_depth] + w.layout.scale_shape(w.shape))
+        tensors[f"{name}.weight_scale"] = scale
+        if w.zero_point is not None:
+            tensors[f"{name}.weight_zero_point"] = np.asarray(w.zero_point)
+        if w.tensor_scale is not None:
+            tensors[f"{name}.weight_tensor_scale"] = np.asarray(w.tensor_scale)
+        metadata[name] = json.dumps(_layer_metadata(layer))
+        bias = getattr(layer.layer, "bias", None)
+        if bias is not None:
+            tensors[f"{name}.bias"] = np.asarray(bias)
+    _write_safetensors(path, tensors, metadata)
+
+
+def _write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+    """The safetensors format: an 8-byte little-endian header length, a JSON header, then the raw bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    blobs = []
+    for name in sorted(tensors):
+        array = np.ascontiguousarray(tensors[name])
+        data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[array.dtype.name],
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        offset += len(data)
+        blobs.append(data)
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # align the data to 8 bytes
+
+    def write(f):
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for data in blobs:
+            f.write(data)
+
+    write_replacing(path, write)

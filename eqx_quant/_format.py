@@ -1,0 +1,619 @@
+"""Number formats: the grid each element is rounded onto, and how the scales that map a tensor onto it are stored.
+
+A [`eqx_quant.Format`][] is an element grid (integers `[qmin, qmax]`, or a low-precision float) and a scale format:
+float32 scales, power-of-two E8M0 scales (the OCP Microscaling formats) or `float8_e4m3fn` scales under a float32
+tensor scale (NVFP4). Everything a format does to numbers lives here: rounding onto the grid, the reciprocal and the
+application of its scales, and the codes it is stored as. Every operation is written with exact float32 arithmetic
+(powers of two built from bit patterns, no logarithms), so that every backend and every path rounds alike.
+"""
+
+import abc
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jaxtyping import Array
+
+from ._misc import check_int, expand_to_rank
+
+
+SCALE_FORMATS = ("float32", "e8m0", "e4m3")
+"""How a format's scales are stored: `"float32"` (any positive float32), `"e8m0"` (a power of two `2**e`,
+`-127 <= e <= 127`, one byte), `"e4m3"` (a non-negative `float8_e4m3fn` value, one byte, times a float32 scale of the
+whole tensor)."""
+
+SCALE_RULES = ("floor", "rceil")
+
+_E8M0_NAN = 0xFF
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def int_range(bits: int | np.integer, *, signed: bool = True, narrow: bool = False) -> tuple[int, int]:
+    """The integer grid `(qmin, qmax)` of a `bits`-bit integer.
+
+    **Arguments:**
+
+    - `bits`: the bit width; 2 to 16 for signed grids, 1 to 16 for unsigned ones.
+    - `signed`: two's complement range `[-2^(bits-1), 2^(bits-1) - 1]` if `True`, else `[0, 2^bits - 1]`.
+    - `narrow`: drop the most negative value of a signed range, so that it is symmetric about zero:
+        `[-(2^(bits-1) - 1), 2^(bits-1) - 1]`. Only meaningful for signed ranges.
+
+    **Returns:**
+
+    A tuple of Python ints `(qmin, qmax)`, both inclusive.
+
+    **Raises:**
+
+    `TypeError` if `bits` is not an int (bools are rejected); `ValueError` if `bits` is out of range or `narrow=True`
+    is asked for an unsigned range.
+
+    !!! example
+
+        ```python
+        import eqx_quant
+
+        assert eqx_quant.int_range(8) == (-128, 127)
+        assert eqx_quant.int_range(8, narrow=True) == (-127, 127)
+        assert eqx_quant.int_range(8, signed=False) == (0, 255)
+        assert eqx_quant.int_range(4) == (-8, 7)
+        ```
+    """
+    bits = check_int("bits", bits)
+    if not isinstance(signed, bool):
+        raise TypeError(f"`signed` must be a bool, got {signed!r}.")
+    if not isinstance(narrow, bool):
+        raise TypeError(f"`narrow` must be a bool, got {narrow!r}.")
+    if signed:
+        if not 2 <= bits <= 16:
+            raise ValueError(f"`bits` must be between 2 and 16 for a signed range, got {bits}.")
+        half = 2 ** (bits - 1)
+        return (-half + 1 if narrow else -half), half - 1
+    if narrow:
+        raise ValueError("`narrow` applies to signed ranges only, got narrow=True with signed=False.")
+    if not 1 <= bits <= 16:
+        raise ValueError(f"`bits` must be between 1 and 16 for an unsigned range, got {bits}.")
+    return 0, 2**bits - 1
+
+
+def check_range(qmin: object, qmax: object) -> tuple[int, int]:
+    """Validates an integer grid and returns it as Python ints."""
+    qmin = check_int("qmin", qmin)
+    qmax = check_int("qmax", qmax)
+    for name, value in (("qmin", qmin), ("qmax", qmax)):
+        if not _INT32_MIN <= value <= _INT32_MAX:
+            raise ValueError(f"`{name}` must be an int32, in [{_INT32_MIN}, {_INT32_MAX}], got {name}={value}.")
+    if qmin > qmax:
+        raise ValueError(f"`qmin` must be <= `qmax`, got qmin={qmin} and qmax={qmax}.")
+    return qmin, qmax
+
+
+def int_dtype(lo: int, hi: int) -> np.dtype:
+    """The narrowest of int8, int16 and int32 that holds every integer in `[lo, hi]`."""
+    for dtype in (np.int8, np.int16, np.int32):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return np.dtype(dtype)
+    raise ValueError(f"The integer range [{lo}, {hi}] does not fit in int32.")
+
+
+#
+# Exact arithmetic on the bits of the compute dtype (float32, or float64 when enabled).
+#
+
+
+def _int_for(dtype: np.dtype) -> type:
+    return jnp.int32 if jnp.finfo(dtype).bits == 32 else jnp.int64
+
+
+def exponent(a: Array) -> Array:
+    """`floor(log2(a))` for a normal `a >= 0`, as an integer array; zeros and subnormals give the exponent just below
+    the smallest normal (-127 in float32). Meaningless for NaN and inf."""
+    info = jnp.finfo(a.dtype)
+    bits = jax.lax.bitcast_convert_type(a, _int_for(a.dtype))
+    return jax.lax.shift_right_logical(bits, info.nmant) - (info.maxexp - 1)
+
+
+def pow2(n: Array, dtype: np.dtype) -> Array:
+    """`2.0 ** n`, exactly, for integers `n` in the normal range of `dtype` (`n` one below it gives 0)."""
+    info = jnp.finfo(dtype)
+    itype = _int_for(dtype)
+    return jax.lax.bitcast_convert_type(
+        jax.lax.shift_left(n.astype(itype) + (info.maxexp - 1), jnp.asarray(info.nmant, itype)), dtype
+    )
+
+
+def divide(a: Array, b: Array | float | int) -> Array:
+    """`a / b`, correctly rounded on every path. XLA turns a division by a scalar (a constant, or a broadcast one)
+    into a multiplication by its reciprocal, which differs in the last bit for some values, and under `jax.vmap` an
+    unmapped divisor is broadcast. So the divisor enters at the shape (and mapping) of `a`, computed from `a` (`a * 0`
+    is 0 for the finite `a` this is used on), behind an optimization barrier that keeps XLA from seeing through it."""
+    divisor = jax.lax.optimization_barrier(a * jnp.zeros((), a.dtype) + jnp.asarray(b, a.dtype))
+    return a / divisor
+
+
+#
+# The formats.
+#
+
+
+class Format(abc.ABC):
+    """A number format: an element grid and the way its scales are stored.
+
+    Formats are immutable and hashable (quantizers keep them as static configuration). Make them with
+    [`eqx_quant.int_format`][], [`eqx_quant.float_format`][] or by name with [`eqx_quant.format_named`][]:
+
+    | name | elements | scales |
+    |---|---|---|
+    | `"int8"`, `"int4"`, ..., `"uint8"`, ... | integers `[qmin, qmax]` | float32 (with an optional zero point) |
+    | `"float8_e4m3fn"`, `"float8_e5m2"`, `"float6_e2m3fn"`, `"float6_e3m2fn"`, `"float4_e2m1fn"` | floats | float32 |
+    | `"mxfp8_e4m3"`, `"mxfp8_e5m2"`, `"mxfp6_e2m3"`, `"mxfp6_e3m2"`, `"mxfp4"`, `"mxint8"` | as named | E8M0 |
+    | `"nvfp4"` | `float4_e2m1fn` | `float8_e4m3fn` blocks times a float32 tensor scale |
+
+    The MX formats and NVFP4 need block scales: a [`eqx_quant.Layout`][] with `group_size` (32 in the MX
+    specification, 16 for NVFP4) along the axis a product contracts.
+
+    Every format rounds `v = x / scale` to the nearest point of its grid (halves to even), saturating at its ends:
+    for integers `clip(round(v) + zero_point, qmin, qmax)`, for floats the value of a saturating cast to the element
+    type. `x / scale` is `x * (1 / scale)`, with the reciprocal taken on the scales.
+    """
+
+    scale: str
+    scale_rule: str | None
+
+    @property
+    @abc.abstractmethod
+    def name(self) -> str:
+        """The format's name, as [`eqx_quant.format_named`][] reads it."""
+
+    @property
+    @abc.abstractmethod
+    def bits(self) -> int:
+        """The width of one element (before any scales)."""
+
+    @property
+    @abc.abstractmethod
+    def bound(self) -> int | float:
+        """The grid point a symmetric scale maps the largest magnitude to: `qmax` (or `-qmin` on a grid without
+        positive levels), or the largest finite value of a float format."""
+
+    @property
+    @abc.abstractmethod
+    def largest(self) -> int | float:
+        """The largest magnitude of a grid point."""
+
+    @property
+    @abc.abstractmethod
+    def lsq_level(self) -> int | float:
+        """The level in the LSQ gradient scale `1 / sqrt(numel * level)` of a learned scale."""
+
+    @abc.abstractmethod
+    def nearest(self, v: Array) -> Array:
+        """`v` rounded to the nearest grid point, halves to even, without saturating (`v` lies in the range)."""
+
+    @abc.abstractmethod
+    def levels(self, v: Array, zero_point: Array | None) -> Array:
+        """The grid points of `v = x / scale` (plus the zero point of an integer grid), saturated at the grid's ends,
+        as floats of `v`'s dtype. NaN stays NaN."""
+
+    @abc.abstractmethod
+    def limits(self, zero_point: Array | None, ndim: int) -> tuple:
+        """`(low, high)`: the range of `v` that lies inside the grid (where gradients pass), the zero point expanded
+        to rank `ndim`."""
+
+    @abc.abstractmethod
+    def encode(self, levels: Array) -> Array:
+        """The stored codes of `levels` (from `levels`), one per element."""
+
+    @abc.abstractmethod
+    def decode(self, codes: Array, dtype: np.dtype) -> Array:
+        """The levels of stored `codes`, as floats of `dtype`."""
+
+    @property
+    @abc.abstractmethod
+    def packed_width(self) -> int | None:
+        """The width at which codes are packed into bytes (2, 3 or 4), or `None` for one code per byte or more."""
+
+    @property
+    def zero_points(self) -> bool:
+        """Whether the format takes a zero point (integer grids with float32 scales do)."""
+        return False
+
+    @property
+    def signed_codes(self) -> bool:
+        """Whether packed codes are read as two's complement."""
+        return False
+
+    def __repr__(self) -> str:
+        return f"Format({self.name!r})"
+
+    def to_json(self) -> dict:
+        """The format's fields, as JSON values: what files record of it."""
+        return {"kind": type(self).__name__, **dataclasses.asdict(self)}  # pyright: ignore[reportArgumentType]
+
+
+def _check_scale(fmt: Format) -> None:
+    if fmt.scale not in SCALE_FORMATS:
+        raise ValueError(f"`scale` must be one of {SCALE_FORMATS}, got scale={fmt.scale!r}.")
+    if (fmt.scale == "e8m0") != (fmt.scale_rule is not None):
+        raise ValueError(f"`scale_rule` is given exactly for E8M0 scales, got scale={fmt.scale!r} and "
+                         f"scale_rule={fmt.scale_rule!r}.")  # fmt: skip
+    if fmt.scale_rule is not None and fmt.scale_rule not in SCALE_RULES:
+        raise ValueError(f"`scale_rule` must be one of {SCALE_RULES}, got scale_rule={fmt.scale_rule!r}.")
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class IntFormat(Format):
+    """Integers in `[qmin, qmax]`: see [`eqx_quant.int_format`][]."""
+
+    qmin: int
+    qmax: int
+    scale: str = "float32"
+    scale_rule: str | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "qmin", check_range(self.qmin, self.qmax)[0])
+        object.__setattr__(self, "qmax", int(self.qmax))
+        _check_scale(self)
+        if self.scale == "e4m3":
+            raise ValueError("`scale`='e4m3' (NVFP4's two-level scales) takes float elements only.")
+
+    @property
+    def name(self) -> str:
+        grid = f"int[{self.qmin}, {self.qmax}]"
+        kinds = ((True, False, "int", ""), (True, True, "int", "_narrow"), (False, False, "uint", ""))
+        for bits in range(1, 17):
+            for signed, narrow, prefix, suffix in kinds:
+                if (bits >= 2 or not signed) and int_range(bits, signed=signed, narrow=narrow) == self.grid:
+                    grid = f"{prefix}{bits}{suffix}"
+        if self.scale == "float32":
+            return grid
+        rule = "" if self.scale_rule == "floor" else f"_{self.scale_rule}"
+        return f"mxint8{rule}" if grid == "int8_narrow" else f"{grid} with e8m0 scales ({self.scale_rule})"
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """`(qmin, qmax)`."""
+        return self.qmin, self.qmax
+
+    @property
+    def bits(self) -> int:
+        if self.qmin < 0:
+            return max((-self.qmin - 1).bit_length(), self.qmax.bit_length()) + 1
+        return max(self.qmax.bit_length(), 1)
+
+    @property
+    def bound(self) -> int | float:
+        return self.qmax if self.qmax > 0 else max(-self.qmin, 1)
+
+    @property
+    def largest(self) -> int | float:
+        return max(-self.qmin, self.qmax)
+
+    @property
+    def lsq_level(self) -> int | float:
+        return max(self.qmax, 1)
+
+    @property
+    def zero_points(self) -> bool:
+        return self.scale == "float32"
+
+    @property
+    def signed_codes(self) -> bool:
+        return self.qmin < 0
+
+    def nearest(self, v: Array) -> Array:
+        return jnp.round(v)
+
+    def levels(self, v: Array, zero_point: Array | None) -> Array:
+        # `jax.lax` directly (what `jnp.round` and `jnp.clip` call): the hottest lines of every quantizer.
+        r = jax.lax.round(v, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
+        if zero_point is not None:
+            r = r + expand_to_rank(zero_point, v.ndim)
+        return jax.lax.clamp(np.asarray(self.qmin, r.dtype), r, np.asarray(self.qmax, r.dtype))
+
+    def limits(self, zero_point: Array | None, ndim: int) -> tuple:
+        # The exact integers `qmin - zero_point` and `qmax - zero_point`, compared with `v`: a sum `v + zero_point`
+        # would be contracted into a fused multiply-add under `jit` only, and round differently there.
+        zp = 0 if zero_point is None else expand_to_rank(zero_point, ndim)
+        return self.qmin - zp, self.qmax - zp
+
+    def encode(self, levels: Array) -> Array:
+        return levels.astype(int_dtype(self.qmin, self.qmax))
+
+    def decode(self, codes: Array, dtype: np.dtype) -> Array:
+        return codes.astype(dtype)
+
+    @property
+    def packed_width(self) -> int | None:
+        for bits in (2, 3, 4):
+            half = 1 << (bits - 1)
+            if (-half <= self.qmin and self.qmax < half) if self.qmin < 0 else self.qmax < 2 * half:
+                return bits
+        return None
+
+
+def integer_grid_of(fmt: Format) -> IntFormat:
+    """`fmt`, checked to be an integer grid (an `AttributeError` otherwise: what asking for its `qmin` raises)."""
+    if not isinstance(fmt, IntFormat):
+        raise AttributeError(f"{fmt} is not an integer grid: it has no `qmin` and `qmax`.")
+    return fmt
+
+
+_ELEMENTS = ("float8_e4m3fn", "float8_e5m2", "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn")
+
+
+@functools.cache
+def _table(element: str) -> np.ndarray:
+    """The value of every code of `element` (NaN for NaN codes), indexed by the code, as float64."""
+    dtype = getattr(ml_dtypes, element)
+    return np.arange(2 ** ml_dtypes.finfo(dtype).bits, dtype=np.uint8).view(dtype).astype(np.float64)
+
+
+@dataclasses.dataclass(frozen=True, repr=False)
+class FloatFormat(Format):
+    """Low-precision floats of the `ml_dtypes` type `element`: see [`eqx_quant.float_format`][]."""
+
+    element: str
+    scale: str = "float32"
+    scale_rule: str | None = None
+
+    def __post_init__(self):
+        if self.element not in _ELEMENTS:
+            raise ValueError(f"`dtype` must be one of {', '.join(_ELEMENTS)} (or its name), got {self.element!r}.")
+        _check_scale(self)
+        if self.scale == "e4m3" and self.element != "float4_e2m1fn":
+            raise ValueError(f"`scale`='e4m3' (NVFP4) takes float4_e2m1fn elements, got {self.element!r}.")
+
+    @functools.cached_property
+    def _info(self):
+        return ml_dtypes.finfo(getattr(ml_dtypes, self.element))
+
+    @property
+    def name(self) -> str:
+        if self.scale == "float32":
+            return self.element
+        if self.scale == "e4m3":
+            return "nvfp4"
+        short = {v: k for k, v in _MX_ELEMENTS.items()}[self.element]
+        return short if self.scale_rule == "floor" else f"{short}_rceil"
+
+    @property
+    def bits(self) -> int:
+        return int(self._info.bits)
+
+    @property
+    def nmant(self) -> int:
+        """Explicit mantissa bits."""
+        return int(self._info.nmant)
+
+    @property
+    def emin(self) -> int:
+        """The exponent of the smallest normal number."""
+        return int(math.log2(float(self._info.smallest_normal)))
+
+    @property
+    def emax(self) -> int:
+        """The exponent of the largest normal number."""
+        return math.frexp(float(self._info.max))[1] - 1
+
+    @property
+    def bound(self) -> int | float:
+        return float(self._info.max)
+
+    largest = bound
+    lsq_level = bound
+
+    @property
+    def has_nan(self) -> bool:
+        """Whether the element type has a NaN code (the 8-bit types do; the 6- and 4-bit ones do not)."""
+        return bool(np.isnan(_table(self.element)).any())
+
+    def nearest(self, v: Array) -> Array:
+        # The grid step around `a` is 2**(k - nmant), with k the exponent of `a`, or `emin` among subnormals.
+        a = jnp.abs(v)
+        step = jnp.maximum(exponent(a), self.emin) - self.nmant
+        return jnp.copysign(jnp.round(a * pow2(-step, a.dtype)) * pow2(step, a.dtype), v)
+
+    def levels(self, v: Array, zero_point: Array | None) -> Array:
+        del zero_point
+        return self.nearest(jnp.clip(v, -self.bound, self.bound))
+
+    def limits(self, zero_point: Array | None, ndim: int) -> tuple:
+        del zero_point, ndim
+        return -self.bound, self.bound
+
+    def encode(self, levels: Array) -> Array:
+        """The bit patterns of an `ml_dtypes` cast of `levels` (points of the grid, or NaN), as `uint8`, computed
+        exactly from the bits of `levels`."""
+        bits = self.bits
+        a = jnp.abs(levels)
+        k = jnp.maximum(exponent(a), self.emin)
+        normal = a >= 2.0**self.emin
+        # On the grid, `a * 2**(nmant - k)` is an integer: the significand with its leading bit for normal numbers.
+        significand = (a * pow2(self.nmant - k, a.dtype)).astype(jnp.int32)
+        mantissa = significand - jnp.where(normal, 1 << self.nmant, 0)
+        exp = jnp.where(normal, k.astype(jnp.int32) - self.emin + 1, 0)
+        sign = jnp.signbit(levels).astype(jnp.int32)
+        code = (sign << (bits - 1)) | (exp << self.nmant) | mantissa
+        return jnp.where(jnp.isnan(levels), self.nan_code, code).astype(jnp.uint8)
+
+    def decode(self, codes: Array, dtype: np.dtype) -> Array:
+        return jnp.asarray(_table(self.element), dtype)[codes.astype(jnp.int32)]
+
+    @property
+    def nan_code(self) -> int:
+        """The code `ml_dtypes` gives NaN: a NaN code for the 8-bit types, the code of -0 for the others."""
+        nan = np.array(np.nan, np.float32).astype(getattr(ml_dtypes, self.element))
+        return int(nan.view(np.uint8))
+
+    @property
+    def packed_width(self) -> int | None:
+        return 4 if self.bits == 4 else None
+
+
+_MX_ELEMENTS = {
+    "mxfp8_e4m3": "float8_e4m3fn",
+    "mxfp8_e5m2": "float8_e5m2",
+    "mxfp6_e2m3": "float6_e2m3fn",
+    "mxfp6_e3m2": "float6_e3m2fn",
+    "mxfp4": "float4_e2m1fn",
+}
+MX_FORMATS = (*_MX_ELEMENTS, "mxint8")
+"""The names of the OCP Microscaling formats."""
+
+NVFP4_BLOCK = 16
+E4M3 = FloatFormat("float8_e4m3fn")
+
+
+def int_format(bits: int | np.integer, *, signed: bool = True, narrow: bool = False) -> IntFormat:
+    """The format of `bits`-bit integers (the grid of [`eqx_quant.int_range`][]) with float32 scales.
+
+    !!! example
+
+        ```python
+        import eqx_quant
+
+        print(eqx_quant.int_format(4))  # Format('int4')
+        print(eqx_quant.int_format(4).qmin, eqx_quant.int_format(4).qmax)  # -8 7
+        ```
+    """
+    return IntFormat(*int_range(bits, signed=signed, narrow=narrow))
+
+
+def float_format(dtype: object) -> FloatFormat:
+    """The format of a low-precision float type with float32 scales: `float8_e4m3fn`, `float8_e5m2`,
+    `float6_e2m3fn`, `float6_e3m2fn` or `float4_e2m1fn`, as a dtype (`jnp.float8_e4m3fn`) or its name."""
+    if isinstance(dtype, str):
+        name = dtype
+    else:
+        try:
+            name = np.dtype(dtype).name  # pyright: ignore[reportArgumentType]
+        except TypeError as e:
+            raise TypeError(f"`dtype` must be a float format dtype or its name, got {dtype!r}.") from e
+    if name not in _ELEMENTS:
+        raise ValueError(f"`dtype` must be one of {', '.join(_ELEMENTS)} (or its name), got {dtype!r}.")
+    return FloatFormat(name)
+
+
+def mx_format(name: str, *, scale_rule: str = "floor") -> Format:
+    """An OCP Microscaling (MX v1.0) format: `"mxfp8_e4m3"`, `"mxfp8_e5m2"`, `"mxfp6_e2m3"`, `"mxfp6_e3m2"`,
+    `"mxfp4"` or `"mxint8"` (integers in `[-127, 127]`), with power-of-two E8M0 scales chosen by `scale_rule`
+    (see [`eqx_quant.mx_fake_quant`][])."""
+    if name not in MX_FORMATS:
+        raise ValueError(f"`fmt` must be one of {', '.join(map(repr, MX_FORMATS))}, got fmt={name!r}.")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"`scale_rule` must be 'floor' or 'rceil', got scale_rule={scale_rule!r}.")
+    if name == "mxint8":
+        return IntFormat(-127, 127, scale="e8m0", scale_rule=scale_rule)
+    return FloatFormat(_MX_ELEMENTS[name], scale="e8m0", scale_rule=scale_rule)
+
+
+NVFP4 = FloatFormat("float4_e2m1fn", scale="e4m3")
+
+
+def format_named(name: str) -> Format:
+    """The format of a name: `"int8"`, `"int4"`, ..., `"int8_narrow"`, `"uint8"`, ..., the float element types,
+    the MX formats (`"mxfp4"`; `"mxfp4_rceil"` for the `rceil` scale rule) and `"nvfp4"`."""
+    if not isinstance(name, str):
+        raise TypeError(f"`format` must be a Format or its name, got {name!r}.")
+    if name == "nvfp4":
+        return NVFP4
+    if name in _ELEMENTS:
+        return FloatFormat(name)
+    base, rceil = name.removesuffix("_rceil"), name.endswith("_rceil")
+    if base in MX_FORMATS:
+        return mx_format(base, scale_rule="rceil" if rceil else "floor")
+    for prefix, signed in (("uint", False), ("int", True)):
+        digits = name.removeprefix(prefix).removesuffix("_narrow")
+        if name.startswith(prefix) and digits.isdigit():
+            return IntFormat(*int_range(int(digits), signed=signed, narrow=name.endswith("_narrow")))
+    raise ValueError(
+        f"`format` must be a Format or one of the names int2 ... int16 (with _narrow), uint1 ... uint16, "
+        f"{', '.join(_ELEMENTS)}, {', '.join(MX_FORMATS)} (with _rceil) or nvfp4; got {name!r}."
+    )
+
+
+def as_format(value: object) -> Format:
+    """`value` as a format: a [`eqx_quant.Format`][] itself, a name, or an int (signed integers of that many bits)."""
+    if isinstance(value, Format):
+        return value
+    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
+        return int_format(value)
+    if not isinstance(value, str):
+        raise TypeError(
+            f"`format` must be a Format, a format's name or a number of bits, got {value!r} of type "
+            f"{type(value).__name__}."
+        )
+    return format_named(value)
+
+
+def format_from_json(info: dict) -> Format:
+    """The format that [`eqx_quant.Format.to_json`][] described."""
+    info = dict(info)
+    kind = info.pop("kind")
+    return {"IntFormat": IntFormat, "FloatFormat": FloatFormat}[kind](**info)
+
+
+#
+# Scales: how a scale divides a value onto the grid and multiplies a grid point back. `scale` broadcasts against the
+# values (unit axes where it is shared); `tensor_scale` is the second level of E4M3 scales.
+#
+
+
+def effective_scale(scale: Array, tensor_scale: Array | None) -> Array:
+    """The scale that multiplies a grid point: `scale`, or `scale * tensor_scale` for two-level scales."""
+    if tensor_scale is None:
+        return scale
+    return scale * expand_to_rank(tensor_scale, scale.ndim)
+
+
+def reciprocal(fmt: Format, scale: Array, tensor_scale: Array | None, ndim: int) -> Array:
+    """`1 / scale` as `fmt` takes it, expanded to rank `ndim`: a float32 scale's reciprocal; the exact `2**-e` of an
+    E8M0 scale `2**e` (whose `2**-127` is held as 0); `1 / (b * t)` of a two-level scale, 0 where that is 0. NaN where
+    the scale is NaN (a block holding NaN or inf)."""
+    if fmt.scale == "float32":
+        return expand_to_rank(1 / scale, ndim)
+    if fmt.scale == "e8m0":
+        inv = jnp.where(jnp.isnan(scale), jnp.asarray(jnp.nan, scale.dtype), pow2(-exponent(scale), scale.dtype))
+        return expand_to_rank(inv, ndim)
+    s = effective_scale(scale, tensor_scale)
+    zero = jnp.zeros((), s.dtype)
+    inv = jnp.where(s > 0, 1 / jnp.where(s > 0, s, 1), zero)
+    return expand_to_rank(jnp.where(jnp.isnan(s), jnp.asarray(jnp.nan, s.dtype), inv), ndim)
+
+
+def apply_scale(fmt: Format, values: Array, scale: Array, tensor_scale: Array | None) -> Array:
+    """`values * scale` as `fmt` computes it: an E8M0 scale `2**e` in two factors applied one after the other (its
+    `2**-127` is subnormal in float32; the halves are not), a two-level scale as the product `b * t`."""
+    if fmt.scale == "float32":
+        return expand_to_rank(scale, values.ndim) * values
+    if fmt.scale == "e8m0":
+        e = exponent(scale)
+        half = jax.lax.shift_right_arithmetic(e, jnp.asarray(1, e.dtype))
+        first = jnp.where(jnp.isnan(scale), jnp.asarray(jnp.nan, scale.dtype), pow2(half, scale.dtype))
+        return values * expand_to_rank(first, values.ndim) * expand_to_rank(pow2(e - half, scale.dtype), values.ndim)
+    return values * expand_to_rank(effective_scale(scale, tensor_scale), values.ndim)
+
+
+def encode_scale(fmt: Format, scale: Array) -> Array:
+    """The stored form of `scale`: itself (float32), or one byte (E8M0: the exponent plus 127, 255 for NaN; E4M3:
+    its `float8_e4m3fn` code)."""
+    if fmt.scale == "float32":
+        return scale
+    if fmt.scale == "e8m0":
+        return jnp.where(jnp.isnan(scale), _E8M0_NAN, exponent(scale) + 127).astype(jnp.uint8)
+    return E4M3.encode(scale)
+
+
+def decode_scale(fmt: Format, stored: Array, dtype: np.dtype) -> Array:
+    """The scale of a stored one, in `dtype`: the inverse of `encode_scale`."""
+    if fmt.scale == "float32":
+        return stored
+    if fmt.scale == "e8m0":
+        e = stored.astype(jnp.int32) - 127
+        return jnp.where(stored == _E8M0_NAN, jnp.asarray(jnp.nan, dtype), pow2(e, dtype))
+    return E4M3.decode(stored, dtype)

@@ -1,0 +1,199 @@
+"""Observing a model's layers while it runs on calibration data: the observers that stand in for input quantizers,
+the jit-compiled statistics step, and the folding of per-batch statistics on the host. Calibration and GPTQ read
+the statistics of the layers' inputs through it."""
+
+import functools
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+from jaxtyping import Array, PRNGKeyArray, PyTree
+
+from ._misc import FLOAT32_TINY
+from ._quantizers import AbstractQuantizer
+from ._scales import finite_or, stats
+from ._tree import map_nodes
+from .nn._layers import AbstractQuantLayer, stack_depth
+
+
+class _Recording:
+    """The statistics that observers report while the calibration step runs: by layer path, by position in the
+    layer's stack (0 for a layer that is not stacked), folded over every call."""
+
+    def __init__(self):
+        self.totals: dict[str, dict[int, dict[str, np.ndarray]]] = {}
+        self.lock = threading.Lock()
+
+    def add(self, path: str, index: Any, record: dict[str, Any]) -> None:
+        with self.lock:
+            layers = self.totals.setdefault(path, {})
+            index = int(index)
+            if index in layers:
+                old = layers[index]
+                layers[index] = {name: np.asarray(_HOST_FOLDS[name](old[name], v)) for name, v in record.items()}
+            else:
+                layers[index] = {name: np.asarray(v) for name, v in record.items()}
+
+
+_active: list[_Recording] = []  # the recording of the calibration step in progress; empty outside of one
+_HOST_FOLDS = {"absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add}
+_REDUCTIONS = {"absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum}
+
+
+def _report(path: str, index: Any, record: dict[str, Any]) -> None:
+    if not _active:
+        raise RuntimeError("A calibration observer ran outside `eqx_quant.calibrate`.")
+    _active[-1].add(path, index, record)
+
+
+@functools.cache
+def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
+    """`_tap` for one layer: a function of arrays only, as `custom_vmap` needs."""
+
+    @jax.custom_batching.custom_vmap
+    def tap(index: Array, record: dict[str, Array]) -> Array:
+        if "vector" in record:  # one input vector: its outer product
+            record = {"gram": jnp.outer(record["vector"], record["vector"])}
+        io_callback(functools.partial(_report, path), None, index, record, ordered=False)
+        return index
+
+    @tap.def_vmap
+    def tap_batched(axis_size: int, in_batched: list, index: Array, record: dict[str, Array]):
+        index_batched, record_batched = in_batched
+        if not index_batched:  # one layer: reduce over the mapped axis, then report once
+            if "vector" in record and record_batched["vector"]:
+                # The sum of the outer products of a batch of vectors, without materialising each of them.
+                v = record["vector"]
+                record = {"gram": jnp.einsum("bi,bj->ij", v, v, precision=jax.lax.Precision.HIGHEST)}
+            else:
+                record = {
+                    name: _REDUCTIONS[name](v, axis=0) if record_batched[name] else v for name, v in record.items()
+                }
+            return tap(index, record), False
+        # Several layers along the mapped axis (a model that maps a stack of layers with `vmap`): one at a time.
+        record = {
+            name: v if record_batched[name] else jnp.broadcast_to(v, (axis_size,) + v.shape)
+            for name, v in record.items()
+        }
+        return jax.lax.map(lambda args: tap(*args), (index, record)), True
+
+    return tap
+
+
+def _tensor_stats(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
+    del top, num_bins
+    absmax, lo, hi = stats(x, tuple(range(jnp.ndim(x))))
+    return {"absmax": absmax.reshape(()), "min": lo.reshape(()), "max": hi.reshape(())}
+
+
+def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
+    """Counts of the finite |x| in `num_bins` equal bins over `[0, top]` (values above `top` go to the last)."""
+    assert top is not None
+    x = jnp.abs(jax.lax.stop_gradient(x).astype(jnp.float32)).ravel()
+    finite = jnp.isfinite(x)
+    width = jnp.maximum(top, FLOAT32_TINY) / num_bins
+    index = jnp.clip(jnp.floor(finite_or(x, 0.0) / width), 0, num_bins - 1).astype(jnp.int32)
+    return {"hist": jnp.zeros(num_bins, jnp.float32).at[index].add(finite.astype(jnp.float32))}
+
+
+def _gram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
+    """The input vector (finite entries; others as 0), in float32, whose outer products `x xᵀ` the tap sums: the
+    Hessian of GPTQ."""
+    del top, num_bins
+    return {"vector": finite_or(jax.lax.stop_gradient(x).astype(jnp.float32).ravel(), 0.0)}
+
+
+_STATISTICS = {"stats": _tensor_stats, "hist": _histogram, "gram": _gram}
+
+
+class _Observer(AbstractQuantizer):
+    """Stands in for an input quantizer during calibration: passes `x` through and reports a statistic of it.
+
+    `index` is the layer's position in its stack and `top` the histogram range of that layer: arrays with the stack's
+    shape, so that a `jax.lax.scan` over stacked layers hands each step its own.
+    """
+
+    index: Array
+    top: Array | None
+    path: str = eqx.field(static=True)
+    statistic: str = eqx.field(static=True)
+    num_bins: int = eqx.field(static=True)
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        del key
+        if self.index.ndim:
+            raise ValueError(
+                f"The stacked layer {self.path!r} was called on the whole stack at once; `calibrate` observes stacked "
+                "layers called one layer at a time (inside `jax.lax.scan`, or a `jax.vmap` over the layers)."
+            )
+        record = _STATISTICS[self.statistic](x, self.top, self.num_bins)
+        _tap_for(self.path)(self.index, record)
+        return x
+
+
+@eqx.filter_jit
+def _calibration_step(observed: PyTree, batch: PyTree, batched: bool) -> PyTree:
+    """Runs the observed model on one batch; the observers report to the host as it runs."""
+    return observed(batch) if batched else jax.vmap(observed)(batch)
+
+
+def layer_stack(layer: AbstractQuantLayer) -> tuple[int, ...]:
+    """The shape of the stack a quantized layer belongs to: `()` for a single layer, `(layers,)` for layers built
+    with `eqx.filter_vmap`."""
+    weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+    if not eqx.is_array(weight):  # the placeholder of an `eqx.nn.Shared` tie: a single layer
+        return ()
+    return tuple(weight.shape[: stack_depth(layer.layer, weight.shape)])
+
+
+def observe(
+    model: PyTree, targets: list[tuple[str, AbstractQuantLayer]], statistic: str, tops=None, num_bins: int = 0
+) -> PyTree:
+    """`model` with the input quantizer of each target layer replaced by an observer of `statistic`."""
+    chosen = dict(targets)
+
+    def swap(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
+        if path not in chosen:
+            return layer
+        stack = layer_stack(layer)
+        index = jnp.arange(math.prod(stack), dtype=jnp.int32).reshape(stack)
+        top = None if tops is None else jnp.asarray(tops[path], jnp.float32).reshape(stack)
+        observer = _Observer(index, top, path, statistic, num_bins)
+        return eqx.tree_at(lambda l: l.input_quant, layer, observer, is_leaf=lambda x: x is None)
+
+    return map_nodes(model, (AbstractQuantLayer,), swap)
+
+
+def fold(model, targets, batches, batched, statistic, tops=None, num_bins=0) -> dict[str, list[dict[str, Any]]]:
+    """Runs the observed model over all batches: per target layer, the statistics folded over every call, one
+    record per layer of its stack (in stack order, flattened)."""
+    observed = observe(model, targets, statistic, tops, num_bins)
+    recording = _Recording()
+    seen = False
+    for batch in batches:
+        seen = True
+        _active.append(recording)
+        try:
+            jax.block_until_ready(_calibration_step(observed, batch, batched))
+            jax.effects_barrier()
+        finally:
+            _active.pop()
+    if not seen:
+        raise ValueError("`batches` is empty: calibration needs at least one batch.")
+    results = {}
+    for path, layer in targets:
+        size = math.prod(layer_stack(layer))
+        layers = recording.totals.get(path, {})
+        if not layers:
+            continue  # never called
+        missing = [i for i in range(size) if i not in layers]
+        if missing:
+            raise ValueError(f"Layers {missing} of the stacked layer {path!r} were never called during calibration.")
+        results[path] = [layers[i] for i in range(size)]
+    return results

@@ -1,0 +1,568 @@
+"""The configuration of a quantized model: one ordered list of rules, and `quantize`, which applies it."""
+
+import dataclasses
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal, TypeAlias
+
+import equinox as eqx
+from jaxtyping import PyTree
+
+from ._backward import QuantizedBackward
+from ._format import Format, float_format
+from ._int_ops import integer_grid
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
+from ._tree import map_nodes, nodes
+from .nn._attention import QuantMultiheadAttention
+from .nn._einsum import Einsum, QuantEinsum
+from .nn._layers import (
+    AbstractQuantLayer,
+    QuantConv,
+    QuantEmbedding,
+    QuantLinear,
+    default_input_quant,
+    default_weight_quant,
+    stack_depth,
+)
+
+
+Factory: TypeAlias = Callable[[str, eqx.Module], AbstractQuantizer | None]
+QuantizerSpec: TypeAlias = AbstractQuantizer | Factory | Mapping[str, "AbstractQuantizer | Factory | None"] | None
+Where: TypeAlias = Callable[[str, eqx.Module], bool] | str | None
+Pair: TypeAlias = tuple[AbstractQuantizer | None, AbstractQuantizer | None]
+ProductSpec: TypeAlias = (
+    AbstractQuantizer | Pair | Callable[[str, eqx.Module], Any] | Mapping[str, "AbstractQuantizer | Pair | None"] | None
+)
+
+FLOAT_LAYERS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
+
+
+def contraction_axis(layer: eqx.Module) -> int:
+    """The axis a layer's product sums over, counted from the end so that it holds for stacked weights too: the last
+    axis of a linear weight `(out, in)` and of its input, the input channels of a convolution's weight
+    `(out, in, *kernel)` and of its input `(in, *spatial)`, the features of an embedding table."""
+    return -(layer.num_spatial_dims + 1) if isinstance(layer, eqx.nn.Conv) else -1  # pyright: ignore
+
+
+def _tiles_fit(layer: eqx.Module, size: int) -> bool:
+    """Whether the contraction of `layer`, in its weight and in its input, splits into tiles of `size`."""
+    if isinstance(layer, eqx.nn.Conv):
+        return (layer.in_channels // layer.groups) % size == 0  # then `in_channels`, a multiple of it, splits too
+    if isinstance(layer, eqx.nn.Linear):
+        return layer.in_features != "scalar" and layer.in_features % size == 0
+    return layer.weight.shape[-1] % size == 0  # pyright: ignore  # an embedding: tiles along its features
+
+
+_FP8 = float_format("float8_e4m3fn")
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerQuantizer:
+    """A quantizer made for each layer a rule reaches, from the layer itself: the layout follows the layer's product,
+    and a learned quantizer starts from the layer's weight. The recipes are written with these.
+
+    - Weights (`input=False`): per tile of `group_size` along the product's contraction (a linear layer's input
+        features, an embedding's features, a convolution's input channels for block formats), or per output channel
+        when `group_size` is `None`. Where the tiles do not fit, an integer format falls back to one scale per output
+        channel (so does every convolution with an integer format: its integer forward takes no groups), and a block
+        format (MX, NVFP4) to `float8_e4m3fn` per output channel.
+    - Inputs (`input=True`): per tile along the contraction (block formats), else per tensor; where blocks do not
+        fit, `float8_e4m3fn` per tensor.
+    - `learned=True` makes a weight's quantizer a [`eqx_quant.LearnedFakeQuant`][] initialised from the weight by
+        [`eqx_quant.LearnedFakeQuant.init_from`][] (stacked layers get one set of scales per layer); block formats keep
+        their dynamic block scales. Otherwise the quantizer is a [`eqx_quant.DynamicFakeQuant`][].
+
+    A call `quantizer(path, layer)` makes the layer's quantizer, so a `LayerQuantizer` is a factory for
+    [`eqx_quant.Rule`][].
+    """
+
+    format: Format
+    group_size: int | None = None
+    learned: bool = False
+    input: bool = False
+
+    def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer:
+        del path
+        fmt, group = self.format, self.group_size
+        blocks = fmt.scale != "float32"
+        fits = group is not None and _tiles_fit(layer, group)
+        if blocks and not fits:
+            fmt, group, blocks = _FP8, None, False
+        if self.input:
+            if group is None or not blocks:
+                return DynamicFakeQuant(fmt)
+            return DynamicFakeQuant(fmt, group_size=group, group_axis=contraction_axis(layer))
+        tiled = fits and (blocks or isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding)))
+        layout = dict(group_size=group, group_axis=contraction_axis(layer)) if tiled else dict(axis=0)
+        if self.learned and not blocks:
+            weight = layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+            depth = stack_depth(layer, weight.shape)
+            if tiled:  # the keyword arguments of earlier releases, so that the quantizer compares equal to theirs
+                layout = dict(group_size=group)
+            return LearnedFakeQuant.init_from(weight, fmt, stacked=depth, **layout)  # pyright: ignore[reportArgumentType]
+        if tiled and not blocks:
+            layout = dict(group_size=group)
+        return DynamicFakeQuant(fmt, **layout)  # pyright: ignore[reportArgumentType]
+
+
+_DEFAULT: Any = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    """One entry of a quantization configuration: which layers (and products) it reaches, and how they are quantized.
+
+    [`eqx_quant.quantize`][] gives each layer the first rule of the list whose `pattern` matches its path (a regular
+    expression matched against the whole path, `re.fullmatch`: `"layers\\.1"` names `layers.1` and not
+    `layers.10`; `".*"` reaches everything); layers that no rule reaches stay in floating point. A rule that reaches
+    no layer is an error: the message lists the paths there are.
+
+    **Fields:**
+
+    - `pattern`: the regular expression of the paths the rule reaches.
+    - `weight`: the weight quantizer: a quantizer module (shared by every layer the rule reaches), a factory
+        `f(path, layer) -> quantizer | None` (such as [`eqx_quant.LayerQuantizer`][]), or `None` for a float weight.
+        By default 8 bits, one scale per output channel.
+    - `input`: the input quantizer of a `Linear` or `Conv`, in the same forms; by default 8 bits per tensor.
+        Embeddings take integer indices and never get one.
+    - `products`: the quantizers of the products of two activations that the rule reaches: every
+        [`eqx_quant.nn.Einsum`][] and the two products (`<path>.scores`, `<path>.values`) of every
+        `eqx.nn.MultiheadAttention`. A quantizer (for both operands), a pair `(lhs, rhs)`, a factory returning either,
+        or `None` (the default) to leave them in floating point.
+    - `backward`: an [`eqx_quant.QuantizedBackward`][] for the linear layers whose weight and input are both on
+        integer grids (the input's gradient is then an integer product), or `None`.
+    - `matmul`: `"int"` for the integer forward where the quantizers allow it, `"float"` for the float product of the
+        fake-quantized operands.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import eqx_quant
+
+        mlp = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))
+        rules = [
+            eqx_quant.Rule("layers\\\\.0", weight=eqx_quant.DynamicFakeQuant(4, axis=0)),
+            eqx_quant.Rule("layers\\\\.1"),
+        ]
+        qmlp = eqx_quant.quantize(mlp, rules)
+        print([type(layer).__name__ for layer in qmlp.layers])  # ['QuantLinear', 'QuantLinear', 'Linear']
+        ```
+    """
+
+    pattern: str = ".*"
+    weight: Any = _DEFAULT
+    input: Any = _DEFAULT
+    products: Any = None
+    backward: QuantizedBackward | None = None
+    matmul: Literal["int", "float"] = "int"
+
+    def __post_init__(self):
+        if self.weight is _DEFAULT:
+            object.__setattr__(self, "weight", default_weight_quant())
+        if self.input is _DEFAULT:
+            object.__setattr__(self, "input", default_input_quant())
+        _compiled("pattern", self.pattern)
+        for name in ("weight", "input"):
+            value = getattr(self, name)
+            if not (value is None or isinstance(value, AbstractQuantizer) or callable(value)):
+                raise TypeError(f"`{name}` must be a quantizer, a factory f(path, layer) or None, got {value!r}.")
+        if not (self.products is None or _is_pair(self.products) or isinstance(self.products, AbstractQuantizer)
+                or callable(self.products)):  # fmt: skip
+            raise TypeError(
+                f"`products` must be a quantizer, a pair of them, a factory or None, got {self.products!r}."
+            )
+        if self.backward is not None and not isinstance(self.backward, QuantizedBackward):
+            raise TypeError(f"`backward` must be a QuantizedBackward or None, got backward={self.backward!r}.")
+        if self.matmul not in ("int", "float"):
+            raise ValueError(f"`matmul` must be 'int' or 'float', got matmul={self.matmul!r}.")
+        if self.backward is not None and self.matmul != "int":
+            raise ValueError(f"`backward` needs the integer forward, matmul='int'; got matmul={self.matmul!r}.")
+
+
+def _compiled(name: str, pattern: object) -> re.Pattern:
+    """`pattern` compiled, or a `ValueError` naming the argument it came from."""
+    if not isinstance(pattern, str):
+        raise TypeError(f"The layer patterns of `{name}` must be strings, got {pattern!r}.")
+    try:
+        return re.compile(pattern)
+    except re.error as error:
+        raise ValueError(f"`{name}`: {pattern!r} is not a valid regular expression ({error}).") from None
+
+
+def _matches(pattern: str, path: str, match: str) -> bool:
+    return (re.fullmatch if match == "full" else re.search)(pattern, path) is not None
+
+
+def _is_pair(value: object) -> bool:
+    return (
+        isinstance(value, tuple)
+        and len(value) == 2
+        and all(v is None or isinstance(v, AbstractQuantizer) for v in value)
+    )
+
+
+class _Used:
+    """The mapping patterns that matched a layer, to tell the ones that matched none."""
+
+    def __init__(self):
+        self.patterns: set[tuple[str, str]] = set()
+
+
+def _resolve(name: str, spec: object, path: str, layer: eqx.Module, match: str, used: _Used, pairs: bool = False):
+    """The quantizer (or, with `pairs`, the quantizer or pair of quantizers) that `spec` gives the layer at `path`."""
+    if spec is None or isinstance(spec, AbstractQuantizer) or (pairs and _is_pair(spec)):
+        return spec
+    if isinstance(spec, Mapping):
+        for pattern, value in spec.items():
+            if _matches(pattern, path, match):
+                if isinstance(value, Mapping):
+                    raise TypeError(f"`{name}` mappings cannot be nested, got {value!r} under {pattern!r}.")
+                used.patterns.add((name, pattern))
+                return _resolve(name, value, path, layer, match, used, pairs)
+        return None
+    if callable(spec):
+        quantizer = spec(path, layer)
+        if not (quantizer is None or isinstance(quantizer, AbstractQuantizer) or (pairs and _is_pair(quantizer))):
+            kind = "a quantizer, a pair of them or None" if pairs else "a quantizer or None"
+            raise TypeError(f"The `{name}` factory returned {quantizer!r} for layer {path!r}, not {kind}.")
+        return quantizer
+    kind = "a quantizer, a pair of them" if pairs else "a quantizer"
+    raise TypeError(f"`{name}` must be {kind}, a factory, a mapping from patterns to them, or None; got {spec!r}.")
+
+
+_EXACT = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Conv1d, eqx.nn.Conv2d, eqx.nn.Conv3d, eqx.nn.Embedding)
+
+
+def _overrides_call(layer: eqx.Module) -> bool:
+    """Whether `layer`'s class is a subclass of a float layer that computes its own forward pass (which the quantized
+    wrapper, running the base layer's computation, would silently replace)."""
+    if type(layer) in _EXACT:
+        return False
+    base = next(cls for cls in _EXACT[::-1] if isinstance(layer, cls))
+    return type(layer).__call__ is not base.__call__
+
+
+def _candidates_message(candidates: Sequence[str]) -> str:
+    return "; the paths there are: " + ", ".join(repr(path) for path in candidates) + "."
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decision:
+    """What one layer (or product) gets: a rule resolved for it."""
+
+    weight: Any
+    input: Any
+    products: Any
+    backward: QuantizedBackward | None
+    matmul: str
+
+
+def _legacy_rules(weights, activations, where, matmul, products, match, backward) -> tuple[Callable, Callable]:
+    """The decision of the keyword arguments of `quantize` for each layer, and a check of their patterns at the end."""
+    for name, spec in (("weights", weights), ("activations", activations), ("products", products)):
+        if isinstance(spec, Mapping):
+            for pattern in spec:
+                _compiled(name, pattern)
+    if where is None:
+        select = lambda path, layer: True  # noqa: E731
+    elif isinstance(where, str):
+        _compiled("where", where)
+        select = lambda path, layer: _matches(where, path, match)  # noqa: E731
+    elif callable(where):
+        select = where
+    else:
+        raise TypeError(f"`where` must be None, a regular expression or a predicate on (path, layer), got {where!r}.")
+    used = _Used()
+
+    def decide(path: str, layer: eqx.Module, product: bool) -> _Decision | None:
+        if not select(path, layer):
+            return None
+        if product:
+            quantizers = _resolve("products", products, path, layer, match, used, pairs=True)
+            return _Decision(None, None, quantizers, None, matmul)
+        weight = _resolve("weights", weights, path, layer, match, used)
+        inputs = None if isinstance(layer, eqx.nn.Embedding) else _resolve("activations", activations, path, layer,
+                                                                          match, used)  # fmt: skip
+        return _Decision(weight, inputs, None, backward, matmul)
+
+    def check(paths: list[str]) -> None:
+        if where is not None and isinstance(where, str) and not any(_matches(where, p, match) for p in paths):
+            raise ValueError(f"`where`={where!r} matches none of the layers" + _candidates_message(paths))
+        for name, spec in (("weights", weights), ("activations", activations), ("products", products)):
+            if isinstance(spec, Mapping):
+                for pattern in spec:
+                    if (name, pattern) not in used.patterns:
+                        raise ValueError(
+                            f"`{name}`: the pattern {pattern!r} matches none of the layers" + _candidates_message(paths)
+                        )
+
+    return decide, check
+
+
+def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable]:
+    if isinstance(rules, Rule) or not isinstance(rules, Sequence) or not all(isinstance(r, Rule) for r in rules):
+        raise TypeError(f"`rules` must be a list of eqx_quant.Rule, got {rules!r}.")
+    used: set[int] = set()
+
+    def decide(path: str, layer: eqx.Module, product: bool) -> _Decision | None:
+        for i, rule in enumerate(rules):
+            if re.fullmatch(rule.pattern, path) is None:
+                continue
+            used.add(i)
+            if product:
+                quantizers = _resolve("products", rule.products, path, layer, "full", _Used(), pairs=True)
+                return _Decision(None, None, quantizers, None, rule.matmul)
+            weight = _resolve("weight", rule.weight, path, layer, "full", _Used())
+            inputs = None if isinstance(layer, eqx.nn.Embedding) else _resolve("input", rule.input, path, layer,
+                                                                              "full", _Used())  # fmt: skip
+            return _Decision(weight, inputs, None, rule.backward, rule.matmul)
+        return None
+
+    def check(paths: list[str]) -> None:
+        for i, rule in enumerate(rules):
+            if i not in used:
+                raise ValueError(f"Rule {i} (pattern {rule.pattern!r}) reaches none of the layers; an earlier rule may "
+                                 "take them all" + _candidates_message(paths))  # fmt: skip
+
+    return decide, check
+
+
+def quantize(
+    model: PyTree,
+    rules: Sequence[Rule] | None = None,
+    *,
+    weights: QuantizerSpec = default_weight_quant(),
+    activations: QuantizerSpec = default_input_quant(),
+    where: Where = None,
+    matmul: Literal["int", "float"] = "int",
+    products: ProductSpec = None,
+    match: Literal["search", "full"] = "search",
+    subclasses: Literal["error", "wrap", "skip"] = "error",
+    backward: QuantizedBackward | None = None,
+) -> PyTree:
+    """Replaces the layers of a model by their quantized wrappers.
+
+    Every `eqx.nn.Linear`, `eqx.nn.Conv` (any dimensionality) and `eqx.nn.Embedding` in `model` that the
+    configuration reaches becomes a [`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][] or
+    [`eqx_quant.nn.QuantEmbedding`][] holding the original layer. The model can be any PyTree: nested modules, lists,
+    tuples, dicts, `eqx.nn.Sequential`, `eqx.nn.MLP`; every other leaf is kept as it is (shardings included), and
+    layers that are already quantized are left alone.
+
+    Layers are named by their path in the PyTree, as a dotted string: `layers.0` for the first layer of an
+    `eqx.nn.MLP`, `blocks.1.conv` for `model.blocks[1].conv`, `heads.key` for a dict entry.
+
+    **The configuration** is either a list of [`eqx_quant.Rule`][]s (the first rule whose pattern matches a path
+    wins; [`eqx_quant.recipe`][] returns such lists), or the keyword arguments below, which make one rule: `where`
+    selects the layers, `weights` and `activations` give their quantizers. Either way, a pattern that matches no
+    layer is a `ValueError` naming it and listing the paths there are: a typo never leaves a model silently in float.
+
+    **Patterns.** A rule's pattern is matched against the whole path (`re.fullmatch`). The patterns of the keyword
+    arguments (a key of a `weights`, `activations` or `products` mapping, or a string `where`) are *searched* anywhere
+    in the path (`re.search`) by default: `r"layers\\.1"` selects `layers.1`, but also `layers.10` and
+    `encoder.layers.1.conv`; anchor them (`r"^layers\\.1$"`), or pass `match="full"`.
+
+    **Attention.** The products of two activations are quantized where a rule (or `products`) gives them
+    quantizers: every [`eqx_quant.nn.Einsum`][] in the model (write attention's `QKᵀ` and softmax·V with it) becomes a
+    [`eqx_quant.nn.QuantEinsum`][], and every `eqx.nn.MultiheadAttention` a
+    [`eqx_quant.nn.QuantMultiheadAttention`][] whose two products (at `<path>.scores` and `<path>.values`) are
+    quantized (its four projections are linear layers, quantized like any other, at
+    `<path>.attention.query_proj` and so on once wrapped). Otherwise both stay in floating point.
+
+    **Subclasses.** A subclass of `eqx.nn.Linear`, `eqx.nn.Conv` or `eqx.nn.Embedding` that overrides `__call__`
+    computes something the quantized wrapper (which runs the base layer's computation) would not: by default
+    (`subclasses="error"`) such a layer raises a `ValueError` naming it; `"skip"` leaves it in floating point and
+    `"wrap"` wraps it anyway. Subclasses that keep the base `__call__` are wrapped as usual.
+
+    **Arguments:**
+
+    - `model`: the float model.
+    - `rules`: a list of [`eqx_quant.Rule`][]s, e.g. `recipe("w4a8_g32")["rules"]`; then the keyword arguments
+        `weights`, `activations`, `where`, `matmul`, `products`, `match` and `backward` must be left as they are.
+    - `weights`: the weight quantizer of each layer. One of: a quantizer module (shared by every layer; quantizers
+        hold no per-layer state unless learned); a factory `f(path, layer) -> quantizer | None`; a mapping from
+        patterns to either, where the first matching pattern wins and an unmatched layer gets `None`; or `None` for
+        float weights. By default 8 bits, one scale per output channel.
+    - `activations`: the input quantizer of each `Linear` and `Conv`, in the same forms; by default 8 bits per
+        tensor.
+    - `where`: which layers to quantize: `None` for all, a pattern, or a predicate `f(path, layer) -> bool`.
+    - `matmul`: `"int"` for the integer forward where the quantizers allow it, `"float"` for the float product of the
+        fake-quantized operands.
+    - `products`: the quantizers of the products of two activations (see Attention above): a quantizer (for both
+        operands), a pair `(lhs_quant, rhs_quant)`, a factory `f(path, module)` returning either (or `None`), a
+        mapping from patterns to them, or `None` (the default) to keep them in floating point.
+    - `match`: `"search"` (default) or `"full"`: how the patterns of the keyword arguments match paths.
+    - `subclasses`: `"error"`, `"skip"` or `"wrap"`: what to do with subclasses of the float layers that override
+        `__call__` (see Subclasses above).
+    - `backward`: an [`eqx_quant.QuantizedBackward`][] for every [`eqx_quant.nn.QuantLinear`][] whose weight and
+        input are both on integer grids (with `matmul="int"`): their input's gradient is then an integer product
+        (which changes the gradient contract). A layer so configured whose quantizers cannot run the integer forward
+        (an input quantizer per channel, say) raises a `ValueError` when called.
+
+    **Returns:**
+
+    The model with the selected layers wrapped.
+
+    **Raises:**
+
+    `ValueError` if a rule, `where` or a mapping pattern matches no layer (the message lists the paths), if a pattern
+    is not a valid regular expression, or if the model has no layer to quantize (a model whose layers are all
+    quantized already is returned as it is); `TypeError` for a malformed configuration.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import eqx_quant
+
+        mlp = eqx.nn.MLP(4, 2, 8, 2, key=jax.random.key(0))
+        qmlp = eqx_quant.quantize(
+            mlp,
+            # The first matching pattern wins; anchored, so that "layers.0" cannot match "layers.01" or "a.layers.0".
+            weights={r"^layers\\.0$": eqx_quant.DynamicFakeQuant(4, axis=0), "": eqx_quant.DynamicFakeQuant(8, axis=0)},
+            where=r"^layers\\.[01]$",
+        )
+        print([type(layer).__name__ for layer in qmlp.layers])  # ['QuantLinear', 'QuantLinear', 'Linear']
+        ```
+    """
+    if matmul not in ("int", "float"):
+        raise ValueError(f"`matmul` must be 'int' or 'float', got matmul={matmul!r}.")
+    if backward is not None and not isinstance(backward, QuantizedBackward):
+        raise TypeError(f"`backward` must be a QuantizedBackward or None, got backward={backward!r}.")
+    if backward is not None and matmul != "int":
+        raise ValueError(f"`backward` needs the integer forward, matmul='int'; got matmul={matmul!r}.")
+    if match not in ("search", "full"):
+        raise ValueError(f"`match` must be 'search' or 'full', got match={match!r}.")
+    if subclasses not in ("error", "wrap", "skip"):
+        raise ValueError(f"`subclasses` must be 'error', 'wrap' or 'skip', got subclasses={subclasses!r}.")
+    if rules is not None:
+        given = dict(weights=weights, activations=activations, where=where, matmul=matmul, products=products,
+                     match=match, backward=backward)  # fmt: skip
+        defaults = dict(weights=default_weight_quant(), activations=default_input_quant(), where=None, matmul="int",
+                        products=None, match="search", backward=None)  # fmt: skip
+        extra = [name for name in given if given[name] != defaults[name]]
+        if extra:
+            raise ValueError(f"`rules` is the whole configuration: leave {', '.join(map(repr, extra))} out of it.")
+        decide, check = _rule_list(rules)
+    else:
+        decide, check = _legacy_rules(weights, activations, where, matmul, products, match, backward)
+
+    layer_types = FLOAT_LAYERS + (AbstractQuantLayer,)
+    wants_products = products is not None if rules is None else any(rule.products is not None for rule in rules)
+    layers = nodes(model, layer_types)
+    attentions = nodes(model, (eqx.nn.MultiheadAttention, QuantMultiheadAttention)) if wants_products else []
+    einsums = nodes(model, (Einsum, QuantEinsum)) if wants_products else []
+    if not (layers or attentions or einsums):
+        raise ValueError(
+            "`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer (nor, with `products`, an "
+            "Einsum or MultiheadAttention) to quantize."
+        )
+    layers = [(path, layer) for path, layer in layers if not isinstance(layer, AbstractQuantLayer)]
+    # The two products of an attention that is not wrapped yet, at the paths they take once it is.
+    attentions = [
+        (path, QuantMultiheadAttention(m)) for path, m in attentions if isinstance(m, eqx.nn.MultiheadAttention)
+    ]
+    products_of = [
+        (f"{path}.{name}", getattr(m, name), path) for path, m in attentions for name in ("scores", "values")
+    ]
+    attention_paths = {path for path, _ in nodes(model, (QuantMultiheadAttention,))} if wants_products else set()
+    products_of += [(path, m, path.rpartition(".")[0] if path.rpartition(".")[0] in attention_paths else None)
+                    for path, m in einsums if isinstance(m, Einsum)]  # fmt: skip
+    if not (layers or products_of):
+        return model  # every layer is quantized already
+    decisions = {}
+    for path, layer in layers:
+        decision = decide(path, layer, False)
+        if decision is not None:
+            decisions[path] = decision
+    for path, einsum, attention in products_of:
+        decision = decide(path, einsum, True)
+        if (decision is None or decision.products is None) and attention is not None:
+            decision = decide(attention, einsum, True)  # a product's own rule first, else its attention's
+        if decision is not None and decision.products is not None:
+            decisions[path] = decision
+    paths = [path for path, _ in layers] + [path for path, _, _ in products_of]
+    check(paths)
+    if not decisions:
+        raise ValueError("The configuration reaches none of the layers" + _candidates_message(paths))
+    if subclasses == "error":
+        for path, layer in layers:
+            if path in decisions and _overrides_call(layer):
+                raise ValueError(
+                    f"Layer {path!r} is a {type(layer).__name__}, a subclass of {type(layer).__mro__[1].__name__} "
+                    "with its own `__call__`, which the quantized wrapper would replace by the base computation. "
+                    "Exclude it with `where`, or pass subclasses='skip' (keep it float) or subclasses='wrap'."
+                )
+
+    def wrap(path: str, layer: Any) -> Any:
+        decision = decisions.get(path)
+        if decision is None or not isinstance(layer, FLOAT_LAYERS):
+            return layer
+        if subclasses == "skip" and _overrides_call(layer):
+            return layer
+        if isinstance(layer, eqx.nn.Embedding):
+            return QuantEmbedding(layer, weight_quant=decision.weight)
+        if isinstance(layer, eqx.nn.Conv):
+            return QuantConv(layer, weight_quant=decision.weight, input_quant=decision.input, matmul=decision.matmul)
+        integer = all(integer_grid(q) for q in (decision.weight, decision.input))
+        return QuantLinear(
+            layer, weight_quant=decision.weight, input_quant=decision.input, matmul=decision.matmul,
+            backward=decision.backward if integer else None,
+        )  # fmt: skip
+
+    model = map_nodes(model, layer_types, wrap)
+    if not wants_products:
+        return model
+
+    def product(path: str, einsum: Einsum) -> Einsum | QuantEinsum:
+        decision = decisions.get(path)
+        if decision is None:
+            return einsum
+        quantizers = decision.products
+        lhs, rhs = quantizers if isinstance(quantizers, tuple) else (quantizers, quantizers)
+        return QuantEinsum(einsum, lhs_quant=lhs, rhs_quant=rhs, matmul=decision.matmul)  # pyright: ignore
+
+    def wrap_attention(path: str, module: Any) -> Any:
+        if not isinstance(module, eqx.nn.MultiheadAttention):
+            return module
+        wrapped = QuantMultiheadAttention(module)
+        scores, values = product(f"{path}.scores", wrapped.scores), product(f"{path}.values", wrapped.values)
+        if scores is wrapped.scores and values is wrapped.values:
+            return module
+        return QuantMultiheadAttention(module, scores=scores, values=values)
+
+    model = map_nodes(model, (eqx.nn.MultiheadAttention, QuantMultiheadAttention), wrap_attention)
+    return map_nodes(model, (Einsum, QuantEinsum), lambda path, m: product(path, m) if isinstance(m, Einsum) else m)
+
+
+def float_model(model: PyTree) -> PyTree:
+    """Replaces every quantized layer by the float layer it wraps: the inverse of [`eqx_quant.quantize`][].
+
+    **Arguments:**
+
+    - `model`: a model containing [`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][],
+        [`eqx_quant.nn.QuantEmbedding`][], [`eqx_quant.nn.QuantEinsum`][] or
+        [`eqx_quant.nn.QuantMultiheadAttention`][] modules.
+
+    **Returns:**
+
+    The float model, whose leaves are exactly the wrapped layers' leaves (after training, the trained ones).
+    """
+
+    def unwrap(path: str, module: Any) -> Any:
+        del path
+        if isinstance(module, AbstractQuantLayer):
+            return module.layer
+        if isinstance(module, QuantEinsum):
+            return module.einsum
+        return module
+
+    model = map_nodes(model, (AbstractQuantLayer, QuantEinsum), unwrap)
+    return map_nodes(model, (QuantMultiheadAttention,), lambda path, module: module.attention)
+
+
+def dequantize(model: PyTree) -> PyTree:
+    """An alias of [`eqx_quant.float_model`][] (the name of earlier releases)."""
+    return float_model(model)

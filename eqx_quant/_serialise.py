@@ -1,0 +1,305 @@
+"""eqx_quant's own file: a model with its quantizers' static configuration and its quantized arrays."""
+
+import dataclasses
+import json
+import os
+import secrets
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import numpy as np
+from jaxtyping import PyTree
+
+from ._format import Format, format_from_json, format_named
+from ._layout import Layout
+from ._qarray import QuantizedArray
+from ._quantizers import AbstractQuantizer, FakeQuant
+from ._tree import map_nodes, unique_nodes
+
+
+_MAGIC = b"EQXQUANT"
+_VERSION = 4
+
+
+def _header_nodes(model: PyTree, name: str) -> dict[str, Any]:
+    """The static [`eqx_quant.FakeQuant`][]s and the [`eqx_quant.QuantizedArray`][]s of `model` by path."""
+    return unique_nodes(model, (FakeQuant, QuantizedArray), name)
+
+
+def _named(name: str) -> Format | None:
+    try:
+        return format_named(name)
+    except ValueError:
+        return None
+
+
+def _static_quantizers(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The configuration of every static [`eqx_quant.FakeQuant`][] by path: it lives in the treedef, which
+    `eqx.tree_serialise_leaves` does not write."""
+    out = {}
+    for path, q in found.items():
+        if isinstance(q, FakeQuant):
+            out[path] = _static_fields(q)
+            if q.tensor_scale is None:
+                del out[path]["tensor_scale"]
+    return out
+
+
+def _restore_static(c: dict[str, Any]) -> FakeQuant:
+    layout = Layout(*_tuples(c["layout"]))
+    return FakeQuant(
+        _tuples(c["scale"]), format=_format(c), zero_point=_tuples(c["zero_point"]),
+        tensor_scale=c.get("tensor_scale"), layout=layout,
+    )  # fmt: skip
+
+
+def _tuples(value: Any) -> Any:
+    """JSON lists back as the tuples they were written from."""
+    return tuple(_tuples(v) for v in value) if isinstance(value, list) else value
+
+
+def _format(info: dict[str, Any]) -> Format:
+    """The format that `_json_value` described: by its name, or by its fields where the name does not say it all."""
+    fields = {k.removeprefix("format_"): v for k, v in info.items() if k.startswith("format_")}
+    return format_from_json(fields) if fields else format_named(info["format"])
+
+
+def _json_value(value: Any) -> Any:
+    """A static field's value as JSON: numbers, strings, `None` and (nested) lists of them; anything else (a function,
+    an object) by its name, so that the file never depends on a memory address or a printer's layout."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, Format):  # its name, and its fields where the name does not say them all
+        if _named(value.name) == value:
+            return {"format": value.name}
+        return {"format": value.name, **{f"format_{k}": v for k, v in value.to_json().items()}}
+    if isinstance(value, Layout) and value.group_axis == -1:  # the default last entry left out
+        return _json_value(tuple(value)[:-1])
+    if isinstance(value, (np.bool_, np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, (tuple, list)):  # a `Layout` too (a named tuple)
+        return [_json_value(v) for v in value]
+    return f"<{getattr(value, '__qualname__', type(value).__qualname__)}>"
+
+
+def _other_quantizers(model: PyTree, name: str) -> dict[str, dict[str, Any]]:
+    """The configuration of every other quantizer of `model` (dynamic, learned, ...) by path: its type and its static
+    fields. Its arrays (a learned scale) are saved with the others and checked by their shapes and dtypes, but these
+    fields live in the treedef, which the file does not carry: `load` checks that `like` has the same."""
+    found = unique_nodes(model, (AbstractQuantizer,), name)
+    out = {}
+    for path, q in found.items():
+        if isinstance(q, FakeQuant):
+            continue
+        out[path] = {"type": type(q).__name__, **_static_fields(q)}
+    return out
+
+
+def _static_fields(module: Any) -> dict[str, Any]:
+    """The static fields of `module` as JSON values (a format's flattened into its name and fields)."""
+    out = {}
+    for field in dataclasses.fields(module):
+        if field.metadata.get("static"):
+            value = _json_value(getattr(module, field.name))
+            out.update(value if isinstance(value, dict) else {field.name: value})
+    return out
+
+
+def _tensor_descriptions(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The static fields of every [`eqx_quant.QuantizedArray`][] (format, layout, shape, dtype, packing, and whether
+    it has a zero point and a tensor scale) by path: what the stored codes mean, which the arrays alone do not say."""
+    out = {}
+    for path, array in found.items():
+        if isinstance(array, QuantizedArray):
+            info = _static_fields(array)
+            info["zero_point"] = array.zero_point is not None
+            if array.tensor_scale is not None:
+                info["tensor_scale"] = True
+            out[path] = json.loads(json.dumps(info))  # as the header reads back: tuples become lists
+    return out
+
+
+def _tensor_table(descriptions: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The descriptions as the header stores them: the field names once, then a row of values per array (`null`
+    for a field that an array of another format has)."""
+    fields = sorted({field for info in descriptions.values() for field in info})
+    return {"fields": fields, "tensors": {path: [info.get(f) for f in fields] for path, info in descriptions.items()}}
+
+
+def _from_table(table: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    fields = table["fields"]
+    return {path: dict(zip(fields, row, strict=True)) for path, row in table["tensors"].items()}
+
+
+def save(path: str | os.PathLike, model: PyTree) -> None:
+    """Saves a model (quantized weights as stored: integers, packed 2-, 3- and 4-bit codes, the codes and scales of
+    float formats) to a file.
+
+    The file starts with a small JSON header holding the static configuration that the arrays alone do not carry:
+    the format, layout, scales and zero points of every static [`eqx_quant.FakeQuant`][] (e.g. calibrated input
+    quantizers); the configuration of every other quantizer (dynamic ones such as [`eqx_quant.DynamicFakeQuant`][],
+    and the static fields of learned ones); and the format, layout, shape, dtype and packing width of every
+    [`eqx_quant.QuantizedArray`][]. [`eqx_quant.load`][] checks them against the model it loads into. The arrays
+    follow, written by `eqx.tree_serialise_leaves`; codes of at most 4 bits are already packed at their width in a
+    converted model, so they read back exactly. Each array carries a NumPy header of about 128 bytes.
+
+    `eqx.tree_serialise_leaves` alone does not store the scales of static quantizers (they are static configuration,
+    part of the model's structure, not its leaves): a calibrated model saved so computes with the scales of whatever
+    model it is loaded into. Save with this function.
+
+    The file is written to a temporary file beside `path` and then renamed over it, so a save that fails leaves an
+    existing file at `path` as it was.
+
+    Quantizers and quantized arrays are named in the header by their path, keys joined with `.` as
+    [`eqx_quant.quantize`][] names layers: a dict key holding a `.` may make two of them share a name (the key
+    `"a.b"` and the attributes `a.b`), which is refused.
+
+    **Arguments:**
+
+    - `path`: the file to write.
+    - `model`: any model, typically from [`eqx_quant.convert`][].
+
+    **Raises:**
+
+    `ValueError` if two quantizers or quantized arrays of `model` have the same path (nothing is written).
+    """
+    found = _header_nodes(model, "model")
+    header = {
+        "format": "eqx_quant",
+        "version": _VERSION,
+        "static_quantizers": _static_quantizers(found),
+        "quantized_arrays": _tensor_table(_tensor_descriptions(found)),
+    }
+    others = _other_quantizers(model, "model")
+    if others:  # none in a converted, calibrated model
+        header["other_quantizers"] = others
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+
+    def write(f):
+        f.write(_MAGIC + struct.pack("<Q", len(encoded)) + encoded)
+        eqx.tree_serialise_leaves(f, model)
+
+    write_replacing(path, write)
+
+
+def write_replacing(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
+    """Calls `write` on a fresh temporary file beside `path`, then renames it over `path`: a write that fails leaves
+    an existing file at `path` as it was (and no temporary file behind)."""
+    directory, base = os.path.split(os.path.abspath(os.fspath(path)))
+    while True:  # a fresh name beside `path`, created with the permissions `open(path, "wb")` would give
+        temporary = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
+
+
+def _check_paths(what: str, saved: Any, like: Any, path: str | os.PathLike) -> None:
+    """Raises unless the paths (keys) of `saved`, read from the file at `path`, are those of `like`."""
+    if set(saved) != set(like):
+        raise ValueError(
+            f"The {what} saved in {str(path)!r} are at {sorted(saved)}, but `like` has them at {sorted(like)}."
+        )
+
+
+def _check_tensors(saved: dict[str, Any], like: dict[str, Any], path: str | os.PathLike) -> None:
+    _check_paths("quantized arrays", saved, like, path)
+    for name, expected in like.items():
+        _check_fields(f"The quantized array at {name!r}", saved[name], expected, path,
+                      "the file holds codes of another format, layout, shape or packing.")  # fmt: skip
+
+
+def _check_fields(what: str, saved: dict[str, Any], like: dict[str, Any], path: str | os.PathLike, why: str) -> None:
+    """Raises unless the description `saved`, read from the file at `path`, is `like`'s, naming the fields that
+    differ."""
+    keys = [k for k in saved | like if saved.get(k) != like.get(k)]
+    if keys:
+        ours = ", ".join(f"{k}={saved.get(k)!r}" for k in keys)
+        theirs = ", ".join(f"{k}={like.get(k)!r}" for k in keys)
+        raise ValueError(f"{what} has {ours} in {str(path)!r} but {theirs} in `like`: {why}")
+
+
+def _check_other_quantizers(saved: dict[str, Any], like: dict[str, Any], path: str | os.PathLike) -> None:
+    _check_paths("dynamic and learned quantizers", saved, like, path)
+    for name, config in saved.items():
+        _check_fields(
+            f"The quantizer at {name!r}", config, like[name], path, "the saved model computes with the former."
+        )
+
+
+def load(path: str | os.PathLike, like: PyTree) -> PyTree:
+    """Loads what [`eqx_quant.save`][] wrote.
+
+    **Arguments:**
+
+    - `path`: the file.
+    - `like`: a model with the same structure, e.g. the converted model of a freshly initialised and calibrated
+        network. Its arrays and the configuration of its static [`eqx_quant.FakeQuant`][]s are replaced by the saved
+        ones, so its calibration need not match; its other quantizers (dynamic, learned) must be of the saved types
+        and have their static fields (format, layout, ...), since the saved model computes with those; its
+        [`eqx_quant.QuantizedArray`][]s must have the formats, layouts, shapes, packing widths and dtypes of the
+        saved ones, since the stored codes mean nothing in another format.
+
+    **Returns:**
+
+    The saved model.
+
+    **Raises:**
+
+    `ValueError` if the file was not written by [`eqx_quant.save`][] (or by a release whose file format this one
+    does not read), is cut short or holds more than `like` reads; if its quantizers or quantized arrays are not at
+    the places of those in `like`, or a dynamic or learned quantizer or a quantized array differs from the one in
+    `like` (the message names the path and the fields); or if an array does not match the one in `like`.
+    """
+    with open(path, "rb") as f:
+        if f.read(len(_MAGIC)) != _MAGIC:
+            raise ValueError(f"`path`={str(path)!r} is not a file written by `eqx_quant.save`.")
+        length_bytes = f.read(8)
+        length = struct.unpack("<Q", length_bytes)[0] if len(length_bytes) == 8 else None
+        encoded = b"" if length is None else f.read(length)
+        if length is None or len(encoded) < length:
+            raise ValueError(f"`path`={str(path)!r} is cut short within its `eqx_quant.save` header.")
+        try:
+            header = json.loads(encoded.decode())
+            version = header["version"]
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"`path`={str(path)!r} has a damaged `eqx_quant.save` header.") from error
+        if version != _VERSION:
+            raise ValueError(
+                f"`path`={str(path)!r} has format version {version!r}; this release reads version {_VERSION} (files "
+                "of earlier development versions: save the model again with this one)."
+            )
+        try:
+            saved, others = header["static_quantizers"], header.get("other_quantizers", {})
+            tensors = _from_table(header["quantized_arrays"])
+        except (ValueError, KeyError, TypeError, AttributeError) as error:
+            raise ValueError(f"`path`={str(path)!r} has a damaged `eqx_quant.save` header.") from error
+        found = _header_nodes(like, "like")
+        _check_paths("static quantizers", saved, _static_quantizers(found), path)
+        _check_tensors(tensors, _tensor_descriptions(found), path)
+        _check_other_quantizers(others, _other_quantizers(like, "like"), path)
+        like = map_nodes(like, (FakeQuant,), lambda name, quantizer: _restore_static(saved[name]))
+        try:
+            model = eqx.tree_deserialise_leaves(f, like)
+        except (ValueError, EOFError, RuntimeError) as error:
+            raise ValueError(
+                f"The arrays in `path`={str(path)!r} are cut short or do not match those of `like`: {error}"
+            ) from error
+        if f.read(1):
+            raise ValueError(
+                f"`path`={str(path)!r} holds more data than `like` reads: it was saved from another model."
+            )
+        return model

@@ -1,0 +1,183 @@
+"""Products of two activations (attention's QKᵀ and softmax·V) written as einsums, on integer grids."""
+
+import functools
+import math
+import re
+from typing import Literal
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._format import IntFormat
+from .._int_ops import INT32_MAX, integer_grid, opaque
+from .._qarray import QuantizedArray
+from .._quantizers import AbstractQuantizer
+from ._layers import check_matmul, check_quantizer
+
+
+_OPERAND = re.compile(r"^[a-zA-Z]*$")
+
+
+def _parse(equation: object) -> tuple[str, str, str]:
+    """`(lhs, rhs, out)` labels of a two-operand einsum equation with an explicit output, or a `ValueError`."""
+    if not isinstance(equation, str):
+        raise TypeError(f"`equation` must be a string, got {equation!r}.")
+    spec = equation.replace(" ", "")
+    inputs, arrow, out = spec.partition("->")
+    operands = inputs.split(",")
+    if not arrow or len(operands) != 2 or not all(_OPERAND.match(s) for s in (*operands, out)):
+        raise ValueError(
+            f"`equation` must name two operands and the output with letters, as 'td,sd->ts', got equation={equation!r}."
+        )
+    lhs, rhs = operands
+    for name, labels in (("lhs", lhs), ("rhs", rhs), ("output", out)):
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"`equation`={equation!r} repeats a label in its {name}.")
+    if set(out) - set(lhs) - set(rhs):
+        raise ValueError(f"`equation`={equation!r} has output labels that no operand has.")
+    return lhs, rhs, out
+
+
+class Einsum(eqx.Module):
+    """A product of two arrays written as an einsum, as a module: `Einsum("td,sd->ts")(a, b)` is
+    `jnp.einsum("td,sd->ts", a, b)`.
+
+    Write the products of two activations (attention's scores and its weighted values) with it instead of
+    `jnp.einsum`, and [`eqx_quant.quantize`][] can find them and turn them into [`eqx_quant.nn.QuantEinsum`][]s.
+    """
+
+    equation: str = eqx.field(static=True)
+
+    def __init__(self, equation: str):
+        """**Arguments:**
+
+        - `equation`: an einsum equation with two operands and an explicit output, e.g. `"td,sd->ts"`.
+        """
+        _parse(equation)
+        self.equation = equation
+
+    def __call__(self, a: Array, b: Array) -> Array:
+        """`jnp.einsum(equation, a, b)`."""
+        return jnp.einsum(self.equation, a, b)
+
+
+def _free_scale(tensor: QuantizedArray, labels: str, contracted: set[str]) -> tuple[Array, str]:
+    """An operand's scale over its free (not contracted) labels: the scales are constant along the contracted ones."""
+    scale = jnp.broadcast_to(tensor.scale, tensor.shape)
+    index = tuple(0 if label in contracted else slice(None) for label in labels)
+    return scale[index], "".join(label for label in labels if label not in contracted)
+
+
+def integer_einsum_possible(equation: str, a: QuantizedArray, b: QuantizedArray) -> bool:
+    """Whether the integer einsum of two quantized operands computes their product: symmetric grids, scales
+    constant along the contracted labels (no groups), and a contraction whose int32 sums are exact."""
+    lhs, rhs, out = _parse(equation)
+    contracted = (set(lhs) & set(rhs)) - set(out)
+    for tensor, labels in ((a, lhs), (b, rhs)):
+        if not integer_grid(tensor) or tensor.zero_point is not None or tensor.layout.group_size is not None:
+            return False
+        if tensor.layout.stacked:
+            return False
+        channels = tensor.layout.channel_axes(tensor.shape)
+        if any(labels[axis] in contracted for axis in channels):
+            return False
+    length = math.prod(a.shape[lhs.index(label)] for label in contracted)
+    assert isinstance(a.format, IntFormat) and isinstance(b.format, IntFormat)
+    bound = a.format.largest * b.format.largest
+    return length * bound <= INT32_MAX
+
+
+def integer_value(equation: str, a: QuantizedArray, b: QuantizedArray, a_nan: Array, b_nan: Array) -> Array:
+    """The product from the integers: an int32 einsum, rescaled once by the outer product of the free scales."""
+    lhs, rhs, out = _parse(equation)
+    contracted = (set(lhs) & set(rhs)) - set(out)
+    acc = jnp.einsum(equation, a.values, b.values, preferred_element_type=jnp.int32)
+    scale_a, free_a = _free_scale(a, lhs, contracted)
+    scale_b, free_b = _free_scale(b, rhs, contracted)
+    # One product per output element (no label is summed), so eager and compiled calls round alike.
+    scale = jnp.einsum(f"{free_a},{free_b}->{out}", scale_a, scale_b)
+    y = acc.astype(scale.dtype) * scale
+    # NaN where a contracted slice of either operand holds one, as in the float product.
+    ones_a, ones_b = jnp.ones(a.shape, jnp.int8), jnp.ones(b.shape, jnp.int8)
+    nan = jnp.einsum(equation, a_nan.astype(jnp.int8), ones_b, preferred_element_type=jnp.int32) > 0
+    nan = nan | (jnp.einsum(equation, ones_a, b_nan.astype(jnp.int8), preferred_element_type=jnp.int32) > 0)
+    return opaque(jnp.where(nan, jnp.nan, y))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
+def _integer_einsum(equation, fa, fb, a, b, a_nan, b_nan):
+    del fa, fb
+    return integer_value(equation, a, b, a_nan, b_nan)
+
+
+@_integer_einsum.defjvp
+def _integer_einsum_jvp(equation, primals, tangents):
+    fa, fb, a, b, a_nan, b_nan = primals
+    dfa, dfb = tangents[:2]
+    y = integer_value(equation, a, b, a_nan, b_nan)
+    dy = jnp.einsum(equation, dfa, fb) + jnp.einsum(equation, fa, dfb)
+    return y, dy.astype(y.dtype)
+
+
+class QuantEinsum(eqx.Module):
+    """A product of two activations, [`eqx_quant.nn.Einsum`][], computed on fake-quantized operands.
+
+    **Integer forward.** With `matmul="int"` (the default), when both quantizers are fake quantizers on symmetric
+    grids whose scales are constant along the contracted labels (per tensor; per token, per head or per any free
+    label, e.g. `DynamicFakeQuant(8, axis=0)` for one scale per row of a `(tokens, features)` operand contracted
+    over features), and the int32 sums are exact (`K * max|a| * max|b| <= 2**31 - 1` for a contraction of length
+    `K`: `K <= 131071` for int8 operands), the forward is the int32 einsum of the two operands' integers, rescaled
+    once per output element by the product of their scales. NaN in an operand makes NaN the outputs whose
+    contraction it enters. Otherwise (or with `matmul="float"`) the forward is the float einsum of the
+    fake-quantized operands. The backward pass is that of the float einsum of the fake-quantized operands either way.
+
+    Both operands are activations: nothing is stored, and [`eqx_quant.convert`][] keeps the module as it is, so that
+    the converted model computes exactly this.
+    """
+
+    einsum: Einsum
+    lhs_quant: AbstractQuantizer | None
+    rhs_quant: AbstractQuantizer | None
+    matmul: Literal["int", "float"] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        einsum: Einsum,
+        *,
+        lhs_quant: AbstractQuantizer | None,
+        rhs_quant: AbstractQuantizer | None,
+        matmul: Literal["int", "float"] = "int",
+    ):
+        """**Arguments:**
+
+        - `einsum`: the float product.
+        - `lhs_quant`, `rhs_quant`: the quantizers of the two operands, or `None` for a float operand.
+        - `matmul`: `"int"` for the integer einsum where the quantizers allow it, `"float"` for the float one.
+        """
+        self.einsum = einsum
+        self.lhs_quant = lhs_quant
+        self.rhs_quant = rhs_quant
+        self.matmul = matmul
+
+    def __check_init__(self):
+        if not isinstance(self.einsum, Einsum):
+            raise TypeError(f"`einsum` must be an eqx_quant.nn.Einsum, got {type(self.einsum).__name__}.")
+        check_quantizer("lhs_quant", self.lhs_quant)
+        check_quantizer("rhs_quant", self.rhs_quant)
+        check_matmul(self.matmul)
+
+    def __call__(self, a: Float[Array, "..."], b: Float[Array, "..."]) -> Float[Array, "..."]:
+        """`einsum(lhs_quant(a), rhs_quant(b))`, on the integers where possible."""
+        equation = self.einsum.equation
+        with jax.named_scope("eqx_quant.QuantEinsum"):
+            quantizers = (self.lhs_quant, self.rhs_quant)
+            if self.matmul == "int" and all(integer_grid(q) for q in quantizers):
+                fa, ta, na = self.lhs_quant.fake_quant_and_array(a)  # pyright: ignore[reportOptionalMemberAccess]
+                fb, tb, nb = self.rhs_quant.fake_quant_and_array(b)  # pyright: ignore[reportOptionalMemberAccess]
+                if integer_einsum_possible(equation, ta, tb):
+                    return _integer_einsum(equation, fa, fb, ta, tb, na, nb).astype(jnp.result_type(fa, fb))
+            a = a if self.lhs_quant is None else self.lhs_quant(a)
+            b = b if self.rhs_quant is None else self.rhs_quant(b)
+            return self.einsum(a, b)

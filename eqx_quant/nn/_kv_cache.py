@@ -1,0 +1,122 @@
+"""An integer key/value cache for incremental decoding."""
+
+import math
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+from .._format import int_format
+from .._layout import Layout
+from .._misc import FLOAT32_TINY, check_int
+from .._qarray import QuantizedArray
+from .._quantizers import DynamicFakeQuant
+from ._einsum import integer_value
+
+
+class QuantKVCache(eqx.Module):
+    """A key/value cache of integers for incremental decoding: one query at a time attends to the keys and values of
+    the positions so far, stored as `bits`-bit integers with one symmetric scale per position and head.
+
+    Keys and values enter with [`eqx_quant.nn.QuantKVCache.append`][] quantized as
+    `DynamicFakeQuant(bits, axis=0)` quantizes a `(heads, head_dim)` array (one scale per head), so that the cache
+    holds exactly the integers that a fake-quant model computes for them. [`eqx_quant.nn.QuantKVCache.attend`][]
+    computes the scores on integers (the query quantized per head) and the weighted values from the dequantized
+    values (their scales vary along the positions that the product sums over, so no single rescale exists): the
+    computation of [`eqx_quant.nn.QuantEinsum`][]s with those quantizers, bit for bit. Positions not yet written hold
+    zeros and are masked.
+    """
+
+    keys: Array
+    values: Array
+    key_scales: Array
+    value_scales: Array
+    bits: int = eqx.field(static=True)
+
+    @classmethod
+    def empty(cls, max_len: int, num_heads: int, head_dim: int, *, bits: int = 8) -> "QuantKVCache":
+        """An empty cache.
+
+        **Arguments:**
+
+        - `max_len`: the number of positions it holds.
+        - `num_heads`, `head_dim`: the shape of one position's keys (and values).
+        - `bits`: the width of the stored integers, at most 8.
+
+        **Returns:**
+
+        A [`eqx_quant.nn.QuantKVCache`][] of zeros.
+        """
+        for name, value in (("max_len", max_len), ("num_heads", num_heads), ("head_dim", head_dim)):
+            if check_int(name, value) < 1:
+                raise ValueError(f"`{name}` must be a positive int, got {name}={value}.")
+        if not 2 <= check_int("bits", bits) <= 8:
+            raise ValueError(f"`bits` must be in [2, 8], got bits={bits}.")
+        levels = jnp.zeros((max_len, num_heads, head_dim), jnp.int8)
+        scales = jnp.full((max_len, num_heads, 1), FLOAT32_TINY, jnp.float32)
+        return cls(levels, levels, scales, scales, bits)
+
+    @property
+    def _quantizer(self) -> DynamicFakeQuant:
+        return DynamicFakeQuant(self.bits, axis=0)
+
+    def append(
+        self, key_: Float[Array, "heads head_dim"], value: Float[Array, "heads head_dim"], index
+    ) -> "QuantKVCache":
+        """The cache with position `index` holding `key_` and `value`, quantized (jit-friendly: `index` may be traced).
+
+        **Arguments:**
+
+        - `key_`, `value`: one position's keys and values, shape `(num_heads, head_dim)`.
+        - `index`: the position to write.
+
+        **Returns:**
+
+        The new cache.
+        """
+        expected = self.keys.shape[1:]
+        if key_.shape != expected or value.shape != expected:
+            raise ValueError(f"`key_` and `value` must have shape {expected}, got {key_.shape} and {value.shape}.")
+        k, v = self._quantizer.quantize_array(key_), self._quantizer.quantize_array(value)
+
+        def put(cache, row):
+            return jax.lax.dynamic_update_slice_in_dim(cache, row[None].astype(cache.dtype), index, axis=0)
+
+        return eqx.tree_at(
+            lambda c: (c.keys, c.values, c.key_scales, c.value_scales),
+            self,
+            (put(self.keys, k.values), put(self.values, v.values), put(self.key_scales, k.scale),
+             put(self.value_scales, v.scale)),
+        )  # fmt: skip
+
+    def dequantized(self) -> tuple[Array, Array]:
+        """The stored keys and values as floats, `(max_len, num_heads, head_dim)` each."""
+        deq = lambda levels, scale: levels.astype(jnp.float32) * scale  # noqa: E731
+        return deq(self.keys, self.key_scales), deq(self.values, self.value_scales)
+
+    def attend(self, query: Float[Array, "heads head_dim"], length) -> Float[Array, "heads head_dim"]:
+        """Attention of one query over positions `0 .. length - 1`: `softmax(q kᵀ / sqrt(head_dim)) v` per head.
+
+        **Arguments:**
+
+        - `query`: shape `(num_heads, head_dim)`.
+        - `length`: the number of positions written so far (may be traced).
+
+        **Returns:**
+
+        The attended values, shape `(num_heads, head_dim)`.
+        """
+        if query.shape != self.keys.shape[1:]:
+            raise ValueError(f"`query` must have shape {self.keys.shape[1:]}, got {query.shape}.")
+        q = query / math.sqrt(query.shape[-1])
+        fq, tq, nq = self._quantizer.fake_quant_and_array(q)
+        fmt = int_format(self.bits)
+        stored = QuantizedArray(
+            self.keys, self.key_scales, None, None, fmt, Layout((0, 1)), self.keys.shape, "float32", None
+        )
+        no_nan = jnp.zeros(self.keys.shape, bool)
+        logits = integer_value("hd,shd->hs", tq, stored, nq, no_nan)
+        logits = jnp.where(jnp.arange(self.keys.shape[0])[None, :] < length, logits, jnp.finfo(jnp.float32).min)
+        weights = jax.nn.softmax(logits, axis=-1)
+        return jnp.einsum("hs,shd->hd", weights, self.dequantized()[1])
