@@ -7,7 +7,9 @@ fake-quant models, interleaved, printing examples per second and the ratios to f
 """
 
 import functools
+import pathlib
 import statistics
+import sys
 
 import equinox as eqx
 import jax
@@ -16,7 +18,10 @@ import numpy as np
 from _timing import arguments, interleaved_times
 
 import eqx_quant
-from eqx_quant.demo import ConvNet
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from qat_demo import ConvNet  # noqa: E402  (examples/qat_demo.py)
 
 
 @eqx.filter_jit

@@ -8,7 +8,7 @@ full preset, `--demo` for the digits demo). It measures
     W8A8 with `QuantizedBackward(8)` (input gradients as int8 products, rounding to nearest), interleaved;
 - the language-model benchmark's QAT arm at `w4a8_g32` (`benchmarks/lm.py`, preset `--lm`, `smoke` by default)
     with the float backward and with `QuantizedBackward(8)`: validation bits per character and step time;
-- with `--demo`, the digits demo's QAT accuracy (`python -m eqx_quant.demo`) with both backwards.
+- with `--demo`, the digits demo's QAT accuracy (`python examples/qat_demo.py`) with both backwards.
 
 It prints the figures and writes them to `DIR/quantized_backward.json`.
 """
@@ -18,6 +18,7 @@ import functools
 import json
 import pathlib
 import statistics
+import sys
 
 import equinox as eqx
 import jax
@@ -28,7 +29,10 @@ from _timing import interleaved_times
 from train_step import _compiled_step
 
 import eqx_quant
-import eqx_quant.demo
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+import qat_demo  # noqa: E402  (examples/qat_demo.py)
 
 
 RECIPE = "w4a8_g32"
@@ -87,7 +91,7 @@ def demo_qat(out: pathlib.Path) -> dict:
     """The digits demo's QAT accuracies with each backward."""
     accuracies = {}
     for name, backward in (("float backward", None), ("int8 backward", eqx_quant.QuantizedBackward(8))):
-        results = eqx_quant.demo.run(out=out / name.replace(" ", "_"), backward=backward, progress=False, log=None)
+        results = qat_demo.run(out=out / name.replace(" ", "_"), backward=backward, progress=False, log=None)
         accuracies[name] = {config: r["accuracy"] for config, r in results["qat"].items()}
     accuracies["change_points"] = {
         config: 100 * (accuracies["int8 backward"][config] - accuracies["float backward"][config])

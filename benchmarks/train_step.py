@@ -29,7 +29,9 @@ line compares the quantized steps of the two libraries directly.
 """
 
 import functools
+import pathlib
 import statistics
+import sys
 import time
 
 import equinox as eqx
@@ -40,9 +42,13 @@ import numpy as np
 from _timing import arguments, interleaved_times
 
 import eqx_quant
+
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "examples"))
+from qat_demo import ConvNet  # noqa: E402  (examples/qat_demo.py)
+
 from eqx_quant._format import IntFormat
 from eqx_quant._scales import absmax_scale
-from eqx_quant.demo import ConvNet
 
 
 def _loss(model, x, y):

@@ -530,7 +530,10 @@ def format_named(name: str) -> Format:
     for prefix, signed in (("uint", False), ("int", True)):
         digits = name.removeprefix(prefix).removesuffix("_narrow")
         if name.startswith(prefix) and digits.isdigit():
-            return IntFormat(*int_range(int(digits), signed=signed, narrow=name.endswith("_narrow")))
+            try:
+                return IntFormat(*int_range(int(digits), signed=signed, narrow=name.endswith("_narrow")))
+            except ValueError as error:
+                raise ValueError(f"`format`={name!r} names no integer grid: {error}") from None
     raise ValueError(
         f"`format` must be a Format or one of the names int2 ... int16 (with _narrow), uint1 ... uint16, "
         f"{', '.join(_ELEMENTS)}, {', '.join(MX_FORMATS)} (with _rceil) or nvfp4; got {name!r}."

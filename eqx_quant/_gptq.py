@@ -199,13 +199,13 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
     u = jnp.linalg.cholesky(h_inv).T
 
     # NVFP4's tensor scale, of the whole original weight; the block scales under it are fixed like the others.
-    t = tensor_scale_of(block_absmax(w.reshape(out, n // g, g), 2)[0], fmt) if fmt.scale == "e4m3" else None
+    ts = tensor_scale_of(block_absmax(w.reshape(out, n // g, g), 2)[0], fmt) if fmt.scale == "e4m3" else None
 
     def group_scales(w_cols):  # the symmetric scale of each row of a block of columns
         if fmt.scale == "float32":
             return absmax_scale(finite_absmax(w_cols, (1,)), fmt)[:, 0]
         amax = block_absmax(w_cols, 1)[0]
-        return (e8m0_scale(amax, fmt) if fmt.scale == "e8m0" else block_scale(amax, t, fmt))[:, 0]
+        return (e8m0_scale(amax, fmt) if fmt.scale == "e8m0" else block_scale(amax, ts, fmt))[:, 0]
 
     # Every group's scale from the original weight; lazy groups are refreshed from the updated weights in the loop.
     scales = jax.vmap(group_scales, in_axes=1, out_axes=1)(w.reshape(out, n // g, g))
@@ -248,8 +248,8 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
                 k = t * segment + c
                 s = jax.lax.dynamic_index_in_dim(scales, groups[k], axis=1, keepdims=False).astype(dtype)
                 col = jax.lax.dynamic_index_in_dim(wb, k, axis=1, keepdims=False)
-                q = fmt.levels(col * reciprocal(fmt, s, t, 1), None)
-                err = (col - apply_scale(fmt, q, s, t)) / ub[k, k]
+                q = fmt.levels(col * reciprocal(fmt, s, ts, 1), None)
+                err = (col - apply_scale(fmt, q, s, ts)) / ub[k, k]
                 row = jnp.where(positions > k, ub[k], 0.0)
                 wb = wb - err[:, None] * row[None, :]
                 errors = jax.lax.dynamic_update_index_in_dim(errors, err, k, axis=1)
@@ -273,4 +273,4 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
     levels = jnp.zeros((out, padded), level_dtype)
     _, scales, levels = jax.lax.fori_loop(0, blocks, block, (w, scales, levels))
     levels = levels[:, :n][:, jnp.argsort(order)]
-    return levels, Scales(scales[:, : n // g].astype(jnp.float32), None, None if t is None else t.astype(jnp.float32))
+    return levels, Scales(scales[:, : n // g].astype(jnp.float32), None, None if ts is None else ts.astype(jnp.float32))

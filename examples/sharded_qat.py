@@ -32,9 +32,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+from qat_demo import load_digits  # noqa: E402  (the QAT demo beside this file)
 
 import eqx_quant  # noqa: E402
-from eqx_quant.demo import load_digits  # noqa: E402
 
 
 ROW_PARALLEL = {"layers.1"}

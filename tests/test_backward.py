@@ -234,7 +234,7 @@ def test_errors():
 
 
 def test_the_demo_passes_the_backward_to_its_linear_layers():
-    from eqx_quant.demo import ConvNet, quantized
+    from examples.qat_demo import ConvNet, quantized
 
     model = quantized(ConvNet(jax.random.key(0)), 4, 4, QuantizedBackward(8))
     is_layer = lambda node: isinstance(node, (QuantLinear, eqx_quant.nn.QuantConv))  # noqa: E731

@@ -20,7 +20,6 @@ from eqx_quant import (
     LearnedFakeQuant,
     PassthroughClip,
     convert,
-    demo,
     export_safetensors,
     load,
     pack_int4,
@@ -30,6 +29,7 @@ from eqx_quant import (
 )
 from eqx_quant._int_ops import ConvSpec, int_conv, safe_contraction
 from eqx_quant.nn import IntConv, IntEmbedding, IntLinear, QuantConv, QuantEmbedding, QuantizedTensor, QuantLinear
+from examples import qat_demo as demo
 
 from .helpers import assert_bitwise_equal, assert_trees_equal, init, reference_fake_quant, zeros_like_tree
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from eqx_quant import demo
+from examples import qat_demo as demo
 
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -103,7 +103,7 @@ def test_quick_run_writes_results_and_plot(tmp_path, capsys):
 
 def test_help_exits_cleanly():
     result = subprocess.run(
-        [sys.executable, "-m", "eqx_quant.demo", "--help"], cwd=REPO, capture_output=True, text=True, timeout=300
+        [sys.executable, "examples/qat_demo.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr
     assert "--quick" in result.stdout and "--bits" in result.stdout and "--out" in result.stdout

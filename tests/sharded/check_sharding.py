@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import eqx_quant
-from eqx_quant.demo import ConvNet
+from examples.qat_demo import ConvNet
 from eqx_quant.nn import AbstractQuantLayer, IntConv, IntLinear
 
 

@@ -1,7 +1,7 @@
 """The QAT demo: a small convnet on the 8x8 digits, in float, post-training quantized (PTQ) and quantization-aware
 trained (QAT) at several bit widths.
 
-Run with `python -m eqx_quant.demo` (or `eqx-quant-demo`); `--help` lists the options. It needs the `examples` extra
+Run with `python examples/qat_demo.py` from a checkout; `--help` lists the options. It needs the `examples` extra
 (from a checkout, `pip install -e ".[examples]"`): optax, scikit-learn (whose bundled digits dataset is used: nothing
 is downloaded), tqdm and matplotlib. It prints a one-line summary of every phase as it ends and a table of the results,
 and writes `results.json`, `accuracy.png` and the saved models (`models/*.eqx`, float and converted to integers) to
@@ -402,19 +402,26 @@ def table(results: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="eqx-quant-demo", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="qat_demo.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--epochs", type=int, default=30, help="float training epochs (QAT runs half as many)")
     parser.add_argument(
         "--bits", default=",".join(CONFIGS), help="comma-separated bit widths for PTQ and QAT (default: %(default)s)"
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seed", type=int, default=0, help="the seed of the data split, the initialisation and the batches"
+    )
     parser.add_argument(
         "--backward",
         choices=("float", "int8"),
         default="float",
         help="the linear layers' backward in QAT: the float one (default) or QuantizedBackward(8)",
     )
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("eqx_quant_demo_out"))
+    parser.add_argument(
+        "--out",
+        type=pathlib.Path,
+        default=pathlib.Path("eqx_quant_demo_out"),
+        help="the folder for results.json, accuracy.png and the saved models (default: %(default)s)",
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
