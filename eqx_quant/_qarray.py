@@ -9,7 +9,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 
 from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
-from ._format import FloatFormat, Format, IntFormat, decode_scale, encode_scale, int_dtype, integer_grid_of
+from ._format import FloatFormat, Format, IntFormat, decode_scale, encode_scale, int_dtype
 from ._layout import Layout
 from ._misc import compute_dtype, expand_to_rank, is_concrete
 from ._packing import pack_bits, unpack_bits
@@ -80,16 +80,6 @@ class QuantizedArray(eqx.Module):
     def stack_depth(self) -> int:
         """The number of leading axes along which whole tensors are stacked (layers built with `eqx.filter_vmap`)."""
         return self.scale.ndim - len(self.view_shape)
-
-    @property
-    def qmin(self) -> int:
-        """The lowest level of an integer grid."""
-        return integer_grid_of(self.format).qmin
-
-    @property
-    def qmax(self) -> int:
-        """The highest level of an integer grid."""
-        return integer_grid_of(self.format).qmax
 
     @property
     def packed(self) -> bool:

@@ -179,7 +179,7 @@ def test_quantize_gives_the_integers_of_the_forward_pass():
         view = x if group is None else grouped(x, group)
         expected = np.clip(np.round(view * (F32(1) / scale)), q.qmin, q.qmax)
         np.testing.assert_array_equal(np.asarray(tensor.levels()), expected)
-        assert tensor.layout == q.layout and (tensor.qmin, tensor.qmax) == (q.qmin, q.qmax)
+        assert tensor.layout == q.layout and tensor.format == q.format == eqx_quant.IntFormat(q.qmin, q.qmax)
         assert_bitwise_equal(tensor.dequantize(), q(jnp.asarray(x)))
 
 
