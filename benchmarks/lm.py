@@ -126,7 +126,7 @@ class Preset:
 
 FULL_RECIPES = ("w8a8", "w8a8_attn", "w4a8_g32", "w4a16_g32", "w3a16_g32", "w2a16_g32", "fp8", "mxfp4", "nvfp4")
 METHODS = ("rtn", "gptq", "qat")
-FLOAT_RECIPES = ("fp8", "mxfp4", "nvfp4")  # low-precision float formats: GPTQ (integer grids) does not apply
+FLOAT_RECIPES = ("fp8", "mxfp4", "nvfp4")  # low-precision float formats: round-to-nearest and QAT rows only
 # The tied embedding (the model's input layer and its output head) stays at 8 bits per row in every recipe, as the
 # first and last layers usually do.
 KEEP = ("embed",)
@@ -519,7 +519,7 @@ def run(
     - `cache`: a folder where the trained float model is stored and looked up; `None` to always train.
     - `recipes`: the recipes of the quantized rows (default: the preset's).
     - `methods`: the methods of every recipe, from `METHODS`: `"rtn"`, `"gptq"`, `"qat"` (not `"gptq"` for the
-        float-format recipes of `FLOAT_RECIPES`, whose grids are not integer ones). Each row is the
+        float-format recipes of `FLOAT_RECIPES`, which this benchmark measures by round-to-nearest and QAT only). Each row is the
         fake-quantized model's validation bits per character, its converted (integer) model's, and the size of the
         converted model's file.
     - `progress`: whether to show progress bars (on stderr).
