@@ -57,6 +57,7 @@ from ._rules import (
     quantize as quantize,
 )
 from ._serialise import load as load, save as save
+from ._summary import Summary as Summary, SummaryRow as SummaryRow, summary as summary
 
 
 # The name of earlier releases: every quantizer onto a number format, float formats among them.

@@ -1,6 +1,7 @@
 """Post-training calibration of a model's activation quantizers: static scales from the statistics of the inputs
 each layer sees."""
 
+import warnings
 from collections.abc import Iterable
 from typing import Literal
 
@@ -36,6 +37,22 @@ def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer]]:
     ]
 
 
+def _check_finite(totals: dict[str, list[dict[str, np.ndarray]]]) -> None:
+    """Raises for a layer that saw no finite input; warns, with counts, for layers that saw NaN or inf."""
+    counts = {path: (sum(float(r["nonfinite"]) for r in records), sum(float(r["count"]) for r in records))
+              for path, records in totals.items()}  # fmt: skip
+    empty = [path for path, (bad, count) in counts.items() if bad == count]
+    if empty:
+        raise ValueError(
+            f"The layers at {empty} saw no finite input during calibration (only NaN or inf, or none at all): no "
+            "scale can be fitted to them. Check the calibration batches."
+        )
+    noisy = {path: (int(bad), int(count)) for path, (bad, count) in counts.items() if bad}
+    if noisy:
+        listed = ", ".join(f"{path!r} {bad:,} of {count:,}" for path, (bad, count) in noisy.items())
+        warnings.warn(f"Calibration inputs held NaN or inf values, left out of the statistics: {listed}.", stacklevel=3)
+
+
 def calibrate(
     model: PyTree,
     batches: Iterable[PyTree],
@@ -45,8 +62,15 @@ def calibrate(
     num_bins: int = 2048,
     num_candidates: int = 100,
     batched: bool = False,
+    progress: bool = False,
 ) -> PyTree:
     """Post-training quantization: fixes the activation (input) quantizers of a model from calibration data.
+
+    A layer's calibrated input quantizer is a static [`eqx_quant.FakeQuant`][], whose scale is part of the compiled
+    program, except in a stack of layers (built with `eqx.filter_vmap` and run with `jax.lax.scan`), where a scan needs
+    the scales as arrays, one per layer: there it is a [`eqx_quant.LearnedFakeQuant`][] holding them, which computes
+    exactly what the static quantizer would, and which an optimizer trains if the model's arrays are handed to it (see
+    Stacked layers below).
 
     Every quantized layer whose `input_quant` is a [`eqx_quant.DynamicFakeQuant`][] or a
     [`eqx_quant.FakeQuant`][] with float32 scales (an integer grid, or an FP8, FP6 or FP4 element type) gets a
@@ -69,6 +93,9 @@ def calibrate(
     entry per layer, whose forward pass is exactly that of the [`eqx_quant.FakeQuant`][] with the same scale (and
     which QAT can go on training; leave it out of the optimizer to keep it fixed).
 
+    **Non-finite data.** NaN and infinite inputs are left out of the statistics, with a warning that counts them per
+    layer; a layer that sees no finite input at all is an error.
+
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][].
@@ -82,6 +109,7 @@ def calibrate(
     - `percentile`, `num_bins`, `num_candidates`: the parameters of those methods.
     - `batched`: `False` (default) for a model written for one example, as Equinox models are: it is applied with
         `jax.vmap`. `True` for a model that takes whole batches.
+    - `progress`: show a progress bar over the batches (tqdm's when it is installed).
 
     **Returns:**
 
@@ -119,11 +147,12 @@ def calibrate(
     if two_passes and iter(batches) is batches:
         raise TypeError(f"`batches` must be re-iterable for method={method!r} (it is read twice), got an iterator.")
 
-    totals = fold(model, targets, batches, batched, "stats")
+    totals = fold(model, targets, batches, batched, "stats", progress=progress)
+    _check_finite(totals)
     if two_passes:
         tops = {path: np.array([record["absmax"] for record in records]) for path, records in totals.items()}
         observed = [(path, layer) for path, layer in targets if path in totals]
-        counts = fold(model, observed, batches, batched, "hist", tops, num_bins)
+        counts = fold(model, observed, batches, batched, "hist", tops, num_bins, progress, "calibrate (histograms)")
 
     def fit(t: dict[str, np.ndarray], hist: np.ndarray | None, fmt: Format) -> tuple[float, int]:
         """The scale and zero point of one layer from its statistics."""

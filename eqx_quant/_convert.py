@@ -13,7 +13,7 @@ from jaxtyping import PyTree
 
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
-from ._tree import map_nodes
+from ._tree import map_nodes, nodes
 from .nn._converted import ConvertedConv, ConvertedEmbedding, ConvertedLinear
 from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear, per_layer, stack_depth
 
@@ -120,9 +120,9 @@ def convert(model: PyTree) -> PyTree:
 
     **Raises:**
 
-    `ValueError`, naming the layer, if a weight holds NaN (which no integer represents; the check needs concrete
-    weights, so call `convert` outside `jax.jit`); `TypeError` for a weight quantizer without a number format (a
-    [`eqx_quant.PassthroughClip`][]).
+    `ValueError` if `model` has no quantized layer (nothing to convert), or, naming the layer, if a weight holds NaN
+    (which no integer represents; the check needs concrete weights, so call `convert` outside `jax.jit`); `TypeError`
+    for a weight quantizer without a number format (a [`eqx_quant.PassthroughClip`][]).
 
     !!! example
 
@@ -141,6 +141,12 @@ def convert(model: PyTree) -> PyTree:
         print(jnp.max(jnp.abs(real(x) - fake(x))))
         ```
     """
+
+    if not nodes(model, (AbstractQuantLayer,)):
+        raise ValueError(
+            "`model` has no quantized layer to convert (an eqx_quant.nn.QuantLinear, QuantConv or QuantEmbedding); "
+            "quantize it first with `eqx_quant.quantize`."
+        )
 
     def to_int(path: str, layer: AbstractQuantLayer) -> Any:
         if layer.weight_quant is None:

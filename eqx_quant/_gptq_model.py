@@ -12,7 +12,7 @@ from jaxtyping import PyTree
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import gptq_solve
 from ._misc import FLOAT32_TINY
-from ._observe import fold, layer_stack
+from ._observe import fold, layer_stack, progress_bar
 from ._quantizers import DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._tree import map_nodes, nodes
 from .nn._layers import QuantLinear, per_layer
@@ -52,6 +52,7 @@ def gptq(
     act_order: bool = False,
     batched: bool = False,
     where: Callable[[str, eqx.Module], bool] | None = None,
+    progress: bool = False,
 ) -> PyTree:
     """Post-training quantization of a model's linear weights with GPTQ ([`eqx_quant.gptq_quantize`][]).
 
@@ -80,6 +81,7 @@ def gptq(
     - `batched`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
         quantizer.
+    - `progress`: show progress bars over the batches and over the layers (tqdm's when it is installed).
 
     **Returns:**
 
@@ -97,13 +99,12 @@ def gptq(
         raise ValueError("`model` has no QuantLinear layer with a weight quantizer to quantize with GPTQ.")
     grids = {path: _gptq_grid(path, layer.weight_quant) for path, layer in layers}
     # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes.
-    grams = fold(model, layers, batches, batched, "gram")
+    grams = fold(model, layers, batches, batched, "gram", progress=progress, description="gptq (Hessians)")
+    never = [path for path, _ in layers if path not in grams]
+    if never:
+        raise ValueError(f"The layers at {never} were never called on the calibration batches.")
 
-    def replace(path: str, layer: QuantLinear) -> QuantLinear:
-        if path not in grids:
-            return layer
-        if path not in grams:
-            raise ValueError(f"Layer {path!r} was never called on the calibration batches.")
+    def solved(path: str, layer: QuantLinear) -> QuantLinear:
         fmt, group_size = grids[path]
         weight = layer.layer.weight
         stack = layer_stack(layer)
@@ -128,4 +129,5 @@ def gptq(
             quantizer = per_layer(make, len(stack))(compact, t)
         return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant), layer, (new_weight, quantizer))
 
-    return map_nodes(model, (QuantLinear,), replace)
+    done = {path: solved(path, layer) for path, layer in progress_bar(layers, progress, "gptq (layers)")}
+    return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))

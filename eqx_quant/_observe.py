@@ -4,8 +4,9 @@ the statistics of the layers' inputs through it."""
 
 import functools
 import math
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import equinox as eqx
@@ -42,8 +43,14 @@ class _Recording:
 
 
 _active: list[_Recording] = []  # the recording of the calibration step in progress; empty outside of one
-_HOST_FOLDS = {"absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add}
-_REDUCTIONS = {"absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum}
+_HOST_FOLDS = {
+    "absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add, "nonfinite": np.add,
+    "count": np.add,
+}  # fmt: skip
+_REDUCTIONS = {
+    "absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum, "nonfinite": jnp.sum,
+    "count": jnp.sum,
+}  # fmt: skip
 
 
 def _report(path: str, index: Any, record: dict[str, Any]) -> None:
@@ -87,9 +94,14 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
 
 
 def _tensor_stats(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
+    """The finite `|x|`'s maximum, the minimum and maximum (with 0), and how many entries `x` has and how many of
+    them are NaN or infinite (counted in float32: exact up to 2**24 per call, and then as floats)."""
     del top, num_bins
     absmax, lo, hi = stats(x, tuple(range(jnp.ndim(x))))
-    return {"absmax": absmax.reshape(()), "min": lo.reshape(()), "max": hi.reshape(())}
+    nonfinite = jnp.sum(~jnp.isfinite(jax.lax.stop_gradient(x)), dtype=jnp.float32)
+    count = jnp.asarray(jnp.size(x), jnp.float32)
+    return {"absmax": absmax.reshape(()), "min": lo.reshape(()), "max": hi.reshape(()), "nonfinite": nonfinite,
+            "count": count}  # fmt: skip
 
 
 def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
@@ -170,13 +182,32 @@ def observe(
     return map_nodes(model, (AbstractQuantLayer,), swap)
 
 
-def fold(model, targets, batches, batched, statistic, tops=None, num_bins=0) -> dict[str, list[dict[str, Any]]]:
+def progress_bar(items: Iterable, enabled: bool, description: str) -> Iterable:
+    """`items`, with a progress bar when `enabled`: tqdm's when it is installed, else a line per item on stderr."""
+    if not enabled:
+        return items
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _lines(items, description)
+    return tqdm(items, desc=description, leave=False)
+
+
+def _lines(items: Iterable, description: str) -> Iterator:
+    for i, item in enumerate(items):
+        print(f"{description}: {i + 1}", file=sys.stderr, flush=True)
+        yield item
+
+
+def fold(
+    model, targets, batches, batched, statistic, tops=None, num_bins=0, progress=False, description="calibrate"
+) -> dict[str, list[dict[str, Any]]]:
     """Runs the observed model over all batches: per target layer, the statistics folded over every call, one
     record per layer of its stack (in stack order, flattened)."""
     observed = observe(model, targets, statistic, tops, num_bins)
     recording = _Recording()
     seen = False
-    for batch in batches:
+    for batch in progress_bar(batches, progress, description):
         seen = True
         _active.append(recording)
         try:

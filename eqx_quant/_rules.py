@@ -2,6 +2,7 @@
 
 import dataclasses
 import re
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
@@ -64,8 +65,9 @@ class LayerQuantizer:
     - Weights (`input=False`): per tile of `group_size` along the product's contraction (a linear layer's input
         features, an embedding's features, a convolution's input channels for block formats), or per output channel
         when `group_size` is `None`. Where the tiles do not fit, an integer format falls back to one scale per output
-        channel (so does every convolution with an integer format: its integer forward takes no groups), and a block
-        format (MX, NVFP4) to `float8_e4m3fn` per output channel.
+        channel, and a block format (MX, NVFP4) to `float8_e4m3fn` per output channel, with a warning naming the
+        layer. Every convolution with an integer format gets one scale per output channel, by design: its integer
+        forward takes no groups.
     - Inputs (`input=True`): per tile along the contraction (block formats), else per tensor; where blocks do not
         fit, `float8_e4m3fn` per tensor.
     - `learned=True` makes a weight's quantizer a [`eqx_quant.LearnedFakeQuant`][] initialised from the weight by
@@ -82,17 +84,24 @@ class LayerQuantizer:
     input: bool = False
 
     def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer:
-        del path
         fmt, group = self.format, self.group_size
         blocks = fmt.scale != "float32"
         fits = group is not None and _tiles_fit(layer, group)
+        tileable = blocks or isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding))
+        if group is not None and not fits and tileable:
+            instead = "float8_e4m3fn" if blocks else "one scale per output channel"
+            warnings.warn(
+                f"Layer {path!r}: its contraction does not split into tiles of {group}, so it gets {instead} "
+                f"instead of {fmt.name} in tiles of {group}.",
+                stacklevel=2,
+            )
         if blocks and not fits:
             fmt, group, blocks = _FP8, None, False
         if self.input:
             if group is None or not blocks:
                 return DynamicFakeQuant(fmt)
             return DynamicFakeQuant(fmt, group_size=group, group_axis=contraction_axis(layer))
-        tiled = fits and (blocks or isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding)))
+        tiled = fits and tileable
         layout = dict(group_size=group, group_axis=contraction_axis(layer)) if tiled else dict(axis=0)
         if self.learned and not blocks:
             weight = layer.weight  # pyright: ignore[reportAttributeAccessIssue]
@@ -259,8 +268,11 @@ class _Decision:
     matmul: str
 
 
-def _legacy_rules(weights, activations, where, matmul, products, match, backward) -> tuple[Callable, Callable]:
-    """The decision of the keyword arguments of `quantize` for each layer, and a check of their patterns at the end."""
+def _legacy_rules(
+    weights, activations, where, matmul, products, match, backward
+) -> tuple[Callable, Callable, Callable]:
+    """The decision of the keyword arguments of `quantize` for each layer, a check of their patterns at the end, and
+    whether they reach a path."""
     for name, spec in (("weights", weights), ("activations", activations), ("products", products)):
         if isinstance(spec, Mapping):
             for pattern in spec:
@@ -298,10 +310,10 @@ def _legacy_rules(weights, activations, where, matmul, products, match, backward
                             f"`{name}`: the pattern {pattern!r} matches none of the layers" + _candidates_message(paths)
                         )
 
-    return decide, check
+    return decide, check, select
 
 
-def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable]:
+def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable, Callable]:
     if isinstance(rules, Rule) or not isinstance(rules, Sequence) or not all(isinstance(r, Rule) for r in rules):
         raise TypeError(f"`rules` must be a list of eqx_quant.Rule, got {rules!r}.")
     used: set[int] = set()
@@ -326,7 +338,11 @@ def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable]:
                 raise ValueError(f"Rule {i} (pattern {rule.pattern!r}) reaches none of the layers; an earlier rule may "
                                  "take them all" + _candidates_message(paths))  # fmt: skip
 
-    return decide, check
+    def reaches(path: str, layer: eqx.Module) -> bool:
+        del layer
+        return any(re.fullmatch(rule.pattern, path) is not None for rule in rules)
+
+    return decide, check, reaches
 
 
 def quantize(
@@ -445,9 +461,9 @@ def quantize(
         extra = [name for name in given if given[name] != defaults[name]]
         if extra:
             raise ValueError(f"`rules` is the whole configuration: leave {', '.join(map(repr, extra))} out of it.")
-        decide, check = _rule_list(rules)
+        decide, check, reaches = _rule_list(rules)
     else:
-        decide, check = _legacy_rules(weights, activations, where, matmul, products, match, backward)
+        decide, check, reaches = _legacy_rules(weights, activations, where, matmul, products, match, backward)
 
     layer_types = FLOAT_LAYERS + (AbstractQuantLayer,)
     wants_products = products is not None if rules is None else any(rule.products is not None for rule in rules)
@@ -459,6 +475,7 @@ def quantize(
             "`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer (nor, with `products`, an "
             "Einsum or MultiheadAttention) to quantize."
         )
+    done = [(path, layer) for path, layer in layers if isinstance(layer, AbstractQuantLayer)]
     layers = [(path, layer) for path, layer in layers if not isinstance(layer, AbstractQuantLayer)]
     # The two products of an attention that is not wrapped yet, at the paths they take once it is.
     attentions = [
@@ -470,6 +487,20 @@ def quantize(
     attention_paths = {path for path, _ in nodes(model, (QuantMultiheadAttention,))} if wants_products else set()
     products_of += [(path, m, path.rpartition(".")[0] if path.rpartition(".")[0] in attention_paths else None)
                     for path, m in einsums if isinstance(m, Einsum)]  # fmt: skip
+    if products is not None or (rules is not None and wants_products):
+        if not attentions and not einsums:
+            raise ValueError(
+                "The configuration gives products quantizers, but `model` has no eqx_quant.nn.Einsum nor "
+                "eqx.nn.MultiheadAttention: products written with `jnp.einsum` or `@` are not found. Write them with "
+                "eqx_quant.nn.Einsum."
+            )
+    reached = [path for path, layer in done if reaches(path, layer)]
+    if reached:
+        warnings.warn(
+            f"The layers at {reached} are quantized already and keep their quantizers; to quantize them anew, "
+            "start from the float model (`eqx_quant.float_model(model)`).",
+            stacklevel=2,
+        )
     if not (layers or products_of):
         return model  # every layer is quantized already
     decisions = {}

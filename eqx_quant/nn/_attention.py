@@ -3,6 +3,7 @@
 import functools
 import math
 import warnings
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -49,6 +50,14 @@ class QuantMultiheadAttention(eqx.Module):
             einsum = product.einsum if isinstance(product, QuantEinsum) else product
             if not isinstance(einsum, Einsum) or einsum.equation != expected:
                 raise ValueError(f"`{name}` must be an Einsum or QuantEinsum of {expected!r}, got {product!r}.")
+
+    def __getattr__(self, name: str) -> Any:
+        """Every other public attribute of the wrapped attention reads through: `query_proj`, `key_proj`,
+        `value_proj`, `output_proj` (at `<path>.attention.query_proj` and so on in the model's tree), `num_heads`,
+        `dropout`, ..."""
+        if name.startswith("_") or name == "attention":
+            raise AttributeError(name)
+        return getattr(self.attention, name)
 
     def _heads(self, projection: eqx.Module, x: Array) -> Array:
         projected = jax.vmap(projection)(x)  # pyright: ignore[reportArgumentType]

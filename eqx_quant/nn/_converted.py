@@ -1,3 +1,5 @@
+from typing import Any
+
 import equinox as eqx
 import jax
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
@@ -49,6 +51,14 @@ class AbstractConvertedLayer(eqx.Module):
         converted from (the fake-quantized weight), so that model code reading `.weight` (a tied language-model head)
         computes the same before and after [`eqx_quant.convert`][]."""
         return self.qweight.dequantize()
+
+    def __getattr__(self, name: str) -> Any:
+        """Every other public attribute of the wrapped layer reads through (`bias`, `in_features`,
+        `out_features`, `use_bias`, a convolution's `stride`, ...), so that model code reading them works on the
+        converted layer as on the float layer."""
+        if name.startswith("_") or name == "layer":
+            raise AttributeError(name)
+        return getattr(self.layer, name)
 
     def dequantized_layer(self) -> eqx.Module:
         """The float layer with the dequantized weight: what the fake-quant model computed with."""

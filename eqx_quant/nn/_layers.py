@@ -73,6 +73,14 @@ class AbstractQuantLayer(eqx.Module):
         depth = stack_depth(self.layer, weight.shape)
         return per_layer(lambda quantizer, w: quantizer(w), depth)(self.weight_quant, weight)
 
+    def __getattr__(self, name: str) -> Any:
+        """Every other public attribute of the wrapped layer reads through (`bias`, `in_features`,
+        `out_features`, `use_bias`, a convolution's `stride`, ...), so that model code reading them works on the
+        quantized layer as on the float layer."""
+        if name.startswith("_") or name == "layer":
+            raise AttributeError(name)
+        return getattr(self.layer, name)
+
     def quantized_layer(self) -> eqx.Module:
         """The wrapped layer with its weight replaced by the fake-quantized weight."""
         if self.weight_quant is None:

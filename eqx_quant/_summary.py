@@ -1,0 +1,166 @@
+"""A table of what a quantized or converted model quantizes, with which format, and at what size."""
+
+import dataclasses
+import math
+from typing import Any
+
+import equinox as eqx
+import jax
+import numpy as np
+from jaxtyping import PyTree
+
+from ._layout import Layout
+from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
+from ._tree import nodes
+from .nn._converted import AbstractConvertedLayer
+from .nn._einsum import QuantEinsum
+from .nn._layers import AbstractQuantLayer, per_layer, stack_depth
+
+
+_FLOAT_LAYERS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
+
+
+def _layout(layout: Layout) -> str:
+    if layout.group_size is not None:
+        return f"tiles of {layout.group_size} along axis {layout.group_axis}"
+    if layout.axes:
+        return f"per channel (axis {layout.axis})"
+    return "per tensor"
+
+
+def describe_quantizer(quantizer: AbstractQuantizer | None) -> str:
+    """A quantizer in a few words: its kind, format and layout (`"float"` for none)."""
+    if quantizer is None:
+        return "float"
+    if not isinstance(quantizer, AbstractFakeQuantizer):
+        return type(quantizer).__name__
+    kind = {FakeQuant: "static", DynamicFakeQuant: "dynamic", LearnedFakeQuant: "learned"}.get(type(quantizer), "")
+    return f"{quantizer.format.name} {kind}, {_layout(quantizer.layout)}".replace(" ,", ",")
+
+
+def _nbytes(tree: Any) -> int:
+    return sum(math.prod(leaf.shape) * np.dtype(leaf.dtype).itemsize for leaf in jax.tree.leaves(tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class SummaryRow:
+    """One layer or product of a [`eqx_quant.Summary`][]: `path`, `kind` (its type), the `weight` and `input`
+    quantizers in words, the weight's `bits` per element (`None` in float), and its bytes in float (`float_bytes`) and
+    as stored (`stored_bytes`: the converted model's codes and scales; `None` where there is no weight)."""
+
+    path: str
+    kind: str
+    weight: str
+    input: str
+    bits: int | None
+    float_bytes: int | None
+    stored_bytes: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Summary:
+    """What [`eqx_quant.summary`][] returns: a row per layer (and product), `rows`, and the totals of their weights'
+    bytes. `print` it for a table."""
+
+    rows: tuple[SummaryRow, ...]
+
+    @property
+    def float_bytes(self) -> int:
+        """The bytes of every weight in float."""
+        return sum(row.float_bytes or 0 for row in self.rows)
+
+    @property
+    def stored_bytes(self) -> int:
+        """The bytes of every weight as a converted model stores it (float weights at their own size)."""
+        return sum(row.stored_bytes or 0 for row in self.rows)
+
+    def __str__(self) -> str:
+        header = ("path", "kind", "weight", "input", "bits", "float B", "stored B")
+        cells = [header] + [
+            (r.path or "(model)", r.kind, r.weight, r.input, "-" if r.bits is None else str(r.bits),
+             "-" if r.float_bytes is None else f"{r.float_bytes:,}",
+             "-" if r.stored_bytes is None else f"{r.stored_bytes:,}")
+            for r in self.rows
+        ]  # fmt: skip
+        quantized = sum(r.kind not in ("Linear", "Conv", "Conv1d", "Conv2d", "Conv3d", "Embedding") for r in self.rows)
+        ratio = self.stored_bytes / self.float_bytes if self.float_bytes else float("nan")
+        cells.append(("total", f"{quantized} of {len(self.rows)} quantized", "", "", "", f"{self.float_bytes:,}",
+                      f"{self.stored_bytes:,} ({ratio:.1%})"))  # fmt: skip
+        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
+        numeric = (4, 5, 6)
+        lines = [
+            "  ".join(
+                c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+            )
+            for row in cells
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.insert(len(lines) - 1, lines[1])
+        return "\n".join(line.rstrip() for line in lines)
+
+
+def _row(path: str, layer: Any) -> SummaryRow:
+    kind = type(layer).__name__
+    if isinstance(layer, QuantEinsum):
+        operands = f"{describe_quantizer(layer.lhs_quant)} x {describe_quantizer(layer.rhs_quant)}"
+        return SummaryRow(path, kind, "-", operands, None, None, None)
+    if isinstance(layer, AbstractConvertedLayer):
+        w = layer.qweight
+        float_bytes = math.prod(w.values.shape[: w.stack_depth]) * math.prod(w.shape) * np.dtype(w.dtype).itemsize
+        inputs = describe_quantizer(layer.input_quant) if not isinstance(layer.layer, eqx.nn.Embedding) else "-"
+        weight = f"{w.format.name}, {_layout(w.layout)}"
+        return SummaryRow(path, kind, weight, inputs, w.format.bits, float_bytes, w.nbytes)
+    float_layer = layer.layer if isinstance(layer, AbstractQuantLayer) else layer
+    weight = float_layer.weight
+    inputs = "-" if isinstance(float_layer, eqx.nn.Embedding) else "float"
+    if not eqx.is_array(weight):  # the placeholder of an `eqx.nn.Shared` tie: the weight is another layer's
+        return SummaryRow(path, kind, "tied", inputs, None, None, None)
+    float_bytes = weight.size * weight.dtype.itemsize
+    if not isinstance(layer, AbstractQuantLayer):
+        return SummaryRow(path, kind, "float", inputs, None, float_bytes, float_bytes)
+    if not isinstance(float_layer, eqx.nn.Embedding):
+        inputs = describe_quantizer(layer.input_quant)
+    quantizer = layer.weight_quant
+    if not isinstance(quantizer, AbstractFakeQuantizer):
+        return SummaryRow(path, kind, describe_quantizer(quantizer), inputs, None, float_bytes, float_bytes)
+    depth = stack_depth(float_layer, weight.shape)
+    stored = eqx.filter_eval_shape(per_layer(lambda q, w: q.quantize_array(w), depth), quantizer, weight)
+    return SummaryRow(path, kind, describe_quantizer(quantizer), inputs, quantizer.format.bits, float_bytes,
+                      _nbytes(stored))  # fmt: skip
+
+
+def summary(model: PyTree) -> Summary:
+    """A table of the layers of a model (float, quantized or converted): for each `Linear`, `Conv` and `Embedding`
+    (and each quantized product of activations), its path, kind, weight and input quantizers, the weight's bits per
+    element, and the weight's bytes in float and as a converted model stores it (codes, scales and zero points), with
+    the totals.
+
+    It reads only the model's structure and the shapes of its arrays (the stored sizes of a fake-quantized model are
+    worked out without quantizing anything), so it is cheap for any model.
+
+    **Arguments:**
+
+    - `model`: any model: float, from [`eqx_quant.quantize`][], or from [`eqx_quant.convert`][].
+
+    **Returns:**
+
+    A [`eqx_quant.Summary`][]: `print` it for the table; its `rows`, `float_bytes` and `stored_bytes` hold the
+    figures.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import eqx_quant
+
+        mlp = eqx.nn.MLP(64, 10, 64, 2, key=jax.random.key(0))
+        qmlp = eqx_quant.quantize(mlp, **eqx_quant.recipe("w4a8_g32", keep=r"layers\\.2"))
+        table = eqx_quant.summary(qmlp)
+        print(table.stored_bytes, table.float_bytes)  # 5800 35328
+        print(table)
+        ```
+    """
+    types = _FLOAT_LAYERS + (AbstractQuantLayer, AbstractConvertedLayer, QuantEinsum)
+    found = nodes(model, types)
+    return Summary(tuple(_row(path, layer) for path, layer in found))
