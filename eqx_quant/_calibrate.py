@@ -39,7 +39,8 @@ def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer]]:
 
 def _check_finite(totals: dict[str, list[dict[str, np.ndarray]]]) -> None:
     """Raises for a layer that saw no finite input; warns, with counts, for layers that saw NaN or inf."""
-    counts = {path: (sum(float(r["nonfinite"]) for r in records), sum(float(r["count"]) for r in records))
+    counts = {path: (sum(float(r["nonfinite"]) for r in records),
+                     sum(float(r["finite"]) + float(r["nonfinite"]) for r in records))
               for path, records in totals.items()}  # fmt: skip
     empty = [path for path, (bad, count) in counts.items() if bad == count]
     if empty:

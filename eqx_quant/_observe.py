@@ -45,11 +45,11 @@ class _Recording:
 _active: list[_Recording] = []  # the recording of the calibration step in progress; empty outside of one
 _HOST_FOLDS = {
     "absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add, "nonfinite": np.add,
-    "count": np.add,
+    "finite": np.add,
 }  # fmt: skip
 _REDUCTIONS = {
     "absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum, "nonfinite": jnp.sum,
-    "count": jnp.sum,
+    "finite": jnp.sum,
 }  # fmt: skip
 
 
@@ -98,10 +98,9 @@ def _tensor_stats(x: Array, top: Array | None, num_bins: int) -> dict[str, Array
     them are NaN or infinite (counted in float32: exact up to 2**24 per call, and then as floats)."""
     del top, num_bins
     absmax, lo, hi = stats(x, tuple(range(jnp.ndim(x))))
-    nonfinite = jnp.sum(~jnp.isfinite(jax.lax.stop_gradient(x)), dtype=jnp.float32)
-    count = jnp.asarray(jnp.size(x), jnp.float32)
-    return {"absmax": absmax.reshape(()), "min": lo.reshape(()), "max": hi.reshape(()), "nonfinite": nonfinite,
-            "count": count}  # fmt: skip
+    finite = jnp.isfinite(jax.lax.stop_gradient(x))
+    return {"absmax": absmax.reshape(()), "min": lo.reshape(()), "max": hi.reshape(()),
+            "finite": jnp.sum(finite, dtype=jnp.float32), "nonfinite": jnp.sum(~finite, dtype=jnp.float32)}  # fmt: skip
 
 
 def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:

@@ -9,18 +9,30 @@ from collections.abc import Callable
 from typing import Any
 
 import equinox as eqx
+import jax
+import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
+from ._backward import QuantizedBackward
 from ._format import Format, format_from_json, format_named
 from ._layout import Layout
-from ._qarray import QuantizedArray
-from ._quantizers import AbstractQuantizer, FakeQuant
+from ._qarray import QuantizedArray, quantize_array
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant, PassthroughClip
+from ._scales import Scales
 from ._tree import map_nodes, unique_nodes
+from .nn._attention import QuantMultiheadAttention
+from .nn._converted import AbstractConvertedLayer, ConvertedConv, ConvertedEmbedding, ConvertedLinear
+from .nn._einsum import Einsum, QuantEinsum
+from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear, per_layer, stack_depth
 
 
 _MAGIC = b"EQXQUANT"
 _VERSION = 4
+_HINT = (
+    " Load into the float model instead (or its `eqx.filter_eval_shape` skeleton), which `load` quantizes as the file "
+    "says, or into a model quantized with the saved configuration."
+)
 
 
 def _header_nodes(model: PyTree, name: str) -> dict[str, Any]:
@@ -77,6 +89,8 @@ def _json_value(value: Any) -> Any:
         return {"format": value.name, **{f"format_{k}": v for k, v in value.to_json().items()}}
     if isinstance(value, Layout) and value.group_axis == -1:  # the default last entry left out
         return _json_value(tuple(value)[:-1])
+    if isinstance(value, QuantizedBackward):
+        return [value.bits, value.rounding]
     if isinstance(value, (np.bool_, np.integer, np.floating)):
         return value.item()
     if isinstance(value, (tuple, list)):  # a `Layout` too (a named tuple)
@@ -94,6 +108,25 @@ def _other_quantizers(model: PyTree, name: str) -> dict[str, dict[str, Any]]:
         if isinstance(q, FakeQuant):
             continue
         out[path] = {"type": type(q).__name__, **_static_fields(q)}
+        arrays = {
+            f.name: list(getattr(q, f.name).shape) for f in dataclasses.fields(q) if _is_array(getattr(q, f.name))
+        }
+        if arrays:
+            out[path]["arrays"] = arrays
+    return out
+
+
+def _is_array(value: Any) -> bool:
+    return eqx.is_array(value) or isinstance(value, jax.ShapeDtypeStruct)
+
+
+def _modules(model: PyTree, name: str) -> dict[str, dict[str, Any]]:
+    """Every quantized, converted and product module of `model` by path: its type and static fields, what `load`
+    needs to rebuild the model from the float one."""
+    out = {}
+    for types in ((AbstractQuantLayer, AbstractConvertedLayer), (QuantEinsum,), (QuantMultiheadAttention,)):
+        for path, module in unique_nodes(model, types, name).items():
+            out[path] = {"type": type(module).__name__, **_static_fields(module)}
     return out
 
 
@@ -171,6 +204,7 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
         "version": _VERSION,
         "static_quantizers": _static_quantizers(found),
         "quantized_arrays": _tensor_table(_tensor_descriptions(found)),
+        "modules": _modules(model, "model"),
     }
     others = _other_quantizers(model, "model")
     if others:  # none in a converted, calibrated model
@@ -211,7 +245,7 @@ def _check_paths(what: str, saved: Any, like: Any, path: str | os.PathLike) -> N
     """Raises unless the paths (keys) of `saved`, read from the file at `path`, are those of `like`."""
     if set(saved) != set(like):
         raise ValueError(
-            f"The {what} saved in {str(path)!r} are at {sorted(saved)}, but `like` has them at {sorted(like)}."
+            f"The {what} saved in {str(path)!r} are at {sorted(saved)}, but `like` has them at {sorted(like)}." + _HINT
         )
 
 
@@ -229,7 +263,7 @@ def _check_fields(what: str, saved: dict[str, Any], like: dict[str, Any], path: 
     if keys:
         ours = ", ".join(f"{k}={saved.get(k)!r}" for k in keys)
         theirs = ", ".join(f"{k}={like.get(k)!r}" for k in keys)
-        raise ValueError(f"{what} has {ours} in {str(path)!r} but {theirs} in `like`: {why}")
+        raise ValueError(f"{what} has {ours} in {str(path)!r} but {theirs} in `like`: {why}" + _HINT)
 
 
 def _check_other_quantizers(saved: dict[str, Any], like: dict[str, Any], path: str | os.PathLike) -> None:
@@ -240,18 +274,123 @@ def _check_other_quantizers(saved: dict[str, Any], like: dict[str, Any], path: s
         )
 
 
+def _rebuilt(
+    like: PyTree, modules: dict[str, Any], saved: dict[str, Any], others: dict[str, Any], tensors: dict[str, Any]
+) -> PyTree:
+    """The float model `like` quantized (or converted) as the file's `modules` and quantizers say, with arrays of
+    the saved shapes (their values are read afterwards)."""
+    attentions = [p for p, record in modules.items() if record["type"] == "QuantMultiheadAttention"]
+
+    def float_path(path: str) -> str:  # a projection inside a wrapped attention, at its float path
+        for a in attentions:
+            if path.startswith(f"{a}.attention."):
+                return f"{a}.{path.removeprefix(f'{a}.attention.')}"
+        return path
+
+    at = {float_path(p): (p, record) for p, record in modules.items()}
+
+    def quantizer(path: str, stack: tuple[int, ...]) -> AbstractQuantizer | None:
+        if path in saved:
+            return _restore_static(saved[path])
+        if path not in others:
+            return None
+        c = others[path]
+        kind, arrays = c["type"], c.get("arrays", {})
+        if kind == "PassthroughClip":
+            return PassthroughClip(c["lo"], c["hi"])
+        layout, axis_name = Layout(*_tuples(c["layout"])), _tuples(c["axis_name"])
+        if kind == "DynamicFakeQuant":
+            return DynamicFakeQuant(_format(c), layout=layout, symmetric=c["symmetric"], axis_name=axis_name)
+        if kind == "LearnedFakeQuant":  # made for one layer, and stacked like the layer (as `calibrate` makes it)
+            ones = {name: jnp.ones(shape, jnp.float32) for name, shape in arrays.items()}
+
+            def learned(scale, zero_point, tensor_scale):
+                return LearnedFakeQuant(scale, format=_format(c), zero_point=zero_point, tensor_scale=tensor_scale,
+                                        layout=layout, min_scale=c["min_scale"], axis_name=axis_name)  # fmt: skip
+
+            stacked = per_layer(learned, len(stack)) if stack else learned
+            return stacked(ones["scale"], ones.get("zero_point"), ones.get("tensor_scale"))
+        raise ValueError(
+            f"The quantizer at {path!r} is a {kind}, which `load` cannot rebuild from a float model: pass as `like` a "
+            "model quantized as the saved one was."
+        )
+
+    def layer(path: str, node: Any) -> Any:
+        if path not in at:
+            return node
+        saved_path, record = at[path]
+        kind = record["type"]
+        stack = node.weight.shape[: stack_depth(node, node.weight.shape)]
+        inputs = None if isinstance(node, eqx.nn.Embedding) else quantizer(f"{saved_path}.input_quant", stack)
+        if kind.startswith("Converted"):
+            qweight = _empty_array(tensors[f"{saved_path}.qweight"], stack)
+            skeleton = eqx.tree_at(lambda l: l.weight, node, None)
+            if kind == "ConvertedEmbedding":
+                return ConvertedEmbedding(skeleton, qweight)
+            return {"ConvertedLinear": ConvertedLinear, "ConvertedConv": ConvertedConv}[kind](skeleton, qweight, inputs)
+        weights = quantizer(f"{saved_path}.weight_quant", stack)
+        if kind == "QuantEmbedding":
+            return QuantEmbedding(node, weight_quant=weights)
+        if kind == "QuantConv":
+            return QuantConv(node, weight_quant=weights, input_quant=inputs, matmul=record["matmul"])
+        backward = record["backward"]
+        backward = None if backward is None else QuantizedBackward(backward[0], rounding=backward[1])
+        return QuantLinear(node, weight_quant=weights, input_quant=inputs, matmul=record["matmul"], backward=backward)
+
+    def product(path: str, einsum: Any) -> Any:
+        if path not in at:
+            return einsum
+        saved_path, record = at[path]
+        lhs, rhs = quantizer(f"{saved_path}.lhs_quant", ()), quantizer(f"{saved_path}.rhs_quant", ())
+        return QuantEinsum(einsum, lhs_quant=lhs, rhs_quant=rhs, matmul=record["matmul"])
+
+    def attention(path: str, node: Any) -> Any:
+        if path not in at:
+            return node
+        wrapped = QuantMultiheadAttention(node)
+        scores, values = product(f"{path}.scores", wrapped.scores), product(f"{path}.values", wrapped.values)
+        return QuantMultiheadAttention(node, scores=scores, values=values)
+
+    like = map_nodes(like, (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding), layer)
+    like = map_nodes(like, (eqx.nn.MultiheadAttention,), attention)
+    return map_nodes(like, (Einsum,), product)
+
+
+def _empty_array(description: dict[str, Any], stack: tuple[int, ...]) -> QuantizedArray:
+    """A [`eqx_quant.QuantizedArray`][] of the described format, layout, shape and packing, stacked `stack` times:
+    the shapes and dtypes of the saved one, its values zeros."""
+    fmt, layout = _format(description), Layout(*_tuples(description["layout"]))
+    shape, dtype = tuple(description["shape"]), description["dtype"]
+    scale_shape = layout.broadcast_shape(shape)
+
+    def one() -> QuantizedArray:
+        scales = Scales(
+            jnp.ones(scale_shape), jnp.zeros(scale_shape) if description["zero_point"] else None,
+            jnp.ones(()) if description.get("tensor_scale") else None,
+        )  # fmt: skip
+        x = jnp.zeros(shape, dtype)
+        return quantize_array(x, scales, fmt, layout, pack=description["packed_bits"] is not None, mask=False)[0]
+
+    make = lambda _: one()  # noqa: E731
+    array = per_layer(make, len(stack))(jnp.zeros(stack)) if stack else one()
+    return array
+
+
 def load(path: str | os.PathLike, like: PyTree) -> PyTree:
     """Loads what [`eqx_quant.save`][] wrote.
 
     **Arguments:**
 
     - `path`: the file.
-    - `like`: a model with the same structure, e.g. the converted model of a freshly initialised and calibrated
-        network. Its arrays and the configuration of its static [`eqx_quant.FakeQuant`][]s are replaced by the saved
-        ones, so its calibration need not match; its other quantizers (dynamic, learned) must be of the saved types
-        and have their static fields (format, layout, ...), since the saved model computes with those; its
-        [`eqx_quant.QuantizedArray`][]s must have the formats, layouts, shapes, packing widths and dtypes of the
-        saved ones, since the stored codes mean nothing in another format.
+    - `like`: the float model the saved one was made from (a freshly initialised one, or its
+        `eqx.filter_eval_shape` skeleton): `load` quantizes (or converts) it as the file records, layer by layer,
+        and reads the saved arrays into it. Or a model with the saved structure already, e.g. the converted model of
+        a freshly initialised and calibrated network: its arrays and the configuration of its static
+        [`eqx_quant.FakeQuant`][]s are replaced by the saved ones, so its calibration need not match; its other
+        quantizers (dynamic, learned) must be of the saved types and have their static fields (format, layout, ...),
+        since the saved model computes with those; its [`eqx_quant.QuantizedArray`][]s must have the formats,
+        layouts, shapes, packing widths and dtypes of the saved ones, since the stored codes mean nothing in another
+        format.
 
     **Returns:**
 
@@ -262,7 +401,30 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
     `ValueError` if the file was not written by [`eqx_quant.save`][] (or by a release whose file format this one
     does not read), is cut short or holds more than `like` reads; if its quantizers or quantized arrays are not at
     the places of those in `like`, or a dynamic or learned quantizer or a quantized array differs from the one in
-    `like` (the message names the path and the fields); or if an array does not match the one in `like`.
+    `like` (the message names the path and the fields, and says what to do); or if an array does not match the one
+    in `like`.
+
+    !!! example
+
+        ```python
+        import os
+        import tempfile
+
+        import equinox as eqx
+        import jax
+        import eqx_quant
+
+        mlp = eqx.nn.MLP(32, 2, 32, 1, key=jax.random.key(0))
+        data = [jax.random.normal(jax.random.key(1), (16, 32))]
+        real = eqx_quant.convert(eqx_quant.calibrate(eqx_quant.quantize(mlp, **eqx_quant.recipe("w4a8_g32")), data))
+        path = os.path.join(tempfile.mkdtemp(), "model.eqx")
+        eqx_quant.save(path, real)
+        # The float model's skeleton is all it takes: the file says how each layer was quantized.
+        skeleton = eqx.filter_eval_shape(eqx.nn.MLP, 32, 2, 32, 1, key=jax.random.key(0))
+        loaded = eqx_quant.load(path, skeleton)
+        x = data[0][0]
+        print(type(loaded.layers[0]).__name__, bool((loaded(x) == real(x)).all()))  # ConvertedLinear True
+        ```
     """
     with open(path, "rb") as f:
         if f.read(len(_MAGIC)) != _MAGIC:
@@ -284,9 +446,12 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
             )
         try:
             saved, others = header["static_quantizers"], header.get("other_quantizers", {})
-            tensors = _from_table(header["quantized_arrays"])
+            tensors, modules = _from_table(header["quantized_arrays"]), header["modules"]
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"`path`={str(path)!r} has a damaged `eqx_quant.save` header.") from error
+        wrappers = (AbstractQuantLayer, AbstractConvertedLayer, QuantEinsum, QuantMultiheadAttention)
+        if modules and not unique_nodes(like, wrappers, "like"):  # a float `like`: the file says how to quantize it
+            like = _rebuilt(like, modules, saved, others, tensors)
         found = _header_nodes(like, "like")
         _check_paths("static quantizers", saved, _static_quantizers(found), path)
         _check_tensors(tensors, _tensor_descriptions(found), path)

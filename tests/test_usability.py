@@ -1,0 +1,179 @@
+"""What a newcomer meets first: quantized and converted layers as drop-ins, `summary`, checkpoints that load into the
+float model, and no silent no-ops (each a clear error or a warning)."""
+
+import contextlib
+import io
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_quant
+from eqx_quant import DynamicFakeQuant
+
+from .helpers import assert_bitwise_equal, assert_trees_equal, init
+from .models import ViT
+
+
+run = eqx.filter_jit(lambda model, x: jax.vmap(model)(x))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Drop-in layers.
+
+
+def test_quantized_and_converted_layers_read_like_the_float_layer():
+    linear = init(lambda k: eqx.nn.Linear(6, 4, key=k), 0)
+    conv = init(lambda k: eqx.nn.Conv2d(2, 3, 3, stride=2, padding=1, key=k), 1)
+    embedding = init(lambda k: eqx.nn.Embedding(5, 4, key=k), 2)
+    attributes = [
+        (linear, ("bias", "in_features", "out_features", "use_bias")),
+        (conv, ("bias", "in_channels", "out_channels", "kernel_size", "stride", "padding", "dilation", "groups",
+                "use_bias", "padding_mode", "num_spatial_dims")),
+        (embedding, ("num_embeddings", "embedding_size")),
+    ]  # fmt: skip
+    for layer, names in attributes:
+        fake = eqx_quant.quantize(layer)
+        real = eqx_quant.convert(fake)
+        for wrapped in (fake, real):
+            for name in names:
+                a, b = getattr(wrapped, name), getattr(layer, name)
+                assert (a is b) or (np.array_equal(a, b) if eqx.is_array(a) else a == b), (type(wrapped), name)
+            assert wrapped.weight.shape == layer.weight.shape
+            with pytest.raises(AttributeError):
+                wrapped.no_such_attribute  # noqa: B018
+    # Model code that reads the bias at call time works on the quantized layer, and `eqx.tree_at` through the
+    # attribute reaches the float layer's bias.
+    fake = eqx_quant.quantize(linear)
+    moved = eqx.tree_at(lambda l: l.bias, fake, fake.bias + 1)
+    assert type(moved.layer) is eqx.nn.Linear and np.array_equal(moved.layer.bias, linear.bias + 1)
+    # An attention wrapped for its products reads like the attention it wraps.
+    mha = init(lambda k: eqx.nn.MultiheadAttention(2, 8, key=k), 3)
+    wrapped = eqx_quant.quantize(mha, products=DynamicFakeQuant(8))
+    assert type(wrapped) is eqx_quant.nn.QuantMultiheadAttention and wrapped.num_heads == 2
+    assert type(wrapped.query_proj) is eqx_quant.nn.QuantLinear and wrapped.query_proj is wrapped.attention.query_proj
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# summary.
+
+
+def test_summary_counts_the_bytes_a_converted_model_stores():
+    model = {
+        "a": init(lambda k: eqx.nn.Linear(64, 16, key=k), 4),
+        "b": init(lambda k: eqx.nn.Linear(16, 8, key=k), 5),
+        "c": init(lambda k: eqx.nn.Linear(8, 2, key=k), 6),
+    }
+    rules = [
+        eqx_quant.Rule("a", weight=DynamicFakeQuant(4, group_size=32)),
+        eqx_quant.Rule("b", weight=DynamicFakeQuant("float8_e4m3fn", axis=0), input=None),
+    ]  # "c" stays float
+    fake = eqx_quant.quantize(model, rules)
+    real = eqx_quant.convert(fake)
+    for m in (fake, real):
+        table = eqx_quant.summary(m)
+        rows = {row.path: row for row in table.rows}
+        assert set(rows) == {"a", "b", "c"}
+        assert rows["a"].bits == 4 and rows["b"].bits == 8 and rows["c"].bits is None
+        assert rows["a"].weight.startswith("int4") and "tiles of 32" in rows["a"].weight
+        assert rows["a"].input.startswith("int8") and rows["b"].input == "float" and rows["c"].weight == "float"
+        assert [rows[p].float_bytes for p in "abc"] == [64 * 16 * 4, 16 * 8 * 4, 8 * 2 * 4]
+        # Stored: a's int4 codes two per byte and its float32 scales per group; b's FP8 codes and scales; c in float.
+        assert rows["a"].stored_bytes == 16 * 64 // 2 + 16 * 2 * 4
+        assert rows["b"].stored_bytes == 8 * 16 + 8 * 4
+        assert rows["c"].stored_bytes == rows["c"].float_bytes
+        assert table.stored_bytes == sum(row.stored_bytes for row in table.rows)
+        text = str(table)
+        assert "2 of 3 quantized" in text and f"{table.float_bytes:,}" in text
+    assert eqx_quant.summary(real).stored_bytes == sum(
+        real[p].qweight.nbytes for p in "ab"
+    ) + model["c"].weight.nbytes
+    # A stacked model: the stack's bytes, and the products.
+    vit = init(ViT, 7)
+    table = eqx_quant.summary(eqx_quant.quantize(vit, **eqx_quant.recipe("w8a8_attn")))
+    rows = {row.path: row for row in table.rows}
+    assert rows["blocks.fc1"].float_bytes == 2 * 32 * 16 * 4 and rows["blocks.fc1"].stored_bytes == 2 * (32 * 16 + 32 * 4)
+    assert rows["blocks.attn.scores"].kind == "QuantEinsum"
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Checkpoints that describe themselves.
+
+
+def test_load_into_the_float_model_rebuilds_the_saved_structure(tmp_path):
+    vit = init(ViT, 8)
+    images = jnp.asarray(np.random.default_rng(9).normal(size=(4, 1, 8, 8)).astype(np.float32))
+    rules = eqx_quant.recipe("w8a8_attn", keep="patch", learned=True)["rules"]
+    fake = eqx_quant.calibrate(eqx_quant.quantize(vit, rules), [images])
+    backward = eqx_quant.quantize(
+        vit, weights=DynamicFakeQuant(4, axis=0), backward=eqx_quant.QuantizedBackward(8, rounding="stochastic")
+    )
+    for name, model in (("fake", fake), ("converted", eqx_quant.convert(fake)), ("backward", backward)):
+        path = tmp_path / f"{name}.eqx"
+        eqx_quant.save(path, model)
+        for like in (init(ViT, 10), eqx.filter_eval_shape(ViT, jax.random.key(0))):
+            loaded = eqx_quant.load(path, like)
+            assert jax.tree.structure(loaded) == jax.tree.structure(model), name
+            assert_trees_equal(loaded, model)
+            assert_bitwise_equal(run(loaded, images), run(model, images))
+        # The exact form keeps working.
+        assert_trees_equal(eqx_quant.load(path, model), model)
+    # A mismatch says what to do.
+    eqx_quant.save(tmp_path / "fake.eqx", fake)
+    with pytest.raises(ValueError, match="Load into the float model instead"):
+        eqx_quant.load(tmp_path / "fake.eqx", eqx_quant.quantize(vit))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# No silent no-ops.
+
+
+def test_configurations_that_would_do_nothing_are_errors_or_warnings():
+    mlp = init(lambda k: eqx.nn.MLP(32, 2, 48, 1, key=k), 11)
+    # Products asked for a model without Einsum or MultiheadAttention (attention written with jnp.einsum).
+    with pytest.raises(ValueError, match="no eqx_quant.nn.Einsum nor eqx.nn.MultiheadAttention"):
+        eqx_quant.quantize(mlp, products=DynamicFakeQuant(8))
+    # Converting a float model.
+    with pytest.raises(ValueError, match="`model` has no quantized layer to convert"):
+        eqx_quant.convert(mlp)
+    # Quantizing twice keeps the first quantizers, and says so.
+    once = eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a8"))
+    with pytest.warns(UserWarning, match=r"The layers at \['layers.0', 'layers.1'\] are quantized already"):
+        twice = eqx_quant.quantize(once, **eqx_quant.recipe("w2a16_g32"))
+    assert eqx.tree_equal(twice, once)
+    # A recipe's groups that a layer's inputs do not split into.
+    with pytest.warns(UserWarning, match="'layers.1': its contraction does not split into tiles of 32") as caught:
+        grouped = eqx_quant.quantize(mlp, **eqx_quant.recipe("w4a16_g32"))
+    assert len(caught) == 1 and grouped.layers[1].weight_quant == DynamicFakeQuant(4, axis=0)
+    assert grouped.layers[0].weight_quant == DynamicFakeQuant(4, group_size=32)
+
+
+def test_calibration_data_with_nan_and_inf():
+    mlp = init(lambda k: eqx.nn.MLP(4, 2, 8, 1, key=k), 12)
+    qmodel = eqx_quant.quantize(mlp)
+    clean = np.random.default_rng(13).normal(size=(8, 4)).astype(np.float32)
+    dirty = clean.copy()
+    dirty[0, 1], dirty[3, 2], dirty[5, 0] = np.nan, np.inf, -np.inf
+    with pytest.warns(UserWarning, match=r"held NaN or inf values.*'layers.0' 3 of 32") as caught:
+        calibrated = eqx_quant.calibrate(qmodel, [jnp.asarray(dirty)])
+    assert len(caught) == 1  # the first layer only: its outputs through the float layer carry them on as NaN
+    expected = eqx_quant.calibrate(qmodel, [jnp.asarray(np.where(np.isfinite(dirty), dirty, 0))])
+    assert calibrated.layers[0].input_quant == expected.layers[0].input_quant
+    with pytest.raises(ValueError, match=r"The layers at \['layers.0', 'layers.1'\] saw no finite input"):
+        eqx_quant.calibrate(qmodel, [jnp.full((4, 4), jnp.nan)])
+
+
+def test_progress_bars():
+    mlp = init(lambda k: eqx.nn.MLP(8, 2, 8, 1, key=k), 14)
+    batches = [jnp.asarray(np.random.default_rng(i).normal(size=(4, 8)).astype(np.float32)) for i in range(3)]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        quiet = eqx_quant.calibrate(eqx_quant.quantize(mlp), batches)
+    assert err.getvalue() == ""
+    with contextlib.redirect_stderr(err):
+        loud = eqx_quant.calibrate(eqx_quant.quantize(mlp), batches, progress=True)
+        eqx_quant.gptq(eqx_quant.quantize(mlp, activations=None), batches, progress=True)
+    assert "calibrate" in err.getvalue() and "gptq" in err.getvalue()
+    assert loud.layers[0].input_quant == quiet.layers[0].input_quant
