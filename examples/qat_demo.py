@@ -10,6 +10,7 @@ and writes `results.json`, `accuracy.png` and the saved models (`models/*.eqx`, 
 
 import argparse
 import json
+import math
 import pathlib
 import re
 import time
@@ -335,47 +336,48 @@ def run(
     return results
 
 
+def binomial_interval(accuracy: float, n: int) -> float:
+    """The half-width of a 95% interval of an accuracy measured on `n` test images (the normal approximation of a
+    binomial proportion, `1.96 * sqrt(p (1 - p) / n)`): the noise of the test set."""
+    return 1.96 * math.sqrt(max(accuracy * (1 - accuracy), 0.25 / n) / n)
+
+
 def plot(results: dict, path: pathlib.Path) -> None:
-    """Test accuracy against weight bit width: PTQ and QAT, with the float model as a horizontal line. Each point is
-    labelled with its accuracy, PTQ's below the point and QAT's above, and the configurations name the ticks."""
+    """Test accuracy per configuration: PTQ and QAT side by side as bars over categorical bit widths, each with the
+    test set's 95% interval, the float model as a band of its own interval, and each configuration's converted
+    weight size under its name."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(5.5, 3.6), dpi=120)
-    float_accuracy = 100 * results["float"]["accuracy"]
-    ax.axhline(float_accuracy, color="black", linestyle="--", linewidth=1, label=f"float32 ({float_accuracy:.1f}%)")
-    values = [float_accuracy]
-    names_at: dict[int, list[str]] = {}
-    for kind, marker, color, offset in (("ptq", "s", "tab:blue", -11), ("qat", "o", "tab:orange", 11)):
-        points = sorted((parse_config(name)[0], 100 * r["accuracy"], name) for name, r in results[kind].items())
-        if not points:
-            continue
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker=marker, color=color, label=kind.upper())
-        for bits, acc, name in points:
-            values.append(acc)
-            names_at.setdefault(bits, [])
-            if name not in names_at[bits]:
-                names_at[bits].append(name)
-            ax.annotate(
-                f"{acc:.1f}%", (bits, acc), textcoords="offset points", xytext=(0, offset), ha="center",
-                va="center", fontsize=7, color=color,
-                bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none", alpha=0.8),
-            )  # fmt: skip
-    # Weight bits on a base-2 axis (2, 4 and 8 evenly spaced), with room on every side for the labels.
-    ax.set_xscale("log", base=2)
-    if names_at:
-        ax.set_xlim(min(names_at) / 1.45, max(names_at) * 1.45)
-        ax.set_xticks(sorted(names_at), ["\n".join(names_at[bits]) for bits in sorted(names_at)])
-    ax.minorticks_off()
-    low, high = min(values), max(values)
-    pad = max(0.15 * (high - low), 2.0)
-    ax.set_ylim(low - pad, high + pad)
-    ax.set_xlabel("bit widths (W: weights, A: activations)")
+    n = results["config"]["test_examples"]
+    names = sorted({*results["ptq"], *results["qat"]}, key=lambda name: parse_config(name), reverse=True)
+    fig, ax = plt.subplots(figsize=(6.0, 4.2), dpi=120)
+    float_accuracy = results["float"]["accuracy"]
+    band = 100 * binomial_interval(float_accuracy, n)
+    ax.axhspan(100 * float_accuracy - band, 100 * float_accuracy + band, color="0.85", zorder=0)
+    ax.axhline(100 * float_accuracy, color="black", linestyle="--", linewidth=1,
+               label=f"float32 {100 * float_accuracy:.1f}% ({results['float']['weight_bytes']:,} B)")  # fmt: skip
+    width = 0.38
+    lows = [100 * float_accuracy - band]
+    for offset, kind, color in ((-width / 2, "ptq", "tab:blue"), (width / 2, "qat", "tab:orange")):
+        xs = [i + offset for i, name in enumerate(names) if name in results[kind]]
+        accuracies = [results[kind][name]["accuracy"] for name in names if name in results[kind]]
+        errors = [100 * binomial_interval(a, n) for a in accuracies]
+        heights = [100 * a for a in accuracies]
+        ax.bar(xs, heights, width, yerr=errors, capsize=3, color=color, label=kind.upper(), zorder=2)
+        for x, h, e in zip(xs, heights, errors, strict=True):
+            ax.annotate(f"{h:.1f}", (x, h + e), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
+        lows += [h - e for h, e in zip(heights, errors, strict=True)]
+    sizes = {name: next(results[k][name]["weight_bytes"] for k in ("qat", "ptq") if name in results[k]) for name in names}
+    ax.set_xticks(range(len(names)), [f"{name}\n{sizes[name]:,} B" for name in names])
+    low = min(lows)
+    ax.set_ylim(max(0.0, low - 0.1 * (100 - low) - 1), 103)
+    ax.set_xlabel("configuration (W: weight bits, A: activation bits) and converted weight size")
     ax.set_ylabel("test accuracy (%)")
-    ax.set_title("8x8 digits convnet: PTQ vs QAT")
-    ax.legend(loc="best", fontsize=8)
+    ax.set_title(f"8x8 digits convnet: PTQ and QAT ({n} test images, 95% intervals)", fontsize=10)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3, fontsize=7, frameon=False)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -136,3 +136,9 @@ def test_accuracy_against_numpy():
     assert demo.accuracy(model, images, labels) == np.count_nonzero(predictions == labels) / 8 == 0.625
     labels[:] = predictions
     assert demo.accuracy(model, images, labels) == 1.0
+
+
+def test_binomial_interval_by_hand():
+    # 1.96 * sqrt(0.9 * 0.1 / 100) = 1.96 * 0.03; a perfect score keeps the interval of one error in 2n.
+    assert demo.binomial_interval(0.9, 100) == pytest.approx(0.0588)
+    assert demo.binomial_interval(1.0, 360) == pytest.approx(1.96 * np.sqrt(0.25 / 360) / np.sqrt(360))
