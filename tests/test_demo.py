@@ -98,7 +98,7 @@ def test_quick_run_writes_results_and_plot(tmp_path, capsys):
     assert len(png) > 100 and png[:8] == PNG_SIGNATURE
     assert png[12:16] == b"IHDR"
     width, height = struct.unpack(">II", png[16:24])
-    assert (width, height) == (660, 432)  # 5.5 x 3.6 inches at 120 dpi
+    assert (width, height) == (720, 504)  # 6.0 x 4.2 inches at 120 dpi
 
 
 def test_help_exits_cleanly():
