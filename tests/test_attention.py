@@ -31,6 +31,7 @@ SCORES = QuantEinsum(Einsum("td,sd->ts"), lhs_quant=DynamicFakeQuant(8, axis=0),
 call = eqx.filter_jit(lambda q, a, b: q(a, b))
 
 
+@pytest.mark.slow
 def test_integer_einsum_against_an_int64_reference(operands):
     a, b = operands
     qa, sa = np_levels(a, (0,))  # one scale per token
@@ -48,6 +49,7 @@ def test_integer_einsum_against_an_int64_reference(operands):
     np.testing.assert_allclose(np.asarray(float_path(a, b)), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_gradients_are_those_of_the_float_formulation(operands):
     a, b = operands
     float_path = QuantEinsum(SCORES.einsum, lhs_quant=SCORES.lhs_quant, rhs_quant=SCORES.rhs_quant, matmul="float")
@@ -95,6 +97,7 @@ class Block(eqx.Module):
         return jax.vmap(self.head)(self.attn(x, x, x, mask=mask))
 
 
+@pytest.mark.slow
 def test_multihead_attention_wrapper_equals_equinox():
     mha = eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(2), dropout_p=0.5)
     x = jax.random.normal(jax.random.key(3), (5, 8))
@@ -106,6 +109,7 @@ def test_multihead_attention_wrapper_equals_equinox():
         assert_bitwise_equal(wrapped(x, kv, kv, **kwargs), mha(x, kv, kv, **kwargs))
 
 
+@pytest.mark.slow
 def test_quantize_attention_products_and_convert():
     model = Block(jax.random.key(8))
     x = jax.random.normal(jax.random.key(9), (6, 8))
@@ -131,6 +135,7 @@ def test_quantize_attention_products_and_convert():
     assert text.count("preferred_element_type=int32") >= 2 + 5  # two products, five linear layers
 
 
+@pytest.mark.slow
 def test_integer_kv_cache_decodes_like_the_quantized_products():
     heads, dim, max_len = 2, 4, 6
     keys = jax.random.normal(jax.random.key(10), (max_len, heads, dim)) * 2

@@ -82,6 +82,7 @@ def _data(batch, k, out, seed):
     [(DynamicFakeQuant(8, axis=0), 8), (DynamicFakeQuant(8), 8), (DynamicFakeQuant(4, group_size=4), 4)],
     ids=["per-channel-8", "per-tensor-8", "grouped-4"],
 )
+@pytest.mark.slow
 def test_nearest_rounding_against_numpy(weight_quant, bits):
     q = layer(6, 8, weight_quant, bits)
     x, cotangent = _data(5, 8, 6, 1)
@@ -94,6 +95,7 @@ def test_nearest_rounding_against_numpy(weight_quant, bits):
     assert_bitwise_equal(eager, expected[2])
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_against_numpy_with_the_same_uniforms():
     q = layer(6, 8, DynamicFakeQuant(8, axis=0), rounding="stochastic")
     x, cotangent = _data(4, 8, 6, 2)
@@ -129,6 +131,7 @@ def test_stochastic_rounding_is_unbiased():
     assert np.std(grads, axis=0).max() > 0
 
 
+@pytest.mark.slow
 def test_long_contractions_are_split_where_int32_could_overflow():
     # 16-bit gradient levels and 8-bit weights: at most 2**31 // (32767 * 128) = 512 output channels per int32 sum.
     # A weight whose rows all reach -128 in the same column and a gradient of one sign drive the full sum of column 0
@@ -147,6 +150,7 @@ def test_long_contractions_are_split_where_int32_could_overflow():
     assert_bitwise_equal(_input_gradient(q, x, cotangent, None), expected)
 
 
+@pytest.mark.slow
 def test_forward_and_weight_gradient_are_those_of_the_float_backward():
     q = layer(6, 8, DynamicFakeQuant(8, axis=0))
     plain = QuantLinear(q.layer, weight_quant=q.weight_quant)
@@ -166,6 +170,7 @@ def test_forward_and_weight_gradient_are_those_of_the_float_backward():
     assert np.abs(dx - plain_dx).max() <= 0.02 * np.abs(plain_dx).max()
 
 
+@pytest.mark.slow
 def test_nan_in_the_weight_and_in_the_incoming_gradient():
     q = layer(4, 5, DynamicFakeQuant(8, axis=0))
     q = eqx.tree_at(lambda m: m.layer.weight, q, q.layer.weight.at[1, 3].set(jnp.nan))
@@ -177,6 +182,7 @@ def test_nan_in_the_weight_and_in_the_incoming_gradient():
     assert np.isnan(dx[2]).all()
 
 
+@pytest.mark.slow
 def test_quantize_and_calibrate_keep_the_backward():
     mlp = init(lambda key: eqx.nn.MLP(4, 2, 8, 1, key=key), 10)
     backward = QuantizedBackward(8)
@@ -193,6 +199,7 @@ def test_quantize_and_calibrate_keep_the_backward():
     assert_bitwise_equal(jax.vmap(eqx_quant.convert(calibrated))(x), jax.vmap(calibrated)(x))
 
 
+@pytest.mark.slow
 def test_asymmetric_weights_multiply_their_integers_minus_the_zero_point():
     q = layer(5, 8, DynamicFakeQuant(8, axis=0, symmetric=False))
     x, cotangent = _data(3, 8, 5, 12)
@@ -215,6 +222,7 @@ def test_bfloat16_layer_gets_a_bfloat16_input_gradient_from_the_float32_computat
     assert_bitwise_equal(dx, jnp.asarray(expected).astype(jnp.bfloat16))
 
 
+@pytest.mark.slow
 def test_errors():
     linear = init(lambda key: eqx.nn.Linear(3, 2, key=key), 11)
     with pytest.raises(ValueError, match="`bits` must be between 2 and 16, got bits=1."):

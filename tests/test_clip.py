@@ -57,6 +57,7 @@ def test_bounds_get_zero_derivative():
     np.testing.assert_array_equal(y_dot, [0.0, 0.0, 0.0])
 
 
+@pytest.mark.slow
 def test_all_transformations():
     eye = np.eye(3, dtype=np.float32)
     np.testing.assert_array_equal(jax.jacfwd(_clip01)(X), eye)

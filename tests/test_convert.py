@@ -183,6 +183,7 @@ def wrap(layer, **kwargs):
 # 4-bit packing.
 
 
+@pytest.mark.slow
 def test_pack_int4_layout_by_hand():
     packed = pack_int4(jnp.array([[1, -2, 7], [-8, 0, -1]], jnp.int8))
     # row 0: 1 -> 0x1 (low), -2 -> 0xE (high); 7 -> 0x7 beside a zero pad nibble. row 1: -8 -> 0x8, 0; -1 -> 0xF.
@@ -196,6 +197,7 @@ def test_pack_int4_layout_by_hand():
 
 
 @pytest.mark.parametrize("n", [1, 6, 13])
+@pytest.mark.slow
 def test_pack_unpack_round_trip_against_python_loop(n):
     rng = np.random.default_rng(n)
     for signed, lo, hi in ((True, -8, 8), (False, 0, 16)):
@@ -214,6 +216,7 @@ def test_pack_unpack_round_trip_against_python_loop(n):
 # What `convert` produces.
 
 
+@pytest.mark.slow
 def test_convert_structure_dtypes_and_no_float_weight():
     model = {
         "emb": QuantEmbedding(init(lambda k: eqx.nn.Embedding(10, 6, key=k), 0)),
@@ -311,6 +314,7 @@ WEIGHT_QUANTIZERS = {
 
 
 @pytest.mark.parametrize("name", list(WEIGHT_QUANTIZERS))
+@pytest.mark.slow
 def test_stored_integers_are_those_of_the_fake_quant_forward(name):
     # an offset per column, so that asymmetric grids matter
     w = np.random.default_rng(3).normal(0, 1, (6, 8)).astype(np.float32) + np.linspace(-0.1, 0.6, 8, dtype=np.float32)
@@ -383,6 +387,7 @@ def reference_forward(layer, weight_quant, input_quant, x) -> np.ndarray:
 
 
 @pytest.mark.parametrize("name", list(PARITY_CASES))
+@pytest.mark.slow
 def test_integer_forward_parity(name):
     make, weight_quant, method, input_bits, shape = PARITY_CASES[name]
     layer = init(make, len(name))
@@ -405,6 +410,7 @@ def test_integer_forward_parity(name):
     np.testing.assert_allclose(np.asarray(apply_batch(as_float, xs)), expected, rtol=0, atol=tolerance)
 
 
+@pytest.mark.slow
 def test_default_quantizers_integer_forward():
     """The default quantizers: 8 bits per output channel for the weight, 8 bits per tensor with a scale computed
     at every call for the input."""
@@ -426,6 +432,7 @@ def test_default_quantizers_integer_forward():
         assert_bitwise_equal(apply_batch(quant, xs), expected)
 
 
+@pytest.mark.slow
 def test_bias_is_added_to_the_rescaled_sum():
     """`y = (acc * s_w) * s_x + b`: the bias joins at full float32 precision, after the rescaling."""
     linear = init(lambda k: eqx.nn.Linear(2, 1, key=k), 0)
@@ -443,6 +450,7 @@ def test_bias_is_added_to_the_rescaled_sum():
     assert_bitwise_equal(apply(convert(quant), x), expected)
 
 
+@pytest.mark.slow
 def test_float_path_for_grouped_weights_and_per_channel_inputs():
     # Grouped weights of a linear layer take the integer path (tests/test_groups.py); a convolution's do not.
     linear = init(lambda k: eqx.nn.Linear(8, 6, key=k), 5)
@@ -468,6 +476,7 @@ def test_float_path_for_grouped_weights_and_per_channel_inputs():
         assert_bitwise_equal(expected, apply_batch(lambda x: reference(input_quant(x)), inputs))
 
 
+@pytest.mark.slow
 def test_int_forward_is_the_integer_product_not_the_float_one():
     """Without a bias the two forwards differ only by float rounding; the int one is the int64 reference exactly."""
     linear = init(lambda k: eqx.nn.Linear(64, 16, use_bias=False, key=k), 11)
@@ -491,6 +500,7 @@ def grads(model, x, c):
     return eqx.filter_grad(lambda mx: jnp.sum(mx[0](mx[1]) * c))((model, x))
 
 
+@pytest.mark.slow
 def test_int_matmul_gradients_equal_float_matmul_gradients():
     linear = init(lambda k: eqx.nn.Linear(8, 6, key=k), 21)
     conv = init(lambda k: eqx.nn.Conv2d(2, 3, 3, stride=2, padding=1, key=k), 22)
@@ -564,6 +574,7 @@ def _batched_loss(model, xs, c):
     return jnp.sum(jax.vmap(model)(xs) * c)
 
 
+@pytest.mark.slow
 def test_batched_int_path_gradients_equal_fake_quant_gradients_and_sum_over_the_batch():
     """Under `jax.vmap` (how models see batches) the integer forward's gradients are the float formulation's, and the
     weight's gradient is one product over the batch: no per-example `(batch, out, in)` array anywhere."""
@@ -592,6 +603,7 @@ def test_batched_int_path_gradients_equal_fake_quant_gradients_and_sum_over_the_
     assert "tensor<6x16xi32>" in program and "tensor<16x6xi32>" not in program
 
 
+@pytest.mark.slow
 def test_qat_training_loop_traces_once():
     mlp = init(lambda k: eqx.nn.MLP(8, 3, 8, 1, activation=jax.nn.relu, key=k), 43)
     model = eqx_quant.quantize(
@@ -627,6 +639,7 @@ def test_safe_contraction():
         assert k * w_bound * x_bound <= INT32_MAX < (k + 1) * w_bound * x_bound
 
 
+@pytest.mark.slow
 def test_int8_contraction_longer_than_the_bound_is_chunked():
     """K = 131072 products of -128 * -128 sum to 2**31: one past the int32 range."""
     k = 131072
@@ -666,6 +679,7 @@ def sixteen_bit_case(symmetric: bool):
     return linear, quant, x, w_int, x_int, sw, sx
 
 
+@pytest.mark.slow
 def test_16_bit_contraction_is_chunked_exactly():
     linear, quant, x, w_int, x_int, sw, sx = sixteen_bit_case(symmetric=True)
     bound = safe_contraction(32768, 32768)
@@ -684,6 +698,7 @@ def test_16_bit_contraction_is_chunked_exactly():
     assert np.all(np.abs(expected - np_rescale(exact, sw, sx, bias)) <= error)
 
 
+@pytest.mark.slow
 def test_16_bit_asymmetric_contraction_does_not_wrap():
     """Both operands asymmetric on 16 bits: shifted integers up to 65535, so a single product exceeds int32."""
     linear, quant, x, w_int, x_int, sw, sx = sixteen_bit_case(symmetric=False)
@@ -752,6 +767,7 @@ def demo_models(digits):
     return model, out
 
 
+@pytest.mark.slow
 def test_save_load_round_trip_and_file_sizes(demo_models, tmp_path):
     float_model, by_bits = demo_models
     float_path = tmp_path / "float.eqx"
@@ -782,6 +798,7 @@ def test_save_load_round_trip_and_file_sizes(demo_models, tmp_path):
         assert ratio <= limits[bits]
 
 
+@pytest.mark.slow
 def test_demo_convnet_converted_parity(demo_models, digits):
     _, _, x_test, _ = digits
     _, by_bits = demo_models
@@ -886,6 +903,7 @@ def test_export_needs_an_integer_layer(tmp_path):
     assert not (tmp_path / "a.safetensors").exists() and not (tmp_path / "b.safetensors").exists()
 
 
+@pytest.mark.slow
 def test_load_restores_static_quantizers_and_rejects_foreign_files(tmp_path):
     # Calibrated input scales are static configuration, not arrays: `save` records them, `load` puts them back
     # even when `like` was calibrated on other data.
@@ -925,6 +943,7 @@ def test_convert_drops_a_weight_quantizers_axis_name(named, plain):
     assert_bitwise_equal(converted(x), expected(x))
 
 
+@pytest.mark.slow
 def test_integer_forward_keeps_no_copies_of_the_operands_for_the_backward():
     """The backward pass multiplies with the fake-quantized operands, but computes them again from the float
     operands: what `jax.vjp` keeps is the float model's residuals and the weights (for the straight-through masks),

@@ -20,6 +20,7 @@ def _percent(fraction):
     return f"{100 * fraction:.2f}%"
 
 
+@pytest.mark.slow
 def test_quick_run_writes_results_and_plot(tmp_path, capsys):
     # optax's Adam mixes its int32 step count with Python floats, which strict promotion (set in conftest.py) rejects.
     with jax.numpy_dtype_promotion("standard"):
@@ -101,6 +102,7 @@ def test_quick_run_writes_results_and_plot(tmp_path, capsys):
     assert (width, height) == (720, 504)  # 6.0 x 4.2 inches at 120 dpi
 
 
+@pytest.mark.slow
 def test_help_exits_cleanly():
     result = subprocess.run(
         [sys.executable, "examples/qat_demo.py", "--help"], cwd=REPO, capture_output=True, text=True, timeout=300

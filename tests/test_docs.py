@@ -118,6 +118,7 @@ def _run_file(path: pathlib.Path) -> None:
 
 
 @pytest.mark.parametrize("path", _FILES_WITH_CODE, ids=_doc_id)
+@pytest.mark.slow
 def test_code_blocks_run(path: pathlib.Path) -> None:
     _run_file(path)
 
@@ -237,6 +238,7 @@ def test_docstrings_with_examples_found() -> None:
 
 
 @pytest.mark.parametrize("name", sorted(_DOCSTRINGS))
+@pytest.mark.slow
 def test_docstring_examples_run(name: str, tmp_path: pathlib.Path) -> None:
     # The examples in the docstrings are shown in the API reference, so they run like the pages' code blocks.
     page = tmp_path / f"{name}.md"
@@ -244,6 +246,7 @@ def test_docstring_examples_run(name: str, tmp_path: pathlib.Path) -> None:
     _run_file(page)
 
 
+@pytest.mark.slow
 def test_built_site_renders_every_public_name(tmp_path: pathlib.Path) -> None:
     """`mkdocs build --strict` succeeds and the API pages it writes hold an entry (an anchor with the name's full
     path, which mkdocstrings gives every object it renders) for every public name; the pages have their titles and

@@ -68,6 +68,7 @@ def same_bits_or_both_nan(a, b):
 # Zero and tiny inputs through the integer forward.
 
 
+@pytest.mark.slow
 def test_zero_input_gives_the_bias_on_every_path():
     layer = linear()
     for name, y in all_paths(layer, jnp.zeros(6)).items():
@@ -131,6 +132,7 @@ def test_nan_input_makes_every_linear_output_nan():
 
 
 @pytest.mark.parametrize("groups, stride", [(1, 1), (2, 2), (4, 1)])
+@pytest.mark.slow
 def test_nan_input_makes_nan_the_conv_outputs_whose_window_covers_it(groups, stride):
     c = conv(groups, stride)
     x = np.array(jax.random.normal(jax.random.key(2), (4, 6, 6)))
@@ -261,6 +263,7 @@ def test_clip_passthrough_checks_bounds_before_the_cast():
     np.testing.assert_array_equal(np.asarray(eqx_quant.clip_passthrough(x, 2**40, 2**41)), np.full(3, np.inf))
 
 
+@pytest.mark.slow
 def test_argument_errors_without_the_jaxtyping_hook():
     # Users run without the import hook that this suite runs under, which would answer many bad arguments with
     # beartype's error before the library's own: `tests/unhooked/check_errors.py` checks the library's messages.
@@ -327,6 +330,7 @@ def _quantizer_cases(draw):
 
 @settings(max_examples=10, deadline=None, derandomize=True)
 @given(_quantizer_cases())
+@pytest.mark.slow
 def test_property_paths_agree_and_keep_finite_and_nan_data(case):
     dtype, rows, cols, bits, signed, symmetric, granularity, log_scale, seed, with_nan = case
     rng = np.random.default_rng(seed)
@@ -362,6 +366,7 @@ def test_property_paths_agree_and_keep_finite_and_nan_data(case):
 # Found by reading the contract page against the code.
 
 
+@pytest.mark.slow
 def test_layer_without_outputs_works_on_every_path():
     layer = eqx.nn.Linear(3, 0, key=jax.random.key(0))
     for name, y in all_paths(layer, jnp.ones(3)).items():

@@ -222,6 +222,7 @@ def test_per_channel_matches_a_per_slice_loop():
     "x_shape, scale_shape",
     [((6,), ()), ((3, 5), (3, 1)), ((3, 5), (5,)), ((2, 3, 4), (1, 3, 1)), ((2, 3, 4), (2, 3, 2, 2))],
 )
+@pytest.mark.slow
 def test_scale_and_zero_point_gradients_against_numpy(x_shape, scale_shape):
     rng = np.random.default_rng(3)
     if len(scale_shape) == 4:  # per-group: the last axis split into groups of two
@@ -291,6 +292,7 @@ def _near_ties(scale, qmin, qmax, n=400):
 
 
 @pytest.mark.parametrize("scale", [0.1, 0.3, 1 / 3, 0.0123, 0.5])
+@pytest.mark.slow
 def test_paths_agree_bitwise(scale):
     x = jnp.asarray(_near_ties(scale, -128, 127))
     reference = fake_quant(x, scale, -128, 127)
@@ -370,6 +372,7 @@ def _cases(draw):
 
 @settings(max_examples=60, deadline=None, derandomize=True)
 @given(_cases())
+@pytest.mark.slow
 def test_property_values_and_gradients_match_numpy(case):
     x, cot, scale, qmin, qmax = case
     s = jnp.asarray(scale, jnp.float32)

@@ -177,6 +177,7 @@ def test_fake_quant_float_random_million(rng):
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.slow
 def test_fake_quant_float_edges_eager_jit_vmap(name):
     e = edges(name)
     e = np.concatenate([e, np.zeros((-len(e)) % 4, F32)])
@@ -309,6 +310,7 @@ def _mx_data(rng, rows, cols, block_size=32):
     return x.reshape(rows, cols)
 
 
+@pytest.mark.slow
 def test_mx_random_million(rng):
     x = _mx_data(rng, 1024, 1024)
     outs = _mx_jit(jnp.asarray(x))
@@ -319,6 +321,7 @@ def test_mx_random_million(rng):
             i += 1
 
 
+@pytest.mark.slow
 def test_mx_edges_eager_jit_vmap(rng):
     # Each format's edges, scaled by powers of two into blocks of 32 (so each block's scale differs), plus the
     # random blocks; along axis 0 for the eager call.
@@ -362,6 +365,7 @@ def test_mx_hand_values():
     np.testing.assert_array_equal(mx_fake_quant(jnp.array([1000.0, 3.0]), "mxfp8_e4m3", block_size=2), [896, 3])
 
 
+@pytest.mark.slow
 def test_mx_special_blocks():
     nan, inf = np.nan, np.inf
     x = jnp.array([0.0, -0.0, 0.0, 0.0, 1.0, nan, 2.0, 3.0, -inf, 1.0, 1.0, 1.0, 1.0, 2.0, 3.0, 4.0])
@@ -473,6 +477,7 @@ def test_nvfp4_random_million(rng):
     assert_same(_nvfp4_rows(jnp.asarray(x)), ref_nvfp4(x))
 
 
+@pytest.mark.slow
 def test_nvfp4_edges_eager_jit_vmap(rng):
     x = _nvfp4_data(rng, 6, 64)
     e = edges("float4_e2m1fn")

@@ -116,6 +116,7 @@ def assert_dequantizes_to(tensor, want):
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.slow
 def test_codes_are_ml_dtypes_bit_patterns(name):
     # Every point of the grid (scale 1) and its negative: the stored codes are the patterns of an `ml_dtypes` cast,
     # and FP4 codes are packed two per byte, low nibble first.
@@ -140,6 +141,7 @@ def test_codes_are_ml_dtypes_bit_patterns(name):
 
 
 @pytest.mark.parametrize("name", list(DTYPES))
+@pytest.mark.slow
 def test_static_scales_bit_exact(name):
     x = data(1, (6, 32))
     rows = (0.5, 0.125, 3.0, 0.01, 1.0, 7.0)
@@ -159,6 +161,7 @@ def test_static_scales_bit_exact(name):
         np.testing.assert_array_equal(unpacked_codes(tensor), ml_codes(cast(v, name), name))
 
 
+@pytest.mark.slow
 def test_dynamic_scale_and_gradient():
     x = data(2, (4, 48), spread=20.0)
     for name in ("float8_e4m3fn", "float6_e2m3fn", "float4_e2m1fn"):
@@ -182,6 +185,7 @@ def test_dynamic_scale_and_gradient():
     np.testing.assert_array_equal(zero.dequantize(), np.zeros((2, 4)))
 
 
+@pytest.mark.slow
 def test_learned_scale_gradient_and_init():
     x = data(3, (3, 16))[1:]  # finite rows
     q = LearnedFloatFakeQuant.init_from(jnp.asarray(x), "float6_e3m2fn", axis=0)
@@ -212,6 +216,7 @@ def test_learned_scale_gradient_and_init():
     )
 
 
+@pytest.mark.slow
 def test_nan_and_half_precision():
     x = jnp.array([0.5, np.nan, -3.0, 100.0])
     # FP8 stores NaN as its NaN code; FP4 under a float scale has none, so `quantize` refuses it.
@@ -245,6 +250,7 @@ def mx_data(seed, rows, cols):
     return x
 
 
+@pytest.mark.slow
 def test_mx_bit_exact():
     x = mx_data(5, 4, 64)
     for fmt in MX:
@@ -276,6 +282,7 @@ def test_mx_bit_exact():
         assert_same(tensor.dequantize_row(i), want[i])
 
 
+@pytest.mark.slow
 def test_nvfp4_bit_exact():
     rng = np.random.default_rng(7)
     x = (data(7, (4, 64)) * np.exp2(rng.uniform(-12, 0, (4, 4, 1))).repeat(16, -1).reshape(4, 64)).astype(F32)
@@ -300,6 +307,7 @@ def test_nvfp4_bit_exact():
     assert tensor.scale.shape == (1, 1, 4) and tensor.values.shape == (16, 2)
 
 
+@pytest.mark.slow
 def test_jit_vmap_and_stacked_tensors():
     x = jnp.asarray(mx_data(8, 3, 64)[:, :64])
     quantizers = (
@@ -329,6 +337,7 @@ def test_jit_vmap_and_stacked_tensors():
         assert_same(rows[i], q(x[i]))
 
 
+@pytest.mark.slow
 def test_gradients_straight_through():
     x = jnp.array([[0.1, -0.7, 3.0, 7.0], [1.0, 2.0, -13.0, 0.25]])
     # FP4, scale 1: 7 and -13 saturate and pass nothing.
@@ -344,6 +353,7 @@ def test_gradients_straight_through():
     np.testing.assert_array_equal(grad, np.ones(16))
 
 
+@pytest.mark.slow
 def test_errors():
     x = jnp.ones((2, 32))
     for cls, args in ((LearnedFloatFakeQuant, ("float8_e4m3fn", 1.0)), (eqx_quant.LearnedFakeQuant, (1.0, -8, 7))):
@@ -427,6 +437,7 @@ def _batched(model, x):
 
 
 @pytest.mark.parametrize("conv", [False, True], ids=["mlp", "convnet"])
+@pytest.mark.slow
 def test_convert_bit_exact(conv):
     if conv:
         make = lambda key: eqx.nn.Sequential(  # noqa: E731
@@ -456,6 +467,7 @@ def test_convert_bit_exact(conv):
         assert_same(_batched(real, x), np.asarray(_batched(fake, x)))
 
 
+@pytest.mark.slow
 def test_convert_embedding_stacked_and_learned_inputs():
     # An embedding: its lookup dequantizes one row, bit for bit the fake-quantized table's.
     emb = init(lambda key: eqx.nn.Embedding(8, 32, key=key), 2)
@@ -517,6 +529,7 @@ def _mixed(seed, rule="floor", input_scale=0.02, fmt="mxfp4"):
     )
 
 
+@pytest.mark.slow
 def test_save_load_round_trip_and_checks(tmp_path):
     model = _mixed(0)
     path = tmp_path / "model.eqx"

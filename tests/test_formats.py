@@ -75,6 +75,7 @@ def test_format_errors():
 # The one fake-quant entry.
 
 
+@pytest.mark.slow
 def test_fake_quant_format_is_each_primitive():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(4, 32)).astype(F32) * 3)
@@ -109,6 +110,7 @@ def ref_mxint8(x, block):
     return (levels * np.ldexp(1.0, e)).astype(F32).reshape(x.shape), levels.reshape(x.shape)
 
 
+@pytest.mark.slow
 def test_mxint8_against_numpy():
     rng = np.random.default_rng(1)
     x = (rng.normal(size=(3, 64)) * np.exp2(rng.uniform(-6, 6, (3, 2, 1))).repeat(32, -1).reshape(3, 64)).astype(F32)
@@ -146,6 +148,7 @@ QUANTIZERS = {
 
 
 @pytest.mark.parametrize("name", list(QUANTIZERS))
+@pytest.mark.slow
 def test_one_stored_array_for_every_format(name, tmp_path):
     q = QUANTIZERS[name]
     w = jnp.asarray(np.random.default_rng(2).normal(size=(4, 32)).astype(F32))
@@ -170,6 +173,7 @@ def test_one_stored_array_for_every_format(name, tmp_path):
     assert_bitwise_equal(run(loaded, x), run(real, x))
 
 
+@pytest.mark.slow
 def test_groups_along_the_first_axis_against_numpy():
     w = np.random.default_rng(4).normal(size=(6, 5)).astype(F32)
     q = DynamicFakeQuant(4, group_size=3, group_axis=0)
@@ -185,6 +189,7 @@ def test_groups_along_the_first_axis_against_numpy():
 # Calibration of float-format inputs.
 
 
+@pytest.mark.slow
 def test_calibrate_fp8_inputs_gives_static_saturating_scales():
     mlp = init(lambda k: eqx.nn.MLP(8, 3, 16, 1, key=k), 5)
     rng = np.random.default_rng(6)
@@ -265,6 +270,7 @@ def _fp4_rows(cols):
         (eqx_quant.NVFP4FakeQuant(), 16, None),
     ],
 )
+@pytest.mark.slow
 def test_gptq_on_float_grids_beats_round_to_nearest(quantizer, group, scales_of):
     rng = np.random.default_rng(7)
     w = rng.normal(size=(8, 64)).astype(F32)
@@ -296,6 +302,7 @@ def test_gptq_on_float_grids_beats_round_to_nearest(quantizer, group, scales_of)
 
 
 @pytest.mark.parametrize("weights", ["mxfp4", "nvfp4", "fp8"])
+@pytest.mark.slow
 def test_gptq_on_a_model_with_float_weights_converts_bit_for_bit(weights):
     make = {
         "mxfp4": lambda: eqx_quant.MXFakeQuant("mxfp4"),
@@ -326,6 +333,7 @@ def test_gptq_on_a_model_with_float_weights_converts_bit_for_bit(weights):
 # Learned and static block scales.
 
 
+@pytest.mark.slow
 def test_learned_block_scales_start_at_the_dynamic_ones_and_train():
     w = jnp.asarray(np.random.default_rng(10).normal(size=(4, 32)).astype(F32))
     for fmt, group in (("mxfp4", 32), ("nvfp4", 16), ("mxint8", 32)):

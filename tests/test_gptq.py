@@ -77,6 +77,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.slow
 def test_matches_the_numpy_twin_in_float64(case):
     rng = np.random.default_rng(0)
     w = rng.normal(size=(6, 32))
@@ -97,6 +98,7 @@ def test_matches_the_numpy_twin_in_float64(case):
     assert np.any(levels != numpy_rtn(w, -8, 7, case["group_size"])[0])
 
 
+@pytest.mark.slow
 def test_float32_agrees_with_the_twin_up_to_ties():
     rng = np.random.default_rng(2)
     w = rng.normal(size=(16, 64)).astype(np.float32)
@@ -116,6 +118,7 @@ def test_float32_agrees_with_the_twin_up_to_ties():
     "kwargs",
     [dict(group_size=None), dict(group_size=4, block_size=6), dict(group_size=4, act_order=True, block_size=5)],
 )
+@pytest.mark.slow
 def test_diagonal_hessian_is_round_to_nearest(kwargs):
     # With a diagonal Hessian, U is diagonal: no error reaches another column, and every column is rounded alone.
     rng = np.random.default_rng(4)
@@ -133,6 +136,7 @@ def test_diagonal_hessian_is_round_to_nearest(kwargs):
 
 
 @pytest.mark.parametrize("bits, group_size", [(3, None), (4, None), (3, 8), (4, 8)])
+@pytest.mark.slow
 def test_lower_output_error_than_round_to_nearest(bits, group_size):
     qmin, qmax = eqx_quant.int_range(bits)
     rng = np.random.default_rng(5)
@@ -153,6 +157,7 @@ def test_lower_output_error_than_round_to_nearest(bits, group_size):
 @pytest.mark.parametrize(
     "kwargs", [dict(group_size=4, block_size=6), dict(group_size=None, act_order=True, block_size=5)]
 )
+@pytest.mark.slow
 def test_jit_and_vmap_over_a_stack_equal_per_layer_calls(kwargs):
     rng = np.random.default_rng(7)
     w = jnp.asarray(rng.normal(size=(2, 4, 16)).astype(np.float32))
@@ -227,6 +232,7 @@ def hessians_by_hand(model, tokens):
     return grams
 
 
+@pytest.mark.slow
 def test_gptq_on_a_scanned_model_uses_exactly_the_gptq_integers():
     model = Stacked(jax.random.key(10))
     qmodel = eqx_quant.quantize(model, weights=DynamicFakeQuant(3, group_size=8), activations=None)
@@ -257,6 +263,7 @@ def test_gptq_on_a_scanned_model_uses_exactly_the_gptq_integers():
     assert err(quantized) < err(qmodel)
 
 
+@pytest.mark.slow
 def test_gptq_on_an_mlp_gives_static_quantizers_and_checks_its_layers():
     mlp = eqx.nn.MLP(16, 4, 16, 1, key=jax.random.key(12))
     x = jnp.asarray(correlated_inputs(jax.random.key(13), 16, 64).astype(np.float32))

@@ -46,6 +46,7 @@ def test_layout_shapes_by_hand():
         Layout.of((1, 1))
 
 
+@pytest.mark.slow
 def test_dynamic_scales_per_group_and_per_axes_match_numpy():
     x = np.asarray(jax.random.normal(jax.random.key(0), (3, 4, 8)), F32) * F32(3)
     # Groups of 4 along the last axis: one scale per (i, j, group).
@@ -60,6 +61,7 @@ def test_dynamic_scales_per_group_and_per_axes_match_numpy():
 
 
 @pytest.mark.parametrize("method", ["absmax", "minmax"])
+@pytest.mark.slow
 def test_calibrated_per_group_scales_are_those_of_each_group(method):
     w = np.asarray(jax.random.normal(jax.random.key(1), (4, 12)), F32)
     q = FakeQuant.calibrate(w, 4, group_size=4, method=method)
@@ -73,6 +75,7 @@ def test_calibrated_per_group_scales_are_those_of_each_group(method):
     assert_bitwise_equal(q(jnp.asarray(w)), expected)
 
 
+@pytest.mark.slow
 def test_learned_per_group_step_sizes_and_lsq_gradient():
     w = np.asarray(jax.random.normal(jax.random.key(2), (3, 8)), F32)
     q = LearnedFakeQuant.init_from(w, 4, group_size=4)
@@ -120,6 +123,7 @@ def batch(model, xs):
     return jax.vmap(model)(xs)
 
 
+@pytest.mark.slow
 def test_grouped_weights_run_the_integer_path_bit_for_bit(grouped_models):
     linear, models = grouped_models
     xs = jax.random.normal(jax.random.key(5), (3, 16))
@@ -152,6 +156,7 @@ def test_grouped_integer_path_gradients_equal_the_float_product_gradients(groupe
     assert np.abs(np.asarray(a.weight_quant.scale)).sum() > 0
 
 
+@pytest.mark.slow
 def test_static_per_group_quantizer_saves_and_loads(grouped_models, tmp_path):
     _, models = grouped_models
     converted = eqx_quant.convert(eqx_quant.calibrate(models["static"], [jnp.ones((2, 16))]))
@@ -167,6 +172,7 @@ def test_static_per_group_quantizer_saves_and_loads(grouped_models, tmp_path):
     assert eqx_quant.load(path, model).weight_quant == q
 
 
+@pytest.mark.slow
 def test_quantize_gives_the_integers_of_the_forward_pass():
     x = np.asarray(jax.random.normal(jax.random.key(7), (4, 8)), F32)
     cases = [
@@ -184,6 +190,7 @@ def test_quantize_gives_the_integers_of_the_forward_pass():
 
 
 @pytest.mark.parametrize("padding", ["SAME", "VALID", "SAME_LOWER"])
+@pytest.mark.slow
 def test_string_padding_runs_the_integer_convolution(padding):
     conv = eqx.nn.Conv2d(3, 4, 3, stride=2, padding=padding, key=jax.random.key(8))
     model = eqx_quant.quantize(conv)

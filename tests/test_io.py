@@ -127,6 +127,7 @@ def test_more_data_than_like_reads(model, tmp_path):
         (DynamicFakeQuant(4, group_size=2), DynamicFakeQuant(4, axis=0), ("layout=[[], 2, 0]", "layout=[[0], None, 0]")),
     ],
 )  # fmt: skip
+@pytest.mark.slow
 def test_another_grid_is_refused(saved, like, differing, tmp_path):
     path = tmp_path / "model.eqx"
     eqx_quant.save(path, converted(saved))

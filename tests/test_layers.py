@@ -67,6 +67,7 @@ def x5():
 # QuantLinear.
 
 
+@pytest.mark.slow
 def test_quant_linear_defaults_against_numpy(linear, x5):
     qlinear = QuantLinear(linear)
     assert qlinear.layer is linear
@@ -119,6 +120,7 @@ def test_quant_linear_none_quantizers(linear, x5):
     assert neither.quantized_layer() is linear
 
 
+@pytest.mark.slow
 def test_quant_linear_scalar_features():
     to_vector = eqx.nn.Linear("scalar", 3, key=jax.random.key(12))
     to_scalar = eqx.nn.Linear(3, "scalar", key=jax.random.key(13))
@@ -167,6 +169,7 @@ CONVS = {
 
 
 @pytest.mark.parametrize("name", sorted(CONVS))
+@pytest.mark.slow
 def test_quant_conv_equals_conv_on_quantized_operands(name):
     make, in_shape, out_shape = CONVS[name]
     conv = make(jax.random.key(20))
@@ -195,6 +198,7 @@ def test_quant_conv_equals_conv_on_quantized_operands(name):
     assert not np.allclose(out, float_out, rtol=1e-3, atol=0)
 
 
+@pytest.mark.slow
 def test_quant_conv_static_input_quantizer_unsigned():
     conv = eqx.nn.Conv1d(2, 3, 2, dilation=2, use_bias=False, key=jax.random.key(22))
     x = jnp.array([[0.1, -0.6, 1.3, 2.9], [0.7, 0.05, -1.0, 0.26]])
@@ -292,6 +296,7 @@ def test_gradients_reach_the_float_weight_through_the_ste(linear, x5):
     assert np.all(np.asarray(grads.layer.weight)[~inside] == 0)
 
 
+@pytest.mark.slow
 def test_conv_gradient_through_the_ste():
     conv = eqx.nn.Conv1d(2, 3, 3, padding=1, key=jax.random.key(50))
     x = jax.random.normal(jax.random.key(51), (2, 6))

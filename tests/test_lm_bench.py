@@ -44,6 +44,7 @@ def _params_by_hand(vocab: int, dim: int, depth: int) -> int:
     return vocab * dim + depth * block + 2 * dim
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_plausible_results(smoke):
     root, first, second, lines = smoke
     preset = lm.PRESETS["smoke"]
@@ -186,6 +187,7 @@ def test_excerpt_is_the_smoke_presets_corpus():
         lm_data.load_excerpt(expected_sha256="0" * 64)
 
 
+@pytest.mark.slow
 def test_cached_greedy_decoding_equals_full_recomputation(smoke):
     root, _, _, _ = smoke
     preset = lm.PRESETS["smoke"]

@@ -63,6 +63,7 @@ def images():
     return [(jax.random.normal(k, (8, 1, 8, 8)), jax.random.randint(k, (8,), 0, 5)) for k in keys]
 
 
+@pytest.mark.slow
 def test_vit(images):
     model = ViT(jax.random.key(1))
     qmodel = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8_attn"))
@@ -85,6 +86,7 @@ def lm_loss(model, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
+@pytest.mark.slow
 def test_decoder_language_model():
     model = DecoderLM(jax.random.key(2))
     batches = [jax.random.randint(k, (4, 6), 0, 13) for k in jax.random.split(jax.random.key(3), 2)]
@@ -104,6 +106,7 @@ def test_decoder_language_model():
     assert integer_products(jaxpr.jaxpr) == 5 + 2 * 3
 
 
+@pytest.mark.slow
 def test_mobilenet(images):
     model = MobileNet(jax.random.key(4))
     qmodel = eqx_quant.calibrate(eqx_quant.quantize(model, **eqx_quant.recipe("w8a8")), [x for x, _ in images])

@@ -71,6 +71,7 @@ UNPACK = {2: unpack_int2, 3: unpack_int3, 4: unpack_int4}
 # Layouts.
 
 
+@pytest.mark.slow
 def test_layouts_by_hand():
     # 2 bits, element 4i + j in bits 2j, 2j + 1: 1 -> 01, -2 -> 10, 0 -> 00, -1 -> 11 = 0b11_00_10_01 = 0xC9; then
     # 1 -> 0x01 beside three zero pads.
@@ -100,6 +101,7 @@ def test_layouts_by_hand():
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.slow
 def test_round_trip_against_python_loop(bits):
     rng = np.random.default_rng(bits)
     half = 1 << (bits - 1)
@@ -146,6 +148,7 @@ def test_out_of_range_values_are_refused(bits, bad):
         pack_bits(values, bits)
 
 
+@pytest.mark.slow
 def test_bad_widths_and_lengths_are_refused():
     values = jnp.zeros((2, 5), jnp.int8)
     for bits in (1, 5, 8):
@@ -191,6 +194,7 @@ def small_model():
 
 
 @pytest.mark.parametrize("bits", [2, 3])
+@pytest.mark.slow
 def test_converted_model_stores_weights_at_their_width(bits, tmp_path):
     float_model = small_model()
     fake = eqx_quant.quantize(float_model, weights=DynamicFakeQuant(bits, axis=0))
@@ -235,6 +239,7 @@ def test_converted_model_stores_weights_at_their_width(bits, tmp_path):
         assert_trees_equal(eqx_quant.load(path, zeros_like_tree(converted)), converted)
 
 
+@pytest.mark.slow
 def test_narrower_weights_make_smaller_files(tmp_path):
     float_model = small_model()
     sizes = {}

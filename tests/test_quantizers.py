@@ -132,6 +132,7 @@ def _example_quantizers():
 
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
 @pytest.mark.parametrize("name", ["FakeQuant", "PassthroughClip", "DynamicFakeQuant", "LearnedFakeQuant"])
+@pytest.mark.slow
 def test_half_precision_keeps_its_dtype(name, dtype):
     x_np = np.linspace(-3, 3, 24).reshape(2, 3, 4).astype(dtype)
     x = jnp.asarray(x_np)
@@ -200,6 +201,7 @@ def test_fake_quant_is_static_and_gets_no_gradient():
 
 
 @pytest.mark.parametrize("axis", [0, 2, -1, -3])
+@pytest.mark.slow
 def test_fake_quant_per_channel_matches_a_per_slice_loop(axis):
     rng = np.random.default_rng(0)
     x_np = rng.normal(size=(2, 3, 4)).astype(np.float32) * 3
@@ -316,6 +318,7 @@ _SMALL = float(np.float32(2.0**-10))
     ),
     bits=st.sampled_from([2, 4, 8, 16]),
 )
+@pytest.mark.slow
 def test_calibrate_absmax_property(x, bits):
     q = FakeQuant.calibrate(x, bits)
     _check_absmax(q, x)
@@ -342,6 +345,7 @@ def _check_minmax(q, x_slice, zero_point, scale):
     bits=st.sampled_from([4, 8]),
     signed=st.booleans(),
 )
+@pytest.mark.slow
 def test_calibrate_minmax_property(x, shift, bits, signed):
     x = np.append(x + np.float32(shift), np.float32(0)).astype(np.float32)
     q = FakeQuant.calibrate(x, bits, signed=signed, method="minmax")
@@ -406,6 +410,7 @@ def _brute_force_mse(x, qmin, qmax, num_candidates):
 
 
 @pytest.mark.parametrize("bits, num_candidates", [(3, 7), (4, 50)])
+@pytest.mark.slow
 def test_calibrate_mse_against_a_brute_force_search(bits, num_candidates):
     rng = np.random.default_rng(3)
     x = rng.normal(size=(3, 200)).astype(np.float32)
@@ -426,6 +431,7 @@ def test_calibrate_mse_against_a_brute_force_search(bits, num_candidates):
 
 
 @pytest.mark.parametrize("method, axis", [("absmax", 1), ("minmax", -2), ("percentile", -2), ("mse", 1)])
+@pytest.mark.slow
 def test_calibrate_per_channel_equals_per_slice(method, axis):
     rng = np.random.default_rng(4)
     x = (rng.normal(size=(2, 5, 33)) * _f32([0.1, 1.0, 3.0, 30.0, 0.001])[:, None]).astype(np.float32)
@@ -444,6 +450,7 @@ def test_calibrate_per_channel_equals_per_slice(method, axis):
 
 
 @pytest.mark.parametrize("method", ["absmax", "minmax", "percentile", "mse"])
+@pytest.mark.slow
 def test_calibrate_all_zero_and_non_finite(method):
     # An all-zero tensor, and an all-zero channel, quantize to exact zeros with finite gradients.
     q = FakeQuant.calibrate(jnp.zeros((2, 4)), 8, method=method)
@@ -563,6 +570,7 @@ def _per_slice_loop(per_tensor, x, cot, axis):
 
 
 @pytest.mark.parametrize("axis, symmetric", [(0, True), (-1, False), (1, True)])
+@pytest.mark.slow
 def test_dynamic_per_channel_matches_a_per_slice_loop(axis, symmetric):
     rng = np.random.default_rng(7)
     x_np = (rng.normal(size=(3, 4, 5)) * rng.uniform(0.1, 10, size=(1, 4, 1)) + 0.5).astype(np.float32)
@@ -584,6 +592,7 @@ def test_dynamic_per_channel_matches_a_per_slice_loop(axis, symmetric):
     "shape, group_size, axis, symmetric",
     [((3, 8), 4, None, True), ((2, 3, 8), 4, 0, True), ((3, 8), 4, -2, False), ((8,), 4, None, False)],
 )
+@pytest.mark.slow
 def test_dynamic_per_group_matches_a_per_slice_loop(shape, group_size, axis, symmetric):
     rng = np.random.default_rng(8)
     x_np = (rng.normal(size=shape) * rng.uniform(0.01, 10, size=shape[:-1] + (1,))).astype(np.float32) + 0.25
@@ -634,6 +643,7 @@ def _check_extremes(rows, scales, zero_points, grads, qmin, qmax, symmetric):
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.slow
 def test_dynamic_extremes_inside_in_eager_jit_and_vmap(symmetric):
     # Many rows at once: eagerly, under jax.jit and under jax.vmap, every row's extremes land inside the range with
     # gradient 1; and all of these agree bit for bit.
@@ -664,6 +674,7 @@ def test_dynamic_extremes_inside_in_eager_jit_and_vmap(symmetric):
             assert_bitwise_equal(a, b if name == "vmap" else b[sample])
 
 
+@pytest.mark.slow
 def test_calibrated_minmax_keeps_its_gradients_under_jit():
     # A quantizer calibrated eagerly keeps gradient 1 at every channel's extremes whether the training step is
     # jitted or not, and both give the same gradients.
@@ -721,6 +732,7 @@ def test_dynamic_asymmetric_with_a_tiny_extreme(lo, hi):
         (DynamicFakeQuant(4, group_size=2), (0, slice(2, 4))),
     ],
 )
+@pytest.mark.slow
 def test_dynamic_all_zero_tensor_channel_and_group(q, zero_slice):
     shape = (2, 6)
     x_np = np.random.default_rng(11).normal(size=shape).astype(np.float32)
@@ -817,6 +829,7 @@ def test_learned_init_from(bits, signed, narrow):
     np.testing.assert_allclose(q.scale, expected, rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_learned_init_from_all_zero():
     x = jnp.zeros((2, 3))
     for q in (
@@ -921,6 +934,7 @@ def _unrolled_layers(layers, x):
     return x, jnp.stack(ys)
 
 
+@pytest.mark.slow
 def test_scan_and_vmap_over_stacked_learned_quantizers():
     rng = np.random.default_rng(17)
     symmetric = [LearnedFakeQuant(jnp.array(s, jnp.float32), -8, 7) for s in (0.1, 0.25, 0.05)]
@@ -1141,6 +1155,7 @@ def test_unbound_axis_name_is_a_value_error(q):
 
 
 @pytest.mark.parametrize("symmetric", [True, False])
+@pytest.mark.slow
 def test_dynamic_axis_name_under_vmap_uses_the_whole_batch(symmetric):
     rng = np.random.default_rng(40)
     x_np = (rng.normal(size=(4, 6)) * rng.uniform(0.1, 5.0, size=(4, 1))).astype(np.float32)  # rows of unlike sizes

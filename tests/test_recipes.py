@@ -46,6 +46,7 @@ def test_recipe_keeps_first_and_last_layers_at_8_bits(mlp):
         quantize(mlp, **recipe("w2a16_g32", keep="0"))
 
 
+@pytest.mark.slow
 def test_recipe_equals_the_same_quantizers_by_hand(mlp):
     x = jax.random.normal(jax.random.key(1), (4, 64))
     by_recipe = quantize(mlp, **recipe("w4a8_g32"))
@@ -54,6 +55,7 @@ def test_recipe_equals_the_same_quantizers_by_hand(mlp):
     assert_bitwise_equal(run(by_recipe, x), run(by_hand, x))
 
 
+@pytest.mark.slow
 def test_learned_recipe_initialises_from_each_weight(mlp):
     qmodel = quantize(mlp, **recipe("w4a8_g32", learned=True))
     layer = qmodel.layers[1]
@@ -113,6 +115,7 @@ def test_subclasses_that_override_call_are_not_silently_replaced():
     assert type(quantize(model, where=lambda path, layer: path != "double")["double"]) is Doubling
 
 
+@pytest.mark.slow
 def test_float_recipes_give_the_documented_quantizers_and_convert_exactly():
     # Inputs 32, 48, 24: blocks of 32 (MX) fit the first layer only, blocks of 16 (NVFP4) the first two; a layer they
     # do not fit falls back to FP8 E4M3 (weights per output channel, inputs per tensor).

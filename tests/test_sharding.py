@@ -11,6 +11,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
@@ -24,6 +26,7 @@ def _run(args: list[str], timeout: float) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_sharded_suite_on_eight_devices():
     result = _run(
         # `-n 0`: one process for the sharded tests, not pytest-xdist workers (this test's worker waits meanwhile)
@@ -38,6 +41,7 @@ def test_sharded_suite_on_eight_devices():
     assert int(match[1]) >= 20, report
 
 
+@pytest.mark.slow
 def test_sharded_example_runs():
     result = _run(["examples/sharded_qat.py", "--steps", "40"], timeout=300)
     out = result.stdout

@@ -81,6 +81,7 @@ def layer_inputs(model, tokens):
     return inputs
 
 
+@pytest.mark.slow
 def test_calibrate_scanned_blocks_per_layer(lm, token_batches):
     qmodel = quantize(lm, activations={r"blocks\.up": DynamicFakeQuant(8), r"blocks\.down": DynamicFakeQuant(8)})
     # Weight quantizers stay active while calibrating: the reference runs the same fake-quant weights with float
@@ -123,6 +124,7 @@ def test_calibrated_stack_matches_static_quantizers(lm, token_batches):
 
 # Grouped weights in a scanned model: tests/test_models.py (the decoder language model).
 @pytest.mark.parametrize("weights", [DynamicFakeQuant(8, axis=0), "learned"])
+@pytest.mark.slow
 def test_scanned_model_converts_bit_for_bit(lm, token_batches, weights):
     if weights == "learned":
         weights = lambda path, layer: LearnedFakeQuant.init_from(  # noqa: E731
@@ -146,6 +148,7 @@ def test_scanned_model_converts_bit_for_bit(lm, token_batches, weights):
     assert qmodel.blocks.up.weight.shape == (LAYERS, HIDDEN, D)
 
 
+@pytest.mark.slow
 def test_init_from_stacked_is_per_layer():
     w = jax.random.normal(jax.random.key(3), (LAYERS, 6, 8)) * jnp.arange(1.0, LAYERS + 1.0)[:, None, None]
     stacked = LearnedFakeQuant.init_from(w, 4, axis=0, stacked=1)
@@ -164,6 +167,7 @@ def test_init_from_stacked_is_per_layer():
         LearnedFakeQuant.init_from(w[0, 0], 4, stacked=2)
 
 
+@pytest.mark.slow
 def test_tied_embedding_gradients_and_conversion(lm, token_batches):
     qmodel = quantize(lm, weights=DynamicFakeQuant(4, axis=0))
     tokens = token_batches[0]
@@ -188,6 +192,7 @@ def test_tied_embedding_gradients_and_conversion(lm, token_batches):
     assert_bitwise_equal(run(converted, tokens), run(qmodel, tokens))
 
 
+@pytest.mark.slow
 def test_converted_stack_saves_and_loads(lm, token_batches, tmp_path):
     qmodel = calibrate(quantize(lm, weights=DynamicFakeQuant(4, group_size=4)), token_batches)
     converted = convert(qmodel)
@@ -216,6 +221,7 @@ class SharedLM(eqx.Module):
         return jax.vmap(head)(jax.vmap(embed)(tokens))
 
 
+@pytest.mark.slow
 def test_shared_tie_survives_quantize_training_and_convert(token_batches):
     model = SharedLM(jax.random.key(7))
     qmodel = quantize(model, weights=DynamicFakeQuant(8, axis=0), activations=None)

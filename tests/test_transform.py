@@ -159,6 +159,7 @@ def default_wrapper(layer):
 # quantize: which layers are swapped, by path.
 
 
+@pytest.mark.slow
 def test_quantize_nested_model(nested):
     calls = []
     qmodel = quantize(nested, where=record(calls, lambda path, layer: True))
@@ -183,6 +184,7 @@ def test_quantize_nested_model(nested):
     assert set(out) == {"key", "value"} and out["key"].shape == (3,)
 
 
+@pytest.mark.slow
 def test_quantize_small_convnet():
     model = ConvNet(jax.random.key(3))
     qmodel = quantize(model)
@@ -222,6 +224,7 @@ def test_quantize_sequential():
     assert leaves_identical(qseq, seq)
 
 
+@pytest.mark.slow
 def test_quantize_stacked_layers_under_scan():
     model = Stacked(jax.random.key(6))
     assert model.layers.weight.shape == (3, 4, 4)
@@ -384,6 +387,7 @@ def test_dequantize_returns_the_original_leaves(nested, mlp):
 # A short QAT run.
 
 
+@pytest.mark.slow
 def test_qat_run_decreases_the_loss_and_keeps_weights_on_the_grid():
     bits = 3
     x = jax.random.normal(jax.random.key(9), (64, 3))
@@ -461,6 +465,7 @@ def check_scale_near(scale, expected, *, exact: bool, qmax: int):
         np.testing.assert_allclose(scale, expected / qmax, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_calibrate_absmax(calibration_mlp, calibration_data):
     x, batches = calibration_data
     qmodel = quantize(calibration_mlp)
@@ -591,6 +596,7 @@ class VmappedMLP(eqx.Module):
         return jax.vmap(self.mlp)(x)
 
 
+@pytest.mark.slow
 def test_calibrate_sees_layers_inside_the_models_own_vmap(calibration_mlp, calibration_data):
     # Layers called inside the model's own vmap are observed like any other: the same statistics, and so the same
     # static quantizers, as calibrating the per-example model.

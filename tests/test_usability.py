@@ -24,6 +24,7 @@ run = eqx.filter_jit(lambda model, x: jax.vmap(model)(x))
 # Drop-in layers.
 
 
+@pytest.mark.slow
 def test_quantized_and_converted_layers_read_like_the_float_layer():
     linear = init(lambda k: eqx.nn.Linear(6, 4, key=k), 0)
     conv = init(lambda k: eqx.nn.Conv2d(2, 3, 3, stride=2, padding=1, key=k), 1)
@@ -102,6 +103,7 @@ def test_summary_counts_the_bytes_a_converted_model_stores():
 # Checkpoints that describe themselves.
 
 
+@pytest.mark.slow
 def test_load_into_the_float_model_rebuilds_the_saved_structure(tmp_path):
     vit = init(ViT, 8)
     images = jnp.asarray(np.random.default_rng(9).normal(size=(4, 1, 8, 8)).astype(np.float32))
@@ -150,6 +152,7 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     assert grouped.layers[0].weight_quant == DynamicFakeQuant(4, group_size=32)
 
 
+@pytest.mark.slow
 def test_calibration_data_with_nan_and_inf():
     mlp = init(lambda k: eqx.nn.MLP(4, 2, 8, 1, key=k), 12)
     qmodel = eqx_quant.quantize(mlp)
@@ -165,6 +168,7 @@ def test_calibration_data_with_nan_and_inf():
         eqx_quant.calibrate(qmodel, [jnp.full((4, 4), jnp.nan)])
 
 
+@pytest.mark.slow
 def test_progress_bars():
     mlp = init(lambda k: eqx.nn.MLP(8, 2, 8, 1, key=k), 14)
     batches = [jnp.asarray(np.random.default_rng(i).normal(size=(4, 8)).astype(np.float32)) for i in range(3)]
