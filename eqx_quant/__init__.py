@@ -24,6 +24,7 @@ from ._format import (
     int_range as int_range,
     mx_format as mx_format,
 )
+from ._gguf import export_gguf as export_gguf, load_gguf as load_gguf
 from ._gptq import gptq_quantize as gptq_quantize
 from ._gptq_model import gptq as gptq
 from ._layout import Layout as Layout

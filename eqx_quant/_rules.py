@@ -65,7 +65,9 @@ class LayerQuantizer:
         features, an embedding's features, a convolution's input channels for block formats), or per output channel
         when `group_size` is `None`. Where the tiles do not fit, an integer format falls back to one scale per output
         channel (so does every convolution with an integer format: its integer forward takes no groups), and a block
-        format (MX, NVFP4) to `float8_e4m3fn` per output channel.
+        format (MX, NVFP4) to `float8_e4m3fn` per output channel. A GGML format (`"q4_0"`, ...) tiles the last axis
+        of linear and embedding weights (the rows of a GGUF tensor); where its blocks do not fit, and for
+        convolutions, the weight stays float (the factory returns `None`).
     - Inputs (`input=True`): per tile along the contraction (block formats), else per tensor; where blocks do not
         fit, `float8_e4m3fn` per tensor.
     - `learned=True` makes a weight's quantizer a [`eqx_quant.LearnedFakeQuant`][] initialised from the weight by
@@ -81,11 +83,13 @@ class LayerQuantizer:
     learned: bool = False
     input: bool = False
 
-    def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer:
+    def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer | None:
         del path
         fmt, group = self.format, self.group_size
         blocks = fmt.scale != "float32"
         fits = group is not None and _tiles_fit(layer, group)
+        if fmt.scale == "float16" and (not fits or isinstance(layer, eqx.nn.Conv)):
+            return None  # GGML's blocks run along a tensor's rows: a layer they do not fit stays float, as in llama.cpp
         if blocks and not fits:
             fmt, group, blocks = _FP8, None, False
         if self.input:
