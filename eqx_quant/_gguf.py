@@ -1,25 +1,23 @@
 """GGUF, llama.cpp's file: writing a converted model's weights in their GGML types, and reading them back."""
 
 import os
-import re
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-import equinox as eqx
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jaxtyping import PyTree
 
+from ._export import LAYER, Names, is_tensor, named_leaves, resolve_names, split_stacked, stack_length
 from ._format import GGML_BLOCK, GGML_FORMATS, FloatFormat, Format, IntFormat, mx_format
 from ._layout import Layout
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer
 from ._serialise import write_replacing
-from ._tree import nodes, path_string
-from .nn._converted import AbstractConvertedLayer
+from ._tree import nodes
 from .nn._layers import AbstractQuantLayer
 
 
@@ -48,13 +46,6 @@ _NUMPY_VALUE_TYPES = {"uint8": _UINT8, "int8": _INT8, "uint16": _UINT16, "int16"
                       "int32": _INT32, "float32": _FLOAT32, "bool": _BOOL, "uint64": _UINT64, "int64": _INT64,
                       "float64": _FLOAT64}  # fmt: skip
 
-Names = Callable[[str], "str | None"] | Mapping[str, "str | None"] | None
-
-
-#
-# The tensors of a model, by name.
-#
-
 
 def _ggml_type(fmt: Format, layout: Layout, shape: tuple[int, ...]) -> int | None:
     """The GGML type that stores arrays of `fmt` and `layout` exactly, or `None`: blocks of 32 along the last axis
@@ -66,79 +57,6 @@ def _ggml_type(fmt: Format, layout: Layout, shape: tuple[int, ...]) -> int | Non
     if isinstance(fmt, FloatFormat) and fmt.element == "float4_e2m1fn" and fmt.scale == "e8m0":
         return _MXFP4
     return None
-
-
-def _layer_prefixes(model: PyTree) -> list[str]:
-    """The paths of the quantized and converted layers of `model` as prefixes of their tensors' paths (`""` for the
-    model itself), longest first."""
-    found = [path for path, _ in nodes(model, (AbstractQuantLayer, AbstractConvertedLayer))]
-    return [f"{path}." if path else "" for path in sorted(found, key=len, reverse=True)]
-
-
-def _tensor_name(path: str, prefixes: list[str]) -> str:
-    """The name of a leaf at `path`: its path, with a quantized or converted layer's float layer (`.layer`) left out
-    and its `qweight` called `weight`, so that a layer's tensors have the names of the float layer's."""
-    for prefix in prefixes:
-        if not path.startswith(prefix):
-            continue
-        inner = path[len(prefix) :]
-        if inner == "qweight":
-            return f"{prefix}weight"
-        if inner.startswith("layer."):
-            return prefix + inner.removeprefix("layer.")
-    return path
-
-
-def _is_node(node: Any) -> bool:
-    return isinstance(node, (QuantizedArray, AbstractQuantizer))
-
-
-def _leaves(model: PyTree) -> tuple[list[tuple[str, Any]], Any]:
-    """The leaves of `model` (quantized arrays and quantizers whole) with their tensor names, and its treedef."""
-    prefixes = _layer_prefixes(model)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=_is_node)
-    return [(_tensor_name(path_string(key), prefixes), leaf) for key, leaf in flat], treedef
-
-
-def _resolve(names: Names, paths: list[str], what: str) -> dict[str, str | None]:
-    """The file's name of each path (`None`: left out), from `names`; a mapping must name every path, and only them."""
-    if names is None:
-        return {path: path for path in paths}
-    if isinstance(names, Mapping):
-        missing = [p for p in paths if p not in names]
-        extra = [k for k in names if k not in paths]
-        if missing or extra:
-            raise ValueError(
-                f"`names` must map every tensor of `{what}` (None to leave one out) and nothing else: "
-                + (f"it misses {missing}" if missing else "")
-                + ("; " if missing and extra else "")
-                + (f"it names {extra}, which `{what}` does not have" if extra else "")
-                + f". The tensors are {paths}."
-            )
-        out = dict(names)
-    elif callable(names):
-        out = {path: names(path) for path in paths}
-    else:
-        raise TypeError(f"`names` must be a mapping, a function of the path, or None, got names={names!r}.")
-    for path, name in out.items():
-        if name is not None and not isinstance(name, str):
-            raise TypeError(f"`names` must give a string (or None) for each tensor, got {name!r} for {path!r}.")
-    return out  # pyright: ignore[reportReturnType]
-
-
-_LAYER = "{layer}"
-
-
-def _split(name: str, leaf: Any, path: str) -> list[tuple[str, Any]]:
-    """`[(name, leaf)]`, or with `{layer}` in the name, a tensor per index of the leaf's first (stacked) axis."""
-    if _LAYER not in name:
-        return [(name, leaf)]
-    if re.sub(r"\{layer\}", "", name).count("{") or isinstance(leaf, QuantizedArray) and leaf.stack_depth != 1:
-        depth = leaf.stack_depth if isinstance(leaf, QuantizedArray) else None
-        raise ValueError(f"The name {name!r} of {path!r} must hold `{_LAYER}` once, for one stacked axis (the "
-                         f"quantized array has {depth} stacked axes).")  # fmt: skip
-    count = leaf.scale.shape[0] if isinstance(leaf, QuantizedArray) else np.shape(leaf)[0]
-    return [(name.replace(_LAYER, str(i)), jax.tree.map(lambda a, i=i: a[i], leaf)) for i in range(count)]
 
 
 #
@@ -355,7 +273,7 @@ def export_gguf(
     for layer_path, _ in nodes(model, (AbstractQuantLayer,)):
         raise ValueError(f"Layer {layer_path or '(the model itself)'!r} is quantized but not converted: call "
                          "`eqx_quant.convert` on the model first.")  # fmt: skip
-    leaves, _ = _leaves(model)
+    leaves, _ = named_leaves(model)
     for name, leaf in leaves:
         if isinstance(leaf, AbstractQuantizer):
             raise ValueError(
@@ -363,7 +281,7 @@ def export_gguf(
                 "file holds weights only. Quantize with rules that leave inputs float (`input=None`, as the recipes "
                 "'q8_0', 'q4_0', 'q5_0' do)."
             )
-    arrays = [(name, leaf) for name, leaf in leaves if isinstance(leaf, QuantizedArray) or eqx.is_array(leaf)]
+    arrays = [(name, leaf) for name, leaf in leaves if is_tensor(leaf)]
     for name, leaf in arrays:
         if isinstance(leaf, QuantizedArray) and _ggml_type(leaf.format, leaf.layout, leaf.shape) is None:
             tile = leaf.layout.tile_axis(leaf.shape)
@@ -378,14 +296,14 @@ def export_gguf(
             jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.dtype.name in _INT_TYPES
         ):
             raise ValueError(f"{name!r} has dtype {leaf.dtype}, which GGUF does not store.")
-    mapped = _resolve(names, [name for name, _ in arrays], "model")
+    mapped = resolve_names(names, [name for name, _ in arrays], "model")
     tensors: list[tuple[str, int, tuple[int, ...], bytes]] = []
     seen: dict[str, str] = {}
     for where, leaf in arrays:
         name = mapped[where]
         if name is None:
             continue
-        for part, piece in _split(name, leaf, where):
+        for part, piece in split_stacked(name, leaf, where):
             if len(part.encode()) > _MAX_NAME:
                 raise ValueError(f"The tensor name {part!r} (of {where!r}) is longer than GGUF's {_MAX_NAME} bytes.")
             if part in seen:
@@ -558,22 +476,21 @@ def load_gguf(path: str | os.PathLike, like: PyTree, *, names: Names = None) -> 
         ```
     """
     reader = _Reader(path)
-    leaves, treedef = _leaves(like)
-    arrays = [name for name, leaf in leaves if isinstance(leaf, QuantizedArray) or eqx.is_array(leaf)]
-    mapped = _resolve(names, arrays, "like")
+    leaves, treedef = named_leaves(like)
+    arrays = [name for name, leaf in leaves if is_tensor(leaf)]
+    mapped = resolve_names(names, arrays, "like")
     new = []
     for name, leaf in leaves:
-        if not (isinstance(leaf, QuantizedArray) or eqx.is_array(leaf)) or mapped[name] is None:
+        if not is_tensor(leaf) or mapped[name] is None:
             new.append(leaf)
             continue
         target = mapped[name]
         assert target is not None
-        count = leaf.scale.shape[0] if isinstance(leaf, QuantizedArray) else np.shape(leaf)[0] if np.ndim(leaf) else 0
-        parts = [target.replace(_LAYER, str(i)) for i in range(count)] if _LAYER in target else [target]
+        parts = [target.replace(LAYER, str(i)) for i in range(stack_length(leaf))] if LAYER in target else [target]
         for part in parts:
             if part not in reader.tensors:
                 raise ValueError(f"{str(path)!r} has no tensor {part!r} (for {name!r} of `like`).")
-        if _LAYER in target:
+        if LAYER in target:
             piece = jax.tree.map(lambda a: a[0], leaf)
             read = [_read_one(reader, part, piece, name) for part in parts]
             new.append(jax.tree.map(lambda *a: jnp.stack(a), *read))
