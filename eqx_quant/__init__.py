@@ -4,6 +4,7 @@ from . import nn as nn
 from ._backward import QuantizedBackward as QuantizedBackward
 from ._calibrate import calibrate as calibrate
 from ._clip import clip_passthrough as clip_passthrough
+from ._compressed_tensors import export_compressed_tensors as export_compressed_tensors
 from ._convert import convert as convert
 from ._export import export_safetensors as export_safetensors
 from ._fake_quant import (
