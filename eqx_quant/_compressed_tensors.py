@@ -119,7 +119,7 @@ def _input_scheme(path: str, q: Any) -> tuple[dict[str, Any] | None, dict[str, n
         return _args(bits, "float", "group", group_size=size, dynamic=True, observer=None, scale_dtype=u8,  # pyright: ignore
                      zp_dtype=u8), {}  # fmt: skip
     if isinstance(q, FakeQuant) and kind in ("int", "float") and q.layout.is_per_tensor():
-        tensors = {"input_scale": np.asarray([q.scale], np.float32)}
+        tensors: dict[str, np.ndarray] = {"input_scale": np.asarray([q.scale], np.float32)}
         symmetric = q.zero_point == 0
         if not symmetric:
             tensors["input_zero_point"] = np.asarray([q.zero_point], np.int8)
@@ -161,7 +161,7 @@ def _weight_tensors(w: QuantizedArray, args: dict[str, Any], compression: str) -
         scale = scale.reshape(compact)
         zero_point = None if zero_point is None else zero_point.reshape(compact)
         if compression == "int-quantized":
-            out = {"weight": codes, "weight_scale": scale}
+            out: dict[str, np.ndarray] = {"weight": codes, "weight_scale": scale}
             if zero_point is not None:
                 out["weight_zero_point"] = zero_point
             return out
@@ -181,7 +181,7 @@ def _weight_tensors(w: QuantizedArray, args: dict[str, Any], compression: str) -
         return {"weight": codes, "weight_scale": scale}
     # FP4 codes, packed two a byte, element 2i in the low nibble: eqx_quant's own packing of a row
     scale = np.asarray(w.scale).reshape(*stack, *w.layout.scale_shape(w.shape)).astype(np.uint8)
-    out = {"weight_packed": np.asarray(w.values, np.uint8)}
+    out: dict[str, np.ndarray] = {"weight_packed": np.asarray(w.values, np.uint8)}
     if compression == "nvfp4-pack-quantized":
         out["weight_scale"] = scale.view(ml_dtypes.float8_e4m3fn)
         t = np.asarray(w.tensor_scale, np.float32).reshape(*stack, 1)
