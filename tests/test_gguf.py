@@ -359,3 +359,19 @@ def test_export_errors(tmp_path):
         eqx_quant.load_gguf(path, {"b": q4["a"]})
     with pytest.raises(ValueError, match="not a GGUF file"):
         eqx_quant.load_gguf(__file__, q4)
+
+
+def test_gptq_on_q4_0_exports_bit_for_bit(tmp_path):
+    # GPTQ on the Q4_0 grid: each block's `d` from the weight, as GPTQ fixes a group's scale; the levels chosen
+    # against the calibration data. The file holds exactly what the model computes with.
+    mlp = eqx.nn.MLP(64, 16, 64, 1, key=jax.random.key(0))
+    fake = eqx_quant.quantize(mlp, **eqx_quant.recipe("q4_0"))
+    x = jax.random.normal(jax.random.key(1), (64, 64))
+    converted = eqx_quant.convert(eqx_quant.gptq(fake, [x]))
+    eqx_quant.export_gguf(tmp_path / "g.gguf", converted)
+    tensors, _ = _read(tmp_path / "g.gguf")
+    assert_same_bits(tensors["layers.0.weight"][1], converted.layers[0].weight)
+    w = np.asarray(mlp.layers[0].weight)
+    rtn = np.asarray(fake.layers[0].weight_quant(mlp.layers[0].weight))
+    error = lambda q: np.sum((np.asarray(x) @ (w - q).T) ** 2)  # noqa: E731
+    assert error(np.asarray(converted.layers[0].weight)) < 0.8 * error(rtn)
