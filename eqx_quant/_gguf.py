@@ -26,7 +26,7 @@ _VERSION = 3
 _ALIGNMENT = 32  # GGUF's default, which a file need not state
 _MAX_NAME = 63  # GGML_MAX_NAME is 64 bytes with the terminating NUL
 
-# GGML's tensor types that eqx_quant writes and reads: (type id, elements per block, bytes per block)
+# GGML's tensor types that eqx_quant writes and reads (ids, names, bytes per block of 32, plain dtypes)
 _F32, _F16, _BF16 = 0, 1, 30
 _Q4_0, _Q5_0, _Q8_0, _MXFP4 = 2, 6, 8, 39
 _TYPE_NAMES = {_F32: "F32", _F16: "F16", _BF16: "BF16", _Q4_0: "Q4_0", _Q5_0: "Q5_0", _Q8_0: "Q8_0", _MXFP4: "MXFP4",
@@ -392,6 +392,8 @@ class _Reader:
 def _float_tensor(reader: _Reader, name: str, like: Any, path: str) -> np.ndarray:
     """The file's tensor `name`, as an array of `like`'s shape and dtype (a quantized tensor dequantized)."""
     ggml, shape, raw = reader.tensors[name]
+    if np.ndim(like) == 0 and tuple(shape) == (1,):  # a scalar: GGUF gives every tensor an axis
+        shape = ()
     if tuple(shape) != tuple(np.shape(like)):
         raise ValueError(f"{path!r} has shape {np.shape(like)} in `like`, but its tensor {name!r} in "
                          f"{reader.path!r} has shape {shape}.")  # fmt: skip
