@@ -269,7 +269,10 @@ def _check_scale(fmt: Format) -> None:
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class IntFormat(Format):
-    """Integers in `[qmin, qmax]`: see [`eqx_quant.int_format`][]."""
+    """Integers in `[qmin, qmax]`: see [`eqx_quant.int_format`][]. `scale` says how the scales are stored
+    (`"float32"`, `"e8m0"`, or `"float16"` for the GGML formats), `scale_rule` how E8M0 and float16 scales are chosen
+    from a block, and `rounding` how `x / scale` is rounded (`"half_even"`; GGML's `"half_away"` and
+    `"shifted_trunc"`, with float16 scales only)."""
 
     qmin: int
     qmax: int
