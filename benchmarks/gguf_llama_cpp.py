@@ -1,14 +1,16 @@
 """A llama-style decoder exported to GGUF with llama.cpp's names and metadata, run by llama.cpp, its logits compared
 with the converted model's.
 
-Run with `python benchmarks/gguf_llama_cpp.py [--recipe q4_0] [--out DIR]` where `llama_cpp` (the
+Run with `python benchmarks/gguf_llama_cpp.py [--recipe q4_0] [--only PATTERN] [--out DIR]` where `llama_cpp` (the
 `llama-cpp-python` package, which builds llama.cpp from source) is installed. A decoder of 2 blocks (width 64, 4
 heads, SwiGLU of 128, RMSNorm, rotary embeddings on adjacent pairs, as llama.cpp's `llama` architecture computes
 them; a vocabulary of 320 with byte tokens) is quantized with the recipe, converted and written with
-`eqx_quant.export_gguf`. llama.cpp loads the file and evaluates 24 tokens; the script prints the largest absolute
-and relative difference between its logits and the converted model's, and whether `gguf`'s dequantization of each
-quantized tensor equals the model's weight. The logits are not expected to agree bit for bit: llama.cpp quantizes the
-activations of its Q4_0 and Q8_0 dot products to 8 bits on the fly and sums in its own order.
+`eqx_quant.export_gguf` (`--recipe f32` writes the float model). llama.cpp loads the file and evaluates 24 tokens.
+The script prints whether `gguf`'s dequantization of each tensor equals the model's weight, and the largest
+absolute and relative difference between llama.cpp's logits and the converted model's, and those of a model that
+quantizes its linear layers' inputs to Q8_0 blocks as llama.cpp's CPU products do. The logits are not expected to
+agree bit for bit: llama.cpp's own Q8_0 quantizer of activations rounds some halves otherwise, it sums in its own
+order, and its KV cache is float16.
 """
 
 import argparse
@@ -139,12 +141,16 @@ def metadata() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default="q4_0", choices=["q8_0", "q4_0", "q5_0"])
+    parser.add_argument("--recipe", default="q4_0", choices=["q8_0", "q4_0", "q5_0", "f32"])
+    parser.add_argument("--only", default=".*", help="quantize only the layers whose path matches this pattern")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     import gguf
 
-    model = eqx_quant.convert(eqx_quant.quantize(Decoder(jax.random.key(0)), **eqx_quant.recipe(args.recipe)))
+    model = Decoder(jax.random.key(0))
+    if args.recipe != "f32":  # "f32": the float model, to check the architecture apart from quantization
+        weight = eqx_quant.recipe(args.recipe)["rules"][0].weight
+        model = eqx_quant.convert(eqx_quant.quantize(model, [eqx_quant.Rule(args.only, weight=weight, input=None)]))
     path = os.path.join(args.out or tempfile.mkdtemp(), f"decoder-{args.recipe}.gguf")
     eqx_quant.export_gguf(path, model, names=llama_name, metadata=metadata())
     print(f"{path}: {os.path.getsize(path)} bytes")
@@ -165,14 +171,24 @@ def main() -> None:
         return
     tokens = [int(t) for t in np.random.default_rng(0).integers(3, VOCAB, 24)]
     ours = np.asarray(eqx.filter_jit(model)(jnp.asarray(tokens)))
-    llm = llama_cpp.Llama(path, n_ctx=CONTEXT, logits_all=True, n_threads=2, verbose=False)
+    llm = llama_cpp.Llama(path, n_ctx=CONTEXT, n_batch=CONTEXT, logits_all=True, n_threads=2, verbose=False)
     llm.eval(tokens)
     theirs = np.asarray(llm.scores[: len(tokens)], np.float32)
     diff = np.abs(theirs - ours)
-    print(f"llama.cpp {llama_cpp.__version__}, recipe {args.recipe}, {len(tokens)} tokens")
+    print(f"llama.cpp {llama_cpp.__version__}, recipe {args.recipe} on {args.only!r}, {len(tokens)} tokens")
     print(f"logits: max |difference| {diff.max():.3g}, max |logit| {np.abs(ours).max():.3g}, "
           f"relative {diff.max() / np.abs(ours).max():.3g}")  # fmt: skip
     print(f"argmax agrees at {np.mean(theirs.argmax(-1) == ours.argmax(-1)):.0%} of the tokens")
+    if args.recipe != "f32":
+        # llama.cpp's CPU products of Q4_0, Q5_0 and Q8_0 weights quantize their input to Q8_0 blocks: the same
+        # model with its linear layers' inputs quantized so (on GGML's reference rounding; llama.cpp's vectorised
+        # quantizer rounds some halves otherwise, and its KV cache is float16).
+        q8 = eqx_quant.DynamicFakeQuant("q8_0", group_size=32)
+        rules = [eqx_quant.Rule(args.only, weight=weight, input=q8)]  # pyright: ignore[reportPossiblyUnbound]
+        emulated = eqx_quant.quantize(Decoder(jax.random.key(0)), rules)  # embeddings take indices: no input quantizer
+        close = np.abs(theirs - np.asarray(eqx.filter_jit(emulated)(jnp.asarray(tokens)))).max(-1)
+        print(f"with Q8_0 inputs in JAX too: max |difference| {close.max():.3g}; tokens within 1e-5: "
+              f"{np.mean(close <= 1e-5):.0%}")  # fmt: skip
 
 
 if __name__ == "__main__":
