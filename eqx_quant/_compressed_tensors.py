@@ -251,13 +251,18 @@ def export_compressed_tensors(
     !!! example
 
         ```python
+        import os
+        import tempfile
+
         import equinox as eqx
         import jax
         import eqx_quant
 
         mlp = eqx.nn.MLP(64, 8, 64, 1, key=jax.random.key(0))
         model = eqx_quant.convert(eqx_quant.quantize(mlp, **eqx_quant.recipe("w4a16_g32")))
-        eqx_quant.export_compressed_tensors("mlp-w4a16", model, config={"architectures": ["MLP"]})
+        directory = os.path.join(tempfile.mkdtemp(), "mlp-w4a16")
+        eqx_quant.export_compressed_tensors(directory, model, config={"architectures": ["MLP"]})
+        print(sorted(os.listdir(directory)))  # ['config.json', 'model.safetensors']
         ```
     """
     for layer_path, _ in nodes(model, (AbstractQuantLayer,)):

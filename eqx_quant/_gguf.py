@@ -252,13 +252,17 @@ def export_gguf(
     !!! example
 
         ```python
+        import os
+        import tempfile
+
         import equinox as eqx
         import jax
         import eqx_quant
 
         mlp = eqx.nn.MLP(64, 8, 64, 1, key=jax.random.key(0))
         model = eqx_quant.convert(eqx_quant.quantize(mlp, **eqx_quant.recipe("q4_0")))
-        eqx_quant.export_gguf("mlp.gguf", model, metadata={"general.name": "mlp"})
+        path = os.path.join(tempfile.mkdtemp(), "mlp.gguf")
+        eqx_quant.export_gguf(path, model, metadata={"general.name": "mlp"})
         ```
     """
     if float_type not in ("F32", "F16", "BF16"):
@@ -466,14 +470,18 @@ def load_gguf(path: str | os.PathLike, like: PyTree, *, names: Names = None) -> 
     !!! example
 
         ```python
+        import os
+        import tempfile
+
         import equinox as eqx
         import jax
         import eqx_quant
 
         mlp = eqx.nn.MLP(64, 8, 64, 1, key=jax.random.key(0))
         model = eqx_quant.convert(eqx_quant.quantize(mlp, **eqx_quant.recipe("q4_0")))
-        eqx_quant.export_gguf("mlp.gguf", model)
-        qat = eqx_quant.load_gguf("mlp.gguf", eqx_quant.quantize(mlp, **eqx_quant.recipe("q4_0")))
+        path = os.path.join(tempfile.mkdtemp(), "mlp.gguf")
+        eqx_quant.export_gguf(path, model)
+        qat = eqx_quant.load_gguf(path, eqx_quant.quantize(mlp, **eqx_quant.recipe("q4_0")))
         print(bool((qat.layers[0].layer.weight == model.layers[0].weight).all()))  # True
         ```
     """
