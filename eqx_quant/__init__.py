@@ -4,6 +4,7 @@ from . import nn as nn
 from ._backward import QuantizedBackward as QuantizedBackward
 from ._calibrate import calibrate as calibrate
 from ._clip import clip_passthrough as clip_passthrough
+from ._compressed_tensors import export_compressed_tensors as export_compressed_tensors
 from ._convert import convert as convert
 from ._export import export_safetensors as export_safetensors
 from ._fake_quant import (
@@ -24,6 +25,7 @@ from ._format import (
     int_range as int_range,
     mx_format as mx_format,
 )
+from ._gguf import export_gguf as export_gguf, load_gguf as load_gguf
 from ._gptq import gptq_quantize as gptq_quantize
 from ._gptq_model import gptq as gptq
 from ._layout import Layout as Layout

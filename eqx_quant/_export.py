@@ -2,19 +2,109 @@
 
 import json
 import os
+import re
 import struct
+from collections.abc import Callable, Mapping
 from typing import Any
 
+import equinox as eqx
+import jax
 import numpy as np
 from jaxtyping import PyTree
 
 from ._format import FloatFormat, IntFormat
 from ._packing import BIT_ORDER, NIBBLE_ORDER
 from ._qarray import QuantizedArray
-from ._quantizers import AbstractFakeQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
+from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._serialise import write_replacing
-from ._tree import unique_nodes
+from ._tree import nodes, path_string, unique_nodes
 from .nn._converted import AbstractConvertedLayer
+from .nn._layers import AbstractQuantLayer
+
+
+#
+# The tensors of a model by name, as the exporters to other programs' files name them.
+#
+
+Names = Callable[[str], "str | None"] | Mapping[str, "str | None"] | None
+LAYER = "{layer}"
+
+
+def _layer_prefixes(model: PyTree) -> list[str]:
+    """The paths of the quantized and converted layers of `model` as prefixes of their tensors' paths (`""` for the
+    model itself), longest first."""
+    found = [path for path, _ in nodes(model, (AbstractQuantLayer, AbstractConvertedLayer))]
+    return [f"{path}." if path else "" for path in sorted(found, key=len, reverse=True)]
+
+
+def _tensor_name(path: str, prefixes: list[str]) -> str:
+    """The name of a leaf at `path`: its path, with a quantized or converted layer's float layer (`.layer`) left out
+    and its `qweight` called `weight`, so that a layer's tensors have the names of the float layer's."""
+    for prefix in prefixes:
+        if not path.startswith(prefix):
+            continue
+        inner = path[len(prefix) :]
+        if inner == "qweight":
+            return f"{prefix}weight"
+        if inner.startswith("layer."):
+            return prefix + inner.removeprefix("layer.")
+    return path
+
+
+def named_leaves(model: PyTree) -> tuple[list[tuple[str, Any]], Any]:
+    """The leaves of `model` (quantized arrays and quantizers whole) with their tensor names, and its treedef: a
+    layer's weight and bias are `<layer path>.weight` and `<layer path>.bias`, quantized or not."""
+    prefixes = _layer_prefixes(model)
+    is_node = lambda node: isinstance(node, (QuantizedArray, AbstractQuantizer))  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(model, is_leaf=is_node)
+    return [(_tensor_name(path_string(key), prefixes), leaf) for key, leaf in flat], treedef
+
+
+def is_tensor(leaf: Any) -> bool:
+    """Whether a leaf is written as a tensor: an array or a quantized array."""
+    return isinstance(leaf, QuantizedArray) or eqx.is_array(leaf)
+
+
+def resolve_names(names: Names, paths: list[str], what: str) -> dict[str, str | None]:
+    """The file's name of each path (`None`: left out), from `names`; a mapping must name every path, and only them."""
+    if names is None:
+        return {path: path for path in paths}
+    if isinstance(names, Mapping):
+        missing = [p for p in paths if p not in names]
+        extra = [k for k in names if k not in paths]
+        if missing or extra:
+            problems = ([f"it misses {missing}"] if missing else []) + (
+                [f"it names {extra}, which `{what}` does not have"] if extra else []
+            )
+            raise ValueError(
+                f"`names` must map every tensor of `{what}` (to None to leave one out) and nothing else: "
+                f"{'; '.join(problems)}. The tensors are {paths}."
+            )
+        out = dict(names)
+    elif callable(names):
+        out = {path: names(path) for path in paths}
+    else:
+        raise TypeError(f"`names` must be a mapping, a function of the path, or None, got names={names!r}.")
+    for path, name in out.items():
+        if name is not None and not isinstance(name, str):
+            raise TypeError(f"`names` must give a string (or None) for each tensor, got {name!r} for {path!r}.")
+    return out  # pyright: ignore[reportReturnType]
+
+
+def stack_length(leaf: Any) -> int:
+    """The length of the first (stacked) axis of an array or a stacked quantized array."""
+    return leaf.scale.shape[0] if isinstance(leaf, QuantizedArray) else np.shape(leaf)[0]
+
+
+def split_stacked(name: str, leaf: Any, path: str) -> list[tuple[str, Any]]:
+    """`[(name, leaf)]`, or with `{layer}` in the name, a tensor per index of the leaf's first (stacked) axis."""
+    if LAYER not in name:
+        return [(name, leaf)]
+    depth = leaf.stack_depth if isinstance(leaf, QuantizedArray) else np.ndim(leaf)
+    if re.sub(r"\{layer\}", "", name).count("{") or name.count(LAYER) != 1 or depth < 1:
+        raise ValueError(f"The name {name!r} of {path!r} must hold `{LAYER}` once, for a stacked axis (the tensor "
+                         f"has {depth} axes to split).")  # fmt: skip
+    return [(name.replace(LAYER, str(i)), jax.tree.map(lambda a, i=i: a[i], leaf)) for i in range(stack_length(leaf))]
 
 
 def _json_axis(axes: tuple[int, ...]) -> int | list[int] | None:
@@ -77,8 +167,8 @@ def _layer_metadata(layer: AbstractConvertedLayer) -> dict[str, Any]:
 
 
 _SAFETENSORS_DTYPES = {
-    "int8": "I8", "uint8": "U8", "int16": "I16", "int32": "I32", "float32": "F32", "float16": "F16",
-    "bfloat16": "BF16", "float64": "F64",
+    "int8": "I8", "uint8": "U8", "int16": "I16", "int32": "I32", "int64": "I64", "float32": "F32", "float16": "F16",
+    "bfloat16": "BF16", "float64": "F64", "float8_e4m3fn": "F8_E4M3", "bool": "BOOL",
 }  # fmt: skip
 
 
@@ -137,10 +227,10 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
         bias = getattr(layer.layer, "bias", None)
         if bias is not None:
             tensors[f"{name}.bias"] = np.asarray(bias)
-    _write_safetensors(path, tensors, metadata)
+    write_safetensors(path, tensors, metadata)
 
 
-def _write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
+def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], metadata: dict[str, str]) -> None:
     """The safetensors format: an 8-byte little-endian header length, a JSON header, then the raw bytes."""
     header: dict[str, Any] = {"__metadata__": metadata}
     offset = 0

@@ -101,7 +101,8 @@ def _fake_quant_bwd(fmt, residuals, g):
     grad_scale = grad_zero_point = grad_tensor_scale = None
     if scale_wanted is not None or tensor_scale_wanted is not None:
         below, above = v < low, v > high
-        d_scale = jnp.where(inside, fmt.nearest(v) - v, jnp.where(below, low, jnp.where(above, high, zero)))
+        low_end, high_end = fmt.ends(zero_point, x.ndim)
+        d_scale = jnp.where(inside, fmt.nearest(v) - v, jnp.where(below, low_end, jnp.where(above, high_end, zero)))
         # NaN entries of `x` contribute nothing to the scale, even where their incoming gradient is NaN too.
         d = jnp.where(jnp.isnan(v), zero, g * d_scale)  # the derivative towards the scale that multiplies the levels
         if tensor_scale is None:

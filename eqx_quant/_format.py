@@ -21,12 +21,19 @@ from jaxtyping import Array
 from ._misc import check_int, expand_to_rank
 
 
-SCALE_FORMATS = ("float32", "e8m0", "e4m3")
+SCALE_FORMATS = ("float32", "e8m0", "e4m3", "float16")
 """How a format's scales are stored: `"float32"` (any positive float32), `"e8m0"` (a power of two `2**e`,
 `-127 <= e <= 127`, one byte), `"e4m3"` (a non-negative `float8_e4m3fn` value, one byte, times a float32 scale of the
-whole tensor)."""
+whole tensor), `"float16"` (the `d` of the GGML block formats: a float32 scale, of either sign, that divides the
+values onto the grid and is stored, and multiplies the levels back, rounded to float16)."""
 
 SCALE_RULES = ("floor", "rceil")
+FLOAT16_SCALE_RULES = ("absmax", "signed_max")
+ROUNDINGS = ("half_even", "half_away", "shifted_trunc")
+"""How an integer grid rounds `v = x / scale`: `"half_even"` (to the nearest integer, halves to even),
+`"half_away"` (halves away from zero, C's `roundf`: GGML's Q8_0), `"shifted_trunc"` (`trunc(v - qmin + 0.5)` computed
+in float32, then `+ qmin`: GGML's Q4_0 and Q5_0, which round halves up and, through the float32 sum, values within
+half a float32 step below a half too)."""
 
 _E8M0_NAN = 0xFF
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
@@ -152,13 +159,21 @@ class Format(abc.ABC):
     | `"float8_e4m3fn"`, `"float8_e5m2"`, `"float6_e2m3fn"`, `"float6_e3m2fn"`, `"float4_e2m1fn"` | floats | float32 |
     | `"mxfp8_e4m3"`, `"mxfp8_e5m2"`, `"mxfp6_e2m3"`, `"mxfp6_e3m2"`, `"mxfp4"`, `"mxint8"` | as named | E8M0 |
     | `"nvfp4"` | `float4_e2m1fn` | `float8_e4m3fn` blocks times a float32 tensor scale |
+    | `"q8_0"`, `"q4_0"`, `"q5_0"` | integers `[-127, 127]`, `[-8, 7]`, `[-16, 15]` | float16 (GGML's `d`) |
 
-    The MX formats and NVFP4 need block scales: a [`eqx_quant.Layout`][] with `group_size` (32 in the MX
-    specification, 16 for NVFP4) along the axis a product contracts.
+    The MX formats, NVFP4 and the GGML formats need block scales: a [`eqx_quant.Layout`][] with `group_size` (32 in
+    the MX specification and in GGUF files, 16 for NVFP4) along the axis a product contracts.
 
     Every format rounds `v = x / scale` to the nearest point of its grid (halves to even), saturating at its ends:
     for integers `clip(round(v) + zero_point, qmin, qmax)`, for floats the value of a saturating cast to the element
     type. `x / scale` is `x * (1 / scale)`, with the reciprocal taken on the scales.
+
+    The GGML formats round as llama.cpp's reference quantizers (`gguf.quants.quantize`) do, bit for bit: Q8_0 takes
+    `d = max|x| / 127` and rounds halves away from zero; Q4_0 and Q5_0 take `d = m / qmin` (`m` the block's first
+    element of largest magnitude, with its sign: `d` is negative when `m` is positive) and the levels
+    `trunc(v - qmin + 1/2) + qmin` with that sum rounded to float32. The levels are computed with the float32 `d`,
+    the values with `d` rounded to float16 (as it is stored). Their gradients pass where the rounding does not
+    saturate: `v` within half a step beyond the grid's ends.
     """
 
     scale: str
@@ -204,6 +219,11 @@ class Format(abc.ABC):
         """`(low, high)`: the range of `v` that lies inside the grid (where gradients pass), the zero point expanded
         to rank `ndim`."""
 
+    def ends(self, zero_point: Array | None, ndim: int) -> tuple:
+        """`(low, high)`: the levels (minus the zero point) that `v` below and above `limits` saturates to. The
+        limits themselves, but for the GGML roundings, whose limits lie half a step beyond their ends."""
+        return self.limits(zero_point, ndim)
+
     @abc.abstractmethod
     def encode(self, levels: Array) -> Array:
         """The stored codes of `levels` (from `levels`), one per element."""
@@ -238,21 +258,27 @@ class Format(abc.ABC):
 def _check_scale(fmt: Format) -> None:
     if fmt.scale not in SCALE_FORMATS:
         raise ValueError(f"`scale` must be one of {SCALE_FORMATS}, got scale={fmt.scale!r}.")
-    if (fmt.scale == "e8m0") != (fmt.scale_rule is not None):
-        raise ValueError(f"`scale_rule` is given exactly for E8M0 scales, got scale={fmt.scale!r} and "
+    if (fmt.scale in ("e8m0", "float16")) != (fmt.scale_rule is not None):
+        raise ValueError(f"`scale_rule` is given exactly for E8M0 and float16 scales, got scale={fmt.scale!r} and "
                          f"scale_rule={fmt.scale_rule!r}.")  # fmt: skip
-    if fmt.scale_rule is not None and fmt.scale_rule not in SCALE_RULES:
-        raise ValueError(f"`scale_rule` must be one of {SCALE_RULES}, got scale_rule={fmt.scale_rule!r}.")
+    rules = FLOAT16_SCALE_RULES if fmt.scale == "float16" else SCALE_RULES
+    if fmt.scale_rule is not None and fmt.scale_rule not in rules:
+        raise ValueError(f"`scale_rule` must be one of {rules} for {fmt.scale} scales, got "
+                         f"scale_rule={fmt.scale_rule!r}.")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
 class IntFormat(Format):
-    """Integers in `[qmin, qmax]`: see [`eqx_quant.int_format`][]."""
+    """Integers in `[qmin, qmax]`: see [`eqx_quant.int_format`][]. `scale` says how the scales are stored
+    (`"float32"`, `"e8m0"`, or `"float16"` for the GGML formats), `scale_rule` how E8M0 and float16 scales are chosen
+    from a block, and `rounding` how `x / scale` is rounded (`"half_even"`; GGML's `"half_away"` and
+    `"shifted_trunc"`, with float16 scales only)."""
 
     qmin: int
     qmax: int
     scale: str = "float32"
     scale_rule: str | None = None
+    rounding: str = "half_even"
 
     def __post_init__(self):
         object.__setattr__(self, "qmin", check_range(self.qmin, self.qmax)[0])
@@ -260,6 +286,13 @@ class IntFormat(Format):
         _check_scale(self)
         if self.scale == "e4m3":
             raise ValueError("`scale`='e4m3' (NVFP4's two-level scales) takes float elements only.")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"`rounding` must be one of {ROUNDINGS}, got rounding={self.rounding!r}.")
+        if (self.rounding != "half_even") != (self.scale == "float16"):
+            raise ValueError(f"`rounding`={self.rounding!r} goes with float16 scales (the GGML block formats) and "
+                             f"'half_even' with the others, got scale={self.scale!r}.")  # fmt: skip
+        if self.scale == "float16" and not self.qmin < 0 < self.qmax:
+            raise ValueError(f"float16 scales take a signed grid, got [{self.qmin}, {self.qmax}].")
 
     @property
     def name(self) -> str:
@@ -271,6 +304,9 @@ class IntFormat(Format):
                     grid = f"{prefix}{bits}{suffix}"
         if self.scale == "float32":
             return grid
+        if self.scale == "float16":
+            known = {fmt: name for name, fmt in GGML_FORMATS.items()}
+            return known.get(self, f"{grid} with float16 scales ({self.scale_rule}, {self.rounding})")
         rule = "" if self.scale_rule == "floor" else f"_{self.scale_rule}"
         return f"mxint8{rule}" if grid == "int8_narrow" else f"{grid} with e8m0 scales ({self.scale_rule})"
 
@@ -306,20 +342,49 @@ class IntFormat(Format):
         return self.qmin < 0
 
     def nearest(self, v: Array) -> Array:
-        return jnp.round(v)
+        if self.rounding == "half_even":
+            return jnp.round(v)
+        return self.levels(v, None)  # only asked inside the limits, where nothing saturates
 
     def levels(self, v: Array, zero_point: Array | None) -> Array:
+        if self.rounding == "half_away":
+            r = jax.lax.round(v, jax.lax.RoundingMethod.AWAY_FROM_ZERO)
+            r = jax.lax.clamp(np.asarray(self.qmin, r.dtype), r, np.asarray(self.qmax, r.dtype))
+            return jnp.where(r == 0, jnp.zeros((), r.dtype), r)  # +0 for -0: an integer has no signed zero
+        if self.rounding == "shifted_trunc":
+            return self._shifted_trunc(v)
         # `jax.lax` directly (what `jnp.round` and `jnp.clip` call): the hottest lines of every quantizer.
         r = jax.lax.round(v, jax.lax.RoundingMethod.TO_NEAREST_EVEN)
         if zero_point is not None:
             r = r + expand_to_rank(zero_point, v.ndim)
         return jax.lax.clamp(np.asarray(self.qmin, r.dtype), r, np.asarray(self.qmax, r.dtype))
 
+    def _shifted_trunc(self, v: Array) -> Array:
+        # `clip(trunc(v + c), 0, qmax - qmin) + qmin` with `c = 0.5 - qmin` and the sum rounded to float32, computed
+        # as the number of thresholds `v` reaches (`t_k` the least float32 whose sum reaches `k`), so that no sum
+        # follows the product that made `v`: XLA contracts such a pair into a fused multiply-add under `jit` (on CPU
+        # and GPU), which rounds once where GGML rounds twice.
+        count = jnp.zeros(v.shape, v.dtype)
+        one = jnp.ones((), v.dtype)
+        zero = jnp.zeros((), v.dtype)
+        for t in _shifted_thresholds(self.qmin, self.qmax)[:-1]:
+            count = count + jnp.where(v >= t, one, zero)
+        return jnp.where(jnp.isnan(v), v, count + self.qmin)
+
     def limits(self, zero_point: Array | None, ndim: int) -> tuple:
+        if self.rounding == "half_away":  # the open range (qmin - 1/2, qmax + 1/2), as float32 ends
+            return _next_float32(self.qmin - 0.5, up=True), _next_float32(self.qmax + 0.5)
+        if self.rounding == "shifted_trunc":  # from the sum 0 up to the last float32 whose sum stays below the top
+            return float(self.qmin - 0.5), _next_float32(_shifted_thresholds(self.qmin, self.qmax)[-1])
         # The exact integers `qmin - zero_point` and `qmax - zero_point`, compared with `v`: a sum `v + zero_point`
         # would be contracted into a fused multiply-add under `jit` only, and round differently there.
         zp = 0 if zero_point is None else expand_to_rank(zero_point, ndim)
         return self.qmin - zp, self.qmax - zp
+
+    def ends(self, zero_point: Array | None, ndim: int) -> tuple:
+        if self.rounding == "half_even":
+            return self.limits(zero_point, ndim)
+        return self.qmin, self.qmax
 
     def encode(self, levels: Array) -> Array:
         return levels.astype(int_dtype(self.qmin, self.qmax))
@@ -334,6 +399,26 @@ class IntFormat(Format):
             if (-half <= self.qmin and self.qmax < half) if self.qmin < 0 else self.qmax < 2 * half:
                 return bits
         return None
+
+
+def _next_float32(value: float, up: bool = False) -> float:
+    """The float32 just below the float32 `value` (just above it with `up`)."""
+    return float(np.nextafter(np.float32(value), np.float32(np.inf if up else -np.inf)))
+
+
+@functools.cache
+def _shifted_thresholds(qmin: int, qmax: int) -> tuple[float, ...]:
+    """For `k = 1 ... qmax - qmin + 1`: the least float32 `v` whose float32 sum `v + (0.5 - qmin)` is at least `k`,
+    found with NumPy's float32 arithmetic (the sum is monotone in `v`, so the `v` that reach `k` are those from it
+    on)."""
+    shift = np.float32(0.5 - qmin)
+    out = []
+    for k in range(1, qmax - qmin + 2):
+        v = np.float32(k) - shift  # exact: a half-integer of a few bits
+        while np.float32(np.nextafter(v, np.float32(-np.inf))) + shift >= k:
+            v = np.nextafter(v, np.float32(-np.inf))
+        out.append(float(v))
+    return tuple(out)
 
 
 def integer_grid_of(fmt: Format) -> IntFormat:
@@ -514,14 +599,26 @@ def mx_format(name: str, *, scale_rule: str = "floor") -> Format:
 
 NVFP4 = FloatFormat("float4_e2m1fn", scale="e4m3")
 
+GGML_FORMATS = {
+    "q8_0": IntFormat(-127, 127, scale="float16", scale_rule="absmax", rounding="half_away"),
+    "q4_0": IntFormat(-8, 7, scale="float16", scale_rule="signed_max", rounding="shifted_trunc"),
+    "q5_0": IntFormat(-16, 15, scale="float16", scale_rule="signed_max", rounding="shifted_trunc"),
+}
+"""The GGML block formats (llama.cpp's GGUF files) whose quantization is an integer grid with a float16 scale per
+block of 32: the formats of the recipes `"q8_0"`, `"q4_0"` and `"q5_0"`."""
+GGML_BLOCK = 32
+
 
 def format_named(name: str) -> Format:
     """The format of a name: `"int8"`, `"int4"`, ..., `"int8_narrow"`, `"uint8"`, ..., the float element types,
-    the MX formats (`"mxfp4"`; `"mxfp4_rceil"` for the `rceil` scale rule) and `"nvfp4"`."""
+    the MX formats (`"mxfp4"`; `"mxfp4_rceil"` for the `rceil` scale rule), `"nvfp4"`, and the GGML block formats
+    `"q8_0"`, `"q4_0"`, `"q5_0"` (see [`eqx_quant.Format`][])."""
     if not isinstance(name, str):
         raise TypeError(f"`format` must be a Format or its name, got {name!r}.")
     if name == "nvfp4":
         return NVFP4
+    if name in GGML_FORMATS:
+        return GGML_FORMATS[name]
     if name in _ELEMENTS:
         return FloatFormat(name)
     base, rceil = name.removesuffix("_rceil"), name.endswith("_rceil")
@@ -536,7 +633,8 @@ def format_named(name: str) -> Format:
                 raise ValueError(f"`format`={name!r} names no integer grid: {error}") from None
     raise ValueError(
         f"`format` must be a Format or one of the names int2 ... int16 (with _narrow), uint1 ... uint16, "
-        f"{', '.join(_ELEMENTS)}, {', '.join(MX_FORMATS)} (with _rceil) or nvfp4; got {name!r}."
+        f"{', '.join(_ELEMENTS)}, {', '.join(MX_FORMATS)} (with _rceil), nvfp4, {', '.join(GGML_FORMATS)}; got "
+        f"{name!r}."
     )
 
 
@@ -577,9 +675,13 @@ def effective_scale(scale: Array, tensor_scale: Array | None) -> Array:
 def reciprocal(fmt: Format, scale: Array, tensor_scale: Array | None, ndim: int) -> Array:
     """`1 / scale` as `fmt` takes it, expanded to rank `ndim`: a float32 scale's reciprocal; the exact `2**-e` of an
     E8M0 scale `2**e` (whose `2**-127` is held as 0); `1 / (b * t)` of a two-level scale, 0 where that is 0. NaN where
-    the scale is NaN (a block holding NaN or inf)."""
+    the scale is NaN (a block holding NaN or inf); a float16 scale's is that of its float32 value (0 for 0), as GGML
+    takes it."""
     if fmt.scale == "float32":
         return expand_to_rank(1 / scale, ndim)
+    if fmt.scale == "float16":  # GGML's `id = d == 0 ? 0 : 1 / d`, from the float32 `d`
+        zero = jnp.zeros((), scale.dtype)
+        return expand_to_rank(jnp.where(scale == 0, zero, 1 / jnp.where(scale == 0, 1, scale)), ndim)
     if fmt.scale == "e8m0":
         inv = jnp.where(jnp.isnan(scale), jnp.asarray(jnp.nan, scale.dtype), pow2(-exponent(scale), scale.dtype))
         return expand_to_rank(inv, ndim)
@@ -591,9 +693,12 @@ def reciprocal(fmt: Format, scale: Array, tensor_scale: Array | None, ndim: int)
 
 def apply_scale(fmt: Format, values: Array, scale: Array, tensor_scale: Array | None) -> Array:
     """`values * scale` as `fmt` computes it: an E8M0 scale `2**e` in two factors applied one after the other (its
-    `2**-127` is subnormal in float32; the halves are not), a two-level scale as the product `b * t`."""
+    `2**-127` is subnormal in float32; the halves are not), a two-level scale as the product `b * t`, a float16 scale
+    rounded to float16 first."""
     if fmt.scale == "float32":
         return expand_to_rank(scale, values.ndim) * values
+    if fmt.scale == "float16":
+        return expand_to_rank(scale.astype(jnp.float16).astype(scale.dtype), values.ndim) * values
     if fmt.scale == "e8m0":
         e = exponent(scale)
         half = jax.lax.shift_right_arithmetic(e, jnp.asarray(1, e.dtype))
@@ -603,19 +708,23 @@ def apply_scale(fmt: Format, values: Array, scale: Array, tensor_scale: Array | 
 
 
 def encode_scale(fmt: Format, scale: Array) -> Array:
-    """The stored form of `scale`: itself (float32), or one byte (E8M0: the exponent plus 127, 255 for NaN; E4M3:
-    its `float8_e4m3fn` code)."""
+    """The stored form of `scale`: itself (float32), its float16 rounding, or one byte (E8M0: the exponent plus 127,
+    255 for NaN; E4M3: its `float8_e4m3fn` code)."""
     if fmt.scale == "float32":
         return scale
+    if fmt.scale == "float16":
+        return scale.astype(jnp.float16)
     if fmt.scale == "e8m0":
         return jnp.where(jnp.isnan(scale), _E8M0_NAN, exponent(scale) + 127).astype(jnp.uint8)
     return E4M3.encode(scale)
 
 
 def decode_scale(fmt: Format, stored: Array, dtype: np.dtype) -> Array:
-    """The scale of a stored one, in `dtype`: the inverse of `encode_scale`."""
+    """The scale of a stored one, in `dtype`: the inverse of `encode_scale` (a float16 scale as it is applied)."""
     if fmt.scale == "float32":
         return stored
+    if fmt.scale == "float16":
+        return stored.astype(dtype)
     if fmt.scale == "e8m0":
         e = stored.astype(jnp.int32) - 127
         return jnp.where(stored == _E8M0_NAN, jnp.asarray(jnp.nan, dtype), pow2(e, dtype))

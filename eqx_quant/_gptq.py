@@ -12,7 +12,16 @@ from jaxtyping import Array, Float, Shaped
 
 from ._format import Format, IntFormat, apply_scale, as_format, check_range, effective_scale, reciprocal
 from ._misc import check_int
-from ._scales import Scales, absmax_scale, block_absmax, block_scale, e8m0_scale, finite_absmax, tensor_scale_of
+from ._scales import (
+    Scales,
+    absmax_scale,
+    block_absmax,
+    block_scale,
+    e8m0_scale,
+    finite_absmax,
+    ggml_scale,
+    tensor_scale_of,
+)
 
 
 def _check(
@@ -76,20 +85,19 @@ def gptq_quantize(
     """Quantizes a linear layer's weight with GPTQ.
 
     For `y = W x`, the columns of `W` (one per input feature) are quantized one after another on the symmetric grid
-    `[qmin, qmax]` (or onto the grid of `format`: an FP8, FP6 or FP4 element type, an MX format or NVFP4, whose
-    rounding is as exact as an integer's); the rounding error of column `i`, divided by `U[i, i]`, is subtracted from
-    every later column `j`
-    in proportion to `U[i, j]`, where `U` is the upper Cholesky factor of `H⁻¹`. This minimises, column by column,
-    the output error `‖W X - Ŵ X‖²` over the calibration inputs, whose second moment is the Hessian
-    `H = 2 Σ x xᵀ` (any positive multiple of it gives the same result).
+    `[qmin, qmax]` (or onto the grid of `format`: an FP8, FP6 or FP4 element type, an MX format, NVFP4 or a GGML
+    format, whose rounding is as exact as an integer's); the rounding error of column `i`, divided by `U[i, i]`, is
+    subtracted from every later column `j` in proportion to `U[i, j]`, where `U` is the upper Cholesky factor of
+    `H⁻¹`. This minimises, column by column, the output error `‖W X - Ŵ X‖²` over the calibration inputs, whose
+    second moment is the Hessian `H = 2 Σ x xᵀ` (any positive multiple of it gives the same result).
 
     Before inverting: input features that never vary (`H[i, i] = 0`) get `H[i, i] = 1` and a zero weight column,
     and `damp * mean(diag(H))` is added to the diagonal.
 
     Scales are those of [`eqx_quant.DynamicFakeQuant`][]'s symmetric scale (`absmax_scale`; the block rule of an MX
-    format; NVFP4's block scales under the tensor scale of the whole original weight), and levels are rounded with
-    [`eqx_quant.fake_quant_format`][]'s arithmetic, so that the fake quantizer with these scales reproduces the
-    levels exactly from `scale * levels`:
+    format; NVFP4's block scales under the tensor scale of the whole original weight; GGML's `d` of a block), and
+    levels are rounded with [`eqx_quant.fake_quant_format`][]'s arithmetic, so that the fake quantizer with these
+    scales reproduces the levels exactly from `scale * levels`:
 
     - per output row (`group_size=None`): from the original row;
     - per group of `group_size` input columns: from the group's columns as the error feedback has left them when the
@@ -109,7 +117,8 @@ def gptq_quantize(
     - `hessian`: `Σ x xᵀ` (times any positive constant) over the layer's calibration inputs, shape
         `(in_features, in_features)`.
     - `qmin`, `qmax`: the integer grid, Python ints with `qmin <= 0 < qmax`; or, instead of them,
-    - `format`: a [`eqx_quant.Format`][] or its name (float32-scaled, MX or NVFP4).
+    - `format`: a [`eqx_quant.Format`][] or its name (float32-scaled, MX, NVFP4, or GGML's `"q8_0"`, `"q4_0"`,
+        `"q5_0"` with `group_size=32`).
     - `group_size`: `None` for one scale per output row, or the size of the groups of input columns (a divisor of
         `in_features`); the block size of an MX format or NVFP4.
     - `act_order`: visit the columns in order of decreasing `H[i, i]` (the inputs with the most energy first).
@@ -205,6 +214,9 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
         if fmt.scale == "float32":
             return absmax_scale(finite_absmax(w_cols, (1,)), fmt)[:, 0]
         amax = block_absmax(w_cols, 1)[0]
+        if fmt.scale == "float16":  # GGML's `d`, from the block's values
+            assert isinstance(fmt, IntFormat)
+            return ggml_scale(w_cols, amax, 1, fmt)[:, 0]
         return (e8m0_scale(amax, fmt) if fmt.scale == "e8m0" else block_scale(amax, ts, fmt))[:, 0]
 
     # Every group's scale from the original weight; lazy groups are refreshed from the updated weights in the loop.

@@ -269,6 +269,9 @@ def _check_scale_values(name: str, values: list[float], kind: str) -> None:
         if kind == "float32":
             ok = math.isfinite(v) and FLOAT32_TINY <= v <= 1 / FLOAT32_TINY
             requirement = "finite, positive and a normal float32"
+        elif kind == "float16":
+            ok = math.isfinite(v) and abs(v) <= float(np.finfo(np.float32).max)
+            requirement = "a finite float32 (of either sign)"
         elif kind == "e8m0":
             ok = v == 0 or (math.isfinite(v) and v > 0 and math.frexp(v)[0] == 0.5 and -127 <= math.log2(v) <= 127)
             requirement = "a power of two 2**e with -127 <= e <= 127 (or 0 for 2**-127)"
@@ -779,6 +782,10 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
     def __check_init__(self):
         fmt, layout = self.format, self.layout
         _check_layout(fmt, layout)
+        if fmt.scale_rule == "signed_max":
+            raise ValueError(f"{fmt.name}'s scales are signed (`d = m / {integer_grid_of(fmt).qmin}`, from the "
+                             "block's element of largest magnitude): they are computed from each block, not learned. "
+                             f"Use DynamicFakeQuant({fmt.name!r}, group_size=32).")  # fmt: skip
         _check_scale_values("min_scale", [self.min_scale], "float32")
         check_axis_name(self.axis_name)
         if layout.group_size is None and self.scale.ndim != len(layout.axes):

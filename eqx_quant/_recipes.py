@@ -4,7 +4,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._format import NVFP4, float_format, int_format, mx_format
+from ._format import GGML_BLOCK, GGML_FORMATS, NVFP4, float_format, int_format, mx_format
 from ._misc import check_int
 from ._quantizers import DynamicFakeQuant
 from ._rules import LayerQuantizer, Rule
@@ -28,7 +28,10 @@ _FLOAT_RECIPES = {
     "nvfp4": ((NVFP4, 16), (NVFP4, 16)),
 }
 
-RECIPE_NAMES = (*_RECIPES, *_FLOAT_RECIPES)
+# The GGML block formats of llama.cpp's GGUF files: weights only (llama.cpp computes its activations in float).
+_GGML_RECIPES = ("q8_0", "q4_0", "q5_0")
+
+RECIPE_NAMES = (*_RECIPES, *_FLOAT_RECIPES, *_GGML_RECIPES)
 
 
 def recipe(
@@ -53,6 +56,9 @@ def recipe(
     | `"fp8"` | FP8 E4M3 per output channel | FP8 E4M3 dynamic, per tensor | FP8 inference |
     | `"mxfp4"` | MXFP4, blocks of 32 along the contraction | MXFP8 E4M3, blocks of 32 | OCP MX hardware |
     | `"nvfp4"` | NVFP4, blocks of 16 along the contraction | NVFP4 | NVFP4 hardware (W4A4) |
+    | `"q8_0"` | GGML Q8_0, blocks of 32 along each row | float | llama.cpp (GGUF), near lossless |
+    | `"q4_0"` | GGML Q4_0, blocks of 32 along each row | float | llama.cpp (GGUF), 4.5 bits per weight |
+    | `"q5_0"` | GGML Q5_0, blocks of 32 along each row | float | llama.cpp (GGUF), 5.5 bits per weight |
 
     Activations are the inputs of `Linear` and `Conv` layers; with `"w8a8_attn"` both operands of every
     [`eqx_quant.nn.Einsum`][] and of the two products of every `eqx.nn.MultiheadAttention` are quantized too (8 bits,
@@ -65,6 +71,13 @@ def recipe(
     `"fp8"` quantizers instead. The block scales of MX and NVFP4 are always computed from the block, so
     `learned=True` only gives FP8 weights a learned scale, and `group_size` does not apply to them.
 
+    The GGML recipes fake-quantize each weight exactly as llama.cpp's reference quantizer (`gguf.quants.quantize`)
+    stores it: the fake-quantized weight is bit for bit what `gguf` dequantizes from the file
+    [`eqx_quant.export_gguf`][] writes. Their blocks run along the last axis of linear and embedding weights (the
+    input features, a GGUF tensor's rows); a weight whose rows do not split into blocks of 32, and every
+    convolution, stays float. Their scales are always computed from the block (`learned` does not apply), `keep`
+    layers get Q8_0, and `group_size` does not apply. See [Serving a quantized model](../how-to/serving.md).
+
     Weights are symmetric. Dynamic activation scales are computed at every call from the input the layer sees: in a
     model that maps its layers over tokens with `jax.vmap`, as Equinox transformers do, that is one scale per token,
     the standard activation scheme of LLM W8A8 and W4A8 inference. [`eqx_quant.calibrate`][] turns them into static
@@ -76,8 +89,9 @@ def recipe(
     - `group_size`: the group size of the grouped recipes (default: the number in the name); `None` keeps it. For
         a per-channel recipe it is ignored unless given, in which case its weights are grouped too.
     - `keep`: patterns (regular expressions matched against the whole path, see [`eqx_quant.Rule`][]) of layers
-        kept at 8 bits, weights per output channel and activations dynamic (W8A8): typically the first and last
-        layers, e.g. `keep=("embed", "head")`. A pattern that reaches no layer is an error when the rules are applied.
+        kept at 8 bits, weights per output channel and activations dynamic (W8A8; Q8_0 weights and float activations
+        for the GGML recipes): typically the first and last layers, e.g. `keep=("embed", "head")`. A pattern that
+        reaches no layer is an error when the rules are applied.
     - `learned`: weights get a [`eqx_quant.LearnedFakeQuant`][] initialised from each layer's weight (stacked layers
         get one per layer), for quantization-aware training, instead of a [`eqx_quant.DynamicFakeQuant`][].
 
@@ -98,8 +112,8 @@ def recipe(
     """
     if name not in RECIPE_NAMES:
         raise ValueError(f"`name` must be one of {RECIPE_NAMES}, got name={name!r}.")
-    if name in _FLOAT_RECIPES and group_size is not None:
-        raise ValueError(f"`group_size` does not apply to the float recipe {name!r}, got group_size={group_size}.")
+    if name in (*_FLOAT_RECIPES, *_GGML_RECIPES) and group_size is not None:
+        raise ValueError(f"`group_size` does not apply to the recipe {name!r}, got group_size={group_size}.")
     if group_size is not None and check_int("group_size", group_size) < 1:
         raise ValueError(f"`group_size` must be a positive int, got group_size={group_size}.")
     patterns = (keep,) if isinstance(keep, str) else tuple(keep)
@@ -113,6 +127,11 @@ def recipe(
     if not isinstance(learned, bool):
         raise TypeError(f"`learned` must be a bool, got learned={learned!r}.")
 
+    if name in _GGML_RECIPES:
+        kept = [Rule(pattern, weight=LayerQuantizer(GGML_FORMATS["q8_0"], GGML_BLOCK), input=None)
+                for pattern in patterns]  # fmt: skip
+        rule = Rule(".*", weight=LayerQuantizer(GGML_FORMATS[name], GGML_BLOCK), input=None)
+        return {"rules": [*kept, rule]}
     if name in _FLOAT_RECIPES:
         (weight_format, weight_block), (input_format, input_block) = _FLOAT_RECIPES[name]
         weight = LayerQuantizer(weight_format, weight_block, learned=learned)

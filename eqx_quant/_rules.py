@@ -65,9 +65,11 @@ class LayerQuantizer:
     - Weights (`input=False`): per tile of `group_size` along the product's contraction (a linear layer's input
         features, an embedding's features, a convolution's input channels for block formats), or per output channel
         when `group_size` is `None`. Where the tiles do not fit, an integer format falls back to one scale per output
-        channel, and a block format (MX, NVFP4) to `float8_e4m3fn` per output channel, with a warning naming the
-        layer. Every convolution with an integer format gets one scale per output channel, by design: its integer
-        forward takes no groups.
+        channel (so does every convolution with an integer format, by design: its integer forward takes no groups),
+        and a block format (MX, NVFP4) to `float8_e4m3fn` per output channel, with a warning naming the layer. A GGML
+        format (`"q4_0"`, ...) tiles the last axis of linear and embedding weights (the rows of a GGUF tensor); where
+        its blocks do not fit the weight stays float (the factory returns `None`, with a warning), and so do
+        convolutions, by design.
     - Inputs (`input=True`): per tile along the contraction (block formats), else per tensor; where blocks do not
         fit, `float8_e4m3fn` per tensor.
     - `learned=True` makes a weight's quantizer a [`eqx_quant.LearnedFakeQuant`][] initialised from the weight by
@@ -83,18 +85,21 @@ class LayerQuantizer:
     learned: bool = False
     input: bool = False
 
-    def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer:
+    def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer | None:
         fmt, group = self.format, self.group_size
         blocks = fmt.scale != "float32"
         fits = group is not None and _tiles_fit(layer, group)
         tileable = blocks or isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding))
-        if group is not None and not fits and tileable:
-            instead = "float8_e4m3fn" if blocks else "one scale per output channel"
+        ggml = fmt.scale == "float16"
+        if group is not None and not fits and tileable and not (ggml and isinstance(layer, eqx.nn.Conv)):
+            instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else "gets one scale per output channel"
             warnings.warn(
-                f"Layer {path!r}: its contraction does not split into tiles of {group}, so it gets {instead} "
+                f"Layer {path!r}: its contraction does not split into tiles of {group}, so it {instead} "
                 f"instead of {fmt.name} in tiles of {group}.",
                 stacklevel=2,
             )
+        if ggml and (not fits or isinstance(layer, eqx.nn.Conv)):
+            return None  # GGML's blocks run along a tensor's rows: a layer they do not fit stays float, as in llama.cpp
         if blocks and not fits:
             fmt, group, blocks = _FP8, None, False
         if self.input:

@@ -252,6 +252,17 @@ def block_scale(amax_block: Array, t: Array, fmt: Format) -> Array:
     return E4M3.levels(ratio, None)  # ratio >= 0: the clip to [-448, 448] is the clip to [0, 448]
 
 
+def ggml_scale(view: Array, amax: Array, axis: int, fmt: IntFormat) -> Array:
+    """The float32 `d` of GGML's blocks (along `axis` of the view; `amax` their largest magnitude), as llama.cpp's
+    reference quantizers compute it: `"absmax"` (Q8_0) `amax / qmax`, `"signed_max"` (Q4_0, Q5_0) `m / qmin` with `m`
+    the block's first element of largest magnitude, sign included. The divisions are correctly rounded on every
+    path."""
+    if fmt.scale_rule == "absmax":
+        return divide(amax, fmt.qmax)
+    first = jnp.argmax(jnp.abs(view), axis=axis, keepdims=True)
+    return divide(jnp.take_along_axis(view, first, axis=axis), fmt.qmin)
+
+
 def fit_scales(
     view: Array, axes: tuple[int, ...], fmt: Format, *, symmetric: bool = True, axis_name: AxisName | None = None
 ) -> Scales:
@@ -260,7 +271,8 @@ def fit_scales(
 
     - float32 scales: `absmax_scale` of the largest finite magnitude (or `minmax_scale` with `symmetric=False`);
     - E8M0 scales: `e8m0_scale` of each block's largest finite magnitude;
-    - two-level scales: `block_scale` under `tensor_scale_of` the whole view.
+    - two-level scales: `block_scale` under `tensor_scale_of` the whole view;
+    - float16 scales (the GGML formats): `ggml_scale` of each block.
 
     A block holding NaN or inf gets a NaN scale (every entry of it quantizes to NaN). With `axis_name`, the
     statistics of float32 scales, and NVFP4's tensor scale, are those of the whole tensor whose shards are split along
@@ -278,6 +290,9 @@ def fit_scales(
     (axis,) = axes
     amax, bad = block_absmax(view, axis)
     nan = jnp.asarray(jnp.nan, amax.dtype)
+    if fmt.scale == "float16":
+        assert isinstance(fmt, IntFormat)
+        return Scales(jnp.where(bad, nan, ggml_scale(view, amax, axis, fmt)))
     if fmt.scale == "e8m0":
         return Scales(jnp.where(bad, nan, e8m0_scale(amax, fmt)))
     t = tensor_scale_of(amax, fmt, axis_name)

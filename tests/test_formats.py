@@ -19,7 +19,7 @@ F32 = np.float32
 NAMES = [
     "int8", "int4", "int2", "int8_narrow", "uint8", "uint1", "int16", "float8_e4m3fn", "float8_e5m2",
     "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
-    "mxfp4", "mxfp4_rceil", "mxint8", "nvfp4",
+    "mxfp4", "mxfp4_rceil", "mxint8", "nvfp4", "q8_0", "q4_0", "q5_0",
 ]  # fmt: skip
 
 
@@ -57,7 +57,7 @@ def test_format_errors():
         eqx_quant.LearnedFakeQuant.init_from(jnp.ones(4), 4.0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="`scale`='e4m3' .* takes float4_e2m1fn elements"):
         eqx_quant.FloatFormat("float8_e4m3fn", scale="e4m3")
-    with pytest.raises(ValueError, match="`scale_rule` is given exactly for E8M0 scales"):
+    with pytest.raises(ValueError, match="`scale_rule` is given exactly for E8M0 and float16 scales"):
         eqx_quant.IntFormat(-8, 7, scale="e8m0")
     with pytest.raises(ValueError, match="`qmin` must be <= `qmax`"):
         eqx_quant.IntFormat(3, 2)
@@ -143,6 +143,9 @@ QUANTIZERS = {
     "mxfp8": eqx_quant.MXFakeQuant("mxfp8_e4m3", block_size=16),
     "mxint8": eqx_quant.MXFakeQuant("mxint8"),
     "nvfp4": eqx_quant.NVFP4FakeQuant(),
+    "q4_0": DynamicFakeQuant("q4_0", group_size=32),
+    "q5_0": DynamicFakeQuant("q5_0", group_size=32),
+    "q8_0": DynamicFakeQuant("q8_0", group_size=32),
     "learned int4": LearnedFakeQuant(jnp.full((4,), 0.2), -8, 7, axis=0),
 }
 

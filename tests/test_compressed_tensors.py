@@ -1,0 +1,209 @@
+"""compressed-tensors checkpoints written by `export_compressed_tensors`, read back with NumPy alone by the layout
+that compressed-tensors' source documents (its decompressors need torch, which the test environment does not
+install): packed int32 words, zero-point offsets, E2M1 nibbles, E8M0 and E4M3 block scales, and the config."""
+
+import json
+import struct
+
+import equinox as eqx
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+import safetensors.numpy
+
+import eqx_quant
+from eqx_quant import DynamicFakeQuant, LayerQuantizer, Rule
+
+
+F32 = np.float32
+_DTYPES = {"F32": np.float32, "I32": np.int32, "I64": np.int64, "I8": np.int8, "U8": np.uint8,
+           "F8_E4M3": ml_dtypes.float8_e4m3fn}  # fmt: skip
+E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], F32)
+
+
+def read_safetensors(path):
+    """The tensors of a safetensors file: an 8-byte header length, a JSON header, then the raw little-endian data."""
+    data = (path).read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        out[name] = np.frombuffer(data[8 + n + start : 8 + n + end], _DTYPES[info["dtype"]]).reshape(info["shape"])
+    return out, header.get("__metadata__")
+
+
+def unpack_int32(words, bits, cols):
+    """compressed-tensors' `unpack_from_int32` along the last axis: element i of a row from bits i*bits onwards of
+    the row's words, minus the offset 2**(bits - 1)."""
+    stream = np.ascontiguousarray(words).astype("<u4").view(np.uint8)  # the bytes of the words, in order
+    bitstream = np.unpackbits(stream.reshape(*words.shape[:-1], -1), axis=-1, bitorder="little")
+    weights = 1 << np.arange(bits)
+    values = bitstream[..., : cols * bits].reshape(*words.shape[:-1], cols, bits) @ weights
+    return values.astype(np.int64) - (1 << (bits - 1))
+
+
+def unpack_fp4(packed):
+    """Two E2M1 codes a byte, the first in the low nibble; bit 3 the sign."""
+    codes = np.stack([packed & 15, packed >> 4], axis=-1).reshape(*packed.shape[:-1], -1)
+    return np.where(codes & 8, -1.0, 1.0).astype(F32) * E2M1[codes & 7]
+
+
+def dequantize(tensors, module, args):
+    """A layer's weight as compressed-tensors' decompressors compute it, in float32."""
+    t = {k.removeprefix(module + "."): v for k, v in tensors.items() if k.startswith(module + ".")}
+    scale = t["weight_scale"]
+    if args["type"] == "int":
+        if "weight_packed" in t:
+            rows, cols = t["weight_shape"]
+            q = unpack_int32(t["weight_packed"], args["num_bits"], cols)
+        else:
+            q = t["weight"].astype(np.int64)
+        zp = t.get("weight_zero_point")
+        if zp is not None and "weight_packed" in t and args["strategy"] != "tensor":
+            zp = unpack_int32(zp.T, args["num_bits"], scale.shape[0]).T  # packed along the output channels
+        zp = np.zeros_like(scale) if zp is None else zp.astype(F32)
+        if args["strategy"] == "group":
+            groups = q.reshape(q.shape[0], -1, args["group_size"]).astype(F32)
+            return ((groups - zp[..., None]) * scale[..., None]).reshape(q.shape)
+        return (q.astype(F32) - zp) * scale
+    if args["num_bits"] == 8:
+        return t["weight"].astype(F32) * scale
+    values = unpack_fp4(t["weight_packed"])
+    g = args["group_size"]
+    if args["strategy"] == "group":  # MXFP4: E8M0 scales
+        block = np.ldexp(np.ones_like(scale, F32), scale.astype(np.int32) - 127)
+    else:  # NVFP4: E4M3 block scales divided by the global scale
+        block = scale.astype(F32) / t["weight_global_scale"]
+    return (values.reshape(values.shape[0], -1, g) * block[..., None]).reshape(values.shape)
+
+
+def _rules(name):
+    if name == "int4_asym":
+        return [Rule(".*", weight=DynamicFakeQuant(4, group_size=32, symmetric=False), input=None)]
+    if name == "int8_asym_w8a8":
+        weight = DynamicFakeQuant(8, axis=0, symmetric=False)
+        return [Rule(".*", weight=weight, input=DynamicFakeQuant(8, symmetric=False))]
+    rules = eqx_quant.recipe(name)["rules"]
+    if name == "nvfp4":  # NVFP4 inputs need a calibrated global scale: weights only here
+        rules = [Rule(".*", weight=rules[0].weight, input=None)]
+    return rules
+
+
+CASES = {
+    "w4a16_g32": ("pack-quantized", None),
+    "w2a16_g32": ("pack-quantized", None),
+    "w8a16": ("pack-quantized", None),
+    "int4_asym": ("pack-quantized", None),
+    "w8a8": ("int-quantized", "token"),
+    "w4a8_g32": ("int-quantized", "token"),
+    "int8_asym_w8a8": ("int-quantized", "token"),
+    "fp8": ("float-quantized", "token"),
+    "mxfp4": ("mxfp4-pack-quantized", "group"),
+    "nvfp4": ("nvfp4-pack-quantized", None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_layout_and_values(name, tmp_path):
+    mlp = eqx.nn.MLP(64, 16, 96, 2, key=jax.random.key(0))
+    model = eqx_quant.convert(eqx_quant.quantize(mlp, _rules(name)))
+    eqx_quant.export_compressed_tensors(tmp_path, model, config={"architectures": ["MLP"], "hidden_size": 96})
+    tensors, metadata = read_safetensors(tmp_path / "model.safetensors")
+    assert metadata == {"format": "pt"}
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["MLP"] and config["hidden_size"] == 96
+    qc = config["quantization_config"]
+    compression, input_strategy = CASES[name]
+    assert qc["quant_method"] == "compressed-tensors" and qc["quantization_status"] == "compressed"
+    assert qc["format"] == compression and qc["ignore"] == []
+    (group,) = qc["config_groups"].values()
+    assert group["targets"] == ["layers.0", "layers.1", "layers.2"] and group["format"] == compression
+    inputs = group["input_activations"]
+    assert (inputs and inputs["strategy"]) == input_strategy
+    if inputs is not None:
+        assert inputs["dynamic"] is True
+    args = group["weights"]
+    for i, layer in enumerate(model.layers):
+        ours = np.asarray(layer.weight)
+        theirs = dequantize(tensors, f"layers.{i}", args)
+        if name == "nvfp4":
+            # The codes and block scales are eqx_quant's; the global scale is the reciprocal of its tensor scale.
+            np.testing.assert_array_equal(
+                tensors[f"layers.{i}.weight_scale"].view(np.uint8), layer.qweight.scale[..., 0]
+            )
+            t = np.asarray(layer.qweight.tensor_scale, F32)
+            np.testing.assert_array_equal(tensors[f"layers.{i}.weight_global_scale"], [F32(1) / t])
+            np.testing.assert_allclose(theirs, ours, rtol=2**-22, atol=0)
+        else:
+            np.testing.assert_array_equal(theirs.view(np.uint32), ours.view(np.uint32))  # bit for bit, signed zeros too
+        np.testing.assert_array_equal(tensors[f"layers.{i}.bias"], layer.layer.bias)
+    if args["type"] == "int" and compression == "pack-quantized" and not name.endswith("asym"):
+        # the safetensors library itself reads the file
+        assert set(safetensors.numpy.load_file(tmp_path / "model.safetensors")) == set(tensors)
+
+
+def test_config_groups_ignore_names_stacked_and_static_inputs(tmp_path):
+    k = jax.random.split(jax.random.key(1), 4)
+    model = {
+        "blocks": eqx.filter_vmap(lambda k: eqx.nn.Linear(64, 64, key=k))(jax.random.split(k[0], 2)),
+        "mlp": eqx.nn.Linear(64, 32, key=k[1]),
+        "head": eqx.nn.Linear(32, 8, key=k[2]),
+        "embed": eqx.nn.Embedding(10, 64, key=k[3]),
+    }
+    rules = [Rule("head", weight=None, input=None), Rule("mlp", weight=DynamicFakeQuant(8, axis=0)),
+             Rule(".*", weight=LayerQuantizer(eqx_quant.int_format(4), 32), input=None)]  # fmt: skip
+    fake = eqx_quant.quantize(model, rules)
+    data = [jax.random.normal(jax.random.key(2), (4, 64))]
+    calibrated = eqx.tree_at(lambda m: m["mlp"], fake, eqx_quant.calibrate(fake["mlp"], data))
+    converted = eqx_quant.convert(calibrated)
+    names = {"blocks.weight": "model.layers.{layer}.proj.weight", "blocks.bias": "model.layers.{layer}.proj.bias",
+             "mlp.weight": "model.mlp.weight", "mlp.bias": "model.mlp.bias", "head.weight": "lm_head.weight",
+             "head.bias": None, "embed.weight": "model.embed_tokens.weight"}  # fmt: skip
+    eqx_quant.export_compressed_tensors(tmp_path, converted, names=names)
+    tensors, _ = read_safetensors(tmp_path / "model.safetensors")
+    qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert qc["format"] == "mixed-precision" and qc["ignore"] == ["lm_head"]
+    groups = {tuple(g["targets"]): g for g in qc["config_groups"].values()}
+    assert set(groups) == {("model.layers.0.proj", "model.layers.1.proj"), ("model.mlp",)}
+    static = groups[("model.mlp",)]
+    assert static["format"] == "int-quantized"
+    assert static["input_activations"]["strategy"] == "tensor" and static["input_activations"]["dynamic"] is False
+    np.testing.assert_array_equal(tensors["model.mlp.input_scale"], [converted["mlp"].input_quant.scale])
+    for i in range(2):
+        theirs = dequantize(
+            tensors, f"model.layers.{i}.proj", groups[("model.layers.0.proj", "model.layers.1.proj")]["weights"]
+        )
+        np.testing.assert_array_equal(theirs, np.asarray(converted["blocks"].weight[i]))
+    # the quantized embedding is written as the weight the model uses; the float head as it is, its bias left out
+    np.testing.assert_array_equal(tensors["model.embed_tokens.weight"], converted["embed"].weight)
+    np.testing.assert_array_equal(tensors["lm_head.weight"], model["head"].weight)
+    assert "lm_head.bias" not in tensors
+
+
+def test_errors(tmp_path):
+    mlp = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
+
+    def convert(rules):
+        return eqx_quant.convert(eqx_quant.quantize(mlp, rules))
+
+    with pytest.raises(ValueError, match=r"Layer 'a' has weights in format q4_0 .* compressed-tensors does not store"):
+        eqx_quant.export_compressed_tensors(tmp_path, convert(eqx_quant.recipe("q4_0")["rules"]))
+    with pytest.raises(ValueError, match="3-bit values"):
+        eqx_quant.export_compressed_tensors(tmp_path, convert(eqx_quant.recipe("w3a16_g32")["rules"]))
+    with pytest.raises(ValueError, match="format uint4"):
+        eqx_quant.export_compressed_tensors(
+            tmp_path, convert([Rule(".*", weight=DynamicFakeQuant("uint4", axis=0), input=None)])
+        )
+    with pytest.raises(ValueError, match="NVFP4 activations need a calibrated global scale"):
+        eqx_quant.export_compressed_tensors(tmp_path, convert(eqx_quant.recipe("nvfp4")["rules"]))
+    with pytest.raises(ValueError, match="not converted"):
+        eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a16")))
+    with pytest.raises(ValueError, match="must end in 'weight'"):
+        eqx_quant.export_compressed_tensors(
+            tmp_path, convert(eqx_quant.recipe("w8a16")["rules"]), names=lambda p: p + "_w"
+        )
+    assert not (tmp_path / "config.json").exists()
