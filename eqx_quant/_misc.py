@@ -1,7 +1,10 @@
+import functools
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,6 +37,25 @@ def check_real(name: str, value: object) -> float:
 def is_concrete(x: object) -> bool:
     """Whether `x`'s value is known now (it is not a tracer inside `jit`, `vmap`, `grad`, ...)."""
     return not isinstance(x, jax.core.Tracer)
+
+
+_Function = TypeVar("_Function", bound=Callable)
+_program = eqx.filter_jit(lambda function, *args, **kwargs: function(*args, **kwargs))
+
+
+def one_program(function: _Function) -> _Function:
+    """`function`, run as one compiled program when none of its arguments is traced (an eager call), where its few
+    dozen operations would otherwise each compile and run on their own. Traced (inside `jax.jit`, `jax.grad`, ...),
+    it runs as it is, in the caller's program. Its checks of concrete values see tracers in an eager call, so make
+    them before calling it."""
+
+    @functools.wraps(function)
+    def call(*args, **kwargs):
+        if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree.leaves((args, kwargs))):
+            return function(*args, **kwargs)
+        return _program(function, *args, **kwargs)
+
+    return call  # pyright: ignore[reportReturnType]
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:

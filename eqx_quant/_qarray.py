@@ -11,7 +11,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
 from ._format import FloatFormat, Format, IntFormat, decode_scale, encode_scale, int_dtype
 from ._layout import Layout
-from ._misc import compute_dtype, expand_to_rank, is_concrete
+from ._misc import compute_dtype, expand_to_rank, is_concrete, one_program
 from ._packing import pack_bits, unpack_bits
 from ._scales import Scales
 
@@ -116,7 +116,7 @@ class QuantizedArray(eqx.Module):
         format, the element values of a float format (in its compute dtype)."""
         if isinstance(self.format, IntFormat):
             return self.unpacked()
-        return _compiled(QuantizedArray._float_levels, self)
+        return one_program(QuantizedArray._float_levels)(self)
 
     def _float_levels(self) -> Array:
         return self.format.decode(self.unpacked(), compute_dtype(np.dtype(self.dtype)))
@@ -140,7 +140,7 @@ class QuantizedArray(eqx.Module):
     def dequantize(self) -> Float[Array, "*stack_and_shape"]:
         """`scale * (levels - zero_point)`, reshaped to `shape` (after the stacked axes, if any), in the tensor's
         dtype: bit for bit what the quantizer returned."""
-        return _compiled(QuantizedArray._dequantize, self)
+        return one_program(QuantizedArray._dequantize)(self)
 
     def dequantize_row(self, index: Int[ArrayLike, ""]) -> Float[Array, "*row_shape"]:
         """Row `index` (along the first axis) of [`eqx_quant.QuantizedArray.dequantize`][], computed from that row's
@@ -150,7 +150,7 @@ class QuantizedArray(eqx.Module):
                 f"`dequantize_row` needs an unstacked tensor of rank 2 or more, got shape {self.shape} with "
                 f"{self.stack_depth} stacked axes."
             )
-        return _compiled(QuantizedArray._dequantize_row, self, jnp.asarray(index))
+        return one_program(QuantizedArray._dequantize_row)(self, jnp.asarray(index))
 
     def _dequantize_row(self, index: Array) -> Array:
         if self.packed_bits is not None:
@@ -178,9 +178,16 @@ class QuantizedArray(eqx.Module):
         return shift_levels(self.unpacked(), self.zero_point, self.format)
 
 
-# Each method above is compiled as one program, even in eager calls: a few dozen small operations, each compiled on its
-# own otherwise. (Inside `jax.jit` the call is inlined.)
-_compiled = eqx.filter_jit(lambda method, array, *args: method(array, *args))
+def check_storable(x: Array, fmt: Format) -> None:
+    """Raises `ValueError` for a concrete `x` holding NaN when `fmt` is a float format with float32 scales and no NaN
+    code (FP6, FP4): no code stores it."""
+    if isinstance(fmt, FloatFormat) and not fmt.has_nan and fmt.scale == "float32" and is_concrete(x):
+        nan = np.argwhere(np.isnan(np.asarray(x, np.float32)))
+        if nan.size:
+            raise ValueError(
+                f"`x` holds NaN (at index {tuple(int(i) for i in nan[0])}), which {fmt.element} cannot store under a "
+                "per-tensor or per-channel scale."
+            )
 
 
 def quantize_array(
@@ -205,13 +212,7 @@ def quantize_array(
     tensor_scale = scales.tensor_scale
     if tensor_scale is not None:
         tensor_scale = jax.lax.stop_gradient(jnp.asarray(tensor_scale)).astype(compute)
-    if isinstance(fmt, FloatFormat) and not fmt.has_nan and fmt.scale == "float32" and is_concrete(x):
-        nan = np.argwhere(np.isnan(np.asarray(x, np.float32)))
-        if nan.size:
-            raise ValueError(
-                f"`x` holds NaN (at index {tuple(int(i) for i in nan[0])}), which {fmt.element} cannot store under a "
-                "per-tensor or per-channel scale."
-            )
+    check_storable(x, fmt)
     levels = quantize_levels(view.astype(compute), Scales(scale, zero_point, tensor_scale), fmt)
     codes = fmt.encode(levels).reshape(x.shape)
     bits = fmt.packed_width if pack else None

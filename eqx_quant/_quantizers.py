@@ -39,9 +39,10 @@ from ._misc import (
     check_real,
     compute_dtype,
     flat,
+    one_program,
     shards,
 )
-from ._qarray import QuantizedArray, quantize_array
+from ._qarray import QuantizedArray, check_storable, quantize_array
 from ._scales import (
     Scales,
     absmax_scale,
@@ -168,6 +169,9 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         An array with the shape and dtype of `x`.
         """
         del key
+        return one_program(AbstractFakeQuantizer._call)(self, x)
+
+    def _call(self, x: Array) -> Array:
         view = self._view(x)
         with jax.named_scope(f"eqx_quant.{type(self).__name__}"):
             return fake_quant_scales(view, self.scales(x), self.format).reshape(x.shape)
@@ -186,6 +190,9 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         shortened by `group_size` per tile. The zero point is integer-valued (0 when symmetric); a two-level scale is
         given as the product of its two levels, an E8M0 scale `2**-127` as 0. No gradient flows through them.
         """
+        return one_program(AbstractFakeQuantizer._quantization_params)(self, x)
+
+    def _quantization_params(self, x: Array) -> tuple[Array, Array]:
         self._view(x)
         scale, zero_point = self.params(jax.lax.stop_gradient(x))
         scale = jax.lax.stop_gradient(jnp.broadcast_to(scale, self.layout.broadcast_shape(x.shape)))
@@ -216,6 +223,10 @@ class AbstractFakeQuantizer(AbstractQuantizer):
     def quantize_with_mask(self, x: Float[Array, "*shape"], *, pack: bool = False) -> tuple[QuantizedArray, Array]:
         """[`eqx_quant.AbstractFakeQuantizer.quantize_array`][] (unpacked by default), and where its grid points are
         NaN (no integer holds NaN; the integer products take those positions apart)."""
+        check_storable(x, self.format)
+        return one_program(AbstractFakeQuantizer._quantize_with_mask)(self, x, pack)
+
+    def _quantize_with_mask(self, x: Array, pack: bool) -> tuple[QuantizedArray, Array]:
         self._view(x)
         array, nan = quantize_array(x, self.scales(x), self.format, self.layout, pack=pack)
         assert nan is not None
@@ -228,6 +239,10 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         computation of the scales: what the integer forward of a quantized layer needs of each operand. With
         `value=False`, the first is `x` itself with the call's derivatives (for products that use only the
         fake-quantized operand's tangent); with `mask=False`, the NaN mask is `None` (not computed)."""
+        check_storable(x, self.format)
+        return one_program(AbstractFakeQuantizer._fake_quant_and_array)(self, x, value, mask)
+
+    def _fake_quant_and_array(self, x: Array, value: bool, mask: bool) -> tuple[Array, QuantizedArray, Array | None]:
         view = self._view(x)
         scales = self.scales(x)
         fake = fake_quant_scales(view, scales, self.format, value=value).reshape(x.shape)

@@ -5,11 +5,13 @@ import jax
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_grid, integer_product, plan
+from .._misc import one_program
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
 from ._layers import as_vector, check_input, scalar_output
 
 
+@one_program
 def converted_forward(layer: "AbstractConvertedLayer", x: Array, key: PRNGKeyArray | None) -> Array:
     """The forward pass of a converted `Linear` or `Conv` (`x` one example, checked): the integer computation where
     the same decision as the quantized layer's allows it, else the float layer on the dequantized weight."""

@@ -8,6 +8,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._backward import QuantizedBackward, quantized_input_gradient
 from .._int_ops import LinearSpec, integer_forward, integer_grid, plan
+from .._misc import one_program
 from .._qarray import nan_levels
 from .._quantizers import AbstractQuantizer, DynamicFakeQuant
 
@@ -122,6 +123,7 @@ def check_input(layer: eqx.Module, x: Array) -> None:
             )
 
 
+@one_program
 def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None) -> Array:
     """The forward pass of a quantized `Linear` or `Conv` (`x` one example, checked): the integer computation where
     `plan` allows it (and `matmul="int"`), else the float layer on the fake-quantized operands."""
