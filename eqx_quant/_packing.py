@@ -8,6 +8,8 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Int, UInt8, jaxtyped
 
+from ._misc import one_program
+
 
 NIBBLE_ORDER = "low-first"
 """How [`eqx_quant.pack_int4`][] orders two 4-bit values in a byte: element `2i` of a row in bits 0-3, element
@@ -88,6 +90,11 @@ def pack_bits(values: Int[Array, "rows n"], bits: int) -> UInt8[Array, "rows pac
     """
     _check_bits(bits)
     _check_range(values, bits)
+    return _pack(values, bits)
+
+
+@one_program
+def _pack(values: Array, bits: int) -> Array:
     rows, n = values.shape
     per_group, group_bytes = _group(bits)
     fields = (values.astype(jnp.int32) & ((1 << bits) - 1)).astype(jnp.uint32)
@@ -124,6 +131,12 @@ def unpack_bits(packed: UInt8[Array, "rows packed"], n: int, bits: int, *, signe
     rows, length = packed.shape
     if isinstance(n, bool) or n < 0 or length != -(-n * bits // 8):
         raise ValueError(f"`n`={n!r} does not match the packed row length {length} for {bits}-bit values.")
+    return _unpack(packed, n, bits, signed)
+
+
+@one_program
+def _unpack(packed: Array, n: int, bits: int, signed: bool) -> Array:
+    rows, length = packed.shape
     per_group, group_bytes = _group(bits)
     groups = -(-n // per_group)
     padded = jnp.pad(packed, ((0, 0), (0, groups * group_bytes - length))).astype(jnp.uint32)

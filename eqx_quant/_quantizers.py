@@ -506,20 +506,12 @@ class FakeQuant(AbstractFakeQuantizer):
         check_fit_method(fmt, method)
         x, view = _sample_data(x, layout)
         axes = layout.reduction_axes(x.shape)
-        zero_point = tensor_scale = None
         if fmt.scale != "float32":
             check_blocks(x.shape, layout.group_axis, layout.group_size, fmt)  # pyright: ignore[reportArgumentType]
-            scale, _, tensor_scale = fit_scales(view, axes, fmt)
-        elif method == "minmax":
-            assert isinstance(fmt, IntFormat)
-            _, lo, hi = stats(view, axes)
-            scale, zero_point = minmax_scale(lo, hi, fmt)
-        elif method == "absmax":
-            scale = absmax_scale(stats(view, axes)[0], fmt)
-        elif method == "percentile":
-            scale = absmax_scale(jnp.asarray(_percentile_of_data(view, axes, percentile), jnp.float32), fmt)
-        else:
-            scale = least_error_scale(view, None, stats(view, axes)[0], axes, fmt, int(num_candidates))
+        threshold = None
+        if method == "percentile":
+            threshold = jnp.asarray(_percentile_of_data(view, axes, percentile), jnp.float32)
+        scale, zero_point, tensor_scale = _fitted_scales(view, threshold, axes, fmt, method, int(num_candidates))
         scale = np.asarray(layout.compact(scale, x.shape))
         tensor_scale = None if tensor_scale is None else float(tensor_scale)
         if zero_point is None and fmt.zero_points:  # zeros in the shape of the scales, as minmax gives them
@@ -534,6 +526,26 @@ class FakeQuant(AbstractFakeQuantizer):
     def calibrate(cls, x: Real[ArrayLike, "*shape"], bits: FormatLike, **kwargs) -> "FakeQuant":
         """An alias of [`eqx_quant.FakeQuant.fit`][] (the name of earlier releases)."""
         return cls.fit(x, bits, **kwargs)
+
+
+@one_program
+def _fitted_scales(
+    view: Array, threshold: Array | None, axes: tuple[int, ...], fmt: Format, method: str, num_candidates: int
+) -> Scales:
+    """The arithmetic of [`eqx_quant.FakeQuant.fit`][] on checked data: its scales for `view` (the sample data under
+    the layout), reduced over `axes`; `threshold` is the percentile of `method="percentile"`."""
+    if fmt.scale != "float32":
+        return Scales(*fit_scales(view, axes, fmt))
+    if method == "minmax":
+        assert isinstance(fmt, IntFormat)
+        _, lo, hi = stats(view, axes)
+        return Scales(*minmax_scale(lo, hi, fmt))
+    if method == "absmax":
+        return Scales(absmax_scale(stats(view, axes)[0], fmt))
+    if method == "percentile":
+        assert threshold is not None
+        return Scales(absmax_scale(threshold, fmt))
+    return Scales(least_error_scale(view, None, stats(view, axes)[0], axes, fmt, num_candidates))
 
 
 def check_fit_method(fmt: Format, method: str) -> None:
@@ -911,28 +923,37 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
                 init = eqx.filter_vmap(init)
             return init(x)
         x, view = _sample_data(x, layout)
-        axes = layout.reduction_axes(x.shape)
-        like = dict(format=fmt, axis=layout.axis, group_size=group_size, group_axis=group_axis, min_scale=min_scale,
-                    axis_name=axis_name)  # fmt: skip
-        if not isinstance(fmt, IntFormat) or fmt.scale != "float32":
-            if fmt.scale != "float32":
-                check_blocks(x.shape, group_axis, group_size, fmt)  # pyright: ignore[reportArgumentType]
-            scale, _, tensor_scale = fit_scales(view, axes, fmt)
-            if fmt.scale == "float32":
-                scale = jnp.maximum(scale, min_scale)
-            return cls(layout.compact(scale, x.shape), tensor_scale=tensor_scale, **like)  # pyright: ignore
-        finite = jnp.isfinite(view)
-        magnitudes = jnp.where(finite, jnp.abs(view), 0.0)
-        count = jnp.maximum(jnp.sum(finite, axis=axes, keepdims=True), 1).astype(jnp.float32)
-        mean = jnp.sum(magnitudes, axis=axes, keepdims=True) / count
-        # Past float32's range the sum overflows where the mean does not: then the sum of pre-divided magnitudes.
-        mean = jnp.where(jnp.isfinite(mean), mean, jnp.sum(magnitudes / count, axis=axes, keepdims=True))
-        scale = layout.compact(jnp.maximum(2 * mean / math.sqrt(fmt.qmax), min_scale), x.shape)
-        zero_point = None
-        if not symmetric:
-            lo = jnp.minimum(jnp.min(finite_or(view, 0.0), axis=axes, initial=0.0), 0.0)
-            zero_point = jnp.clip(jnp.round(fmt.qmin - lo / scale), fmt.qmin, fmt.qmax)  # `lo` without unit axes
-        return cls(scale, zero_point=zero_point, **like)  # pyright: ignore
+        if fmt.scale != "float32":
+            check_blocks(x.shape, group_axis, group_size, fmt)  # pyright: ignore[reportArgumentType]
+        scale, zero_point, tensor_scale = _initial_scales(view, layout, x.shape, fmt, min_scale, symmetric)
+        return cls(scale, zero_point=zero_point, tensor_scale=tensor_scale, format=fmt, axis=layout.axis,
+                   group_size=group_size, group_axis=group_axis, min_scale=min_scale, axis_name=axis_name)  # fmt: skip
+
+
+@one_program
+def _initial_scales(
+    view: Array, layout: Layout, shape: tuple[int, ...], fmt: Format, min_scale: float, symmetric: bool
+) -> Scales:
+    """The arithmetic of [`eqx_quant.LearnedFakeQuant.init_from`][] on checked data: its initial scales for `view`
+    (the sample data of shape `shape` under `layout`), compacted to the layout's shape."""
+    axes = layout.reduction_axes(shape)
+    if not isinstance(fmt, IntFormat) or fmt.scale != "float32":
+        scale, _, tensor_scale = fit_scales(view, axes, fmt)
+        if fmt.scale == "float32":
+            scale = jnp.maximum(scale, min_scale)
+        return Scales(layout.compact(scale, shape), None, tensor_scale)
+    finite = jnp.isfinite(view)
+    magnitudes = jnp.where(finite, jnp.abs(view), 0.0)
+    count = jnp.maximum(jnp.sum(finite, axis=axes, keepdims=True), 1).astype(jnp.float32)
+    mean = jnp.sum(magnitudes, axis=axes, keepdims=True) / count
+    # Past float32's range the sum overflows where the mean does not: then the sum of pre-divided magnitudes.
+    mean = jnp.where(jnp.isfinite(mean), mean, jnp.sum(magnitudes / count, axis=axes, keepdims=True))
+    scale = layout.compact(jnp.maximum(2 * mean / math.sqrt(fmt.qmax), min_scale), shape)
+    zero_point = None
+    if not symmetric:
+        lo = jnp.minimum(jnp.min(finite_or(view, 0.0), axis=axes, initial=0.0), 0.0)
+        zero_point = jnp.clip(jnp.round(fmt.qmin - lo / scale), fmt.qmin, fmt.qmax)  # `lo` without unit axes
+    return Scales(scale, zero_point)
 
 
 #
