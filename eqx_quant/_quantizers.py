@@ -921,7 +921,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
             init = lambda w: cls.init_from(w, fmt, **kwargs, min_scale=min_scale, axis_name=axis_name)  # noqa: E731
             for _ in range(stacked):
                 init = eqx.filter_vmap(init)
-            return init(x)
+            return one_program(init)(x)
         x, view = _sample_data(x, layout)
         if fmt.scale != "float32":
             check_blocks(x.shape, group_axis, group_size, fmt)  # pyright: ignore[reportArgumentType]

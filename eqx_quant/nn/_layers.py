@@ -1,3 +1,4 @@
+import functools
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -36,10 +37,20 @@ def stack_depth(layer: eqx.Module, weight_shape: tuple[int, ...]) -> int:
 
 def per_layer(fn: Callable, depth: int) -> Callable:
     """`fn(quantizer, weight)` mapped over `depth` leading stacked axes of the weight and of the quantizer's arrays
-    (a quantizer of a stacked layer holds one set of arrays per layer, as the layer holds one weight per layer)."""
+    (a quantizer of a stacked layer holds one set of arrays per layer, as the layer holds one weight per layer).
+    An eager call of the mapped function runs as one program."""
+    if depth == 0:
+        return fn
     for _ in range(depth):
         fn = eqx.filter_vmap(fn)
-    return fn
+    return one_program(fn)
+
+
+@functools.cache
+def _quantized_weight(depth: int) -> Callable:
+    """`quantizer(weight)` for a layer stacked `depth` times: one function per depth, so that its eager calls
+    reuse one compiled program."""
+    return per_layer(lambda quantizer, weight: quantizer(weight), depth)
 
 
 class AbstractQuantLayer(eqx.Module):
@@ -72,7 +83,7 @@ class AbstractQuantLayer(eqx.Module):
             # `eqx.tree_at` looks for it through this property), returned as it is.
             return weight
         depth = stack_depth(self.layer, weight.shape)
-        return per_layer(lambda quantizer, w: quantizer(w), depth)(self.weight_quant, weight)
+        return _quantized_weight(depth)(self.weight_quant, weight)
 
     def __getattr__(self, name: str) -> Any:
         """Every other public attribute of the wrapped layer reads through (`bias`, `in_features`,
