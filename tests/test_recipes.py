@@ -115,6 +115,14 @@ def test_subclasses_that_override_call_are_not_silently_replaced():
     assert type(quantize(model, where=lambda path, layer: path != "double")["double"]) is Doubling
 
 
+@eqx.filter_jit
+def _by_hand(qmodel, x):
+    for layer in qmodel.layers:
+        weight, inputs = layer.weight_quant(layer.layer.weight), jax.vmap(layer.input_quant)(x)
+        x = inputs @ weight.T + layer.layer.bias[None]
+    return x
+
+
 @pytest.mark.slow
 def test_float_recipes_give_the_documented_quantizers_and_convert_exactly():
     # Inputs 32, 48, 24: blocks of 32 (MX) fit the first layer only, blocks of 16 (NVFP4) the first two; a layer they
@@ -144,11 +152,7 @@ def test_float_recipes_give_the_documented_quantizers_and_convert_exactly():
         converted = eqx_quant.convert(qmodel)
         assert_bitwise_equal(run(converted, x), run(qmodel, x))
         # The fake-quantized output is the float model on the fake-quantized operands, layer by layer.
-        h = x
-        for layer in qmodel.layers:
-            weight, inputs = layer.weight_quant(layer.layer.weight), jax.vmap(layer.input_quant)(h)
-            h = inputs @ weight.T + layer.layer.bias[None]
-        np.testing.assert_allclose(run(qmodel, x), h, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(run(qmodel, x), _by_hand(qmodel, x), rtol=1e-5, atol=1e-6)
     # A convolution blocks along its input channels: axis 1 of its weight (out, in, kh, kw), axis 0 of its input
     # (in, h, w), both counted from the end (-3) so that stacked weights block alike.
     conv = eqx.nn.Conv2d(32, 4, 3, key=jax.random.key(4))

@@ -174,8 +174,7 @@ STEP_CASES = [
     ("mlp", "w4a4"),
     ("mlp", "float-matmul"),
     ("mlp", "int8-backward"),
-    ("convnet", "dynamic"),
-    ("convnet", "learned"),
+    ("convnet", "learned"),  # the convolutions' sharding; the MLP covers the other variants
 ]
 
 
