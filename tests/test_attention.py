@@ -60,6 +60,7 @@ def test_gradients_are_those_of_the_float_formulation(operands):
         assert np.abs(np.asarray(g_int)).sum() > 0
 
 
+@pytest.mark.slow
 def test_nan_and_fallbacks(operands):
     a, b = operands
     a_nan = a.at[2, 3].set(jnp.nan)

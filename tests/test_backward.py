@@ -113,6 +113,7 @@ def test_stochastic_rounding_against_numpy_with_the_same_uniforms():
     assert not np.array_equal(expected, np.asarray(_input_gradient(nearest, x, cotangent, None)))
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_is_unbiased():
     """Over many keys, the mean input gradient approaches `W_intᵀ h` with `h` unrounded, within four standard
     errors (each level's rounding error is at most one step, so its variance is at most 1/4 step²)."""
@@ -241,6 +242,7 @@ def test_errors():
         jax.grad(lambda v: jnp.sum(stochastic(v)))(jnp.ones(3))
 
 
+@pytest.mark.slow
 def test_the_demo_passes_the_backward_to_its_linear_layers():
     from examples.qat_demo import ConvNet, quantized
 

@@ -146,6 +146,7 @@ def test_layout_and_values(name, tmp_path):
         assert set(safetensors.numpy.load_file(tmp_path / "model.safetensors")) == set(tensors)
 
 
+@pytest.mark.slow
 def test_config_groups_ignore_names_stacked_and_static_inputs(tmp_path):
     k = jax.random.split(jax.random.key(1), 4)
     model = {

@@ -148,6 +148,7 @@ def test_nan_input_makes_nan_the_conv_outputs_whose_window_covers_it(groups, str
         same_bits_or_both_nan(outputs[name], outputs["fake"])
 
 
+@pytest.mark.slow
 def test_nan_weight_makes_its_output_channel_nan_in_training():
     layer = linear()
     weight = np.asarray(layer.weight).copy()

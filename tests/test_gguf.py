@@ -270,6 +270,7 @@ def test_names_split_stacked_layers_and_round_trip(tmp_path):
     assert back["norm"].bias is model["norm"].bias  # left out of the file: kept from `like`
 
 
+@pytest.mark.slow
 def test_qat_on_q4_0_then_export_is_gguf_bit_for_bit(tmp_path):
     # Fine-tune a Q4_0 checkpoint: read it into a fake-quantized model, train through the straight-through
     # gradients, convert and export. The file is what `gguf`'s own quantizer makes of the trained weights.
@@ -362,6 +363,7 @@ def test_export_errors(tmp_path):
         eqx_quant.load_gguf(__file__, q4)
 
 
+@pytest.mark.slow
 def test_gptq_on_q4_0_exports_bit_for_bit(tmp_path):
     # GPTQ on the Q4_0 grid: each block's `d` from the weight, as GPTQ fixes a group's scale; the levels chosen
     # against the calibration data. The file holds exactly what the model computes with.

@@ -104,6 +104,7 @@ def test_smoke_run_writes_plausible_results(smoke):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.slow
 def test_float_bpc_follows_the_protocol(smoke):
     # Recomputes the float model's validation bits per character from the saved file, with the windows built from
     # the protocol's formula and the log-probabilities in float64 NumPy.

@@ -110,6 +110,7 @@ def test_calibrate_scanned_blocks_per_layer(lm, token_batches):
             assert len(set(np.asarray(quantizer.scale).tolist())) == LAYERS
 
 
+@pytest.mark.slow
 def test_calibrated_stack_matches_static_quantizers(lm, token_batches):
     # The per-layer LearnedFakeQuant that calibration gives a stack computes exactly what a static FakeQuant with
     # the same scale computes, layer by layer.

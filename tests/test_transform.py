@@ -483,6 +483,7 @@ def test_calibrate_absmax(calibration_mlp, calibration_data):
     assert eqx.tree_equal(calibrate(qmodel, (b for b in batches)), calibrated)
 
 
+@pytest.mark.slow
 def test_calibrate_minmax(calibration_mlp, calibration_data):
     x, batches = calibration_data
     qmodel = quantize(calibration_mlp)
