@@ -128,9 +128,13 @@ class Preset:
             eqx_quant.recipe(name)  # a `ValueError` naming the known recipes if it is not one
 
 
-FULL_RECIPES = ("w8a8", "w8a8_attn", "w4a8_g32", "w4a16_g32", "w3a16_g32", "w2a16_g32", "fp8", "mxfp4", "nvfp4")
+INT_RECIPES = ("w8a8", "w8a8_attn", "w4a8_g32", "w4a16_g32", "w3a16_g32", "w2a16_g32")
+FULL_RECIPES = (*INT_RECIPES, "fp8", "mxfp4", "nvfp4", "q8_0", "q4_0")
 METHODS = ("rtn", "gptq", "qat")
 FLOAT_RECIPES = ("fp8", "mxfp4", "nvfp4")  # low-precision float formats: round-to-nearest and QAT rows only
+# Without a GPTQ row: the float formats, and the GGML formats with signed block scales, which `gptq` cannot hold for
+# the stacked blocks of this model.
+NO_GPTQ = (*FLOAT_RECIPES, "q4_0", "q5_0")
 # The tied embedding (the model's input layer and its output head) stays at 8 bits per row in every recipe, as the
 # first and last layers usually do.
 KEEP = ("embed",)
@@ -356,6 +360,18 @@ def file_bytes(model: Any, path: pathlib.Path) -> int:
     """The size of the file that `eqx_quant.save` writes for `model`."""
     eqx_quant.save(path, model)
     return path.stat().st_size
+
+
+GGUF_RECIPES = ("q8_0", "q4_0", "q5_0")  # llama.cpp's formats: their rows also give the GGUF file's size
+
+
+def gguf_bytes(model: Any, path: pathlib.Path) -> int:
+    """The size of the GGUF file that `eqx_quant.export_gguf` writes for `model` (needs the `gguf` package, of the
+    `test` extra), float tensors as F32."""
+    eqx_quant.export_gguf(path, model)
+    size = path.stat().st_size
+    path.unlink()
+    return size
 
 
 def parameter_count(model: Any) -> int:
@@ -588,7 +604,7 @@ def run(
     int_model = None  # the converted W8A8 round-to-nearest model, for the decoding benchmark
     for recipe in recipes:
         for method in methods:
-            if method == "gptq" and recipe in FLOAT_RECIPES:
+            if method == "gptq" and recipe in NO_GPTQ:
                 continue
             start = time.perf_counter()
             derived = ARMS[method](model, bench, recipe)
@@ -606,10 +622,13 @@ def run(
                 "seconds": seconds,
             }
             path.unlink()
+            if recipe in GGUF_RECIPES:
+                row["gguf_bytes"] = gguf_bytes(converted, out / f"{recipe}_{method}.gguf")
             results["rows"].append(row)
+            gguf = f", GGUF {row['gguf_bytes']:,} B" if "gguf_bytes" in row else ""
             say(
                 f"{recipe} {method}: built in {row['seconds']:.1f} s, val {row['val_bpc']:.4f} bpc (converted "
-                f"{row['converted_val_bpc']:.4f}), {row['file_bytes']:,} B"
+                f"{row['converted_val_bpc']:.4f}), {row['file_bytes']:,} B{gguf}"
             )
 
     timed = quantized(model, TIMED_RECIPE, learned=True)
@@ -675,18 +694,21 @@ def table(results: dict) -> str:
     """The rows as a Markdown table: bits per character, their change from the float model, whether the converted
     model scored the same, and the converted model's file size."""
     float_bpc, float_bytes = results["float"]["val_bpc"], results["float"]["file_bytes"]
+    gguf = any("gguf_bytes" in r for r in results["rows"])  # a column of GGUF file sizes, for the GGML recipes
     lines = [
-        "| recipe | method | val bpc | vs float | converted equal | file bytes | of float32 |",
-        "|---|---|---:|---:|:---:|---:|---:|",
-        f"| float | | {float_bpc:.4f} | | | {float_bytes:,} | 100% |",
+        "| recipe | method | val bpc | vs float | converted equal | file bytes | of float32 |"
+        + (" GGUF bytes |" * gguf),
+        "|---|---|---:|---:|:---:|---:|---:|" + ("---:|" * gguf),
+        f"| float | | {float_bpc:.4f} | | | {float_bytes:,} | 100% |" + (" |" * gguf),
         f"| float, fine-tuned (control) | | {results['control']['val_bpc']:.4f} | "
-        f"{100 * (results['control']['val_bpc'] / float_bpc - 1):+.2f}% | | | |",
+        f"{100 * (results['control']['val_bpc'] / float_bpc - 1):+.2f}% | | | |" + (" |" * gguf),
     ]
     for r in results["rows"]:
         same = "yes" if r["converted_val_bpc"] == r["val_bpc"] else "**no**"
+        gguf_cell = (f" {r['gguf_bytes']:,} |" if "gguf_bytes" in r else " |") * gguf
         lines.append(
             f"| {r['recipe']} | {r['method']} | {r['val_bpc']:.4f} | {100 * (r['val_bpc'] / float_bpc - 1):+.2f}% | "
-            f"{same} | {r['file_bytes']:,} | {100 * r['file_bytes'] / float_bytes:.1f}% |"
+            f"{same} | {r['file_bytes']:,} | {100 * r['file_bytes'] / float_bytes:.1f}% |" + gguf_cell
         )
     return "\n".join(lines)
 

@@ -64,7 +64,8 @@ def gptq(
     static [`eqx_quant.FakeQuant`][], or for stacked layers (built with `eqx.filter_vmap`, run with `jax.lax.scan`)
     a [`eqx_quant.LearnedFakeQuant`][] holding one set of scales per layer. The fake-quant forward then computes
     exactly with GPTQ's integers, and [`eqx_quant.convert`][] stores them. Biases, input quantizers and other layers
-    are unchanged.
+    are unchanged. (A `LearnedFakeQuant`'s scales are positive: the signed block scales of `"q4_0"` and `"q5_0"` are
+    a `ValueError` on stacked layers.)
 
     The Hessian of each layer is `Σ x xᵀ` over the inputs the layer sees when the model runs on `batches` with its
     weight quantizers active and the chosen layers' input quantizers bypassed (all layers from one pass: layers are not
@@ -98,6 +99,15 @@ def gptq(
     if not layers:
         raise ValueError("`model` has no QuantLinear layer with a weight quantizer to quantize with GPTQ.")
     grids = {path: _gptq_grid(path, layer.weight_quant) for path, layer in layers}
+    for path, layer in layers:
+        fmt = grids[path][0]
+        if layer_stack(layer) and fmt.scale_rule == "signed_max":
+            raise ValueError(
+                f"Layer {path!r} is stacked (built with `eqx.filter_vmap`) and quantizes its weight to {fmt.name}, "
+                "whose block scales are signed: a stacked layer holds GPTQ's scales in a LearnedFakeQuant, which "
+                "keeps them positive. Run `gptq` on the unstacked layers, or choose another format (q8_0), or "
+                "exclude the layer with `where`."
+            )
     # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes.
     grams = fold(model, layers, batches, batched, "gram", progress=progress, description="gptq (Hessians)")
     never = [path for path, _ in layers if path not in grams]

@@ -378,3 +378,9 @@ def test_gptq_on_q4_0_exports_bit_for_bit(tmp_path):
     rtn = np.asarray(fake.layers[0].weight_quant(mlp.layers[0].weight))
     error = lambda q: np.sum((np.asarray(x) @ (w - q).T) ** 2)  # noqa: E731
     assert error(np.asarray(converted.layers[0].weight)) < 0.8 * error(rtn)
+    # Stacked layers hold GPTQ's scales in a LearnedFakeQuant, whose scales are positive: Q4_0's signed ones are
+    # refused before any work, naming the layer.
+    stacked = eqx.filter_vmap(lambda k: eqx.nn.Linear(64, 16, key=k))(jax.random.split(jax.random.key(2), 2))
+    scanned = eqx_quant.quantize(stacked, **eqx_quant.recipe("q4_0"))
+    with pytest.raises(ValueError, match=r"Layer '' is stacked .* q4_0, whose block scales are signed"):
+        eqx_quant.gptq(scanned, [x], batched=True)
