@@ -370,7 +370,10 @@ def plot(results: dict, path: pathlib.Path) -> None:
         for x, h, e in zip(xs, heights, errors, strict=True):
             ax.annotate(f"{h:.1f}", (x, h + e), textcoords="offset points", xytext=(0, 2), ha="center", fontsize=7)
         lows += [h - e for h, e in zip(heights, errors, strict=True)]
-    sizes = {name: next(results[k][name]["weight_bytes"] for k in ("qat", "ptq") if name in results[k]) for name in names}
+    sizes = {
+        name: next(results[kind][name]["weight_bytes"] for kind in ("qat", "ptq") if name in results[kind])
+        for name in names
+    }
     ax.set_xticks(range(len(names)), [f"{name}\n{sizes[name]:,} B" for name in names])
     low = min(lows)
     ax.set_ylim(max(0.0, low - 0.1 * (100 - low) - 1), 103)
