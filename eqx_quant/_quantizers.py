@@ -881,10 +881,11 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         min_scale: float = 1e-8,
         axis_name: AxisName | None = None,
         stacked: int = 0,
+        method: Literal["lsq", "absmax"] = "lsq",
     ) -> "LearnedFakeQuant":
-        """Initialises the scales from data: for an integer grid as LSQ does, `2 * mean|x| / sqrt(qmax)`; for a float
-        format the scales [`eqx_quant.DynamicFakeQuant`][] would use for `x` (`max|x| / M`, or the block scales of MX
-        and NVFP4). Per tensor, per channel or per tile.
+        """Initialises the scales from data: for an integer grid as LSQ does, `2 * mean|x| / sqrt(qmax)`, or with
+        `method="absmax"` as round to nearest does; for a float format the scales [`eqx_quant.DynamicFakeQuant`][]
+        would use for `x` (`max|x| / M`, or the block scales of MX and NVFP4). Per tensor, per channel or per tile.
 
         **Arguments:**
 
@@ -901,6 +902,9 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
             built with `eqx.filter_vmap`, of shape `(layers, *weight_shape)`). The quantizer is then made for one
             tensor (`axis` and `group_size` refer to its axes) and stacked like the layer: its arrays get the same
             leading axes, so that a `jax.lax.scan` over the layers hands each layer its own step sizes.
+        - `method`: for an integer grid, `"lsq"` (LSQ's rule above) or `"absmax"`: the scales of
+            [`eqx_quant.DynamicFakeQuant`][] with the same format and layout (symmetric only), so that training
+            starts exactly from the round-to-nearest model. Float formats always start from their dynamic scales.
 
         **Returns:**
 
@@ -913,11 +917,17 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         _check_layout(fmt, layout)
         if not symmetric and not fmt.zero_points:
             raise ValueError(f"`symmetric`=False needs a zero point, which {fmt.name} does not have.")
+        if method not in ("lsq", "absmax"):
+            raise ValueError(f"`method` must be 'lsq' or 'absmax', got method={method!r}.")
+        if method == "absmax" and not symmetric:
+            raise ValueError(
+                "`method`='absmax' starts from symmetric round-to-nearest scales; it needs `symmetric`=True."
+            )
         if stacked:
             x = as_float_input("x", x)
             if x.ndim < stacked:
                 raise ValueError(f"`stacked`={stacked} leading axes do not fit `x` of shape {x.shape}.")
-            kwargs = dict(axis=axis, group_size=group_size, group_axis=group_axis, symmetric=symmetric)
+            kwargs = dict(axis=axis, group_size=group_size, group_axis=group_axis, symmetric=symmetric, method=method)
             init = lambda w: cls.init_from(w, fmt, **kwargs, min_scale=min_scale, axis_name=axis_name)  # noqa: E731
             for _ in range(stacked):
                 init = eqx.filter_vmap(init)
@@ -925,19 +935,19 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         x, view = _sample_data(x, layout)
         if fmt.scale != "float32":
             check_blocks(x.shape, group_axis, group_size, fmt)  # pyright: ignore[reportArgumentType]
-        scale, zero_point, tensor_scale = _initial_scales(view, layout, x.shape, fmt, min_scale, symmetric)
+        scale, zero_point, tensor_scale = _initial_scales(view, layout, x.shape, fmt, min_scale, symmetric, method)
         return cls(scale, zero_point=zero_point, tensor_scale=tensor_scale, format=fmt, axis=layout.axis,
                    group_size=group_size, group_axis=group_axis, min_scale=min_scale, axis_name=axis_name)  # fmt: skip
 
 
 @one_program
 def _initial_scales(
-    view: Array, layout: Layout, shape: tuple[int, ...], fmt: Format, min_scale: float, symmetric: bool
+    view: Array, layout: Layout, shape: tuple[int, ...], fmt: Format, min_scale: float, symmetric: bool, method: str
 ) -> Scales:
     """The arithmetic of [`eqx_quant.LearnedFakeQuant.init_from`][] on checked data: its initial scales for `view`
     (the sample data of shape `shape` under `layout`), compacted to the layout's shape."""
     axes = layout.reduction_axes(shape)
-    if not isinstance(fmt, IntFormat) or fmt.scale != "float32":
+    if not isinstance(fmt, IntFormat) or fmt.scale != "float32" or method == "absmax":
         scale, _, tensor_scale = fit_scales(view, axes, fmt)
         if fmt.scale == "float32":
             scale = jnp.maximum(scale, min_scale)

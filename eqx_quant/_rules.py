@@ -73,8 +73,9 @@ class LayerQuantizer:
     - Inputs (`input=True`): per tile along the contraction (block formats), else per tensor; where blocks do not
         fit, `float8_e4m3fn` per tensor.
     - `learned=True` makes a weight's quantizer a [`eqx_quant.LearnedFakeQuant`][] initialised from the weight by
-        [`eqx_quant.LearnedFakeQuant.init_from`][] (stacked layers get one set of scales per layer); block formats keep
-        their dynamic block scales. Otherwise the quantizer is a [`eqx_quant.DynamicFakeQuant`][].
+        [`eqx_quant.LearnedFakeQuant.init_from`][] with `method="absmax"`: the scales round to nearest would use, so
+        that training starts from the round-to-nearest model (stacked layers get one set of scales per layer); block
+        formats keep their dynamic block scales. Otherwise the quantizer is a [`eqx_quant.DynamicFakeQuant`][].
 
     A call `quantizer(path, layer)` makes the layer's quantizer, so a `LayerQuantizer` is a factory for
     [`eqx_quant.Rule`][].
@@ -113,7 +114,7 @@ class LayerQuantizer:
             depth = stack_depth(layer, weight.shape)
             if tiled:  # the keyword arguments of earlier releases, so that the quantizer compares equal to theirs
                 layout = dict(group_size=group)
-            return LearnedFakeQuant.init_from(weight, fmt, stacked=depth, **layout)  # pyright: ignore[reportArgumentType]
+            return LearnedFakeQuant.init_from(weight, fmt, stacked=depth, method="absmax", **layout)  # pyright: ignore
         if tiled and not blocks:
             layout = dict(group_size=group)
         return DynamicFakeQuant(fmt, **layout)  # pyright: ignore[reportArgumentType]

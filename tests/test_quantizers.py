@@ -829,6 +829,29 @@ def test_learned_init_from(bits, signed, narrow):
     np.testing.assert_allclose(q.scale, expected, rtol=1e-6)
 
 
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_learned_init_from_absmax_is_round_to_nearest(bits):
+    # A NumPy reference of the scale (max|x| / qmax per channel, which the dynamic quantizer may nudge up by a few
+    # ulps), and the quantizer's output against the dynamic one's, eagerly and stacked (NaN entries ignored).
+    rng = np.random.default_rng(16)
+    x_np = (rng.normal(size=(2, 4, 64)) * np.exp(rng.normal(size=(2, 4, 1)))).astype(np.float32)
+    x_np[1, 2, 5] = np.nan
+    x = jnp.asarray(x_np)
+    qmax = int_range(bits)[1]
+    q = LearnedFakeQuant.init_from(x[0], bits, axis=0, method="absmax")
+    np.testing.assert_allclose(q.scale, np.nanmax(np.abs(x_np[0]), axis=1) / qmax, rtol=3e-7)
+    assert_bitwise_equal(q(x[0]), DynamicFakeQuant(bits, axis=0)(x[0]))
+    stacked = LearnedFakeQuant.init_from(x, bits, group_size=32, stacked=1, method="absmax")
+    assert stacked.scale.shape == (2, 4, 2)
+    dynamic = DynamicFakeQuant(bits, group_size=32)
+    assert_bitwise_equal(jax.vmap(lambda quantizer, w: quantizer(w))(stacked, x), jax.vmap(dynamic)(x))
+    # (A TypeError under the test suite's type checking of the `Literal` annotation; a ValueError without it.)
+    with pytest.raises((ValueError, TypeError), match="method"):
+        LearnedFakeQuant.init_from(x[0], bits, method="max")  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="needs `symmetric`=True"):
+        LearnedFakeQuant.init_from(x[0], bits, method="absmax", symmetric=False)
+
+
 @pytest.mark.slow
 def test_learned_init_from_all_zero():
     x = jnp.zeros((2, 3))

@@ -56,12 +56,16 @@ def test_recipe_equals_the_same_quantizers_by_hand(mlp):
 
 
 @pytest.mark.slow
-def test_learned_recipe_initialises_from_each_weight(mlp):
+def test_learned_recipe_starts_from_the_round_to_nearest_model(mlp):
     qmodel = quantize(mlp, **recipe("w4a8_g32", learned=True))
     layer = qmodel.layers[1]
     assert type(layer.weight_quant) is LearnedFakeQuant and layer.weight_quant.scale.shape == (64, 2)
-    expected = LearnedFakeQuant.init_from(mlp.layers[1].weight, 4, group_size=32)
+    expected = LearnedFakeQuant.init_from(mlp.layers[1].weight, 4, group_size=32, method="absmax")
     assert_bitwise_equal(layer.weight_quant.scale, expected.scale)
+    # Before any training the learned model is the round-to-nearest one, bit for bit.
+    x = jax.random.normal(jax.random.key(1), (4, 64))
+    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    assert_bitwise_equal(run(qmodel, x), run(quantize(mlp, **recipe("w4a8_g32")), x))
 
 
 def test_attention_recipe_quantizes_the_products():
