@@ -74,10 +74,9 @@ def _sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
 
 
 @functools.cache
-@functools.cache
 def _weight_quantization(depth: int) -> Callable[[Any, Any], Any]:
-    """`quantizer.quantize(weight)` for a layer stacked `depth` times, compiled: one program per layer (and reused
-    across layers of the same shapes and quantizer), rather than one per operation of an eager call."""
+    """`quantizer.quantize(weight)` for a layer stacked `depth` times, compiled: one program per layer (reused across
+    layers of the same shapes and an equal quantizer), rather than one per operation of an eager call."""
     return eqx.filter_jit(per_layer(lambda quantizer, weight: quantizer.quantize_array(weight), depth))
 
 

@@ -2,7 +2,7 @@ import functools
 import math
 import numbers
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import equinox as eqx
 import jax
@@ -56,6 +56,15 @@ def one_program(function: _Function) -> _Function:
         return _program(function, *args, **kwargs)
 
     return call  # pyright: ignore[reportReturnType]
+
+
+def read_through(wrapper: object, field: str, name: str) -> Any:
+    """The attribute `name` of the module that `wrapper` holds in `field`: what a wrapping module's `__getattr__`
+    returns, so that it reads like the module it wraps. Private names and `field` itself (looked up before the
+    wrapper is initialised) are not read through."""
+    if name.startswith("_") or name == field:
+        raise AttributeError(name)
+    return getattr(getattr(wrapper, field), name)
 
 
 def compute_dtype(dtype: np.dtype) -> np.dtype:

@@ -92,8 +92,10 @@ def recipe(
         kept at 8 bits, weights per output channel and activations dynamic (W8A8; Q8_0 weights and float activations
         for the GGML recipes): typically the first and last layers, e.g. `keep=("embed", "head")`. A pattern that
         reaches no layer is an error when the rules are applied.
-    - `learned`: weights get a [`eqx_quant.LearnedFakeQuant`][] initialised from each layer's weight (stacked layers
-        get one per layer), for quantization-aware training, instead of a [`eqx_quant.DynamicFakeQuant`][].
+    - `learned`: weights get a [`eqx_quant.LearnedFakeQuant`][] initialised from each layer's weight with the scales
+        round to nearest uses (`init_from(..., method="absmax")`, so that training starts from the
+        round-to-nearest model; stacked layers get one per layer), for quantization-aware training, instead of a
+        [`eqx_quant.DynamicFakeQuant`][]. Block formats keep their dynamic block scales.
 
     **Returns:**
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float, PRNGKeyArray
 
+from .._misc import read_through
 from ._einsum import Einsum, QuantEinsum
 
 
@@ -55,9 +56,7 @@ class QuantMultiheadAttention(eqx.Module):
         """Every other public attribute of the wrapped attention reads through: `query_proj`, `key_proj`,
         `value_proj`, `output_proj` (at `<path>.attention.query_proj` and so on in the model's tree), `num_heads`,
         `dropout`, ..."""
-        if name.startswith("_") or name == "attention":
-            raise AttributeError(name)
-        return getattr(self.attention, name)
+        return read_through(self, "attention", name)
 
     def _heads(self, projection: eqx.Module, x: Array) -> Array:
         projected = jax.vmap(projection)(x)  # pyright: ignore[reportArgumentType]

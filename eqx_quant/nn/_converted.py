@@ -5,7 +5,7 @@ import jax
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_grid, integer_product, plan
-from .._misc import one_program
+from .._misc import one_program, read_through
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
 from ._layers import as_vector, check_input, scalar_output
@@ -58,9 +58,7 @@ class AbstractConvertedLayer(eqx.Module):
         """Every other public attribute of the wrapped layer reads through (`bias`, `in_features`,
         `out_features`, `use_bias`, a convolution's `stride`, ...), so that model code reading them works on the
         converted layer as on the float layer."""
-        if name.startswith("_") or name == "layer":
-            raise AttributeError(name)
-        return getattr(self.layer, name)
+        return read_through(self, "layer", name)
 
     def dequantized_layer(self) -> eqx.Module:
         """The float layer with the dequantized weight: what the fake-quant model computed with."""

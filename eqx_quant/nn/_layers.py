@@ -9,7 +9,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._backward import QuantizedBackward, quantized_input_gradient
 from .._int_ops import LinearSpec, integer_forward, integer_grid, plan
-from .._misc import one_program
+from .._misc import one_program, read_through
 from .._qarray import nan_levels
 from .._quantizers import AbstractQuantizer, DynamicFakeQuant
 
@@ -89,9 +89,7 @@ class AbstractQuantLayer(eqx.Module):
         """Every other public attribute of the wrapped layer reads through (`bias`, `in_features`,
         `out_features`, `use_bias`, a convolution's `stride`, ...), so that model code reading them works on the
         quantized layer as on the float layer."""
-        if name.startswith("_") or name == "layer":
-            raise AttributeError(name)
-        return getattr(self.layer, name)
+        return read_through(self, "layer", name)
 
     def quantized_layer(self) -> eqx.Module:
         """The wrapped layer with its weight replaced by the fake-quantized weight."""
