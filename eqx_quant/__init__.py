@@ -1,6 +1,12 @@
 """Equinox-native fake quantization and quantization-aware training for JAX."""
 
 from . import nn as nn
+from ._auto import (
+    AutoRecipe as AutoRecipe,
+    AutoRecipeReport as AutoRecipeReport,
+    AutoRecipeRow as AutoRecipeRow,
+    auto_recipe as auto_recipe,
+)
 from ._backward import QuantizedBackward as QuantizedBackward
 from ._calibrate import calibrate as calibrate
 from ._clip import clip_passthrough as clip_passthrough

@@ -31,7 +31,6 @@ from ._misc import (
     compute_dtype,
     expand_to_rank,
     is_concrete,
-    sum_to_shape,
     vary_alike,
 )
 from ._scales import Scales, fit_scales
@@ -67,56 +66,13 @@ def _fake_quant_impl(x, scale, zero_point, tensor_scale, fmt):
     return dequantize_levels(quantize_levels(x, scales, fmt), scales, fmt)
 
 
-_fake_quant = jax.custom_vjp(_fake_quant_impl, nondiff_argnums=(4,))
-
-
-def _fake_quant_fwd(x, scale, zero_point, tensor_scale, fmt):
-    # Called with `CustomVJPPrimal`s: `perturbed` says which inputs carry a derivative. A dynamic quantizer's scales
-    # carry none (they are `stop_gradient`-ed statistics), and their cotangents are then not computed. The backward
-    # recomputes everything it needs from `x`, so nothing full-size is saved besides `x` itself.
-    value = _fake_quant_impl(x.value, scale.value, _value(zero_point), _value(tensor_scale), fmt)
-    return value, _residuals(x, scale, zero_point, tensor_scale)
-
-
-def _residuals(x, scale, zero_point, tensor_scale):
-    # Which cotangents are wanted is static: it is told by the residuals' structure (an empty tuple or `None`), which no
-    # transformation turns into a traced value.
-    wanted = tuple(() if p is not None and p.perturbed else None for p in (scale, zero_point, tensor_scale))
-    return x.value, scale.value, _value(zero_point), _value(tensor_scale), wanted
-
-
-def _value(primal):
-    return None if primal is None else primal.value
-
-
-def _fake_quant_bwd(fmt, residuals, g):
-    x, scale, zero_point, tensor_scale, (scale_wanted, zero_point_wanted, tensor_scale_wanted) = residuals
-    if isinstance(g, jax.custom_derivatives.SymbolicZero):
-        g = jnp.zeros(g.shape, g.dtype)
-    v = x * reciprocal(fmt, scale, tensor_scale, x.ndim)
-    low, high = fmt.limits(zero_point, x.ndim)
-    inside = (v >= low) & (v <= high)  # False for NaN (as `v < low` and `v > high` are below)
-    zero = jnp.zeros((), g.dtype)
-    grad_x = jax.lax.select(inside, g, jax.lax.full_like(g, 0))
-    grad_scale = grad_zero_point = grad_tensor_scale = None
-    if scale_wanted is not None or tensor_scale_wanted is not None:
-        below, above = v < low, v > high
-        low_end, high_end = fmt.ends(zero_point, x.ndim)
-        d_scale = jnp.where(inside, fmt.nearest(v) - v, jnp.where(below, low_end, jnp.where(above, high_end, zero)))
-        # NaN entries of `x` contribute nothing to the scale, even where their incoming gradient is NaN too.
-        d = jnp.where(jnp.isnan(v), zero, g * d_scale)  # the derivative towards the scale that multiplies the levels
-        if tensor_scale is None:
-            grad_scale = sum_to_shape(d, scale.shape)
-        else:  # that scale is `scale * tensor_scale`
-            grad_scale = sum_to_shape(d * expand_to_rank(tensor_scale, d.ndim), scale.shape)
-            grad_tensor_scale = sum_to_shape(d * expand_to_rank(scale, d.ndim), tensor_scale.shape)
-    if zero_point_wanted is not None:
-        d_zp = jnp.where((v < low) | (v > high), -expand_to_rank(scale, x.ndim) * g, zero)
-        grad_zero_point = sum_to_shape(d_zp, zero_point.shape)
-    return grad_x, grad_scale, grad_zero_point, grad_tensor_scale
-
-
-_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd, symbolic_zeros=True)
+# The derivatives of every quantizer are a JVP rule (so forward mode works: `jax.jvp`, `jax.jacfwd`, `jax.hessian`);
+# reverse mode transposes it. The rule is written so that its transpose computes, operation for operation and in the
+# same order, the clipped straight-through estimator and learned-step-size gradient that `fake_quant` documents: each
+# mask is a `select` of the cotangent after it is multiplied (so a NaN cotangent outside the mask gives an exact zero,
+# no `-0.0` appears where the estimator gives `0.0`, and no product is contracted with the sum over the scale's
+# entries into a fused multiply-add, which would round differently).
+_fake_quant = jax.custom_jvp(_fake_quant_impl, nondiff_argnums=(4,))
 
 
 def _straight_through_impl(x, scale, zero_point, tensor_scale, fmt):
@@ -125,17 +81,67 @@ def _straight_through_impl(x, scale, zero_point, tensor_scale, fmt):
 
 
 # `x` itself, with `fake_quant`'s derivatives: for the integer products, which compute their value from the integers
-# and need of the fake-quantized operand only its cotangent's path through the straight-through estimator (and the
-# scale's gradient). Nothing of the fake-quantized value is traced.
-_straight_through = jax.custom_vjp(_straight_through_impl, nondiff_argnums=(4,))
+# and need of the fake-quantized operand only its tangent's path through the straight-through estimator (and the
+# scale's). Nothing of the fake-quantized value is traced.
+_straight_through = jax.custom_jvp(_straight_through_impl, nondiff_argnums=(4,))
 
 
-def _straight_through_fwd(x, scale, zero_point, tensor_scale, fmt):
-    del fmt
-    return x.value, _residuals(x, scale, zero_point, tensor_scale)
+def _is_zero(tangent: object) -> bool:
+    return tangent is None or isinstance(tangent, jax.custom_derivatives.SymbolicZero)
 
 
-_straight_through.defvjp(_straight_through_fwd, _fake_quant_bwd, symbolic_zeros=True)
+def _fake_quant_tangent(fmt, x, scale, zero_point, tensor_scale, dx, d_scale, d_zero_point, d_tensor_scale):
+    """The tangent of `fake_quant` at `x`: `dx` where `x / scale` lies in the grid, the learned-step-size terms of
+    the scales' tangents, the zero point's outside the grid. Tangents that are `None` are zero."""
+    ndim = x.ndim
+    v = x * reciprocal(fmt, scale, tensor_scale, ndim)
+    low, high = fmt.limits(zero_point, ndim)
+    inside = (v >= low) & (v <= high)  # False for NaN (as `v < low` and `v > high` are below)
+    zero = jnp.zeros((), x.dtype)
+    terms = []
+    if dx is not None:
+        terms.append(jax.lax.select(inside, dx, jnp.zeros_like(dx)))
+    if d_scale is not None or d_tensor_scale is not None:
+        below, above = v < low, v > high
+        low_end, high_end = fmt.ends(zero_point, ndim)
+        slope = jnp.where(inside, fmt.nearest(v) - v, jnp.where(below, low_end, jnp.where(above, high_end, zero)))
+        # The tangent of the scale that multiplies the levels (`scale * tensor_scale` for two-level scales). A part
+        # multiplied by the other scale is broadcast to `x` first (by adding zeros), so that its transpose sums the
+        # products as the estimator does, and not the sum times the scale. NaN entries of `x` contribute nothing to
+        # the scale, even where their cotangent is NaN too.
+        nan = jnp.isnan(v)
+        parts = []
+        for d, other in ((d_scale, tensor_scale), (d_tensor_scale, scale if d_tensor_scale is not None else None)):
+            if d is not None:
+                d = expand_to_rank(d, ndim)
+                if other is not None:
+                    d = (d + jnp.zeros_like(x)) * expand_to_rank(other, ndim)
+                parts.append(jnp.where(nan, zero, d))
+        terms.append(functools.reduce(jnp.add, parts) * slope)
+    if d_zero_point is not None:
+        outside = (v < low) | (v > high)
+        terms.append(jnp.where(outside, expand_to_rank(d_zero_point, ndim), zero) * -expand_to_rank(scale, ndim))
+    return functools.reduce(jnp.add, terms)
+
+
+def _derivative_rule(op):
+    """The JVP rule of `op` (`_fake_quant` or `_straight_through`): its value, and `fake_quant`'s tangent. The
+    tangent is recomputed from `x` and the scales in the backward pass (`jax.checkpoint`): nothing full-size is
+    saved for reverse mode besides `x` itself."""
+
+    def rule(fmt, primals, tangents):
+        x, scale, zero_point, tensor_scale = primals
+        tangents = tuple(None if _is_zero(t) else t for t in tangents)
+        if all(t is None for t in tangents):
+            return op(x, scale, zero_point, tensor_scale, fmt), jnp.zeros_like(x)
+        tangent = jax.checkpoint(functools.partial(_fake_quant_tangent, fmt))
+        return op(x, scale, zero_point, tensor_scale, fmt), tangent(x, scale, zero_point, tensor_scale, *tangents)
+
+    return rule
+
+
+_fake_quant.defjvp(_derivative_rule(_fake_quant), symbolic_zeros=True)
+_straight_through.defjvp(_derivative_rule(_straight_through), symbolic_zeros=True)
 
 
 # Compiled as one program even in eager calls: a dozen small operations, each compiled on its own otherwise.
@@ -356,27 +362,20 @@ def fake_quant_vjp(
 #
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _scale_gradient(x, factor):
     return x
 
 
-def _scale_gradient_fwd(x, factor):
-    del factor
-    return x, None
-
-
-def _scale_gradient_bwd(factor, residuals, g):
-    del residuals
-    return (g * factor,)
-
-
-_scale_gradient.defvjp(_scale_gradient_fwd, _scale_gradient_bwd)
+@_scale_gradient.defjvp
+def _scale_gradient_jvp(factor, primals, tangents):
+    (x,), (x_dot,) = primals, tangents
+    return _scale_gradient(x, factor), x_dot * factor
 
 
 def scale_gradient(x: Array, factor: float) -> Array:
-    """`x` in the forward pass; in the backward pass its gradient is multiplied by the static `factor` (the LSQ
-    gradient scale of a learned step size)."""
+    """`x`, whose derivative (tangent and gradient) is multiplied by the static `factor` (the LSQ gradient scale of a
+    learned step size)."""
     return _scale_gradient(x, factor)
 
 

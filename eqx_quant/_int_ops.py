@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array
 
-from ._fake_quant import dequantize_levels, quantize_levels
+from ._fake_quant import fake_quant_scales
 from ._format import Format, IntFormat
 from ._misc import compute_dtype, vary_alike
 from ._qarray import QuantizedArray, shifted_range
@@ -342,15 +342,13 @@ class _FloatOperand(eqx.Module):
 
     @classmethod
     def of(cls, x: Array, array: QuantizedArray) -> "_FloatOperand":
-        view = jax.lax.stop_gradient(array.layout.view(x))
-        return cls(view, array.scales(), array.format)
+        return cls(array.layout.view(x), array.scales(), array.format)
 
     def fake_quantized(self, like: Array) -> Array:
-        """The fake-quantized operand, computed as [`eqx_quant.fake_quant`][] computes it, with the dtype and shape
-        of `like`."""
+        """The fake-quantized operand, computed by [`eqx_quant.fake_quant`][]'s own function (so that a second
+        derivative passes its straight-through estimator), with the dtype and shape of `like`."""
         view = self.view.astype(compute_dtype(like.dtype))
-        fake = dequantize_levels(quantize_levels(view, self.scales, self.format), self.scales, self.format)
-        return fake.astype(like.dtype).reshape(like.shape)
+        return fake_quant_scales(view, self.scales, self.format).astype(like.dtype).reshape(like.shape)
 
 
 def integer_product(
@@ -373,9 +371,10 @@ def _integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale, w_nan, 
 
 
 def _integer_forward_jvp(spec, primals, tangents):
-    wq, xq, bias, w_int, x_int, w_scale, x_scale, w_nan, x_nan, w_float, x_float = primals
+    wq, xq, *_, w_float, x_float = primals
     dw, dx, dbias = (None if _is_zero(t) else t for t in tangents[:3])
-    y = _INT_OPS[type(spec)](spec, w_int, x_int, w_scale, x_scale, bias, w_nan, x_nan)
+    # The value through the function itself, so that a derivative of this rule (a second derivative) uses this rule.
+    y = _integer_forward(spec, *primals)
     float_op = functools.partial(_FLOAT_OPS[type(spec)], spec)
 
     # The tangent of the float formulation at the fake-quantized operands. The product is bilinear, so the tangent is
@@ -384,7 +383,9 @@ def _integer_forward_jvp(spec, primals, tangents):
     # operands are computed again from the float ones, bit for bit, inside `jax.checkpoint`: the backward pass keeps
     # no copy of them (nor of the integers or their NaN masks) from the forward pass, and XLA fuses their computation
     # into the loops that read them. The integers and scales carry no derivative of their own: the scales' reaches
-    # `wq` and `xq` through the quantizers, and counting it here as well would count it twice.
+    # `wq` and `xq` through the quantizers, and counting it here as well would count it twice. The float operands'
+    # tangents are not read either; they carry their derivatives into this rule's own derivative (a second
+    # derivative), where the operands pass `fake_quant`'s straight-through estimator.
     @jax.checkpoint
     def tangent(w_float, x_float, dw, dx):
         terms = []

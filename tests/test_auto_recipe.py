@@ -1,0 +1,192 @@
+"""`auto_recipe`: Hutchinson's trace against the exact Hessian, the allocation against a brute-force search, the
+budget met exactly, a sensitive layer found without being told, and the errors."""
+
+import itertools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_quant
+from eqx_quant._auto import allocate
+
+
+RNG = np.random.default_rng(0)
+MLP = eqx.nn.MLP(32, 4, 32, 2, activation=jax.nn.gelu, key=jax.random.key(0))
+BATCHES = [jnp.asarray(RNG.standard_normal((16, 32)).astype(np.float32)) for _ in range(2)]
+SMALL = ("int8", "int4_g32", "int2_g32")
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_allocation_is_that_of_a_brute_force_search(seed):
+    rng = np.random.default_rng(seed)
+    units, options = 4, 3
+    costs = rng.uniform(0, 1, (units, options))
+    costs[rng.uniform(size=costs.shape) < 0.15] = np.inf  # candidates a unit cannot take
+    costs[:, 0] = rng.uniform(0, 1, units)  # every unit can take one
+    sizes = rng.integers(1, 20, (units, options)) * 8
+    least = sum(min(s for s, c in zip(sizes[u], costs[u], strict=True) if np.isfinite(c)) for u in range(units))
+    for budget in (least, int(sizes.mean() * units), sizes.max(axis=1).sum()):
+        best, best_size = np.inf, None
+        for choice in itertools.product(range(options), repeat=units):
+            size = sum(sizes[u, c] for u, c in enumerate(choice))
+            cost = sum(costs[u, c] for u, c in enumerate(choice))
+            if size <= budget and np.isfinite(cost) and (cost < best or (cost == best and size < best_size)):
+                best, best_size = cost, size
+        picks = allocate(costs, sizes, int(budget))
+        assert sum(sizes[u, c] for u, c in enumerate(picks)) <= budget
+        np.testing.assert_allclose(sum(costs[u, c] for u, c in enumerate(picks)), best, rtol=1e-12)
+
+
+def test_allocation_rounds_sizes_up_when_the_budget_is_large():
+    costs = np.array([[1.0, 0.0], [1.0, 0.0]])
+    sizes = np.array([[1, 10**7 - 10**5], [1, 10**7 - 10**5]])  # more states than the exact program takes
+    assert allocate(costs, sizes, 2 * 10**7) == (1, 1)
+    picks = allocate(costs, sizes, 10**7)
+    assert sorted(picks) == [0, 1] and sum(sizes[u, c] for u, c in enumerate(picks)) <= 10**7
+    with pytest.raises(ValueError, match="fits the budget"):
+        allocate(costs, sizes, 1)
+
+
+def _exact_traces(model, batches):
+    """The exact trace of each layer's block of the Hessian of the output-matching loss, from `jax.hessian`."""
+    reference = [jax.vmap(model)(b) for b in batches]
+    weights = [layer.weight for layer in model.layers]
+
+    def loss(ws):
+        m = eqx.tree_at(lambda m: [layer.weight for layer in m.layers], model, ws)
+        return sum(jnp.mean((jax.vmap(m)(b) - r) ** 2) for b, r in zip(batches, reference, strict=True)) / len(batches)
+
+    hessian = jax.hessian(loss)(weights)
+    return [float(jnp.trace(hessian[i][i].reshape(w.size, w.size))) for i, w in enumerate(weights)]
+
+
+@pytest.mark.slow
+def test_hutchinson_trace_is_the_exact_hessian_trace():
+    mlp = eqx.nn.MLP(8, 2, 8, 1, activation=jax.nn.gelu, key=jax.random.key(1))
+    batches = [b[:, :8] for b in BATCHES]
+    exact = _exact_traces(mlp, batches)
+    auto = eqx_quant.auto_recipe(mlp, batches, average_bits=8, candidates=("int8",), probes=4000)
+    estimated = [row.trace for row in auto.report.rows]
+    # Rademacher probes: the standard error of the mean of 4000 is below 3% of the trace here.
+    np.testing.assert_allclose(estimated, exact, rtol=0.08)
+
+
+def test_hutchinson_trace_is_exact_for_a_diagonal_hessian():
+    """With a loss whose Hessian is diagonal, each Rademacher probe gives the trace exactly (`z_i**2 = 1`)."""
+    coefficients = [1.0, 3.0, 0.5]
+
+    def loss(model, batch):
+        del batch
+        return sum(c * jnp.sum(layer.weight**2) for c, layer in zip(coefficients, model.layers, strict=True))
+
+    auto = eqx_quant.auto_recipe(MLP, BATCHES[:1], average_bits=8, candidates=("int8",), loss=loss, probes=2)
+    want = [2 * c * layer.weight.size for c, layer in zip(coefficients, MLP.layers, strict=True)]
+    np.testing.assert_allclose([row.trace for row in auto.report.rows], want, rtol=1e-6)
+    # The predicted cost of a layer: its mean curvature times the squared rounding error.
+    for row, c, layer in zip(auto.report.rows, coefficients, MLP.layers, strict=True):
+        error = eqx_quant.quantize(layer, **eqx_quant.recipe("w8a16"))
+        fake = error.weight_quant(layer.weight)
+        np.testing.assert_allclose(row.predicted, 2 * c * float(jnp.sum((fake - layer.weight) ** 2)), rtol=1e-5)
+
+
+class _Sensitive(eqx.Module):
+    """Three linear layers side by side, the middle one's output amplified: its rounding matters 100 times as
+    much."""
+
+    layers: tuple
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 3)
+        self.layers = tuple(eqx.nn.Linear(32, 4, key=k) for k in keys)
+
+    def __call__(self, x):
+        a, b, c = self.layers
+        return a(x) + 100.0 * b(x) + c(x)
+
+
+@pytest.mark.parametrize("method", ["hessian", "measured"])
+def test_a_sensitive_layer_is_kept_wide_without_being_told(method):
+    model = _Sensitive(jax.random.key(2))
+    auto = eqx_quant.auto_recipe(model, BATCHES, average_bits=4, candidates=SMALL, method=method)
+    choices = {row.path: row.choice for row in auto.report.rows}
+    bits = {row.path: row.bits for row in auto.report.rows}
+    assert bits["layers.1"] > max(bits["layers.0"], bits["layers.2"]), choices
+    assert auto.report.average_bits <= 4
+
+
+@pytest.mark.parametrize("method", ["hessian", "measured"])
+def test_the_budget_is_met_and_the_rules_quantize_the_model_as_reported(method):
+    uniform = eqx_quant.quantize(MLP, **eqx_quant.recipe("w4a16_g32"))
+    budget = eqx_quant.summary(uniform).stored_bytes
+    auto = eqx_quant.auto_recipe(MLP, BATCHES, budget_bytes=budget, candidates=(*SMALL, "float"), method=method)
+    qmodel = eqx_quant.quantize(MLP, **auto)
+    table = eqx_quant.summary(qmodel)
+    assert table.stored_bytes == auto.report.bytes <= budget
+    for row, layer in zip(auto.report.rows, table.rows, strict=True):
+        assert row.path == layer.path and row.bytes == layer.stored_bytes
+        assert (row.choice == "float") == (layer.kind == "Linear")
+    assert "total" in str(auto.report)
+
+
+def test_average_bits_counts_elements_only_and_reaches_stacked_layers():
+    class Stack(eqx.Module):
+        blocks: eqx.nn.Linear
+        head: eqx.nn.Linear
+
+        def __init__(self, key):
+            k1, k2 = jax.random.split(key)
+            self.blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(32, 32, key=k))(jax.random.split(k1, 3))
+            self.head = eqx.nn.Linear(32, 4, key=k2)
+
+        def __call__(self, x):
+            dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+            h = jax.lax.scan(lambda h, d: (jax.nn.gelu(eqx.combine(d, static)(h)), None), x, dynamic)[0]
+            return self.head(h)
+
+    model = Stack(jax.random.key(3))
+    auto = eqx_quant.auto_recipe(model, BATCHES, average_bits=3, candidates=("int4_g32", "int2_g32"))
+    assert [row.path for row in auto.report.rows] == ["blocks", "head"]
+    total = sum(row.weights for row in auto.report.rows)
+    assert total == 3 * 32 * 32 + 32 * 4
+    assert sum(row.bits * row.weights for row in auto.report.rows) <= 3 * total
+    out = jax.vmap(eqx_quant.quantize(model, **auto))(BATCHES[0])
+    assert out.shape == (16, 4) and bool(jnp.all(jnp.isfinite(out)))
+
+
+def test_measured_cost_is_the_loss_with_that_layer_quantized():
+    auto = eqx_quant.auto_recipe(MLP, BATCHES, average_bits=8, candidates=("int8", "int2_g32"), method="measured")
+    row = auto.report.rows[1]
+    single = eqx_quant.quantize(MLP, [eqx_quant.Rule("layers\\.1", weight=eqx_quant.LayerQuantizer(
+        eqx_quant.format_named("int2"), 32), input=None)])  # fmt: skip
+    want = np.mean([float(jnp.mean((jax.vmap(single)(b) - jax.vmap(MLP)(b)) ** 2)) for b in BATCHES])
+    np.testing.assert_allclose(row.costs["int2_g32"], want, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(), ValueError, "exactly one budget"),
+        (dict(average_bits=4, budget_bytes=100), ValueError, "exactly one budget"),
+        (dict(average_bits=-1), ValueError, "average_bits"),
+        (dict(average_bits="4"), TypeError, "average_bits"),
+        (dict(budget_bytes=0), ValueError, "budget_bytes"),
+        (dict(average_bits=4, candidates=("int4_g32", "int5x")), ValueError, "int5x"),
+        (dict(average_bits=4, candidates=()), ValueError, "empty"),
+        (dict(average_bits=4, candidates="int8"), TypeError, "candidates"),
+        (dict(average_bits=4, method="trace"), (ValueError, TypeError), "method"),
+        (dict(average_bits=4, probes=0), ValueError, "probes"),
+        (dict(average_bits=4, keep="head"), ValueError, "matches no layer"),
+        (dict(average_bits=1, candidates=("int4_g32", "int2_g32")), ValueError, "smallest takes"),
+    ],
+)
+def test_bad_arguments_are_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        eqx_quant.auto_recipe(MLP, BATCHES, **kwargs)
+
+
+def test_a_quantized_model_is_an_error():
+    with pytest.raises(ValueError, match="float model"):
+        eqx_quant.auto_recipe(eqx_quant.quantize(MLP), BATCHES, average_bits=4)
