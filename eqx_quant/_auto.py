@@ -201,6 +201,7 @@ def auto_recipe(
     method: Literal["hessian", "measured"] = "hessian",
     loss: Callable[[PyTree, PyTree], Array] | None = None,
     activations: AbstractQuantizer | Callable | None = None,
+    learned: bool = False,
     keep: str | Sequence[str] = (),
     probes: int = 16,
     key: PRNGKeyArray | None = None,
@@ -215,9 +216,11 @@ def auto_recipe(
     candidate's [`eqx_quant.LayerQuantizer`][]), and the loss increase $\Delta_{u,c}$ is predicted:
 
     - `method="hessian"` (HAWQ-v2/v3): $\Delta_{u,c} = \frac{\operatorname{tr} H_u}{n_u}\,\lVert Q_c(W_u) -
-        W_u\rVert^2$, with $H_u$ the Hessian of the loss towards the unit's $n_u$ weights, its trace estimated by
-        Hutchinson's method: the mean of $z_u^\top (H z)_u$ over `probes` Rademacher vectors $z$ (one
-        Hessian-vector product each, forward over reverse mode, on every batch). A negative estimate counts as 0.
+        W_u\rVert^2$, with $H_u$ the Hessian of the loss towards the unit's $n_u$ weights (its block of the whole
+        Hessian), its trace estimated by Hutchinson's method: the mean of $z^\top H_u z$ over `probes` Rademacher
+        vectors $z$ of the unit's shape, each a Hessian-vector product (forward over reverse mode) on every batch,
+        the probes of a unit together under `jax.vmap`: `probes` products per unit and batch. A negative estimate
+        (for a loss that is not convex there) counts as 0.
     - `method="measured"`: $\Delta_{u,c}$ is the loss with only unit $u$ quantized at $c$, minus the float loss,
         averaged over the batches: one evaluation per unit, candidate and batch.
 
@@ -253,9 +256,12 @@ def auto_recipe(
         the Gauss-Newton matrix.
     - `activations`: the input quantizer of every quantized layer in the returned rules (a quantizer or a factory
         `f(path, layer)`); `None` (the default) leaves inputs in float: the allocation is about weights.
+    - `learned`: the returned rules make [`eqx_quant.LearnedFakeQuant`][] weights (as [`eqx_quant.recipe`][] does with
+        `learned=True`: starting from the round-to-nearest scales), for quantization-aware training of the choice.
+        The allocation itself is the same.
     - `keep`: patterns (regular expressions matched against whole paths) of layers to leave out: they stay float
         and count towards no budget.
-    - `probes`: the number of Hutchinson probes (`method="hessian"`), computed together under `jax.vmap`.
+    - `probes`: the number of Hutchinson probes per unit (`method="hessian"`), computed together under `jax.vmap`.
     - `key`: the PRNG key of the probes; `jax.random.key(0)` by default.
     - `batched`: whether the default loss calls the model on whole batches.
 
@@ -311,6 +317,8 @@ def auto_recipe(
     probes = check_int("probes", probes)
     if probes < 1:
         raise ValueError(f"`probes` must be at least 1, got probes={probes}.")
+    if not isinstance(learned, bool):
+        raise TypeError(f"`learned` must be a bool, got learned={learned!r}.")
     if loss is not None and not callable(loss):
         raise TypeError(f"`loss` must be a function loss(model, batch) -> scalar, got loss={loss!r}.")
     patterns = (keep,) if isinstance(keep, str) else tuple(keep)
@@ -389,16 +397,20 @@ def auto_recipe(
         z = [jax.random.rademacher(k, (probes, *w.shape), w.dtype) for k, w in zip(keys, float_weights, strict=True)]
 
         @eqx.filter_jit
-        def quadratic_forms(weights, batch, ref, z):
+        def quadratic_forms(weights, batch, ref, tangents):
+            # `sum_v t_v . (H t)_v` per probe, for tangents that are zero but on one unit: that unit's block of the
+            # Hessian, with no cross terms from the others.
             grad = jax.grad(objective)
-            hvp = lambda v: jax.jvp(lambda w: grad(w, batch, ref), (weights,), (v,))[1]  # noqa: E731
-            hz = jax.vmap(hvp)(z)
-            return [jnp.sum(a * b, axis=tuple(range(1, a.ndim))) for a, b in zip(z, hz, strict=True)]
+            hvp = lambda t: jax.jvp(lambda w: grad(w, batch, ref), (weights,), (t,))[1]  # noqa: E731
+            ht = jax.vmap(hvp)(tangents)
+            return sum(jnp.sum(a * b, axis=tuple(range(1, a.ndim))) for a, b in zip(tangents, ht, strict=True))
 
+        zeros = [jnp.zeros((probes, *w.shape), w.dtype) for w in float_weights]
         total = [np.zeros(probes) for _ in units]
         for batch, ref in batches:
-            for u, form in enumerate(quadratic_forms(float_weights, batch, ref, z)):
-                total[u] += np.asarray(form, np.float64)
+            for u in range(len(units)):
+                tangents = [z[u] if v == u else zeros[v] for v in range(len(units))]
+                total[u] += np.asarray(quadratic_forms(float_weights, batch, ref, tangents), np.float64)
         for u, (_, layer) in enumerate(units):
             trace = float(np.mean(total[u]) / len(batches))
             traces[u] = trace
@@ -447,6 +459,6 @@ def auto_recipe(
         chosen = [re.escape(paths[u]) for u in range(len(units)) if picks[u] == c]
         if option.format is None or not chosen:
             continue
-        factory = LayerQuantizer(option.format, option.group_size)
+        factory = LayerQuantizer(option.format, option.group_size, learned=learned)
         rules.append(Rule("|".join(chosen), weight=factory, input=activations))
     return AutoRecipe(rules, AutoRecipeReport(tuple(rows), budget, unit, method))

@@ -31,6 +31,7 @@ from ._misc import (
     compute_dtype,
     expand_to_rank,
     is_concrete,
+    sum_to_shape,
     vary_alike,
 )
 from ._scales import Scales, fit_scales
@@ -144,8 +145,57 @@ _fake_quant.defjvp(_derivative_rule(_fake_quant), symbolic_zeros=True)
 _straight_through.defjvp(_derivative_rule(_straight_through), symbolic_zeros=True)
 
 
+# `fake_quant` itself is a `jax.custom_vjp` (reverse mode only), with this backward rule: the same gradients, bit for
+# bit, as the transpose of the JVP rule above computes (tested).
+_fake_quant_vjp = jax.custom_vjp(_fake_quant_impl, nondiff_argnums=(4,))
+
+
+def _fake_quant_fwd(x, scale, zero_point, tensor_scale, fmt):
+    # Called with `CustomVJPPrimal`s: `perturbed` says which inputs carry a derivative. A dynamic quantizer's scales
+    # carry none (they are `stop_gradient`-ed statistics), and their cotangents are then not computed. The backward
+    # recomputes everything it needs from `x`, so nothing full-size is saved besides `x` itself.
+    value = _fake_quant_impl(x.value, scale.value, _value(zero_point), _value(tensor_scale), fmt)
+    wanted = tuple(() if p is not None and p.perturbed else None for p in (scale, zero_point, tensor_scale))
+    return value, (x.value, scale.value, _value(zero_point), _value(tensor_scale), wanted)
+
+
+def _value(primal):
+    return None if primal is None else primal.value
+
+
+def _fake_quant_bwd(fmt, residuals, g):
+    x, scale, zero_point, tensor_scale, (scale_wanted, zero_point_wanted, tensor_scale_wanted) = residuals
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):
+        g = jnp.zeros(g.shape, g.dtype)
+    v = x * reciprocal(fmt, scale, tensor_scale, x.ndim)
+    low, high = fmt.limits(zero_point, x.ndim)
+    inside = (v >= low) & (v <= high)  # False for NaN (as `v < low` and `v > high` are below)
+    zero = jnp.zeros((), g.dtype)
+    grad_x = jax.lax.select(inside, g, jax.lax.full_like(g, 0))
+    grad_scale = grad_zero_point = grad_tensor_scale = None
+    if scale_wanted is not None or tensor_scale_wanted is not None:
+        below, above = v < low, v > high
+        low_end, high_end = fmt.ends(zero_point, x.ndim)
+        d_scale = jnp.where(inside, fmt.nearest(v) - v, jnp.where(below, low_end, jnp.where(above, high_end, zero)))
+        # NaN entries of `x` contribute nothing to the scale, even where their incoming gradient is NaN too.
+        d = jnp.where(jnp.isnan(v), zero, g * d_scale)  # the derivative towards the scale that multiplies the levels
+        if tensor_scale is None:
+            grad_scale = sum_to_shape(d, scale.shape)
+        else:  # that scale is `scale * tensor_scale`
+            grad_scale = sum_to_shape(d * expand_to_rank(tensor_scale, d.ndim), scale.shape)
+            grad_tensor_scale = sum_to_shape(d * expand_to_rank(scale, d.ndim), tensor_scale.shape)
+    if zero_point_wanted is not None:
+        d_zp = jnp.where((v < low) | (v > high), -expand_to_rank(scale, x.ndim) * g, zero)
+        grad_zero_point = sum_to_shape(d_zp, zero_point.shape)
+    return grad_x, grad_scale, grad_zero_point, grad_tensor_scale
+
+
+_fake_quant_vjp.defvjp(_fake_quant_fwd, _fake_quant_bwd, symbolic_zeros=True)
+
+
 # Compiled as one program even in eager calls: a dozen small operations, each compiled on its own otherwise.
 _fake_quant_jit = jax.jit(_fake_quant, static_argnums=(4,))
+_fake_quant_vjp_jit = jax.jit(_fake_quant_vjp, static_argnums=(4,))
 _straight_through_jit = jax.jit(_straight_through, static_argnums=(4,))
 
 
@@ -253,6 +303,11 @@ def fake_quant(
     - an array `zero_point` receives, summed down to its shape, `-scale * g` outside the range and 0 inside;
     - `qmin` and `qmax` are static Python ints and receive nothing.
 
+    `fake_quant` is a `jax.custom_vjp`: reverse mode only. [`eqx_quant.fake_quant_format`][]`(x, scale, format,
+    zero_point=...)` with the integer format of `[qmin, qmax]` computes the same values, and in reverse mode the same
+    gradients bit for bit, through a JVP rule: it works in forward mode too (`jax.jvp`, `jax.jacfwd`, `jax.hessian`),
+    as every quantizer module does.
+
     **Arguments:**
 
     - `x`: the array to quantize, of any shape. Floating dtypes are kept (float16 and bfloat16 are computed in
@@ -295,7 +350,7 @@ def fake_quant(
     fmt = IntFormat(*check_range(qmin, qmax))
     x = as_float_input("x", x)
     with jax.named_scope("eqx_quant.fake_quant"):
-        return _apply(_fake_quant_jit, x, scale, fmt, zero_point)
+        return _apply(_fake_quant_vjp_jit, x, scale, fmt, zero_point)
 
 
 def _as_float32(name: str, value: object) -> Array:
@@ -456,7 +511,9 @@ def fake_quant_format(
     scale applied back (minus the zero point). The backward is the format's clipped straight-through estimator:
     `x` receives `g` where `x / scale` lies inside the grid and 0 elsewhere (NaN included); an array `scale` (and
     `tensor_scale`, `zero_point`) receives the learned-step-size gradient of [`eqx_quant.fake_quant`][], with the
-    format's grid point in place of `round(v)` and its ends in place of `qmin`, `qmax`.
+    format's grid point in place of `round(v)` and its ends in place of `qmin`, `qmax`. The derivatives are a JVP
+    rule, so forward mode works too (`jax.jvp`, `jax.jacfwd`, `jax.hessian`): the tangent is that estimator read
+    forwards, and reverse mode transposes it into the same gradients, bit for bit, as `fake_quant`'s backward rule.
 
     **Arguments:**
 

@@ -68,10 +68,11 @@ def test_hutchinson_trace_is_the_exact_hessian_trace():
     mlp = eqx.nn.MLP(8, 2, 8, 1, activation=jax.nn.gelu, key=jax.random.key(1))
     batches = [b[:, :8] for b in BATCHES]
     exact = _exact_traces(mlp, batches)
-    auto = eqx_quant.auto_recipe(mlp, batches, average_bits=8, candidates=("int8",), probes=4000)
+    auto = eqx_quant.auto_recipe(mlp, batches, average_bits=8, candidates=("int8",), probes=1000)
     estimated = [row.trace for row in auto.report.rows]
-    # Rademacher probes: the standard error of the mean of 4000 is below 3% of the trace here.
-    np.testing.assert_allclose(estimated, exact, rtol=0.08)
+    # Rademacher probes of each layer's block: the mean of 1000 is within 2% of the trace on three keys tried here, so
+    # 6% is three standard errors.
+    np.testing.assert_allclose(estimated, exact, rtol=0.06)
 
 
 def test_hutchinson_trace_is_exact_for_a_diagonal_hessian():
