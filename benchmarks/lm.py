@@ -416,9 +416,9 @@ def arm_gptq(model: GPT, bench: Bench, recipe: str) -> Any:
 
 def arm_qat(model: GPT, bench: Bench, recipe: str) -> Any:
     """Quantization-aware training: the recipe with learned weight scales ([`eqx_quant.LearnedFakeQuant`][],
-    initialised by [`eqx_quant.LearnedFakeQuant.init_from`][]: LSQ's `2 * mean|w| / sqrt(qmax)` for integer grids,
-    the dynamic scales for float formats; one set per layer of the stack; the block scales of MX, NVFP4 and the GGML
-    formats stay dynamic), fine-tuned with the control arm's budget, optimizer and batches."""
+    initialised by [`eqx_quant.LearnedFakeQuant.init_from`][] with `method="absmax"`: the round-to-nearest scales,
+    so that training starts from the `rtn` model; one set per layer of the stack; the block scales of MX, NVFP4 and
+    the GGML formats stay dynamic), fine-tuned with the control arm's budget, optimizer and batches."""
     return finetune(quantized(model, recipe, learned=True), bench, description=f"qat {recipe}")
 
 

@@ -186,9 +186,12 @@ def _weight_leaves(model: PyTree, paths: Sequence[str]) -> tuple[list[int], list
     return positions, [leaf for _, leaf in leaves_with_path], treedef
 
 
-def _output_mse(model: PyTree, batch: PyTree, reference: Array, batched: bool) -> Array:
+def _output_mse(model: PyTree, batch: PyTree, reference: PyTree, batched: bool) -> Array:
+    """The mean squared difference of the model's outputs (any PyTree of arrays) from `reference`, summed over the
+    output's leaves."""
     out = model(batch) if batched else jax.vmap(model)(batch)
-    return jnp.mean(jnp.square(out - reference))
+    pairs = zip(jax.tree.leaves(out), jax.tree.leaves(reference), strict=True)
+    return sum((jnp.mean(jnp.square(a - b)) for a, b in pairs), jnp.zeros((), jnp.float32))
 
 
 def auto_recipe(

@@ -191,3 +191,19 @@ def test_bad_arguments_are_clear_errors(kwargs, error, match):
 def test_a_quantized_model_is_an_error():
     with pytest.raises(ValueError, match="float model"):
         eqx_quant.auto_recipe(eqx_quant.quantize(MLP), BATCHES, average_bits=4)
+
+
+def test_a_model_with_several_outputs_sums_their_errors():
+    class TwoOutputs(eqx.Module):
+        mlp: eqx.nn.MLP
+
+        def __call__(self, x):
+            y = self.mlp(x)
+            return y, 2.0 * y
+
+    model = TwoOutputs(MLP)
+    auto = eqx_quant.auto_recipe(model, BATCHES, average_bits=8, candidates=("int8", "int2_g32"), method="measured")
+    alone = eqx_quant.auto_recipe(MLP, BATCHES, average_bits=8, candidates=("int8", "int2_g32"), method="measured")
+    for row, single in zip(auto.report.rows, alone.report.rows, strict=True):
+        assert row.path == "mlp." + single.path
+        np.testing.assert_allclose(row.costs["int2_g32"], 5 * single.costs["int2_g32"], rtol=1e-5)  # 1 + 2**2
