@@ -9,9 +9,10 @@ model, corpus, fine-tuning and validation protocol of `lm.py` (same presets, sam
    inputs in float (`UNIFORM`);
 2. allocates a format per layer with `eqx_quant.auto_recipe` among `CANDIDATES` (the same four grids) at `AUTO_BITS`
    average weight bits, by each method of `AUTO_METHODS` (Hessian traces, or the measured loss of each layer
-   quantized alone), the loss being the mean squared difference of the logits from the float model's on `lm.py`'s
-   GPTQ calibration batches (`calibration_batches`). A stack of blocks is one unit of the allocation: each of the
-   block's linear layers (`qkv`, `proj`, the MLP's two) takes one format for every block;
+   quantized alone), the loss being the KL divergence from the float model's next-character distributions
+   (`loss="kl"`) on the first `AUTO_BATCHES` of `lm.py`'s GPTQ calibration batches (training windows). A stack of
+   blocks is one unit of the allocation: each of the block's linear layers (`qkv`, `proj`, the MLP's two) takes one
+   format for every block;
 3. scores every model by round to nearest (`rtn`) and after quantization-aware training (`qat`: learned scales from
    the round-to-nearest ones, `lm.finetune`'s budget, optimizer and batches, as `lm.py`'s QAT arm);
 4. writes `DIR/lm_pareto.json` (rows, allocations, the targets' figures) and prints the table.
@@ -48,6 +49,7 @@ UNIFORM = {"W8 g32": 8, "W4 g32": 4, "W3 g32": 3, "W2 g32": 2}
 CANDIDATES = ("int8_g32", "int4_g32", "int3_g32", "int2_g32")
 AUTO_BITS = (4.0, 3.0, 2.5)
 AUTO_METHODS = ("hessian", "measured")
+AUTO_BATCHES = 8  # of `lm.calibration_batches`: the data `auto_recipe` predicts from
 GROUP = 32
 
 
@@ -70,10 +72,11 @@ def auto_rules(model: Any, bench: lm.Bench, bits: float, method: str) -> eqx_qua
     """`auto_recipe`'s allocation at `bits` (the embedding kept at 8 bits, outside the allocation)."""
     return eqx_quant.auto_recipe(
         model,
-        lm.calibration_batches(bench),
+        lm.calibration_batches(bench)[:AUTO_BATCHES],
         average_bits=bits,
         candidates=CANDIDATES,
         method=method,  # pyright: ignore[reportArgumentType]
+        loss="kl",
         keep=lm.KEEP,
     )
 

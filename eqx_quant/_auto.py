@@ -53,6 +53,8 @@ def _candidate(name: object) -> _Candidate:
         if group is not None and int(group) != block:
             raise ValueError(f"`candidates`: {fmt.name} has blocks of {block}, got {name!r}.")
         return _Candidate(name, fmt, block)
+    if group is not None and int(group) < 1:
+        raise ValueError(f"`candidates`: the group size of {name!r} must be at least 1.")
     return _Candidate(name, fmt, None if group is None else int(group))
 
 
@@ -138,18 +140,33 @@ def allocate(costs: np.ndarray, sizes: np.ndarray, budget: int) -> tuple[int, ..
     `budget` (ties: the smaller total size, then the earlier candidates), by dynamic programming over the budget.
 
     `costs` is float, `inf` where a unit cannot take a candidate; `sizes` non-negative ints. The sizes are counted in
-    units of their greatest common divisor; where the budget holds more than `2**17` of those, in units of
-    `budget / 2**17` rounded up, each size rounded up to a whole unit (the budget is then still met, and the choice
-    is optimal for the rounded sizes)."""
+    units of their greatest common divisor: exact whenever the budget holds at most `2**17` of those. Beyond that they
+    are counted in units of `budget / 2**17`, rounded down, and the program is solved again with one unit less of
+    budget until the choice's exact sizes fit (if none does, each unit's smallest candidate is taken): the budget is
+    always met, and the choice is optimal up to one unit of `budget / 2**17` per row."""
     costs, sizes = np.asarray(costs, np.float64), np.asarray(sizes, np.int64)
-    step = math.gcd(*(int(s) for s in sizes.ravel()), int(budget)) or 1
+    feasible = np.isfinite(costs)
+    if not feasible.any(axis=1).all() or sum(sizes[u][feasible[u]].min() for u in range(len(costs))) > budget:
+        raise ValueError("no choice of the candidates fits the budget")
+    step = math.gcd(*(int(s) for s in sizes[feasible]), int(budget)) or 1
     if budget // step > _MAX_STATES:
         step = -(-budget // _MAX_STATES)
-    units = -(-sizes // step)  # rounded up
+    units = sizes // step  # exact when `step` divides every size
     capacity = budget // step
+    while capacity >= 0:
+        picks = _knapsack(costs, units, capacity)
+        if picks is not None and sum(int(sizes[u, c]) for u, c in enumerate(picks)) <= budget:
+            return picks
+        capacity -= 1
+    smallest = np.where(feasible, sizes, np.iinfo(np.int64).max)
+    return tuple(int(c) for c in np.argmin(smallest, axis=1))
+
+
+def _knapsack(costs: np.ndarray, units: np.ndarray, capacity: int) -> tuple[int, ...] | None:
+    """The multiple-choice knapsack of `allocate` on integer sizes, or `None` if nothing fits `capacity`."""
     best = np.full(capacity + 1, np.inf)
     best[0] = 0.0
-    choice = np.zeros((len(costs), capacity + 1), np.int32)
+    choice = np.zeros((len(costs), capacity + 1), np.int16)
     for u in range(len(costs)):
         new = np.full(capacity + 1, np.inf)
         for c in range(costs.shape[1]):
@@ -163,7 +180,7 @@ def allocate(costs: np.ndarray, sizes: np.ndarray, budget: int) -> tuple[int, ..
             choice[u, better] = c
         best = new
     if not np.isfinite(best).any():
-        raise ValueError("no choice of the candidates fits the budget")
+        return None
     used = int(np.argmin(best))  # the least cost; among equal costs, the smallest size
     picks = []
     for u in reversed(range(len(costs))):
@@ -186,12 +203,21 @@ def _weight_leaves(model: PyTree, paths: Sequence[str]) -> tuple[list[int], list
     return positions, [leaf for _, leaf in leaves_with_path], treedef
 
 
-def _output_mse(model: PyTree, batch: PyTree, reference: PyTree, batched: bool) -> Array:
-    """The mean squared difference of the model's outputs (any PyTree of arrays) from `reference`, summed over the
-    output's leaves."""
-    out = model(batch) if batched else jax.vmap(model)(batch)
-    pairs = zip(jax.tree.leaves(out), jax.tree.leaves(reference), strict=True)
-    return sum((jnp.mean(jnp.square(a - b)) for a, b in pairs), jnp.zeros((), jnp.float32))
+def _float_leaves(tree: PyTree) -> list[Array]:
+    return [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.inexact)]
+
+
+def _distance(kind: str, out: PyTree, reference: PyTree) -> Array:
+    """The mean squared difference (`"mse"`) or the mean KL divergence from the reference's softmax over the last axis
+    (`"kl"`) of the floating leaves of `out` and `reference`, summed over the leaves."""
+    total = jnp.zeros((), jnp.float32)
+    for a, b in zip(_float_leaves(out), _float_leaves(reference), strict=True):
+        if kind == "mse":
+            total = total + jnp.mean(jnp.square(a - b))
+        else:
+            log_p, log_q = jax.nn.log_softmax(b, axis=-1), jax.nn.log_softmax(a, axis=-1)
+            total = total + jnp.mean(jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1))
+    return total
 
 
 def auto_recipe(
@@ -202,13 +228,13 @@ def auto_recipe(
     budget_bytes: int | None = None,
     candidates: Sequence[str] = DEFAULT_CANDIDATES,
     method: Literal["hessian", "measured"] = "hessian",
-    loss: Callable[[PyTree, PyTree], Array] | None = None,
+    loss: Literal["mse", "kl"] | Callable[[PyTree, PyTree], Array] = "mse",
     activations: AbstractQuantizer | Callable | None = None,
     learned: bool = False,
     keep: str | Sequence[str] = (),
-    probes: int = 16,
+    probes: int | None = None,
     key: PRNGKeyArray | None = None,
-    batched: bool = False,
+    batched: bool | None = None,
 ) -> AutoRecipe:
     r"""Mixed precision chosen for you: a weight format per layer, minimising the predicted increase of a loss under
     a size budget. `eqx_quant.quantize(model, **auto_recipe(model, batches, average_bits=4))`.
@@ -222,10 +248,12 @@ def auto_recipe(
         W_u\rVert^2$, with $H_u$ the Hessian of the loss towards the unit's $n_u$ weights (its block of the whole
         Hessian), its trace estimated by Hutchinson's method: the mean of $z^\top H_u z$ over `probes` Rademacher
         vectors $z$ of the unit's shape, each a Hessian-vector product (forward over reverse mode) on every batch,
-        the probes of a unit together under `jax.vmap`: `probes` products per unit and batch. A negative estimate
-        (for a loss that is not convex there) counts as 0.
-    - `method="measured"`: $\Delta_{u,c}$ is the loss with only unit $u$ quantized at $c$, minus the float loss,
-        averaged over the batches: one evaluation per unit, candidate and batch.
+        the probes of a unit together under `jax.vmap`: `probes` products of the whole model per unit and batch.
+        A negative estimate (for a loss that is not convex there) counts as 0. It sees the weights only: it
+        predicts nothing of `activations`.
+    - `method="measured"`: $\Delta_{u,c}$ is the loss with only unit $u$ quantized at $c$ (and, with
+        `activations`, its input quantized too), minus the float loss, averaged over the batches: one evaluation
+        per unit, candidate and batch (with `activations`, one compilation per unit and candidate as well).
 
     Then one candidate per unit is chosen to minimise $\sum_u \Delta_{u,c_u}$ under the budget, exactly, by dynamic
     programming (see below). Deterministic for a given `key`.
@@ -238,7 +266,8 @@ def auto_recipe(
         `"float"` at the float weight's size), at most this: what [`eqx_quant.summary`][] reports as `stored_bytes`.
 
     The dynamic program counts sizes in units of their greatest common divisor, exact whenever the budget holds at
-    most `2**17` of them; beyond that, in units of `budget / 2**17`, each size rounded up (the budget is still met).
+    most `2**17` of them; beyond that, in units of `budget / 2**17` (the budget is still met exactly, and the choice
+    is optimal up to one such unit per layer; see `allocate` in the source).
 
     **Arguments:**
 
@@ -253,10 +282,12 @@ def auto_recipe(
         [`eqx_quant.LayerQuantizer`][] describes, with its warning, and the report names what it gets; a GGML
         candidate that does not fit at all is left out for that layer.
     - `method`: `"hessian"` or `"measured"`, as above.
-    - `loss`: `loss(model, batch) -> scalar`, the loss whose increase is predicted. By default the mean squared
-        difference between the model's outputs and the float model's, on each batch (`model` called per example
-        under `jax.vmap`, or on the whole batch with `batched=True`); its Hessian at the float model is then twice
-        the Gauss-Newton matrix.
+    - `loss`: the loss whose increase is predicted: `"mse"` (the default), the mean squared difference between the
+        model's outputs and the float model's on each batch; `"kl"`, the mean KL divergence from the float model's
+        outputs read as logits (a softmax over their last axis); or a function `loss(model, batch) -> scalar`. The
+        built-in losses call the model per example under `jax.vmap` (or on the whole batch with `batched=True`),
+        compare every floating leaf of its output and sum over the leaves; at the float model their Hessians are
+        Gauss-Newton matrices (the Fisher information for `"kl"`).
     - `activations`: the input quantizer of every quantized layer in the returned rules (a quantizer or a factory
         `f(path, layer)`); `None` (the default) leaves inputs in float: the allocation is about weights.
     - `learned`: the returned rules make [`eqx_quant.LearnedFakeQuant`][] weights (as [`eqx_quant.recipe`][] does with
@@ -264,9 +295,11 @@ def auto_recipe(
         The allocation itself is the same.
     - `keep`: patterns (regular expressions matched against whole paths) of layers to leave out: they stay float
         and count towards no budget.
-    - `probes`: the number of Hutchinson probes per unit (`method="hessian"`), computed together under `jax.vmap`.
-    - `key`: the PRNG key of the probes; `jax.random.key(0)` by default.
-    - `batched`: whether the default loss calls the model on whole batches.
+    - `probes`: the number of Hutchinson probes per unit (`method="hessian"` only), computed together under
+        `jax.vmap`; 16 by default.
+    - `key`: the PRNG key of the probes (`method="hessian"` only); `jax.random.key(0)` by default.
+    - `batched`: whether the built-in losses call the model on whole batches (`False` by default); not for a `loss`
+        function.
 
     **Returns:**
 
@@ -276,9 +309,12 @@ def auto_recipe(
 
     **Raises:**
 
-    `ValueError` for no budget or both, a non-positive budget or one that no choice meets (naming the least it could
-    be), an unknown candidate, no candidates, a `keep` pattern that matches no layer, a model without layers to
-    allocate or with quantized layers, or `probes < 1`; `TypeError` for arguments of the wrong type.
+    Before any data is read: `ValueError` for no budget or both, a non-positive budget or one that no choice meets
+    (naming the least it could be), an unknown candidate, no candidates or only `"float"`, a `keep` pattern that is
+    not a regular expression or matches no layer, a layer that can take none of the candidates, a model without
+    layers to allocate or with quantized layers, `probes` or `key` with `method="measured"`, `batched` with a `loss`
+    function, or `probes < 1`; `TypeError` for arguments of the wrong type (one array for `batches`). After:
+    `ValueError` if a predicted cost is not finite (NaN or inf in the data or outputs), naming the layer.
 
     !!! example
 
@@ -294,40 +330,29 @@ def auto_recipe(
         qmlp = eqx_quant.quantize(mlp, **auto)
         ```
     """
-    if (average_bits is None) == (budget_bytes is None):
-        raise ValueError(
-            f"give exactly one budget, `average_bits` or `budget_bytes`; got average_bits={average_bits!r} and "
-            f"budget_bytes={budget_bytes!r}."
-        )
-    if average_bits is not None:
-        if isinstance(average_bits, bool) or not isinstance(average_bits, (int, float, np.integer, np.floating)):
-            raise TypeError(f"`average_bits` must be a number, got average_bits={average_bits!r}.")
-        if not (math.isfinite(average_bits) and average_bits > 0):
-            raise ValueError(f"`average_bits` must be positive and finite, got average_bits={average_bits!r}.")
-    else:
-        budget_bytes = check_int("budget_bytes", budget_bytes)
-        if budget_bytes <= 0:
-            raise ValueError(f"`budget_bytes` must be positive, got budget_bytes={budget_bytes}.")
-    if isinstance(candidates, str) or not isinstance(candidates, Sequence):
-        raise TypeError(f"`candidates` must be a sequence of format names, got candidates={candidates!r}.")
-    options = [_candidate(name) for name in candidates]
-    if not options:
-        raise ValueError("`candidates` is empty: give at least one format name.")
-    if len({o.name for o in options}) != len(options):
-        raise ValueError(f"`candidates` names a format twice: {tuple(candidates)!r}.")
+    budget_name = _check_budget(average_bits, budget_bytes)
+    options = _check_candidates(candidates)
     if method not in ("hessian", "measured"):
         raise ValueError(f"`method` must be 'hessian' or 'measured', got method={method!r}.")
-    probes = check_int("probes", probes)
+    if method == "measured" and (probes is not None or key is not None):
+        raise ValueError("`probes` and `key` are for method='hessian'; method='measured' draws no probes.")
+    probes = 16 if probes is None else check_int("probes", probes)
     if probes < 1:
         raise ValueError(f"`probes` must be at least 1, got probes={probes}.")
-    if not isinstance(learned, bool):
-        raise TypeError(f"`learned` must be a bool, got learned={learned!r}.")
-    if loss is not None and not callable(loss):
-        raise TypeError(f"`loss` must be a function loss(model, batch) -> scalar, got loss={loss!r}.")
-    patterns = (keep,) if isinstance(keep, str) else tuple(keep)
-    for pattern in patterns:
-        if not isinstance(pattern, str):
-            raise TypeError(f"`keep` must be a pattern or a sequence of patterns, got keep={keep!r}.")
+    if key is not None and not (isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
+        raise TypeError(f"`key` must be a JAX PRNG key (`jax.random.key(0)`), got key={key!r}.")
+    for name, flag in (("learned", learned), ("batched", batched)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"`{name}` must be a bool, got {name}={flag!r}.")
+    if not (loss in ("mse", "kl") or callable(loss)):
+        raise TypeError(f"`loss` must be 'mse', 'kl' or a function loss(model, batch) -> scalar, got loss={loss!r}.")
+    if callable(loss) and batched is not None:
+        raise ValueError("`batched` is for the built-in losses; a `loss` function calls the model itself.")
+    if not (activations is None or isinstance(activations, AbstractQuantizer) or callable(activations)):
+        raise TypeError(f"`activations` must be a quantizer, a factory f(path, layer) or None, got {activations!r}.")
+    if isinstance(batches, (jax.Array, np.ndarray)):
+        raise TypeError("`batches` must be an iterable of batches (a list of arrays), got one array.")
+    patterns = _check_patterns(keep)
     if nodes(model, (AbstractQuantLayer,)):
         raise ValueError("`model` already holds quantized layers: give auto_recipe the float model.")
 
@@ -338,23 +363,135 @@ def auto_recipe(
     units = [(p, layer) for p, layer in found if not any(re.fullmatch(k, p) for k in patterns)]
     if not units:
         raise ValueError("`model` has no Linear, Conv or Embedding layer to allocate formats to (outside `keep`).")
-    paths = [p for p, _ in units]
 
-    # What each candidate makes of each unit: its quantizer, fake-quantized weight and stored bytes.
-    quantized = {}  # (unit, candidate) -> (description, bits, bytes, fake-quantized weight)
+    quantized = _what_candidates_make(model, units, options)
+    for u, (path, _) in enumerate(units):
+        if not any((u, c) in quantized for c in range(len(options))):
+            raise ValueError(f"Layer {path!r} can take none of the candidates {tuple(candidates)}.")
+    if average_bits is not None:
+        sizes = np.array([[quantized[u, c].bits * units[u][1].weight.size if (u, c) in quantized else 0
+                           for c in range(len(options))] for u in range(len(units))])  # fmt: skip
+        budget = math.floor(average_bits * sum(layer.weight.size for _, layer in units) + 1e-9)
+        unit = "bits"
+    else:
+        sizes = np.array([[quantized[u, c].bytes if (u, c) in quantized else 0 for c in range(len(options))]
+                          for u in range(len(units))])  # fmt: skip
+        budget, unit = int(budget_bytes), "bytes"  # pyright: ignore[reportArgumentType]
+    least = sum(min(int(sizes[u, c]) for c in range(len(options)) if (u, c) in quantized) for u in range(len(units)))
+    if least > budget:
+        raise ValueError(
+            f"no choice among the candidates {tuple(candidates)} fits {budget_name}: the smallest takes {least:,} "
+            f"{unit} against a budget of {budget:,}."
+        )
+
+    kind = "mse" if callable(loss) else loss
+    evaluate = eqx.filter_jit(
+        (lambda m, batch, ref: loss(m, batch))  # pyright: ignore[reportCallIssue]
+        if callable(loss)
+        else (lambda m, batch, ref: _distance(kind, m(batch) if batched else jax.vmap(m)(batch), ref))
+    )
+    reference_of = eqx.filter_jit(lambda m, b: None if callable(loss) else (m(b) if batched else jax.vmap(m)(b)))
+    data = [(batch, reference_of(model, batch)) for batch in batches]
+    if not data:
+        raise ValueError("`batches` is empty: give at least one batch of inputs.")
+    if method == "hessian":
+        costs, traces = _hessian_costs(model, units, quantized, len(options), data, evaluate, probes, key)
+    else:
+        costs, traces = _measured_costs(model, units, quantized, options, data, evaluate, activations)
+    for u, c in quantized:
+        if not np.isfinite(costs[u, c]):
+            raise ValueError(
+                f"The predicted cost of layer {units[u][0]!r} at {options[c].name!r} is {costs[u, c]}: the loss is "
+                "not finite on these batches (NaN or inf in the data or the outputs)."
+            )
+    costs = np.where([[(u, c) in quantized for c in range(len(options))] for u in range(len(units))], costs, np.inf)
+    picks = allocate(costs, sizes, budget)
+
+    rows = []
+    for u, (path, layer) in enumerate(units):
+        c = picks[u]
+        made = quantized[u, c]
+        unit_costs = {options[k].name: float(costs[u, k]) for k in range(len(options)) if (u, k) in quantized}
+        rows.append(AutoRecipeRow(path, int(layer.weight.size), options[c].name, made.description, int(made.bits),
+                                  int(made.bytes), float(costs[u, c]), traces[u], unit_costs))  # fmt: skip
+    rules = []
     for c, option in enumerate(options):
-        for u, (_, layer) in enumerate(units):
-            weight = layer.weight
-            if option.format is None:
-                quantized[u, c] = ("float", weight.dtype.itemsize * 8, weight.size * weight.dtype.itemsize, weight)
+        chosen = [re.escape(units[u][0]) for u in range(len(units)) if picks[u] == c]
+        if option.format is None or not chosen:
+            continue
+        factory = LayerQuantizer(option.format, option.group_size, learned=learned)
+        rules.append(Rule("|".join(chosen), weight=factory, input=activations))
+    return AutoRecipe(rules, AutoRecipeReport(tuple(rows), budget, unit, method))
+
+
+def _check_budget(average_bits: object, budget_bytes: object) -> str:
+    if (average_bits is None) == (budget_bytes is None):
+        raise ValueError(
+            f"give exactly one budget, `average_bits` or `budget_bytes`; got average_bits={average_bits!r} and "
+            f"budget_bytes={budget_bytes!r}."
+        )
+    if average_bits is not None:
+        if isinstance(average_bits, bool) or not isinstance(average_bits, (int, float, np.integer, np.floating)):
+            raise TypeError(f"`average_bits` must be a number, got average_bits={average_bits!r}.")
+        if not (math.isfinite(average_bits) and average_bits > 0):
+            raise ValueError(f"`average_bits` must be positive and finite, got average_bits={average_bits!r}.")
+        return f"average_bits={average_bits}"
+    if check_int("budget_bytes", budget_bytes) <= 0:
+        raise ValueError(f"`budget_bytes` must be positive, got budget_bytes={budget_bytes}.")
+    return f"budget_bytes={budget_bytes}"
+
+
+def _check_candidates(candidates: object) -> list[_Candidate]:
+    if isinstance(candidates, str) or not isinstance(candidates, Sequence):
+        raise TypeError(f"`candidates` must be a sequence of format names, got candidates={candidates!r}.")
+    options = [_candidate(name) for name in candidates]
+    if not options:
+        raise ValueError("`candidates` is empty: give at least one format name.")
+    if len({o.name for o in options}) != len(options):
+        raise ValueError(f"`candidates` names a format twice: {tuple(candidates)!r}.")
+    if all(o.format is None for o in options):
+        raise ValueError("`candidates` holds only 'float': nothing would be quantized.")
+    return options
+
+
+def _check_patterns(keep: object) -> tuple[str, ...]:
+    if isinstance(keep, str):
+        keep = (keep,)
+    if not isinstance(keep, Sequence) or not all(isinstance(p, str) for p in keep):
+        raise TypeError(f"`keep` must be a pattern or a sequence of patterns, got keep={keep!r}.")
+    for pattern in keep:
+        try:
+            re.compile(pattern)
+        except re.error as error:
+            raise ValueError(f"`keep`: {pattern!r} is not a valid regular expression ({error}).") from None
+    return tuple(keep)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Made:
+    """What a candidate makes of a unit: the quantizer in words, bits per element, stored bytes, the weight as the
+    quantized model computes with it."""
+
+    description: str
+    bits: int
+    bytes: int
+    weight: Array
+
+
+def _what_candidates_make(model: PyTree, units: list, options: list[_Candidate]) -> dict[tuple[int, int], _Made]:
+    made = {}
+    for c, option in enumerate(options):
         if option.format is None:
+            for u, (_, layer) in enumerate(units):
+                w = layer.weight
+                made[u, c] = _Made("float", w.dtype.itemsize * 8, w.size * w.dtype.itemsize, w)
             continue
         factory = LayerQuantizer(option.format, option.group_size)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             makers = {path: factory(path, layer) for path, layer in units}
-        for message in {str(w.message) for w in caught}:
-            warnings.warn(f"auto_recipe, candidate {option.name!r}: {message}", stacklevel=2)
+        for message in sorted({str(w.message) for w in caught}):
+            warnings.warn(f"auto_recipe, candidate {option.name!r}: {message}", stacklevel=3)
         rules = [Rule(re.escape(p), weight=q, input=None) for p, q in makers.items() if q is not None]
         if not rules:
             continue
@@ -364,104 +501,71 @@ def auto_recipe(
         for u, (path, layer) in enumerate(units):
             if makers[path] is None:
                 continue
-            qlayer = qlayers[path]
-            depth = stack_depth(layer, layer.weight.shape)
-            fake = _quantized_weight(depth)(qlayer.weight_quant, layer.weight)
+            quantizer = qlayers[path].weight_quant
+            weight = _quantized_weight(stack_depth(layer, layer.weight.shape))(quantizer, layer.weight)
             row = stored[path]
-            quantized[u, c] = (describe_quantizer(qlayer.weight_quant), row.bits, row.stored_bytes, fake)
+            made[u, c] = _Made(describe_quantizer(quantizer), row.bits, row.stored_bytes, weight)
+    return made
 
-    # The loss, as a function of the units' weights.
-    positions, leaves, treedef = _weight_leaves(model, paths)
 
-    def with_weights(weights):
+def _hessian_costs(model, units, made, count, data, evaluate, probes, key):
+    """HAWQ's predicted costs from Hutchinson estimates of each unit's Hessian trace, and the traces."""
+    positions, leaves, treedef = _weight_leaves(model, [p for p, _ in units])
+
+    def objective(weights, batch, ref):
         new = list(leaves)
         for p, w in zip(positions, weights, strict=True):
             new[p] = w
-        return jax.tree_util.tree_unflatten(treedef, new)
+        return evaluate(jax.tree_util.tree_unflatten(treedef, new), batch, ref)
 
-    float_weights = [leaves[p] for p in positions]
-    if loss is None:
-        reference_of = eqx.filter_jit(lambda m, b: m(b) if batched else jax.vmap(m)(b))
-        objective = lambda weights, batch, ref: _output_mse(with_weights(weights), batch, ref, batched)  # noqa: E731
-    else:
-        reference_of = lambda m, b: None  # noqa: E731
-        objective = lambda weights, batch, ref: loss(with_weights(weights), batch)  # noqa: E731
-    objective = eqx.filter_jit(objective)
+    @eqx.filter_jit
+    def quadratic_forms(weights, batch, ref, tangents):
+        # `sum_v t_v . (H t)_v` per probe, for tangents that are zero but on one unit: that unit's block of the
+        # Hessian, with no cross terms from the others.
+        grad = jax.grad(objective)
+        hvp = lambda t: jax.jvp(lambda w: grad(w, batch, ref), (weights,), (t,))[1]  # noqa: E731
+        ht = jax.vmap(hvp)(tangents)
+        return sum(jnp.sum(a * b, axis=tuple(range(1, a.ndim))) for a, b in zip(tangents, ht, strict=True))
 
-    batches = [(batch, reference_of(model, batch)) for batch in batches]
-    if not batches:
-        raise ValueError("`batches` is empty: give at least one batch of inputs.")
+    weights = [leaves[p] for p in positions]
+    keys = jax.random.split(jax.random.key(0) if key is None else key, len(units))
+    zeros = [jnp.zeros((probes, *w.shape), w.dtype) for w in weights]
+    costs = np.full((len(units), count), np.inf)
+    traces = []
+    for u, (_, layer) in enumerate(units):
+        z = jax.random.rademacher(keys[u], (probes, *layer.weight.shape), layer.weight.dtype)
+        tangents = [z if v == u else zeros[v] for v in range(len(units))]
+        forms = sum(np.asarray(quadratic_forms(weights, batch, ref, tangents), np.float64) for batch, ref in data)
+        trace = float(np.mean(forms) / len(data))
+        traces.append(trace)
+        w = np.asarray(layer.weight, np.float64)
+        for c in range(count):
+            if (u, c) in made:
+                error = float(np.sum((np.asarray(made[u, c].weight, np.float64) - w) ** 2))
+                costs[u, c] = (max(trace, 0.0) if not math.isnan(trace) else trace) / w.size * error
+    return costs, traces
 
+
+def _measured_costs(model, units, made, options, data, evaluate, activations):
+    """The loss with each unit alone quantized at each candidate (its input too, with `activations`), minus the float
+    model's."""
+    base = sum(float(evaluate(model, batch, ref)) for batch, ref in data)
     costs = np.full((len(units), len(options)), np.inf)
-    traces: list[float | None] = [None] * len(units)
-    if method == "hessian":
-        key = jax.random.key(0) if key is None else key
-        keys = jax.random.split(key, len(units))
-        z = [jax.random.rademacher(k, (probes, *w.shape), w.dtype) for k, w in zip(keys, float_weights, strict=True)]
-
-        @eqx.filter_jit
-        def quadratic_forms(weights, batch, ref, tangents):
-            # `sum_v t_v . (H t)_v` per probe, for tangents that are zero but on one unit: that unit's block of the
-            # Hessian, with no cross terms from the others.
-            grad = jax.grad(objective)
-            hvp = lambda t: jax.jvp(lambda w: grad(w, batch, ref), (weights,), (t,))[1]  # noqa: E731
-            ht = jax.vmap(hvp)(tangents)
-            return sum(jnp.sum(a * b, axis=tuple(range(1, a.ndim))) for a, b in zip(tangents, ht, strict=True))
-
-        zeros = [jnp.zeros((probes, *w.shape), w.dtype) for w in float_weights]
-        total = [np.zeros(probes) for _ in units]
-        for batch, ref in batches:
-            for u in range(len(units)):
-                tangents = [z[u] if v == u else zeros[v] for v in range(len(units))]
-                total[u] += np.asarray(quadratic_forms(float_weights, batch, ref, tangents), np.float64)
-        for u, (_, layer) in enumerate(units):
-            trace = float(np.mean(total[u]) / len(batches))
-            traces[u] = trace
-            for c in range(len(options)):
-                if (u, c) in quantized:
-                    w = np.asarray(layer.weight, np.float64)
-                    error = float(np.sum((np.asarray(quantized[u, c][3], np.float64) - w) ** 2))
-                    costs[u, c] = max(trace, 0.0) / layer.weight.size * error
-    else:
-        base = sum(float(objective(float_weights, batch, ref)) for batch, ref in batches)
-        for (u, c), entry in quantized.items():
-            weights = list(float_weights)
-            weights[u] = entry[3]
-            value = sum(float(objective(weights, batch, ref)) for batch, ref in batches)
-            costs[u, c] = (value - base) / len(batches)
-
-    if average_bits is not None:
-        sizes = np.array([[quantized[u, c][1] * units[u][1].weight.size if (u, c) in quantized else 0
-                           for c in range(len(options))] for u in range(len(units))])  # fmt: skip
-        budget = math.floor(average_bits * sum(layer.weight.size for _, layer in units) + 1e-9)
-        unit = "bits"
-    else:
-        sizes = np.array([[quantized[u, c][2] if (u, c) in quantized else 0 for c in range(len(options))]
-                          for u in range(len(units))])  # fmt: skip
-        budget, unit = int(budget_bytes), "bytes"  # pyright: ignore[reportArgumentType]
-    try:
-        picks = allocate(costs, sizes, budget)
-    except ValueError:
-        least = int(sum(min(sizes[u, c] for c in range(len(options)) if np.isfinite(costs[u, c]))
-                        for u in range(len(units))))  # fmt: skip
-        given = f"average_bits={average_bits}" if average_bits is not None else f"budget_bytes={budget_bytes}"
-        raise ValueError(
-            f"no choice among the candidates {tuple(candidates)} fits {given}: the smallest takes {least:,} {unit} "
-            f"against a budget of {budget:,}."
-        ) from None
-
-    rows = []
-    for u, (path, layer) in enumerate(units):
-        c = picks[u]
-        description, bits, nbytes, _ = quantized[u, c]
-        unit_costs = {options[k].name: float(costs[u, k]) for k in range(len(options)) if (u, k) in quantized}
-        rows.append(AutoRecipeRow(path, int(layer.weight.size), options[c].name, description, int(bits), int(nbytes),
-                                  float(costs[u, c]), traces[u], unit_costs))  # fmt: skip
-    rules = []
-    for c, option in enumerate(options):
-        chosen = [re.escape(paths[u]) for u in range(len(units)) if picks[u] == c]
-        if option.format is None or not chosen:
+    if activations is None:  # only a weight changes: one compiled program for every unit and candidate
+        positions, leaves, treedef = _weight_leaves(model, [p for p, _ in units])
+        for (u, c), entry in made.items():
+            new = list(leaves)
+            new[positions[u]] = entry.weight
+            trial = jax.tree_util.tree_unflatten(treedef, new)
+            costs[u, c] = (sum(float(evaluate(trial, batch, ref)) for batch, ref in data) - base) / len(data)
+        return costs, [None] * len(units)
+    for u, c in made:
+        option = options[c]
+        if option.format is None:
+            costs[u, c] = 0.0
             continue
-        factory = LayerQuantizer(option.format, option.group_size, learned=learned)
-        rules.append(Rule("|".join(chosen), weight=factory, input=activations))
-    return AutoRecipe(rules, AutoRecipeReport(tuple(rows), budget, unit, method))
+        path = units[u][0]
+        rule = Rule(re.escape(path), weight=LayerQuantizer(option.format, option.group_size), input=activations)
+        trial = quantize(model, [rule])
+        costs[u, c] = (sum(float(evaluate(trial, batch, ref)) for batch, ref in data) - base) / len(data)
+    return costs, [None] * len(units)

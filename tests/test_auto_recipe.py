@@ -166,6 +166,98 @@ def test_measured_cost_is_the_loss_with_that_layer_quantized():
     np.testing.assert_allclose(row.costs["int2_g32"], want, rtol=1e-5)
 
 
+def test_allocation_with_rounded_sizes_still_finds_a_choice_that_fits_exactly():
+    costs = np.array([[0.0, 1.0]] * 3)
+    sizes = np.array([[100_003, 200_000]] * 3)  # a budget of more than 2**17 units of their gcd, 1
+    assert allocate(costs, sizes, 300_009) == (0, 0, 0)
+    rng = np.random.default_rng(7)
+    for _ in range(5):
+        costs, sizes = rng.uniform(size=(6, 3)), rng.integers(10_000, 400_000, (6, 3))
+        budget = int(sizes.mean(axis=1).sum())
+        picks = allocate(costs, sizes, budget)
+        assert sum(sizes[u, c] for u, c in enumerate(picks)) <= budget
+        best = min(
+            sum(costs[u, c] for u, c in enumerate(choice))
+            for choice in itertools.product(range(3), repeat=6)
+            if sum(sizes[u, c] for u, c in enumerate(choice)) <= budget
+        )
+        # Optimal up to one rounding step (here about 10 of the budget's million) per row: here the optimum itself.
+        np.testing.assert_allclose(sum(costs[u, c] for u, c in enumerate(picks)), best, rtol=1e-12)
+
+
+def test_a_layer_whose_inputs_mix_magnitudes_stays_float_when_activations_are_measured():
+    """The case of a pretrained network whose first layer reads one feature near 100 and others near 1: with int8
+    inputs per tensor, the small features round away there. Measured with its input quantized, that layer is the one
+    kept in float under a budget that allows one float layer."""
+    rng = np.random.default_rng(3)
+    batches = []
+    for _ in range(2):
+        x = rng.standard_normal((32, 32)).astype(np.float32)
+        x[:, 0] = 100.0 + rng.standard_normal(32)
+        batches.append(jnp.asarray(x))
+    model = eqx.nn.MLP(32, 32, 32, 2, activation=jax.nn.gelu, key=jax.random.key(5))
+    per_int8 = [32 * 32 + 32 * 4] * 3  # int8 codes and float32 scales per output channel
+    budget = sum(per_int8) + 32 * 32 * 4 - per_int8[0]  # room for exactly one float layer
+    auto = eqx_quant.auto_recipe(model, batches, budget_bytes=budget, candidates=("int8", "float"),
+                                 method="measured", activations=eqx_quant.DynamicFakeQuant(8))  # fmt: skip
+    assert [row.choice for row in auto.report.rows] == ["float", "int8", "int8"]
+    assert [r.input.format.bits for r in auto["rules"]] == [8]
+
+
+def test_kl_loss_is_the_divergence_from_the_float_outputs():
+    auto = eqx_quant.auto_recipe(MLP, BATCHES, average_bits=8, candidates=("int8", "int2_g32"), method="measured",
+                                 loss="kl")  # fmt: skip
+    single = eqx_quant.quantize(MLP, [eqx_quant.Rule("layers\\.2", weight=eqx_quant.LayerQuantizer(
+        eqx_quant.format_named("int2"), 32), input=None)])  # fmt: skip
+    want = []
+    for b in BATCHES:
+        p = np.asarray(jax.nn.log_softmax(jax.vmap(MLP)(b)), np.float64)
+        q = np.asarray(jax.nn.log_softmax(jax.vmap(single)(b)), np.float64)
+        want.append(np.mean(np.sum(np.exp(p) * (p - q), axis=-1)))
+    np.testing.assert_allclose(auto.report.rows[2].costs["int2_g32"], np.mean(want), rtol=1e-4)
+
+
+def test_non_finite_data_and_layers_no_candidate_fits_are_clear_errors():
+    bad = [BATCHES[0].at[0, 0].set(jnp.nan)]
+    for method in ("hessian", "measured"):
+        with pytest.raises(ValueError, match="not finite"):
+            eqx_quant.auto_recipe(MLP, bad, average_bits=8, candidates=("int8", "int4_g32"), method=method)
+    small = eqx.nn.MLP(8, 2, 8, 1, key=jax.random.key(0))
+    with pytest.warns(UserWarning, match="stays float"), pytest.raises(ValueError, match="none of the candidates"):
+        eqx_quant.auto_recipe(small, [b[:, :8] for b in BATCHES], average_bits=8, candidates=("q4_0",))
+
+
+def _untouchable():
+    raise AssertionError("the batches were read before the arguments were checked")
+    yield
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(average_bits=4, candidates=("int8",)), ValueError, "smallest takes"),
+        (dict(average_bits=4, keep=123), TypeError, "keep"),
+        (dict(average_bits=4, keep="(["), ValueError, "keep"),
+        (dict(average_bits=4, key=0), TypeError, "key"),
+        (dict(average_bits=4, candidates=("int8_g0",)), ValueError, "int8_g0"),
+        (dict(average_bits=4, activations="int8"), TypeError, "activations"),
+        (dict(average_bits=4, batched="yes"), TypeError, "batched"),
+        (dict(average_bits=4, candidates=("float",)), ValueError, "only 'float'"),
+        (dict(average_bits=4, method="measured", probes=4), ValueError, "probes"),
+        (dict(average_bits=4, loss=lambda m, b: 0.0, batched=True), ValueError, "batched"),
+        (dict(average_bits=4, loss="l1"), TypeError, "loss"),
+    ],
+)
+def test_bad_arguments_fail_before_the_batches_are_read(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        eqx_quant.auto_recipe(MLP, _untouchable(), **kwargs)
+
+
+def test_one_array_for_batches_is_an_error():
+    with pytest.raises(TypeError, match="batches"):
+        eqx_quant.auto_recipe(MLP, BATCHES[0], average_bits=4)
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [

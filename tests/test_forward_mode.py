@@ -115,8 +115,9 @@ _GROUPED = (6, 4, 8)  # 6 rows of 4 groups of 8
 
 @pytest.mark.parametrize(
     "format, zero_point, two_level",
-    [("int3", False, False), ("uint4", True, False), ("float8_e4m3fn", False, False), ("float4_e2m1fn", False, True)],
-)
+    [("int3", False, False), ("uint4", True, False), ("float8_e4m3fn", False, False), ("float4_e2m1fn", False, True),
+     ("mxfp4", False, False), ("q4_0", False, False), ("q5_0", False, False)],
+)  # fmt: skip
 def test_reverse_mode_through_the_jvp_rule_is_the_custom_vjp_bit_for_bit(format, zero_point, two_level):
     fmt = as_format("nvfp4") if two_level else as_format(format)
     x = jnp.asarray((RNG.standard_normal(_GROUPED) * np.exp(RNG.uniform(-2, 2, _GROUPED))).astype(np.float32))
@@ -125,6 +126,8 @@ def test_reverse_mode_through_the_jvp_rule_is_the_custom_vjp_bit_for_bit(format,
     scale = jnp.asarray(RNG.uniform(0.05, 0.5, (6, 4, 1)).astype(np.float32))
     if two_level:
         scale = jnp.asarray(np.asarray(scale).astype(jnp.float8_e4m3fn).astype(np.float32))
+    if fmt.scale == "e8m0":  # powers of two
+        scale = jnp.exp2(jnp.round(jnp.log2(scale)))
     zp = jnp.asarray(RNG.integers(0, 8, (6, 4, 1)).astype(np.float32)) if zero_point else None
     ts = jnp.float32(0.7) if two_level else None
 
@@ -151,13 +154,14 @@ QUANTIZERS = {
     "learned_asymmetric": eqx_quant.LearnedFakeQuant.init_from(X, 4, symmetric=False, axis=0),
     "learned_nvfp4": eqx_quant.LearnedFakeQuant.init_from(X, "nvfp4", group_size=16),
     "learned_mxfp4": eqx_quant.LearnedFakeQuant.init_from(X, "mxfp4", group_size=32),
+    "q4_0": eqx_quant.DynamicFakeQuant("q4_0", group_size=32),
 }
 
 
 @pytest.mark.parametrize("name", sorted(QUANTIZERS))
 def test_jacfwd_equals_jacrev_through_every_quantizer(name):
     quantizer = QUANTIZERS[name]
-    x = X[:2, :16] if "fp4" not in name else X[:2]
+    x = X[:2, :16] if "fp4" not in name and name != "q4_0" else X[:2]  # blocks of 16 or 32
     if name.startswith("learned"):
         quantizer = type(quantizer).init_from(x, quantizer.format, **_layout_kwargs(name))
     forward = jax.jacfwd(lambda a: quantizer(a))(x)
