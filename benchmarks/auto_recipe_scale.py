@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> dict:
     results = {"layers": args.layers, "width": args.width, "backend": jax.default_backend()}
     for method in ("hessian", "measured"):
         start = time.perf_counter()
-        auto = eqx_quant.auto_recipe(model, batches, average_bits=4, method=method, probes=8)
+        probes = {"probes": 8} if method == "hessian" else {}
+        auto = eqx_quant.auto_recipe(model, batches, average_bits=4, method=method, **probes)
         seconds = time.perf_counter() - start
         choices = sorted({row.choice for row in auto.report.rows})
         results[method] = {"seconds": seconds, "choices": choices, "average_bits": auto.report.average_bits}

@@ -10,7 +10,9 @@ model, corpus, fine-tuning and validation protocol of `lm.py` (same presets, sam
 2. allocates a format per layer with `eqx_quant.auto_recipe` among `CANDIDATES` (the same four grids) at `AUTO_BITS`
    average weight bits, by each method of `AUTO_METHODS` (Hessian traces, or the measured loss of each layer
    quantized alone), the loss being the KL divergence from the float model's next-character distributions
-   (`loss="kl"`) on the first `AUTO_BATCHES` of `lm.py`'s GPTQ calibration batches (training windows). A stack of
+   (`loss="kl"`) on the first `AUTO_BATCHES` of `lm.py`'s GPTQ calibration batches (training windows), with
+   `AUTO_PROBES` probes per unit for the Hessian traces; the predictions are made once per method (at the first
+   budget) and reused for the others (`auto_recipe(model, report, ...)`). A stack of
    blocks is one unit of the allocation: each of the block's linear layers (`qkv`, `proj`, the MLP's two) takes one
    format for every block;
 3. scores every model by round to nearest (`rtn`) and after quantization-aware training (`qat`: learned scales from
@@ -49,7 +51,8 @@ UNIFORM = {"W8 g32": 8, "W4 g32": 4, "W3 g32": 3, "W2 g32": 2}
 CANDIDATES = ("int8_g32", "int4_g32", "int3_g32", "int2_g32")
 AUTO_BITS = (4.0, 3.0, 2.5)
 AUTO_METHODS = ("hessian", "measured")
-AUTO_BATCHES = 8  # of `lm.calibration_batches`: the data `auto_recipe` predicts from
+AUTO_BATCHES = 4  # of `lm.calibration_batches`: the data `auto_recipe` predicts from
+AUTO_PROBES = 8  # Hutchinson probes per unit
 GROUP = 32
 
 
@@ -68,8 +71,11 @@ def learned_rule(rule: eqx_quant.Rule) -> eqx_quant.Rule:
     return dataclasses.replace(rule, weight=dataclasses.replace(rule.weight, learned=True))
 
 
-def auto_rules(model: Any, bench: lm.Bench, bits: float, method: str) -> eqx_quant.AutoRecipe:
-    """`auto_recipe`'s allocation at `bits` (the embedding kept at 8 bits, outside the allocation)."""
+def auto_rules(model: Any, bench: lm.Bench, bits: float, method: str, earlier: Any = None) -> eqx_quant.AutoRecipe:
+    """`auto_recipe`'s allocation at `bits` (the embedding kept at 8 bits, outside the allocation); with `earlier`, the
+    predictions of that report again."""
+    if earlier is not None:
+        return eqx_quant.auto_recipe(model, earlier, average_bits=bits, candidates=CANDIDATES, keep=lm.KEEP)
     return eqx_quant.auto_recipe(
         model,
         lm.calibration_batches(bench)[:AUTO_BATCHES],
@@ -78,6 +84,7 @@ def auto_rules(model: Any, bench: lm.Bench, bits: float, method: str) -> eqx_qua
         method=method,  # pyright: ignore[reportArgumentType]
         loss="kl",
         keep=lm.KEEP,
+        **({"probes": AUTO_PROBES} if method == "hessian" else {}),
     )
 
 
@@ -111,9 +118,11 @@ def run(
     for name, bits in UNIFORM.items():
         add(name, "uniform", bits, lambda learned, bits=bits: uniform_rules(bits, learned=learned))
     for method in AUTO_METHODS:
+        earlier = None
         for bits in AUTO_BITS:
             start = time.perf_counter()
-            auto = auto_rules(model, bench, bits, method)
+            auto = auto_rules(model, bench, bits, method, earlier)
+            earlier = auto.report
             learned = [learned_rule(rule) for rule in auto["rules"]]
             name = f"auto {method} {bits:g}"
             results["allocations"][name] = {

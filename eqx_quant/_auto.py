@@ -222,12 +222,12 @@ def _distance(kind: str, out: PyTree, reference: PyTree) -> Array:
 
 def auto_recipe(
     model: PyTree,
-    batches: Iterable[PyTree],
+    batches: Iterable[PyTree] | AutoRecipeReport,
     *,
     average_bits: int | float | None = None,
     budget_bytes: int | None = None,
     candidates: Sequence[str] = DEFAULT_CANDIDATES,
-    method: Literal["hessian", "measured"] = "hessian",
+    method: Literal["hessian", "measured"] | None = None,
     loss: Literal["mse", "kl"] | Callable[[PyTree, PyTree], Array] = "mse",
     activations: AbstractQuantizer | Callable | None = None,
     learned: bool = False,
@@ -273,7 +273,9 @@ def auto_recipe(
 
     - `model`: a float model (quantize its result, not a quantized model).
     - `batches`: an iterable of inputs, each with a leading batch axis (as for [`eqx_quant.calibrate`][]); read
-        once, so a generator will do.
+        once, so a generator will do. Or the `.report` of an earlier call on the same model: its predictions are
+        used again (no data is read, no Hessian computed), for another budget, say; `method`, `loss`, `probes`,
+        `key` and `batched` are then the report's.
     - `average_bits`, `budget_bytes`: the budget, as above.
     - `candidates`: the formats a unit may take, by name: `"int8"` (one scale per output channel), `"int4_g32"` (per
         group of 32 along the contraction; any integer format and group), `"float8_e4m3fn"`, `"mxfp4"`,
@@ -281,7 +283,7 @@ def auto_recipe(
         Where a candidate's groups do not fit a layer, that layer gets the fallback the candidate's
         [`eqx_quant.LayerQuantizer`][] describes, with its warning, and the report names what it gets; a GGML
         candidate that does not fit at all is left out for that layer.
-    - `method`: `"hessian"` or `"measured"`, as above.
+    - `method`: `"hessian"` (the default) or `"measured"`, as above.
     - `loss`: the loss whose increase is predicted: `"mse"` (the default), the mean squared difference between the
         model's outputs and the float model's on each batch; `"kl"`, the mean KL divergence from the float model's
         outputs read as logits (a softmax over their last axis); or a function `loss(model, batch) -> scalar`. The
@@ -332,6 +334,14 @@ def auto_recipe(
     """
     budget_name = _check_budget(average_bits, budget_bytes)
     options = _check_candidates(candidates)
+    earlier = batches if isinstance(batches, AutoRecipeReport) else None
+    if earlier is not None:
+        if method is not None and method != earlier.method:
+            raise ValueError(f"`method`: the report was made with method={earlier.method!r}, got method={method!r}.")
+        if not (loss == "mse" and probes is None and key is None and batched is None):
+            raise ValueError("`loss`, `probes`, `key` and `batched` were decided when the report was made; leave them.")
+        method = earlier.method
+    method = "hessian" if method is None else method
     if method not in ("hessian", "measured"):
         raise ValueError(f"`method` must be 'hessian' or 'measured', got method={method!r}.")
     if method == "measured" and (probes is not None or key is not None):
@@ -384,6 +394,9 @@ def auto_recipe(
             f"{unit} against a budget of {budget:,}."
         )
 
+    if earlier is not None:
+        costs, traces = _earlier_costs(earlier, units, quantized, options)
+        return _choose(units, options, quantized, costs, traces, sizes, budget, unit, method, learned, activations)
     kind = "mse" if callable(loss) else loss
     evaluate = eqx.filter_jit(
         (lambda m, batch, ref: loss(m, batch))  # pyright: ignore[reportCallIssue]
@@ -404,16 +417,20 @@ def auto_recipe(
                 f"The predicted cost of layer {units[u][0]!r} at {options[c].name!r} is {costs[u, c]}: the loss is "
                 "not finite on these batches (NaN or inf in the data or the outputs)."
             )
-    costs = np.where([[(u, c) in quantized for c in range(len(options))] for u in range(len(units))], costs, np.inf)
-    picks = allocate(costs, sizes, budget)
+    return _choose(units, options, quantized, costs, traces, sizes, budget, unit, method, learned, activations)
 
+
+def _choose(units, options, made, costs, traces, sizes, budget, unit, method, learned, activations) -> AutoRecipe:
+    """The allocation, its rules and its report."""
+    costs = np.where([[(u, c) in made for c in range(len(options))] for u in range(len(units))], costs, np.inf)
+    picks = allocate(costs, sizes, budget)
     rows = []
     for u, (path, layer) in enumerate(units):
         c = picks[u]
-        made = quantized[u, c]
-        unit_costs = {options[k].name: float(costs[u, k]) for k in range(len(options)) if (u, k) in quantized}
-        rows.append(AutoRecipeRow(path, int(layer.weight.size), options[c].name, made.description, int(made.bits),
-                                  int(made.bytes), float(costs[u, c]), traces[u], unit_costs))  # fmt: skip
+        unit_costs = {options[k].name: float(costs[u, k]) for k in range(len(options)) if (u, k) in made}
+        rows.append(AutoRecipeRow(path, int(layer.weight.size), options[c].name, made[u, c].description,
+                                  int(made[u, c].bits), int(made[u, c].bytes), float(costs[u, c]), traces[u],
+                                  unit_costs))  # fmt: skip
     rules = []
     for c, option in enumerate(options):
         chosen = [re.escape(units[u][0]) for u in range(len(units)) if picks[u] == c]
@@ -422,6 +439,25 @@ def auto_recipe(
         factory = LayerQuantizer(option.format, option.group_size, learned=learned)
         rules.append(Rule("|".join(chosen), weight=factory, input=activations))
     return AutoRecipe(rules, AutoRecipeReport(tuple(rows), budget, unit, method))
+
+
+def _earlier_costs(report: AutoRecipeReport, units: list, made: dict, options: list[_Candidate]):
+    """The costs and traces of an earlier report, for the same layers and candidates."""
+    paths = [p for p, _ in units]
+    if [row.path for row in report.rows] != paths:
+        raise ValueError(
+            f"`batches`: the report's layers {[row.path for row in report.rows]} are not this model's {paths} "
+            "(outside `keep`)."
+        )
+    costs = np.full((len(units), len(options)), np.inf)
+    for u, row in enumerate(report.rows):
+        for c, option in enumerate(options):
+            if (u, c) not in made:
+                continue
+            if option.name not in row.costs:
+                raise ValueError(f"`batches`: the report has no prediction for {option.name!r} at layer {row.path!r}.")
+            costs[u, c] = row.costs[option.name]
+    return costs, [row.trace for row in report.rows]
 
 
 def _check_budget(average_bits: object, budget_bytes: object) -> str:

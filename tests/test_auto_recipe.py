@@ -132,6 +132,7 @@ def test_the_budget_is_met_and_the_rules_quantize_the_model_as_reported(method):
     assert "total" in str(auto.report)
 
 
+@pytest.mark.slow
 def test_average_bits_counts_elements_only_and_reaches_stacked_layers():
     class Stack(eqx.Module):
         blocks: eqx.nn.Linear
@@ -299,3 +300,16 @@ def test_a_model_with_several_outputs_sums_their_errors():
     for row, single in zip(auto.report.rows, alone.report.rows, strict=True):
         assert row.path == "mlp." + single.path
         np.testing.assert_allclose(row.costs["int2_g32"], 5 * single.costs["int2_g32"], rtol=1e-5)  # 1 + 2**2
+
+
+def test_an_earlier_report_gives_its_predictions_to_another_budget():
+    first = eqx_quant.auto_recipe(MLP, BATCHES, average_bits=6, candidates=SMALL)
+    again = eqx_quant.auto_recipe(MLP, first.report, average_bits=3, candidates=SMALL)
+    fresh = eqx_quant.auto_recipe(MLP, BATCHES, average_bits=3, candidates=SMALL)
+    assert again.report == fresh.report and again["rules"] == fresh["rules"]
+    with pytest.raises(ValueError, match="method"):
+        eqx_quant.auto_recipe(MLP, first.report, average_bits=3, candidates=SMALL, method="measured")
+    with pytest.raises(ValueError, match="no prediction"):
+        eqx_quant.auto_recipe(MLP, first.report, average_bits=3, candidates=(*SMALL, "int3_g32"))
+    with pytest.raises(ValueError, match="layers"):
+        eqx_quant.auto_recipe(MLP, first.report, average_bits=3, candidates=SMALL, keep="layers\\.0")

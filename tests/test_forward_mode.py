@@ -158,7 +158,11 @@ QUANTIZERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(QUANTIZERS))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.slow) if n in ("learned_nvfp4", "learned_mxfp4", "dynamic_fp8") else n
+     for n in sorted(QUANTIZERS)],
+)  # fmt: skip
 def test_jacfwd_equals_jacrev_through_every_quantizer(name):
     quantizer = QUANTIZERS[name]
     x = X[:2, :16] if "fp4" not in name and name != "q4_0" else X[:2]  # blocks of 16 or 32
@@ -191,9 +195,9 @@ BATCH = jnp.asarray(RNG.standard_normal((3, 32)).astype(np.float32))
 
 @pytest.mark.parametrize(
     "name, learned",
-    [("w8a8", False), *(pytest.param(*case, marks=pytest.mark.slow) for case in
-                         [("w8a8", True), ("w4a16_g32", False), ("w4a16_g32", True), ("fp8", False),
-                          ("nvfp4", False), ("nvfp4", True)])],
+    [pytest.param(*case, marks=pytest.mark.slow) for case in
+     [("w8a8", False), ("w8a8", True), ("w4a16_g32", False), ("w4a16_g32", True), ("fp8", False), ("nvfp4", False),
+      ("nvfp4", True)]],
 )  # fmt: skip
 def test_forward_and_reverse_mode_agree_on_a_quantized_model(name, learned):
     model = eqx_quant.quantize(MLP, **eqx_quant.recipe(name, learned=learned))
@@ -257,6 +261,7 @@ def test_hessian_of_an_integer_model_is_that_of_the_straight_through_surrogate()
     assert np.any(np.asarray(cross) != 0)
 
 
+@pytest.mark.slow
 def test_forward_mode_through_an_integer_einsum():
     a = jnp.asarray(RNG.standard_normal((4, 8)).astype(np.float32))
     b = jnp.asarray(RNG.standard_normal((8, 4)).astype(np.float32))
@@ -272,6 +277,7 @@ def test_forward_mode_through_an_integer_einsum():
     np.testing.assert_array_equal(forward[0][0, :, 1, :], np.zeros((4, 8), np.float32))
 
 
+@pytest.mark.slow
 def test_forward_mode_is_an_error_under_a_quantized_backward():
     """`QuantizedBackward` replaces the backward pass itself, which has no forward-mode counterpart."""
     model = eqx_quant.quantize(MLP, backward=eqx_quant.QuantizedBackward(8))

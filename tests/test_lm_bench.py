@@ -287,3 +287,21 @@ def test_targets_and_table_from_hand_made_results():
     lines = lm.table(results).splitlines()
     assert len(lines) == 4 + 3
     assert lines[-1] == "| w3a16_g32 | qat | 2.1000 | +5.00% | yes | 150 | 15.0% |"
+
+
+def test_pareto_results_recompute_their_targets_print_and_plot(tmp_path, capsys):
+    """`lm_pareto.py --results` on the stored full run: the targets recomputed from its rows are the stored ones,
+    and by hand from the table's figures."""
+    lm_pareto = importlib.import_module("lm_pareto")
+    stored = BENCHMARKS / "results" / "lm_pareto_full.json"
+    results = json.loads(stored.read_text())
+    assert lm_pareto.targets(results) == results["targets"]
+    bpc = {row["name"]: row["rtn_bpc"] for row in results["rows"]}
+    w4, w3, w2 = bpc["W4 g32"], bpc["W3 g32"], bpc["W2 g32"]
+    by_hand = (w2 - bpc["auto measured 2.5"]) / (w2 - w3)
+    assert math.isclose(results["targets"]["w2_w3_gap_closed_measured"], by_hand, rel_tol=1e-12)
+    assert math.isclose(results["targets"]["w3_w4_gap_closed_hessian"], (w3 - bpc["auto hessian 3"]) / (w3 - w4))
+    lm_pareto.main(["--results", str(stored), "--plot", str(tmp_path / "p.png")])
+    out = capsys.readouterr().out
+    assert "auto measured 2.5" in out and "w2_w3_gap_closed" in out
+    assert (tmp_path / "p.png").stat().st_size > 10_000
