@@ -66,6 +66,7 @@ from ._rules import (
 )
 from ._serialise import load as load, save as save
 from ._summary import Summary as Summary, SummaryRow as SummaryRow, summary as summary
+from ._train import distillation_loss as distillation_loss, trainable as trainable
 
 
 # The name of earlier releases: every quantizer onto a number format, float formats among them.
