@@ -146,18 +146,18 @@ def run(
     return results
 
 
-def _bpc(results: dict, name: str, arm: str = "rtn_bpc") -> float:
-    return next(row[arm] for row in results["rows"] if row["name"] == name)
+def _rtn_bpc(results: dict, name: str) -> float:
+    return next(row["rtn_bpc"] for row in results["rows"] if row["name"] == name)
 
 
 def targets(results: dict) -> dict[str, float]:
     """The targets' figures, from round to nearest: the share of the W3-W4 gap closed at 3 bits, and of the W2-W3
     gap at 2.5 bits, by each method and by the better one."""
-    w4, w3, w2 = (_bpc(results, f"W{b} g32") for b in (4, 3, 2))
+    w4, w3, w2 = (_rtn_bpc(results, f"W{b} g32") for b in (4, 3, 2))
     figures = {}
     for method in AUTO_METHODS:
-        figures[f"w3_w4_gap_closed_{method}"] = (w3 - _bpc(results, f"auto {method} 3")) / (w3 - w4)
-        figures[f"w2_w3_gap_closed_{method}"] = (w2 - _bpc(results, f"auto {method} 2.5")) / (w2 - w3)
+        figures[f"w3_w4_gap_closed_{method}"] = (w3 - _rtn_bpc(results, f"auto {method} 3")) / (w3 - w4)
+        figures[f"w2_w3_gap_closed_{method}"] = (w2 - _rtn_bpc(results, f"auto {method} 2.5")) / (w2 - w3)
     for name in ("w3_w4_gap_closed", "w2_w3_gap_closed"):
         figures[name] = max(figures[f"{name}_{method}"] for method in AUTO_METHODS)
     return figures

@@ -5,7 +5,7 @@ import math
 import re
 import warnings
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal
+from typing import Literal
 
 import equinox as eqx
 import jax
@@ -13,17 +13,17 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._format import Format, format_named
+from ._format import GGML_BLOCK, MX_BLOCK, NVFP4_BLOCK, Format, format_named
 from ._misc import check_int
 from ._quantizers import AbstractQuantizer
 from ._rules import LayerQuantizer, Rule, quantize
-from ._summary import _FLOAT_LAYERS, describe_quantizer, summary
-from ._tree import nodes, path_string
+from ._summary import _FLOAT_LAYERS, describe_quantizer, summary, text_table
+from ._tree import nodes
 from .nn._layers import AbstractQuantLayer, _quantized_weight, stack_depth
 
 
 DEFAULT_CANDIDATES = ("int8", "int4_g32", "int3_g32", "int2_g32", "float8_e4m3fn", "mxfp4", "nvfp4", "float")
-_BLOCK_OF_SCALE = {"e8m0": 32, "e4m3": 16, "float16": 32}  # MX, NVFP4 and GGML blocks: their formats' own sizes
+_BLOCK_OF_SCALE = {"e8m0": MX_BLOCK, "e4m3": NVFP4_BLOCK, "float16": GGML_BLOCK}  # the block formats' own sizes
 _MAX_STATES = 1 << 17
 
 
@@ -112,16 +112,7 @@ class AutoRecipeReport:
         ]  # fmt: skip
         cells.append(("total", f"{sum(r.weights for r in self.rows):,}", "", f"method={self.method}",
                       f"{self.average_bits:.3g}", f"{self.bytes:,}", "", f"{self.predicted:.4g}"))  # fmt: skip
-        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-        numeric = (1, 4, 5, 6, 7)
-        lines = [
-            "  ".join(
-                c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            ).rstrip()
-            for row in cells
-        ]
-        rule = "  ".join("-" * w for w in widths)
-        return "\n".join([lines[0], rule, *lines[1:-1], rule, lines[-1]])
+        return text_table(cells, numeric=(1, 4, 5, 6, 7))
 
 
 class AutoRecipe(dict):
@@ -190,17 +181,14 @@ def _knapsack(costs: np.ndarray, units: np.ndarray, capacity: int) -> tuple[int,
     return tuple(reversed(picks))
 
 
-def _weight_leaves(model: PyTree, paths: Sequence[str]) -> tuple[list[int], list, Any]:
-    """The positions, among the leaves of `model`, of the weights of the layers at `paths`; the leaves; the treedef."""
-    leaves_with_path, treedef = jax.tree_util.tree_flatten_with_path(model)
-    names = {f"{path}.weight" if path else "weight": i for i, path in enumerate(paths)}
-    positions = [-1] * len(paths)
-    for i, (key_path, _) in enumerate(leaves_with_path):
-        j = names.get(path_string(key_path))
-        if j is not None:
-            positions[j] = i
-    assert all(p >= 0 for p in positions)
-    return positions, [leaf for _, leaf in leaves_with_path], treedef
+def _with_weights(model: PyTree, paths: Sequence[str], weights: Sequence[Array]) -> PyTree:
+    """`model` with the weights of its layers at `paths` replaced by `weights`."""
+
+    def where(m: PyTree) -> list:
+        layers = dict(nodes(m, _FLOAT_LAYERS))
+        return [layers[p].weight for p in paths]
+
+    return eqx.tree_at(where, model, list(weights))
 
 
 def _float_leaves(tree: PyTree) -> list[Array]:
@@ -421,8 +409,7 @@ def auto_recipe(
 
 
 def _choose(units, options, made, costs, traces, sizes, budget, unit, method, learned, activations) -> AutoRecipe:
-    """The allocation, its rules and its report."""
-    costs = np.where([[(u, c) in made for c in range(len(options))] for u in range(len(units))], costs, np.inf)
+    """The allocation, its rules and its report (`costs` is `inf` where a layer cannot take a candidate)."""
     picks = allocate(costs, sizes, budget)
     rows = []
     for u, (path, layer) in enumerate(units):
@@ -531,13 +518,11 @@ def _what_candidates_make(model: PyTree, units: list, options: list[_Candidate])
         rules = [Rule(re.escape(p), weight=q, input=None) for p, q in makers.items() if q is not None]
         if not rules:
             continue
-        qmodel = quantize(model, rules)
-        stored = {row.path: row for row in summary(qmodel).rows}
-        qlayers = dict(nodes(qmodel, (AbstractQuantLayer,)))
+        stored = {row.path: row for row in summary(quantize(model, rules)).rows}
         for u, (path, layer) in enumerate(units):
-            if makers[path] is None:
+            quantizer = makers[path]
+            if quantizer is None:
                 continue
-            quantizer = qlayers[path].weight_quant
             weight = _quantized_weight(stack_depth(layer, layer.weight.shape))(quantizer, layer.weight)
             row = stored[path]
             made[u, c] = _Made(describe_quantizer(quantizer), row.bits, row.stored_bytes, weight)
@@ -546,13 +531,10 @@ def _what_candidates_make(model: PyTree, units: list, options: list[_Candidate])
 
 def _hessian_costs(model, units, made, count, data, evaluate, probes, key):
     """HAWQ's predicted costs from Hutchinson estimates of each unit's Hessian trace, and the traces."""
-    positions, leaves, treedef = _weight_leaves(model, [p for p, _ in units])
+    paths = [p for p, _ in units]
 
     def objective(weights, batch, ref):
-        new = list(leaves)
-        for p, w in zip(positions, weights, strict=True):
-            new[p] = w
-        return evaluate(jax.tree_util.tree_unflatten(treedef, new), batch, ref)
+        return evaluate(_with_weights(model, paths, weights), batch, ref)
 
     @eqx.filter_jit
     def quadratic_forms(weights, batch, ref, tangents):
@@ -563,7 +545,7 @@ def _hessian_costs(model, units, made, count, data, evaluate, probes, key):
         ht = jax.vmap(hvp)(tangents)
         return sum(jnp.sum(a * b, axis=tuple(range(1, a.ndim))) for a, b in zip(tangents, ht, strict=True))
 
-    weights = [leaves[p] for p in positions]
+    weights = [layer.weight for _, layer in units]
     keys = jax.random.split(jax.random.key(0) if key is None else key, len(units))
     zeros = [jnp.zeros((probes, *w.shape), w.dtype) for w in weights]
     costs = np.full((len(units), count), np.inf)
@@ -575,10 +557,10 @@ def _hessian_costs(model, units, made, count, data, evaluate, probes, key):
         trace = float(np.mean(forms) / len(data))
         traces.append(trace)
         w = np.asarray(layer.weight, np.float64)
-        for c in range(count):
+        for c in range(count):  # `max` keeps a NaN trace (its first argument): the caller reports it
             if (u, c) in made:
                 error = float(np.sum((np.asarray(made[u, c].weight, np.float64) - w) ** 2))
-                costs[u, c] = (max(trace, 0.0) if not math.isnan(trace) else trace) / w.size * error
+                costs[u, c] = max(trace, 0.0) / w.size * error
     return costs, traces
 
 
@@ -588,11 +570,8 @@ def _measured_costs(model, units, made, options, data, evaluate, activations):
     base = sum(float(evaluate(model, batch, ref)) for batch, ref in data)
     costs = np.full((len(units), len(options)), np.inf)
     if activations is None:  # only a weight changes: one compiled program for every unit and candidate
-        positions, leaves, treedef = _weight_leaves(model, [p for p, _ in units])
         for (u, c), entry in made.items():
-            new = list(leaves)
-            new[positions[u]] = entry.weight
-            trial = jax.tree_util.tree_unflatten(treedef, new)
+            trial = _with_weights(model, [units[u][0]], [entry.weight])
             costs[u, c] = (sum(float(evaluate(trial, batch, ref)) for batch, ref in data) - base) / len(data)
         return costs, [None] * len(units)
     for u, c in made:

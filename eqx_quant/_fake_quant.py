@@ -31,6 +31,7 @@ from ._misc import (
     compute_dtype,
     expand_to_rank,
     is_concrete,
+    is_zero_tangent,
     sum_to_shape,
     vary_alike,
 )
@@ -87,10 +88,6 @@ def _straight_through_impl(x, scale, zero_point, tensor_scale, fmt):
 _straight_through = jax.custom_jvp(_straight_through_impl, nondiff_argnums=(4,))
 
 
-def _is_zero(tangent: object) -> bool:
-    return tangent is None or isinstance(tangent, jax.custom_derivatives.SymbolicZero)
-
-
 def _fake_quant_tangent(fmt, x, scale, zero_point, tensor_scale, dx, d_scale, d_zero_point, d_tensor_scale):
     """The tangent of `fake_quant` at `x`: `dx` where `x / scale` lies in the grid, the learned-step-size terms of
     the scales' tangents, the zero point's outside the grid. Tangents that are `None` are zero."""
@@ -112,7 +109,7 @@ def _fake_quant_tangent(fmt, x, scale, zero_point, tensor_scale, dx, d_scale, d_
         # the scale, even where their cotangent is NaN too.
         nan = jnp.isnan(v)
         parts = []
-        for d, other in ((d_scale, tensor_scale), (d_tensor_scale, scale if d_tensor_scale is not None else None)):
+        for d, other in ((d_scale, tensor_scale), (d_tensor_scale, scale)):
             if d is not None:
                 d = expand_to_rank(d, ndim)
                 if other is not None:
@@ -132,7 +129,7 @@ def _derivative_rule(op):
 
     def rule(fmt, primals, tangents):
         x, scale, zero_point, tensor_scale = primals
-        tangents = tuple(None if _is_zero(t) else t for t in tangents)
+        tangents = tuple(None if is_zero_tangent(t) else t for t in tangents)
         if all(t is None for t in tangents):
             return op(x, scale, zero_point, tensor_scale, fmt), jnp.zeros_like(x)
         tangent = jax.checkpoint(functools.partial(_fake_quant_tangent, fmt))

@@ -551,6 +551,7 @@ MX_FORMATS = (*_MX_ELEMENTS, "mxint8")
 """The names of the OCP Microscaling formats."""
 
 NVFP4_BLOCK = 16
+MX_BLOCK = 32  # the MX specification's block size
 E4M3 = FloatFormat("float8_e4m3fn")
 
 

@@ -18,7 +18,7 @@ from jaxtyping import Array
 
 from ._fake_quant import fake_quant_scales
 from ._format import Format, IntFormat
-from ._misc import compute_dtype, vary_alike
+from ._misc import compute_dtype, is_zero_tangent, vary_alike
 from ._qarray import QuantizedArray, shifted_range
 from ._scales import Scales
 
@@ -372,7 +372,7 @@ def _integer_forward(spec, wq, xq, bias, w_int, x_int, w_scale, x_scale, w_nan, 
 
 def _integer_forward_jvp(spec, primals, tangents):
     wq, xq, *_, w_float, x_float = primals
-    dw, dx, dbias = (None if _is_zero(t) else t for t in tangents[:3])
+    dw, dx, dbias = (None if is_zero_tangent(t) else t for t in tangents[:3])
     # The value through the function itself, so that a derivative of this rule (a second derivative) uses this rule.
     y = _integer_forward(spec, *primals)
     float_op = functools.partial(_FLOAT_OPS[type(spec)], spec)
@@ -403,8 +403,3 @@ def _integer_forward_jvp(spec, primals, tangents):
 
 
 _integer_forward.defjvp(_integer_forward_jvp, symbolic_zeros=True)
-
-
-def _is_zero(tangent: object) -> bool:
-    """Whether a tangent is absent (`None` operand) or a symbolic zero (an operand without a derivative)."""
-    return tangent is None or isinstance(tangent, jax.custom_derivatives.SymbolicZero)

@@ -98,6 +98,12 @@ def expand_to_rank(a: Array, ndim: int) -> Array:
     return a.reshape((1,) * (ndim - a.ndim) + a.shape)
 
 
+def is_zero_tangent(tangent: object) -> bool:
+    """Whether a JVP rule's tangent is absent (a `None` operand) or a symbolic zero (an operand without a
+    derivative)."""
+    return tangent is None or isinstance(tangent, jax.custom_derivatives.SymbolicZero)
+
+
 def sum_to_shape(a: Array, shape: tuple[int, ...]) -> Array:
     """Sums `a` over the axes along which an array of `shape` was broadcast to `a.shape` (the adjoint of a
     broadcast)."""

@@ -4,7 +4,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
-from ._format import GGML_BLOCK, GGML_FORMATS, NVFP4, float_format, int_format, mx_format
+from ._format import GGML_BLOCK, GGML_FORMATS, MX_BLOCK, NVFP4, NVFP4_BLOCK, float_format, int_format, mx_format
 from ._misc import check_int
 from ._quantizers import DynamicFakeQuant
 from ._rules import LayerQuantizer, Rule
@@ -24,8 +24,8 @@ _RECIPES: dict[str, tuple[int, int | None, int | None, bool]] = {
 # name: the weight and input quantizers' formats and block sizes
 _FLOAT_RECIPES = {
     "fp8": ((float_format("float8_e4m3fn"), None), (float_format("float8_e4m3fn"), None)),
-    "mxfp4": ((mx_format("mxfp4"), 32), (mx_format("mxfp8_e4m3"), 32)),
-    "nvfp4": ((NVFP4, 16), (NVFP4, 16)),
+    "mxfp4": ((mx_format("mxfp4"), MX_BLOCK), (mx_format("mxfp8_e4m3"), MX_BLOCK)),
+    "nvfp4": ((NVFP4, NVFP4_BLOCK), (NVFP4, NVFP4_BLOCK)),
 }
 
 # The GGML block formats of llama.cpp's GGUF files: weights only (llama.cpp computes its activations in float).

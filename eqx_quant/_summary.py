@@ -86,17 +86,21 @@ class Summary:
         ratio = self.stored_bytes / self.float_bytes if self.float_bytes else float("nan")
         cells.append(("total", f"{quantized} of {len(self.rows)} quantized", "", "", "", f"{self.float_bytes:,}",
                       f"{self.stored_bytes:,} ({ratio:.1%})"))  # fmt: skip
-        widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-        numeric = (4, 5, 6)
-        lines = [
-            "  ".join(
-                c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
-            )
-            for row in cells
-        ]
-        lines.insert(1, "  ".join("-" * w for w in widths))
-        lines.insert(len(lines) - 1, lines[1])
-        return "\n".join(line.rstrip() for line in lines)
+        return text_table(cells, numeric=(4, 5, 6))
+
+
+def text_table(cells: list[tuple[str, ...]], numeric: tuple[int, ...]) -> str:
+    """`cells` (a header, rows, a total) as aligned text columns, the `numeric` ones right-aligned, with rules under
+    the header and above the total."""
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
+    lines = [
+        "  ".join(
+            c.rjust(w) if i in numeric else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
+        for row in cells
+    ]
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([lines[0], rule, *lines[1:-1], rule, lines[-1]])
 
 
 def _row(path: str, layer: Any) -> SummaryRow:

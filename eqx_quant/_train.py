@@ -1,5 +1,6 @@
 """Helpers of quantization-aware training: what trains, and the distillation loss."""
 
+import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,7 +84,7 @@ def trainable(
         return isinstance(node, AbstractQuantizer)
 
     def quantizer_spec(role_weight: bool, path: tuple, leaf: object) -> bool:
-        if not _is_float_array(leaf):
+        if not eqx.is_inexact_array(leaf):
             return False
         if not role_weight:
             return input_quantizers
@@ -94,7 +95,7 @@ def trainable(
         if is_quantizer(node):
             role_weight = bool(path) and getattr(path[-1], "name", None) == "weight_quant"
             return jax.tree_util.tree_map_with_path(lambda p, leaf: quantizer_spec(role_weight, p, leaf), node)
-        return weights and _is_float_array(node)
+        return weights and eqx.is_inexact_array(node)
 
     selection = jax.tree_util.tree_map_with_path(spec, model, is_leaf=is_quantizer)
     if not any(jax.tree.leaves(selection)):
@@ -103,10 +104,6 @@ def trainable(
             f"scales={scales}, zero_points={zero_points}, input_quantizers={input_quantizers})."
         )
     return selection
-
-
-def _is_float_array(leaf: object) -> bool:
-    return isinstance(leaf, (jax.Array, np.ndarray)) and jnp.issubdtype(leaf.dtype, jnp.inexact)
 
 
 def distillation_loss(
