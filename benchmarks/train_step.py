@@ -3,8 +3,10 @@
 Run with `python benchmarks/train_step.py`. For the MLP 784-1024-1024-10 (ReLU, batch 256, softmax cross-entropy,
 SGD) and for the demo convnet (batch 64), it times the float model and the same model quantized with
 `eqx_quant.quantize` at W8A8, W4A8 and W4A4 (weights per output channel, inputs per tensor, integer forward), at
-W8A8 with the float-matmul fallback (`matmul="float"`), and at W8A8 with the opt-in quantized backward
-(`eqx_quant.QuantizedBackward(8)`: the linear layers' input gradients as int8 products). Step times are medians of
+W8A8 with the float-matmul fallback (`matmul="float"`), at W8A8 with the opt-in quantized backward
+(`eqx_quant.QuantizedBackward(8)`: the linear layers' input gradients as int8 products), and at W8A8 and W4A8 with
+the opt-in `eqx_quant.UnquantizedBackward()` (the float layers' gradients at the original operands, Qwix's
+contract). Step times are medians of
 interleaved rounds; compile times are ahead-of-time `lower(...).compile()` after clearing JAX's caches, also
 medians over rounds; `trace s` is the part of it before XLA (JAX tracing the step and lowering it), `kernels` the
 number of fused kernels in XLA's optimised program, `eqns` the number of equations in the step's jaxpr (top
@@ -80,6 +82,8 @@ def _variants(model):
         "W4A4": q(4, 4),
         "W8A8 float-matmul": q(8, 8, "float"),
         "W8A8 int8 backward": q(8, 8, backward=eqx_quant.QuantizedBackward(8)),
+        "W8A8 unquantized bw": q(8, 8, backward=eqx_quant.UnquantizedBackward()),
+        "W4A8 unquantized bw": q(4, 8, backward=eqx_quant.UnquantizedBackward()),
     }
 
 
@@ -273,7 +277,8 @@ def _bench(title, model, x, y, rounds, repeats, floors=None, others=None):
             f"{temp_bytes[name] / 1e6:>9.2f}"
         )
     if others:
-        for ours, theirs in (("W8A8", "Qwix W8A8"), ("W4A8", "Qwix W4A8")):
+        pairs = [(ours, f"Qwix {ours[:4]}") for ours in ("W8A8", "W8A8 unquantized bw", "W4A8", "W4A8 unquantized bw")]
+        for ours, theirs in pairs:
             ratio = statistics.median(step_times[ours]) / statistics.median(step_times[theirs])
             print(f"step {ours} / {theirs}: {ratio:.3f}")
 

@@ -7,7 +7,10 @@ from ._auto import (
     AutoRecipeRow as AutoRecipeRow,
     auto_recipe as auto_recipe,
 )
-from ._backward import QuantizedBackward as QuantizedBackward
+from ._backward import (
+    QuantizedBackward as QuantizedBackward,
+    UnquantizedBackward as UnquantizedBackward,
+)
 from ._calibrate import calibrate as calibrate
 from ._clip import clip_passthrough as clip_passthrough
 from ._compressed_tensors import export_compressed_tensors as export_compressed_tensors

@@ -183,3 +183,65 @@ def _through_bwd(spec, residuals, g):
 
 
 _through.defvjp(_through_fwd, _through_bwd)
+
+
+class UnquantizedBackward(eqx.Module):
+    """Asks a quantized layer ([`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][]) for the gradients of
+    its float layer at the original operands: the straight-through estimator around the whole quantized product.
+    **This changes the gradient contract**, to the one of Google's Qwix (its `use_original_residuals`).
+
+    The forward pass is unchanged (the integer product, or the float product of the fake-quantized operands, bit for
+    bit the same). By default the backward pass is that of `y = fake_quant(W) @ fake_quant(x) + b`: the product's
+    gradients at the fake-quantized operands, each passing its quantizer's clipped straight-through estimator, and
+    the learned scales' gradients. With an `UnquantizedBackward` it is that of the float layer `y = W @ x + b` at the
+    float weight and input: `W̄ = ȳ xᵀ`, `x̄ = Wᵀ ȳ`, with no clipping mask and no quantization in the backward
+    pass; the quantizers' scales and zero points receive no gradient. The backward pass then keeps only the float
+    operands (which a float layer keeps anyway) and recomputes nothing, which makes it the cheapest of the three
+    contracts (see [Benchmarks](../benchmarks.md#training-step)); what it gives up is the clipping mask, which tells
+    the optimizer that a weight or input beyond the grid's range has no effect on the output.
+
+    The JVP rule is this float layer's, so forward-mode derivatives (`jax.jvp`, `jax.hessian`) follow the same
+    contract. Learned quantizers ([`eqx_quant.LearnedFakeQuant`][]) are refused: their scales would never move.
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqx_quant
+
+        linear = eqx.nn.Linear(2, 1, key=jax.random.key(0))
+        inputs = eqx_quant.FakeQuant(0.01, format="int8")  # the grid reaches 1.27
+        x = jnp.array([0.5, 3.0])  # the second entry lies beyond it
+        for backward in (None, eqx_quant.UnquantizedBackward()):
+            qlinear = eqx_quant.nn.QuantLinear(linear, weight_quant=None, input_quant=inputs, backward=backward)
+            print(jax.grad(lambda x: qlinear(x)[0])(x) / linear.weight[0])  # [1. 0.], then [1. 1.]
+        ```
+    """
+
+
+def check_backward(backward: object) -> None:
+    """A `TypeError` unless `backward` is one of the backward passes a layer or rule accepts."""
+    if backward is not None and not isinstance(backward, (QuantizedBackward, UnquantizedBackward)):
+        raise TypeError(
+            f"`backward` must be a QuantizedBackward, an UnquantizedBackward or None, got backward={backward!r}."
+        )
+
+
+@eqx.filter_custom_jvp
+def straight_through(args, *, value, derivative):
+    """`value(*args)`, whose derivative is that of `derivative(*args)`: the quantized computation `value`
+    differentiated as the float one `derivative`."""
+    return value(*args)
+
+
+@straight_through.def_jvp
+def _straight_through_jvp(primals, tangents, *, value, derivative):
+    (args,) = primals
+    (dargs,) = tangents
+    # The value through the function itself, so that a second derivative is again the float computation's.
+    y = straight_through(args, value=value, derivative=derivative)
+    # The float computation's own value is not used: under `jit` XLA drops it.
+    _, dy = eqx.filter_jvp(lambda a: derivative(*a), (args,), (dargs,))
+    return y, dy.astype(y.dtype)

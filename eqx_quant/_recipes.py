@@ -1,9 +1,11 @@
 """Named quantization schemes: rule lists for the usual weight / activation pairs."""
 
+import dataclasses
 import re
 from collections.abc import Sequence
 from typing import Any
 
+from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import GGML_BLOCK, GGML_FORMATS, MX_BLOCK, NVFP4, NVFP4_BLOCK, float_format, int_format, mx_format
 from ._misc import check_int
 from ._quantizers import DynamicFakeQuant
@@ -40,6 +42,7 @@ def recipe(
     group_size: int | None = None,
     keep: str | Sequence[str] = (),
     learned: bool = False,
+    backward: QuantizedBackward | UnquantizedBackward | None = None,
 ) -> dict[str, Any]:
     """The configuration of a named scheme, as a list of [`eqx_quant.Rule`][]s:
     `eqx_quant.quantize(model, **recipe("w4a8_g32"))`.
@@ -96,6 +99,10 @@ def recipe(
         round to nearest uses (`init_from(..., method="absmax")`, so that training starts from the
         round-to-nearest model; stacked layers get one per layer), for quantization-aware training, instead of a
         [`eqx_quant.DynamicFakeQuant`][]. Block formats keep their dynamic block scales.
+    - `backward`: the `backward` of every rule (see [`eqx_quant.Rule`][]): `None` for the gradients of the
+        fake-quant formulation, an [`eqx_quant.UnquantizedBackward`][] for the float layers' gradients at the
+        original operands (not with `learned=True`, whose scales it would never train), or an
+        [`eqx_quant.QuantizedBackward`][] for integer input gradients where a layer runs on integers.
 
     **Returns:**
 
@@ -128,12 +135,18 @@ def recipe(
             raise ValueError(f"`keep`: {pattern!r} is not a valid regular expression ({error}).") from None
     if not isinstance(learned, bool):
         raise TypeError(f"`learned` must be a bool, got learned={learned!r}.")
+    check_backward(backward)
+    if learned and isinstance(backward, UnquantizedBackward):
+        raise ValueError(
+            "`backward=UnquantizedBackward()` gives the quantizers' scales no gradient, so `learned=True` would train "
+            "nothing in them; leave one of the two out."
+        )
 
     if name in _GGML_RECIPES:
         kept = [Rule(pattern, weight=LayerQuantizer(GGML_FORMATS["q8_0"], GGML_BLOCK), input=None)
                 for pattern in patterns]  # fmt: skip
         rule = Rule(".*", weight=LayerQuantizer(GGML_FORMATS[name], GGML_BLOCK), input=None)
-        return {"rules": [*kept, rule]}
+        return {"rules": [dataclasses.replace(r, backward=backward) for r in (*kept, rule)]}
     if name in _FLOAT_RECIPES:
         (weight_format, weight_block), (input_format, input_block) = _FLOAT_RECIPES[name]
         weight = LayerQuantizer(weight_format, weight_block, learned=learned)
@@ -150,4 +163,5 @@ def recipe(
         products = DynamicFakeQuant(8) if attention else None
     kept = [Rule(pattern, weight=LayerQuantizer(int_format(8), learned=learned), input=DynamicFakeQuant(8))
             for pattern in patterns]  # fmt: skip
-    return {"rules": [*kept, Rule(".*", weight=weight, input=inputs, products=products)]}
+    rule = Rule(".*", weight=weight, input=inputs, products=products)
+    return {"rules": [dataclasses.replace(r, backward=backward) for r in (*kept, rule)]}

@@ -9,7 +9,7 @@ from typing import Any, Literal, TypeAlias
 import equinox as eqx
 from jaxtyping import PyTree
 
-from ._backward import QuantizedBackward
+from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import Format, float_format
 from ._int_ops import integer_grid
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
@@ -145,7 +145,8 @@ class Rule:
         `eqx.nn.MultiheadAttention`. A quantizer (for both operands), a pair `(lhs, rhs)`, a factory returning either,
         or `None` (the default) to leave them in floating point.
     - `backward`: an [`eqx_quant.QuantizedBackward`][] for the linear layers whose weight and input are both on
-        integer grids (the input's gradient is then an integer product), or `None`.
+        integer grids (the input's gradient is then an integer product), an [`eqx_quant.UnquantizedBackward`][] for
+        every linear layer and convolution (the float layer's gradients at the original operands), or `None`.
     - `matmul`: `"int"` for the integer forward where the quantizers allow it, `"float"` for the float product of the
         fake-quantized operands.
 
@@ -170,7 +171,7 @@ class Rule:
     weight: Any = _DEFAULT
     input: Any = _DEFAULT
     products: Any = None
-    backward: QuantizedBackward | None = None
+    backward: QuantizedBackward | UnquantizedBackward | None = None
     matmul: Literal["int", "float"] = "int"
 
     def __post_init__(self):
@@ -188,11 +189,10 @@ class Rule:
             raise TypeError(
                 f"`products` must be a quantizer, a pair of them, a factory or None, got {self.products!r}."
             )
-        if self.backward is not None and not isinstance(self.backward, QuantizedBackward):
-            raise TypeError(f"`backward` must be a QuantizedBackward or None, got backward={self.backward!r}.")
+        check_backward(self.backward)
         if self.matmul not in ("int", "float"):
             raise ValueError(f"`matmul` must be 'int' or 'float', got matmul={self.matmul!r}.")
-        if self.backward is not None and self.matmul != "int":
+        if isinstance(self.backward, QuantizedBackward) and self.matmul != "int":
             raise ValueError(f"`backward` needs the integer forward, matmul='int'; got matmul={self.matmul!r}.")
 
 
@@ -270,7 +270,7 @@ class _Decision:
     weight: Any
     input: Any
     products: Any
-    backward: QuantizedBackward | None
+    backward: QuantizedBackward | UnquantizedBackward | None
     matmul: str
 
 
@@ -362,7 +362,7 @@ def quantize(
     products: ProductSpec = None,
     match: Literal["search", "full"] = "search",
     subclasses: Literal["error", "wrap", "skip"] = "error",
-    backward: QuantizedBackward | None = None,
+    backward: QuantizedBackward | UnquantizedBackward | None = None,
 ) -> PyTree:
     """Replaces the layers of a model by their quantized wrappers.
 
@@ -420,7 +420,9 @@ def quantize(
     - `backward`: an [`eqx_quant.QuantizedBackward`][] for every [`eqx_quant.nn.QuantLinear`][] whose weight and
         input are both on integer grids (with `matmul="int"`): their input's gradient is then an integer product
         (which changes the gradient contract). A layer so configured whose quantizers cannot run the integer forward
-        (an input quantizer per channel, say) raises a `ValueError` when called.
+        (an input quantizer per channel, say) raises a `ValueError` when called. Or an
+        [`eqx_quant.UnquantizedBackward`][] for every `QuantLinear` and [`eqx_quant.nn.QuantConv`][]: their gradients
+        are then the float layer's at the original operands (Qwix's contract; no learned quantizers).
 
     **Returns:**
 
@@ -451,9 +453,8 @@ def quantize(
     """
     if matmul not in ("int", "float"):
         raise ValueError(f"`matmul` must be 'int' or 'float', got matmul={matmul!r}.")
-    if backward is not None and not isinstance(backward, QuantizedBackward):
-        raise TypeError(f"`backward` must be a QuantizedBackward or None, got backward={backward!r}.")
-    if backward is not None and matmul != "int":
+    check_backward(backward)
+    if isinstance(backward, QuantizedBackward) and matmul != "int":
         raise ValueError(f"`backward` needs the integer forward, matmul='int'; got matmul={matmul!r}.")
     if match not in ("search", "full"):
         raise ValueError(f"`match` must be 'search' or 'full', got match={match!r}.")
@@ -541,12 +542,16 @@ def quantize(
             return layer
         if isinstance(layer, eqx.nn.Embedding):
             return QuantEmbedding(layer, weight_quant=decision.weight)
+        unquantized = decision.backward if isinstance(decision.backward, UnquantizedBackward) else None
         if isinstance(layer, eqx.nn.Conv):
-            return QuantConv(layer, weight_quant=decision.weight, input_quant=decision.input, matmul=decision.matmul)
+            return QuantConv(
+                layer, weight_quant=decision.weight, input_quant=decision.input, matmul=decision.matmul,
+                backward=unquantized,
+            )  # fmt: skip
         integer = all(integer_grid(q) for q in (decision.weight, decision.input))
         return QuantLinear(
             layer, weight_quant=decision.weight, input_quant=decision.input, matmul=decision.matmul,
-            backward=decision.backward if integer else None,
+            backward=decision.backward if integer else unquantized,
         )  # fmt: skip
 
     model = map_nodes(model, layer_types, wrap)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import PyTree
 
-from ._backward import QuantizedBackward
+from ._backward import QuantizedBackward, UnquantizedBackward
 from ._format import Format, format_from_json, format_named
 from ._layout import Layout
 from ._qarray import QuantizedArray, quantize_array
@@ -80,6 +80,15 @@ def _format(info: dict[str, Any]) -> Format:
     return format_from_json(fields) if fields else format_named(info["format"])
 
 
+def _backward(value: Any) -> QuantizedBackward | UnquantizedBackward | None:
+    """A layer's `backward` from its JSON value (see `_json_value`)."""
+    if value is None:
+        return None
+    if value == "unquantized":
+        return UnquantizedBackward()
+    return QuantizedBackward(value[0], rounding=value[1])
+
+
 def _json_value(value: Any) -> Any:
     """A static field's value as JSON: numbers, strings, `None` and (nested) lists of them; anything else (a function,
     an object) by its name, so that the file never depends on a memory address or a printer's layout."""
@@ -93,6 +102,8 @@ def _json_value(value: Any) -> Any:
         return _json_value(tuple(value)[:-1])
     if isinstance(value, QuantizedBackward):
         return [value.bits, value.rounding]
+    if isinstance(value, UnquantizedBackward):
+        return "unquantized"
     if isinstance(value, (np.bool_, np.integer, np.floating)):
         return value.item()
     if isinstance(value, (tuple, list)):  # a `Layout` too (a named tuple)
@@ -334,10 +345,9 @@ def _rebuilt(
         weights = quantizer(f"{saved_path}.weight_quant", stack)
         if kind == "QuantEmbedding":
             return QuantEmbedding(node, weight_quant=weights)
+        backward = _backward(record.get("backward"))
         if kind == "QuantConv":
-            return QuantConv(node, weight_quant=weights, input_quant=inputs, matmul=record["matmul"])
-        backward = record["backward"]
-        backward = None if backward is None else QuantizedBackward(backward[0], rounding=backward[1])
+            return QuantConv(node, weight_quant=weights, input_quant=inputs, matmul=record["matmul"], backward=backward)
         return QuantLinear(node, weight_quant=weights, input_quant=inputs, matmul=record["matmul"], backward=backward)
 
     def product(path: str, einsum: Any) -> Any:

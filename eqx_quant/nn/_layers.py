@@ -7,11 +7,17 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
-from .._backward import QuantizedBackward, quantized_input_gradient
+from .._backward import (
+    QuantizedBackward,
+    UnquantizedBackward,
+    check_backward,
+    quantized_input_gradient,
+    straight_through,
+)
 from .._int_ops import LinearSpec, integer_forward, integer_grid, plan
 from .._misc import one_program, read_through
 from .._qarray import nan_levels
-from .._quantizers import AbstractQuantizer, DynamicFakeQuant
+from .._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 
 
 def default_weight_quant() -> DynamicFakeQuant:
@@ -103,6 +109,19 @@ class AbstractQuantLayer(eqx.Module):
         return self.quantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
 
 
+def check_unquantized_backward(layer: "QuantLinear | QuantConv") -> None:
+    """A `ValueError` for an `UnquantizedBackward` with a learned quantizer, whose scales it would never train."""
+    if not isinstance(layer.backward, UnquantizedBackward):
+        return
+    for name in ("weight_quant", "input_quant"):
+        if isinstance(getattr(layer, name), LearnedFakeQuant):
+            raise ValueError(
+                f"`backward=UnquantizedBackward()` gives no gradient to the quantizers' scales, so the learned "
+                f"quantizer {name}={getattr(layer, name)!r} would never train; use a static or dynamic quantizer, or "
+                "the default backward."
+            )
+
+
 def check_quantizer(name: str, value: object) -> None:
     if value is not None and not isinstance(value, AbstractQuantizer):
         raise TypeError(f"`{name}` must be a quantizer module or None, got {value!r}.")
@@ -135,7 +154,18 @@ def check_input(layer: eqx.Module, x: Array) -> None:
 @one_program
 def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None) -> Array:
     """The forward pass of a quantized `Linear` or `Conv` (`x` one example, checked): the integer computation where
-    `plan` allows it (and `matmul="int"`), else the float layer on the fake-quantized operands."""
+    `plan` allows it (and `matmul="int"`), else the float layer on the fake-quantized operands; with an
+    `UnquantizedBackward`, differentiated as the float layer."""
+    if isinstance(getattr(layer, "backward", None), UnquantizedBackward):
+        return straight_through((layer, x, key), value=_quant_forward, derivative=_float_forward)
+    return _quant_forward(layer, x, key)
+
+
+def _float_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None) -> Array:
+    return layer.layer(x, key=key)  # pyright: ignore[reportCallIssue]
+
+
+def _quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None) -> Array:
     float_layer = layer.layer
     weight = float_layer.weight  # pyright: ignore[reportAttributeAccessIssue]
     vector = as_vector(float_layer, x)
@@ -153,6 +183,7 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
         w_nan = nan_levels(weight, w, tuple(range(1, w.values.ndim)))
         x_nan = nan_levels(vector, x_int, tuple(range(x_int.values.ndim)))
     backward = getattr(layer, "backward", None)
+    backward = backward if isinstance(backward, QuantizedBackward) else None
     if spec is None:
         if backward is not None:
             raise ValueError(
@@ -205,7 +236,7 @@ class QuantLinear(AbstractQuantLayer):
     weight_quant: AbstractQuantizer | None
     input_quant: AbstractQuantizer | None
     matmul: Literal["int", "float"] = eqx.field(static=True)
-    backward: QuantizedBackward | None = eqx.field(static=True)
+    backward: QuantizedBackward | UnquantizedBackward | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -214,7 +245,7 @@ class QuantLinear(AbstractQuantLayer):
         weight_quant: AbstractQuantizer | None = default_weight_quant(),
         input_quant: AbstractQuantizer | None = default_input_quant(),
         matmul: Literal["int", "float"] = "int",
-        backward: QuantizedBackward | None = None,
+        backward: QuantizedBackward | UnquantizedBackward | None = None,
     ):
         """**Arguments:**
 
@@ -224,9 +255,10 @@ class QuantLinear(AbstractQuantLayer):
         - `input_quant`: the input quantizer; by default 8 bits per tensor. `None` keeps the input as it is.
         - `matmul`: `"int"` to compute the forward with the integer product where the quantizers allow it,
             `"float"` for the float product of the fake-quantized operands.
-        - `backward`: `None` (default) for the float backward of the fake-quant formulation, or an
-            [`eqx_quant.QuantizedBackward`][] to compute the input's gradient with an integer product (which changes
-            the gradient contract). It needs `matmul="int"` and integer quantizers for both operands.
+        - `backward`: `None` (default) for the float backward of the fake-quant formulation; an
+            [`eqx_quant.QuantizedBackward`][] to compute the input's gradient with an integer product (it needs
+            `matmul="int"` and integer quantizers for both operands); or an [`eqx_quant.UnquantizedBackward`][] for
+            the float layer's gradients at the original operands. Both change the gradient contract.
         """
         self.layer = layer
         self.weight_quant = weight_quant
@@ -240,9 +272,9 @@ class QuantLinear(AbstractQuantLayer):
         check_quantizer("weight_quant", self.weight_quant)
         check_quantizer("input_quant", self.input_quant)
         check_matmul(self.matmul)
-        if self.backward is not None:
-            if not isinstance(self.backward, QuantizedBackward):
-                raise TypeError(f"`backward` must be a QuantizedBackward or None, got {self.backward!r}.")
+        check_backward(self.backward)
+        check_unquantized_backward(self)
+        if isinstance(self.backward, QuantizedBackward):
             if self.matmul != "int":
                 raise ValueError(f"`backward` needs the integer forward, matmul='int'; got matmul={self.matmul!r}.")
             for name in ("weight_quant", "input_quant"):
@@ -285,6 +317,7 @@ class QuantConv(AbstractQuantLayer):
     weight_quant: AbstractQuantizer | None
     input_quant: AbstractQuantizer | None
     matmul: Literal["int", "float"] = eqx.field(static=True)
+    backward: UnquantizedBackward | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -293,6 +326,7 @@ class QuantConv(AbstractQuantLayer):
         weight_quant: AbstractQuantizer | None = default_weight_quant(),
         input_quant: AbstractQuantizer | None = default_input_quant(),
         matmul: Literal["int", "float"] = "int",
+        backward: UnquantizedBackward | None = None,
     ):
         """**Arguments:**
 
@@ -300,11 +334,15 @@ class QuantConv(AbstractQuantLayer):
         - `weight_quant`: the weight quantizer; by default 8 bits per output channel. `None` keeps the float weight.
         - `input_quant`: the input quantizer; by default 8 bits per tensor. `None` keeps the input as it is.
         - `matmul`: `"int"` for the integer convolution where the quantizers allow it, `"float"` for the float one.
+        - `backward`: `None` (default) for the float backward of the fake-quant formulation, or an
+            [`eqx_quant.UnquantizedBackward`][] for the float convolution's gradients at the original operands
+            (which changes the gradient contract).
         """
         self.layer = layer
         self.weight_quant = weight_quant
         self.input_quant = input_quant
         self.matmul = matmul
+        self.backward = backward
 
     def __check_init__(self):
         if not isinstance(self.layer, eqx.nn.Conv):
@@ -312,6 +350,9 @@ class QuantConv(AbstractQuantLayer):
         check_quantizer("weight_quant", self.weight_quant)
         check_quantizer("input_quant", self.input_quant)
         check_matmul(self.matmul)
+        if self.backward is not None and not isinstance(self.backward, UnquantizedBackward):
+            raise TypeError(f"`backward` must be an UnquantizedBackward or None, got backward={self.backward!r}.")
+        check_unquantized_backward(self)
 
     def __call__(
         self, x: Float[Array, "in_channels *spatial"], *, key: PRNGKeyArray | None = None

@@ -58,11 +58,19 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.LearnedFakeQuant(1.0, -8, 7, min_scale="x")),
         (TypeError, "`min_scale` must be a real number, got None of type NoneType.",
          lambda: eqx_quant.LearnedFloatFakeQuant("float8_e4m3fn", 1.0, min_scale=None)),
-        (TypeError, "`backward` must be a QuantizedBackward or None, got backward='int8'.",
+        (TypeError, "`backward` must be a QuantizedBackward, an UnquantizedBackward or None, got backward='int8'.",
          lambda: eqx_quant.quantize(mlp, backward="int8")),
+        (TypeError, "`backward` must be a QuantizedBackward, an UnquantizedBackward or None, got backward='int8'.",
+         lambda: eqx_quant.Rule(backward="int8")),
+        (TypeError, "`backward` must be a QuantizedBackward, an UnquantizedBackward or None, got backward='int8'.",
+         lambda: eqx_quant.recipe("w8a8", backward="int8")),
+        (TypeError, "`backward` must be an UnquantizedBackward or None, got backward=QuantizedBackward(bits=8, "
+                    "rounding='nearest').",
+         lambda: eqx_quant.nn.QuantConv(eqx.nn.Conv1d(1, 1, 1, key=jax.random.key(0)),
+                                        backward=eqx_quant.QuantizedBackward(8))),
         (ValueError, "`rounding` must be one of ('nearest', 'stochastic'), got rounding='up'.",
          lambda: eqx_quant.QuantizedBackward(8, rounding="up")),
-        (TypeError, "`backward` must be a QuantizedBackward or None, got 'int8'.",
+        (TypeError, "`backward` must be a QuantizedBackward, an UnquantizedBackward or None, got backward='int8'.",
          lambda: eqx_quant.nn.QuantLinear(linear, backward="int8")),
     ]  # fmt: skip
     for error, message, call in cases:

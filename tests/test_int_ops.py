@@ -1,0 +1,64 @@
+"""The integer matrix-vector product, formulated by the batch it runs for: exact whatever the batch, against NumPy."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import eqx_quant
+from eqx_quant._int_ops import int_matvec
+
+from .helpers import assert_bitwise_equal, init
+
+
+RNG = np.random.default_rng(0)
+
+
+def _ints(shape, bound, dtype=np.int8):
+    return RNG.integers(-bound, bound + 1, shape).astype(dtype)
+
+
+@pytest.mark.parametrize("dtype, bound", [(np.int8, 127), (np.int16, 255)])
+def test_exact_for_every_batch(dtype, bound):
+    w = _ints((6, 40), bound, dtype)
+    expected = lambda x: x.astype(np.int64) @ w.T.astype(np.int64)  # noqa: E731
+    for shape in [(40,), (1, 40), (3, 40), (1, 1, 40), (2, 3, 40)]:
+        x = _ints(shape, bound, dtype)
+        y = jax.jit(int_matvec)(jnp.asarray(w), jnp.asarray(x))
+        assert y.dtype == jnp.int32 and y.shape == shape[:-1] + (6,)
+        np.testing.assert_array_equal(y, expected(x))
+        np.testing.assert_array_equal(int_matvec(jnp.asarray(w), jnp.asarray(x)), expected(x))  # eager
+    # Under `jax.vmap` (one example; nested, one by one; several), the call sees the whole batch.
+    for shape in [(1, 40), (1, 1, 40), (4, 1, 40), (1, 5, 40)]:
+        x = _ints(shape, bound, dtype)
+        mapped = lambda x: int_matvec(jnp.asarray(w), x)  # noqa: E731
+        for _ in shape[:-1]:
+            mapped = jax.vmap(mapped)
+        np.testing.assert_array_equal(jax.jit(mapped)(jnp.asarray(x)), expected(x))
+
+
+def test_one_weight_per_example():
+    w, x = _ints((3, 6, 40), 127), _ints((3, 40), 127)
+    y = jax.vmap(int_matvec)(jnp.asarray(w), jnp.asarray(x))
+    np.testing.assert_array_equal(y, np.einsum("bok,bk->bo", w.astype(np.int64), x.astype(np.int64)))
+    y = jax.vmap(int_matvec, in_axes=(0, None))(jnp.asarray(w), jnp.asarray(x[0]))
+    np.testing.assert_array_equal(y, np.einsum("bok,k->bo", w.astype(np.int64), x[0].astype(np.int64)))
+
+
+@pytest.mark.slow
+def test_converted_w8a8_agrees_at_every_batch_size():
+    """A converted W8A8 model and its fake-quant model give, for one example alone (unbatched, and a batch of one
+    under `jax.vmap`) and within batches, the same bits."""
+    mlp = init(lambda key: eqx.nn.MLP(48, 8, 64, 2, activation=jax.nn.relu, key=key), 3)
+    fake = eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a8"))
+    converted = eqx_quant.convert(fake)
+    xs = jnp.asarray(RNG.standard_normal((5, 48)).astype(np.float32))
+    batched = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    reference = batched(fake, xs)
+    for model in (fake, converted):
+        assert_bitwise_equal(batched(model, xs), reference)
+        for i in range(2):
+            assert_bitwise_equal(batched(model, xs[i : i + 1])[0], reference[i])
+            assert_bitwise_equal(eqx.filter_jit(model)(xs[i]), reference[i])
+            assert_bitwise_equal(model(xs[i]), reference[i])
