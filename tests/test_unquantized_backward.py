@@ -119,6 +119,7 @@ def _np_mlp_grads(model, x, c):
     return w0_grad, w1_grad, h_grad.sum(0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["w8a8", "w4a16_g32", "nvfp4"])
 def test_quantized_mlp_gradients_against_numpy(name):
     mlp = init(lambda key: eqx.nn.MLP(32, 4, 32, 1, activation=jax.nn.relu, key=key), 5)
@@ -182,6 +183,7 @@ def test_refused_configurations():
     # Arguments of the wrong type: tests/unhooked/check_errors.py (the type-checking hook would answer first).
 
 
+@pytest.mark.slow
 def test_save_load_and_convert(tmp_path):
     net = eqx.nn.Sequential(
         [
