@@ -62,3 +62,26 @@ def test_converted_w8a8_agrees_at_every_batch_size():
             assert_bitwise_equal(batched(model, xs[i : i + 1])[0], reference[i])
             assert_bitwise_equal(eqx.filter_jit(model)(xs[i]), reference[i])
             assert_bitwise_equal(model(xs[i]), reference[i])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["w4a16_g32", "w8a16"])
+def test_weight_only_layers_dequantize_one_weight_at_a_time(name):
+    """Under `jit`, a converted weight-only model's dequantized weights are computed when their layers run: the
+    program's temporary memory holds one of them, not all; its outputs and input gradients are the fake-quant
+    model's, bit for bit, batched or not, a NaN input included."""
+    mlp = init(lambda key: eqx.nn.MLP(128, 128, 256, 3, activation=jax.nn.relu, key=key), 4)
+    fake = eqx_quant.quantize(mlp, **eqx_quant.recipe(name))
+    converted = eqx_quant.convert(fake)
+    xs = jnp.asarray(RNG.standard_normal((3, 128)).astype(np.float32)).at[1, 0].set(jnp.nan)
+    params, static = eqx.partition(converted, eqx.is_array)
+    batched = jax.jit(lambda p, x: jax.vmap(eqx.combine(p, static))(x))
+    one_weight = 256 * 256 * 4  # the largest dequantized weight, in bytes
+    for x in (xs, xs[:1]):
+        temp = batched.lower(params, x).compile().memory_analysis().temp_size_in_bytes
+        assert one_weight <= temp < 2 * one_weight, temp
+    for model in (fake, converted):
+        assert_bitwise_equal(jax.vmap(model)(xs), jax.vmap(fake)(xs))
+        assert_bitwise_equal(model(xs[1]), fake(xs[1]))
+    loss = lambda model, x: jnp.sum(jnp.sin(jax.vmap(model)(x)))  # noqa: E731
+    assert_bitwise_equal(jax.grad(loss, argnums=1)(converted, xs[::2]), jax.grad(loss, argnums=1)(fake, xs[::2]))

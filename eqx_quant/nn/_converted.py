@@ -2,6 +2,7 @@ from typing import Any
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_grid, integer_product, plan
@@ -26,6 +27,45 @@ def converted_forward(layer: "AbstractConvertedLayer", x: Array, key: PRNGKeyArr
     bias = float_layer.bias  # pyright: ignore[reportAttributeAccessIssue]
     y = integer_product(spec, layer.qweight, x_int, bias, None, x_nan)
     return scalar_output(float_layer, y.astype(layer.qweight.dtype))
+
+
+@jax.custom_jvp
+def _after(weight: Array, x: Array) -> Array:
+    """`weight` unchanged, made to depend on the layer's input `x`, so that it is computed when the layer runs.
+
+    A dequantized weight is a temporary array as large as the float weight. Depending on the stored weight alone,
+    every layer's is computed at the start of the program under `jit`, and all are alive at once. On CPU the
+    temporary memory of one call then grows beyond what the C library's allocator keeps for reuse (32 MB), and is
+    mapped afresh from the operating system at every call, which made a converted weight-only MLP many times slower
+    than float at batch 1. Computed when its layer runs, each dequantized weight reuses the previous one's memory.
+
+    The dependency is a selection that changes no value: a weight entry that is NaN is replaced by NaN where the
+    first entry of `x` is NaN. Under `jax.vmap` it reads the first entry of the whole batch (a `custom_vmap`), so
+    that the weight stays one weight, not one per example. (`jax.lax.optimization_barrier` does not order XLA's CPU
+    schedule.) Its derivative towards the weight is the identity.
+    """
+    return _select_after(weight, x)
+
+
+@_after.defjvp
+def _after_jvp(primals, tangents):
+    (weight, x), (weight_dot, _) = primals, tangents
+    return _after(weight, x), weight_dot  # the identity, towards the weight; nothing towards `x`
+
+
+@jax.custom_batching.custom_vmap
+def _select_after(weight: Array, x: Array) -> Array:
+    first = jnp.isnan(x.reshape(-1)[0])
+    return jnp.where(first & jnp.isnan(weight), jnp.nan, weight).astype(weight.dtype)
+
+
+@_select_after.def_vmap
+def _select_after_vmap(axis_size: int, in_batched: list[bool], weight: Array, x: Array) -> tuple[Array, bool]:
+    del axis_size
+    weight_batched, x_batched = in_batched
+    if weight_batched:
+        return jax.vmap(_select_after, in_axes=(0, 0 if x_batched else None))(weight, x), True
+    return _select_after(weight, x), False
 
 
 class AbstractConvertedLayer(eqx.Module):
@@ -65,9 +105,11 @@ class AbstractConvertedLayer(eqx.Module):
         return eqx.tree_at(lambda l: l.weight, self.layer, self.weight, is_leaf=lambda x: x is None)
 
     def _float_path(self, x: Array, key: PRNGKeyArray | None) -> Array:
+        weight = _after(self.weight, x)
         if self.input_quant is not None:
             x = self.input_quant(x)
-        return self.dequantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
+        layer = eqx.tree_at(lambda l: l.weight, self.layer, weight, is_leaf=lambda x: x is None)
+        return layer(x, key=key)  # pyright: ignore[reportCallIssue]
 
 
 class ConvertedLinear(AbstractConvertedLayer):
