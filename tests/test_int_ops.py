@@ -58,6 +58,7 @@ def test_converted_w8a8_agrees_at_every_batch_size():
     reference = batched(fake, xs)
     for model in (fake, converted):
         assert_bitwise_equal(batched(model, xs), reference)
+        assert batched(model, xs[:0]).shape == (0, 8)  # an empty batch
         for i in range(2):
             assert_bitwise_equal(batched(model, xs[i : i + 1])[0], reference[i])
             assert_bitwise_equal(eqx.filter_jit(model)(xs[i]), reference[i])
@@ -83,5 +84,6 @@ def test_weight_only_layers_dequantize_one_weight_at_a_time(name):
     for model in (fake, converted):
         assert_bitwise_equal(jax.vmap(model)(xs), jax.vmap(fake)(xs))
         assert_bitwise_equal(model(xs[1]), fake(xs[1]))
+    assert jax.vmap(converted)(xs[:0]).shape == jax.jit(jax.vmap(converted))(xs[:0]).shape == (0, 128)  # empty
     loss = lambda model, x: jnp.sum(jnp.sin(jax.vmap(model)(x)))  # noqa: E731
     assert_bitwise_equal(jax.grad(loss, argnums=1)(converted, xs[::2]), jax.grad(loss, argnums=1)(fake, xs[::2]))

@@ -55,6 +55,8 @@ def _after_jvp(primals, tangents):
 
 @jax.custom_batching.custom_vmap
 def _select_after(weight: Array, x: Array) -> Array:
+    if x.size == 0:  # an empty input (or batch): nothing to wait for
+        return weight
     first = jnp.isnan(x.reshape(-1)[0])
     return jnp.where(first & jnp.isnan(weight), jnp.nan, weight).astype(weight.dtype)
 
