@@ -196,9 +196,10 @@ class UnquantizedBackward(eqx.Module):
     the learned scales' gradients. With an `UnquantizedBackward` it is that of the float layer `y = W @ x + b` at the
     float weight and input: `W̄ = ȳ xᵀ`, `x̄ = Wᵀ ȳ`, with no clipping mask and no quantization in the backward
     pass; the quantizers' scales and zero points receive no gradient. The backward pass then keeps only the float
-    operands (which a float layer keeps anyway) and recomputes nothing, which makes it the cheapest of the three
-    contracts (see [Benchmarks](../benchmarks.md#training-step)); what it gives up is the clipping mask, which tells
-    the optimizer that a weight or input beyond the grid's range has no effect on the output.
+    operands (which a float layer keeps anyway) and recomputes nothing: less memory and less work than the default
+    contract's (see [Benchmarks](../benchmarks.md#qwixs-gradient-contract-unquantizedbackward)). What it gives up is
+    the clipping mask, which tells the optimizer that a weight or input beyond the grid's range has no effect on the
+    output.
 
     The JVP rule is this float layer's, so forward-mode derivatives (`jax.jvp`, `jax.hessian`) follow the same
     contract. Learned quantizers ([`eqx_quant.LearnedFakeQuant`][]) are refused: their scales would never move.
