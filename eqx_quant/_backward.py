@@ -202,7 +202,9 @@ class UnquantizedBackward(eqx.Module):
     output.
 
     The JVP rule is this float layer's, so forward-mode derivatives (`jax.jvp`, `jax.hessian`) follow the same
-    contract. Learned quantizers ([`eqx_quant.LearnedFakeQuant`][]) are refused: their scales would never move.
+    contract. Learned quantizers ([`eqx_quant.LearnedFakeQuant`][]) are refused: their scales would never move. The
+    products of two activations ([`eqx_quant.nn.QuantEinsum`][], attention's two products under a `"w8a8_attn"`
+    recipe) keep the default contract.
 
     !!! example
 
@@ -217,7 +219,7 @@ class UnquantizedBackward(eqx.Module):
         x = jnp.array([0.5, 3.0])  # the second entry lies beyond it
         for backward in (None, eqx_quant.UnquantizedBackward()):
             qlinear = eqx_quant.nn.QuantLinear(linear, weight_quant=None, input_quant=inputs, backward=backward)
-            print(jax.grad(lambda x: qlinear(x)[0])(x) / linear.weight[0])  # [1. 0.], then [1. 1.]
+            print(jax.grad(lambda x: qlinear(x)[0])(x) / linear.weight[0])  # [ 1. -0.], then [1. 1.]
         ```
     """
 

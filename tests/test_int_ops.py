@@ -85,5 +85,12 @@ def test_weight_only_layers_dequantize_one_weight_at_a_time(name):
         assert_bitwise_equal(jax.vmap(model)(xs), jax.vmap(fake)(xs))
         assert_bitwise_equal(model(xs[1]), fake(xs[1]))
     assert jax.vmap(converted)(xs[:0]).shape == jax.jit(jax.vmap(converted))(xs[:0]).shape == (0, 128)  # empty
+    # An ensemble (one weight per member, mapped with `eqx.filter_vmap`) computes as the fake-quant ensemble.
+    stack = eqx.filter_vmap(lambda m: m, in_axes=None, axis_size=2)
+    ensembles = stack(fake), stack(converted)
+    members = [eqx.filter_vmap(lambda m, x: m(x))(e, xs[:2]) for e in ensembles]
+    assert_bitwise_equal(*members)
+    shared = [eqx.filter_vmap(lambda m: jax.vmap(m)(xs))(e) for e in ensembles]
+    assert_bitwise_equal(*shared)
     loss = lambda model, x: jnp.sum(jnp.sin(jax.vmap(model)(x)))  # noqa: E731
     assert_bitwise_equal(jax.grad(loss, argnums=1)(converted, xs[::2]), jax.grad(loss, argnums=1)(fake, xs[::2]))

@@ -180,6 +180,11 @@ def test_refused_configurations():
         QuantConv(conv, input_quant=learned, backward=UNQUANTIZED)
     with pytest.raises(ValueError, match="learned=True"):
         eqx_quant.recipe("w4a16_g32", learned=True, backward=UNQUANTIZED)
+    # A learned quantizer swapped in after construction is refused when the layer is called.
+    q = QuantLinear(linear, backward=UNQUANTIZED)
+    swapped = eqx.tree_at(lambda q: q.weight_quant, q, learned)
+    with pytest.raises(ValueError, match="would never train"):
+        swapped(jnp.ones(4))
     # Arguments of the wrong type: tests/unhooked/check_errors.py (the type-checking hook would answer first).
 
 
@@ -195,7 +200,7 @@ def test_save_load_and_convert(tmp_path):
     model = eqx_quant.quantize(net, backward=UNQUANTIZED)
     path = tmp_path / "model.eqxq"
     eqx_quant.save(path, model)
-    loaded = eqx_quant.load(path, eqx_quant.quantize(net, backward=UNQUANTIZED))
+    loaded = eqx_quant.load(path, net)  # rebuilt from the float model: the file's record gives the backward
     assert loaded.layers[0].backward == UNQUANTIZED and loaded.layers[2].backward == UNQUANTIZED
     x = _data(11, (2, 4))
     assert_bitwise_equal(loaded(x), model(x))

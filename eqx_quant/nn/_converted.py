@@ -42,7 +42,8 @@ def _after(weight: Array, x: Array) -> Array:
     The dependency is a selection that changes no value: a weight entry that is NaN is replaced by NaN where the
     first entry of `x` is NaN. Under `jax.vmap` it reads the first entry of the whole batch (a `custom_vmap`), so
     that the weight stays one weight, not one per example. (`jax.lax.optimization_barrier` does not order XLA's CPU
-    schedule.) Its derivative towards the weight is the identity.
+    schedule.) Its derivative towards the weight is the identity. Other platforms than CPU take the weight as it
+    is.
     """
     return _select_after(weight, x)
 
@@ -55,18 +56,28 @@ def _after_jvp(primals, tangents):
 
 @jax.custom_batching.custom_vmap
 def _select_after(weight: Array, x: Array) -> Array:
+    return _select(weight, x)
+
+
+def _select(weight: Array, x: Array) -> Array:
     if x.size == 0:  # an empty input (or batch): nothing to wait for
         return weight
-    first = jnp.isnan(x.reshape(-1)[0])
-    return jnp.where(first & jnp.isnan(weight), jnp.nan, weight).astype(weight.dtype)
+
+    def select(weight, x):
+        first = jnp.isnan(x.reshape(-1)[0])
+        return jnp.where(first & jnp.isnan(weight), jnp.nan, weight).astype(weight.dtype)
+
+    # On CPU only, where the memory is the allocator's problem: elsewhere the dependency is not needed, and with the
+    # batch sharded across devices its first entry would cost a collective per layer.
+    return jax.lax.platform_dependent(weight, x, cpu=select, default=lambda weight, x: weight)
 
 
 @_select_after.def_vmap
 def _select_after_vmap(axis_size: int, in_batched: list[bool], weight: Array, x: Array) -> tuple[Array, bool]:
     del axis_size
     weight_batched, x_batched = in_batched
-    if weight_batched:
-        return jax.vmap(_select_after, in_axes=(0, 0 if x_batched else None))(weight, x), True
+    if weight_batched:  # one weight per example (a mapped ensemble): each its own
+        return jax.vmap(_select, in_axes=(0, 0 if x_batched else None))(weight, x), True
     return _select_after(weight, x), False
 
 

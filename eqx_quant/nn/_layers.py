@@ -157,6 +157,7 @@ def quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None)
     `plan` allows it (and `matmul="int"`), else the float layer on the fake-quantized operands; with an
     `UnquantizedBackward`, differentiated as the float layer."""
     if isinstance(getattr(layer, "backward", None), UnquantizedBackward):
+        check_unquantized_backward(layer)  # pyright: ignore[reportArgumentType]  (a quantizer swapped in since)
         return straight_through((layer, x, key), value=_quant_forward, derivative=_float_forward)
     return _quant_forward(layer, x, key)
 
