@@ -30,3 +30,23 @@ def interleaved_times(calls: dict[str, Callable[[], Any]], rounds: int, repeats:
                 jax.block_until_ready(call())
                 times[name].append(time.perf_counter() - t0)
     return times
+
+
+def flax_mlp(widths: tuple[int, ...]) -> tuple[Any, Any] | None:
+    """A Flax MLP (`Dense` layers of `widths` features, ReLU between them) and the `qwix` module, for the side-by-side
+    rows; `None` if `flax` or `qwix` is not installed (`pip install -e ".[bench]"`)."""
+    try:
+        import flax.linen as nn
+        import qwix
+    except ImportError:
+        return None
+
+    class FlaxMLP(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for i, features in enumerate(widths):
+                x = nn.Dense(features)(x)
+                x = jax.nn.relu(x) if i < len(widths) - 1 else x
+            return x
+
+    return FlaxMLP(), qwix

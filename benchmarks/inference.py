@@ -24,7 +24,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _timing import arguments, interleaved_times
+from _timing import arguments, flax_mlp, interleaved_times
 
 import eqx_quant
 
@@ -71,18 +71,10 @@ class _MLP(eqx.Module):
 def _qwix_models(width, hidden, x) -> dict:
     """The MLP in Flax, float and quantized by Qwix's PTQ (int8 weights and inputs; int4 weights in tiles of 32), as
     `(jitted forward, params)` pairs; empty if `qwix` or `flax` is not installed."""
-    try:
-        import flax.linen as nn
-        import qwix
-    except ImportError:
+    flax = flax_mlp((hidden, width))
+    if flax is None:
         return {}
-
-    class FlaxMLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(width)(jax.nn.relu(nn.Dense(hidden)(x)))
-
-    model = FlaxMLP()
+    model, qwix = flax
     params = model.init(jax.random.key(0), x)["params"]
     out = {"Qwix float": (jax.jit(lambda p, x: model.apply({"params": p}, x)), params)}
     for name, weights, inputs, tile in (

@@ -41,7 +41,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
-from _timing import arguments, interleaved_times
+from _timing import arguments, flax_mlp, interleaved_times
 
 import eqx_quant
 
@@ -190,20 +190,10 @@ def _compiled_step(model, x, y, rounds):
 def _qwix_steps(x) -> dict:
     """The MLP in Flax, float and quantized by Qwix (int8 / int4 weights per channel, int8 activations, dynamic), as
     `(jitted SGD step, params)` pairs; empty if `qwix` or `flax` is not installed."""
-    try:
-        import flax.linen as nn
-        import qwix
-    except ImportError:
+    flax = flax_mlp((1024, 1024, 10))
+    if flax is None:
         return {}
-
-    class FlaxMLP(nn.Module):
-        @nn.compact
-        def __call__(self, x):
-            x = nn.relu(nn.Dense(1024)(x))
-            x = nn.relu(nn.Dense(1024)(x))
-            return nn.Dense(10)(x)
-
-    float_model = FlaxMLP()
+    float_model, qwix = flax
     params = float_model.init(jax.random.key(1), x)["params"]
 
     def qat(weight_qtype):

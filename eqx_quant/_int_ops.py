@@ -18,7 +18,7 @@ from jaxtyping import Array
 
 from ._fake_quant import fake_quant_scales
 from ._format import Format, IntFormat
-from ._misc import compute_dtype, is_zero_tangent, vary_alike
+from ._misc import compute_dtype, is_zero_tangent, vary_alike, whole_batch
 from ._qarray import QuantizedArray, shifted_range
 from ._scales import Scales
 
@@ -204,22 +204,23 @@ def int_linear(
     return _rescale(acc, w_scale, x_scale, bias)
 
 
-@jax.custom_batching.custom_vmap
-def int_matvec(w: Array, x: Array) -> Array:
+def _int_matvec(w: Array, x: Array) -> Array:
     """`w @ x` of integers (`w` of shape `(out, k)`, `x` of shape `(*batch, k)`), with int32 accumulation: shape
     `(*batch, out)`.
 
     The sums are exact, so the formulation is free, and it is chosen by the batch it is computed for: `jax.vmap`
-    passes its batch on to this function (a `custom_vmap`), so that a layer written for one example sees all the
+    passes its batch on to this function (see `whole_batch`), so that a layer written for one example sees all the
     examples of the call. XLA's CPU integer product of a single row (`batch` of one example: decoding, one token at a
     time) takes a path several times slower than for two rows, so on CPU a single row is multiplied as two, with a
     row of zeros, and the first row of the result is kept; every other batch, and every other platform, runs the
     one product.
     """
-    rows = math.prod(x.shape[:-1])
-    if rows != 1:
+    if math.prod(x.shape[:-1]) != 1:
         return _int_matmul(w, x)
     return jax.lax.platform_dependent(w, x, cpu=_int_matvec_as_two_rows, default=_int_matmul)
+
+
+int_matvec = whole_batch(_int_matvec, batched_output=True)
 
 
 def _int_matmul(w: Array, x: Array) -> Array:
@@ -231,16 +232,6 @@ def _int_matvec_as_two_rows(w: Array, x: Array) -> Array:
     row = x.reshape(1, x.shape[-1])
     y = _int_matmul(w, jnp.concatenate([row, jnp.zeros_like(row)]))
     return y[0].reshape(x.shape[:-1] + w.shape[:1])
-
-
-@int_matvec.def_vmap
-def _int_matvec_vmap(axis_size: int, in_batched: list[bool], w: Array, x: Array) -> tuple[Array, bool]:
-    del axis_size
-    w_batched, x_batched = in_batched
-    if w_batched:  # one weight per example (a mapped ensemble): one product per weight
-        return jax.vmap(_int_matmul, in_axes=(0, 0 if x_batched else None))(w, x), True
-    # The batch (at axis 0) joins the rows of `x`; the call is again this function, for the outer `jax.vmap`s.
-    return int_matvec(w, x), x_batched
 
 
 def _rows(nan: Array) -> Array:

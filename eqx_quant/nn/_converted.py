@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_grid, integer_product, plan
-from .._misc import one_program, read_through
+from .._misc import one_program, read_through, whole_batch
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
 from ._layers import as_vector, check_input, scalar_output
@@ -40,7 +40,7 @@ def _after(weight: Array, x: Array) -> Array:
     than float at batch 1. Computed when its layer runs, each dequantized weight reuses the previous one's memory.
 
     The dependency is a selection that changes no value: a weight entry that is NaN is replaced by NaN where the
-    first entry of `x` is NaN. Under `jax.vmap` it reads the first entry of the whole batch (a `custom_vmap`), so
+    first entry of `x` is NaN. Under `jax.vmap` it reads the first entry of the whole batch (`whole_batch`), so
     that the weight stays one weight, not one per example. (`jax.lax.optimization_barrier` does not order XLA's CPU
     schedule.) Its derivative towards the weight is the identity. Other platforms than CPU take the weight as it
     is.
@@ -52,11 +52,6 @@ def _after(weight: Array, x: Array) -> Array:
 def _after_jvp(primals, tangents):
     (weight, x), (weight_dot, _) = primals, tangents
     return _after(weight, x), weight_dot  # the identity, towards the weight; nothing towards `x`
-
-
-@jax.custom_batching.custom_vmap
-def _select_after(weight: Array, x: Array) -> Array:
-    return _select(weight, x)
 
 
 def _select(weight: Array, x: Array) -> Array:
@@ -72,13 +67,7 @@ def _select(weight: Array, x: Array) -> Array:
     return jax.lax.platform_dependent(weight, x, cpu=select, default=lambda weight, x: weight)
 
 
-@_select_after.def_vmap
-def _select_after_vmap(axis_size: int, in_batched: list[bool], weight: Array, x: Array) -> tuple[Array, bool]:
-    del axis_size
-    weight_batched, x_batched = in_batched
-    if weight_batched:  # one weight per example (a mapped ensemble): each its own
-        return jax.vmap(_select, in_axes=(0, 0 if x_batched else None))(weight, x), True
-    return _select_after(weight, x), False
+_select_after = whole_batch(_select, batched_output=False)  # one weight, whatever the batch
 
 
 class AbstractConvertedLayer(eqx.Module):
@@ -115,14 +104,16 @@ class AbstractConvertedLayer(eqx.Module):
 
     def dequantized_layer(self) -> eqx.Module:
         """The float layer with the dequantized weight: what the fake-quant model computed with."""
-        return eqx.tree_at(lambda l: l.weight, self.layer, self.weight, is_leaf=lambda x: x is None)
+        return self._with_weight(self.weight)
+
+    def _with_weight(self, weight: Array) -> eqx.Module:
+        return eqx.tree_at(lambda l: l.weight, self.layer, weight, is_leaf=lambda x: x is None)
 
     def _float_path(self, x: Array, key: PRNGKeyArray | None) -> Array:
         weight = _after(self.weight, x)
         if self.input_quant is not None:
             x = self.input_quant(x)
-        layer = eqx.tree_at(lambda l: l.weight, self.layer, weight, is_leaf=lambda x: x is None)
-        return layer(x, key=key)  # pyright: ignore[reportCallIssue]
+        return self._with_weight(weight)(x, key=key)  # pyright: ignore[reportCallIssue]
 
 
 class ConvertedLinear(AbstractConvertedLayer):
