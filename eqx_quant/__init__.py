@@ -28,11 +28,13 @@ from ._format import (
     FloatFormat as FloatFormat,
     Format as Format,
     IntFormat as IntFormat,
+    StretchedFormat as StretchedFormat,
     float_format as float_format,
     format_named as format_named,
     int_format as int_format,
     int_range as int_range,
     mx_format as mx_format,
+    stretched_format as stretched_format,
 )
 from ._gguf import export_gguf as export_gguf, load_gguf as load_gguf
 from ._gptq import gptq_quantize as gptq_quantize
@@ -69,7 +71,12 @@ from ._rules import (
 )
 from ._serialise import load as load, save as save
 from ._summary import Summary as Summary, SummaryRow as SummaryRow, summary as summary
-from ._train import distillation_loss as distillation_loss, trainable as trainable
+from ._train import (
+    distillation_loss as distillation_loss,
+    learn_scales as learn_scales,
+    quantized_after as quantized_after,
+    trainable as trainable,
+)
 
 
 # The name of earlier releases: every quantizer onto a number format, float formats among them.

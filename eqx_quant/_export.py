@@ -12,7 +12,7 @@ import jax
 import numpy as np
 from jaxtyping import PyTree
 
-from ._format import FloatFormat, IntFormat
+from ._format import FloatFormat, IntFormat, StretchedFormat
 from ._packing import BIT_ORDER, NIBBLE_ORDER
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
@@ -118,8 +118,10 @@ def _input_metadata(quantizer: Any) -> dict[str, Any] | None:
     fmt, layout = quantizer.format, quantizer.layout
     info: dict[str, Any] = {"kind": type(quantizer).__name__, "format": fmt.name, "axis": quantizer.axis,
                             "group_size": layout.group_size, "group_axis": layout.group_axis}  # fmt: skip
-    if isinstance(fmt, IntFormat):
+    if isinstance(fmt, (IntFormat, StretchedFormat)):
         info |= {"qmin": fmt.qmin, "qmax": fmt.qmax}
+        if isinstance(fmt, StretchedFormat):
+            info["level_offset"] = 0.5
     else:
         info["element"] = fmt.element
     if isinstance(quantizer, FakeQuant):
@@ -138,7 +140,9 @@ def _layer_metadata(layer: AbstractConvertedLayer) -> dict[str, Any]:
     tile = layout.tile_axis(w.shape)
     info: dict[str, Any] = {"kind": type(layer).__name__, "format": fmt.name, "shape": list(w.shape),
                             "view_shape": list(w.view_shape), "dtype": w.dtype}  # fmt: skip
-    if isinstance(fmt, IntFormat) and fmt.scale == "float32":
+    if isinstance(fmt, (IntFormat, StretchedFormat)) and fmt.scale == "float32":
+        if isinstance(fmt, StretchedFormat):  # the level of a code q is q + 1/2
+            info["level_offset"] = 0.5
         info |= {
             "qmin": fmt.qmin,
             "qmax": fmt.qmax,
@@ -183,7 +187,9 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
     `packed_bits` (2, 3, 4, or `null` for unpacked integers) and its `bit_order` (`"low-first"`: element `j` of a
     row in bits `j * packed_bits` onwards of the row's little-endian bit stream), and the input quantizer's
     parameters. For readers of 4-bit files, `packed_int4` (whether the weight holds two 4-bit values per byte) and
-    its `nibble_order` (element `2i` of a row in the low nibble) are kept. It is readable with the `safetensors`
+    its `nibble_order` (element `2i` of a row in the low nibble) are kept. Weights on a stretched grid
+    ([`eqx_quant.stretched_format`][]) are stored the same way, their codes `q` in `[qmin, qmax]`, and their metadata
+    adds `level_offset` (0.5): the weight is `scale * (q + level_offset)`. It is readable with the `safetensors`
     library alone (`safetensors.numpy.load_file`).
 
     A layer whose weight is in a low-precision float format (or in MXINT8, with E8M0 scales) has
@@ -214,7 +220,7 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
         w: QuantizedArray = layer.qweight
         tensors[f"{name}.weight"] = np.asarray(w.values)
         # Integer grids keep the scales' unit axes (they broadcast against the view); block scales come compact.
-        compact = w.format.scale != "float32" or not isinstance(w.format, IntFormat)
+        compact = w.format.scale != "float32" or not isinstance(w.format, (IntFormat, StretchedFormat))
         scale = np.asarray(w.scale)
         if compact and w.layout.group_size is not None:
             scale = scale.reshape(scale.shape[: w.stack_depth] + w.layout.scale_shape(w.shape))

@@ -156,6 +156,7 @@ class Format(abc.ABC):
     | name | elements | scales |
     |---|---|---|
     | `"int8"`, `"int4"`, ..., `"uint8"`, ... | integers `[qmin, qmax]` | float32 (with an optional zero point) |
+    | `"int2_stretched"`, ... | half-integers `q + 1/2` (see [`eqx_quant.stretched_format`][]) | float32 |
     | `"float8_e4m3fn"`, `"float8_e5m2"`, `"float6_e2m3fn"`, `"float6_e3m2fn"`, `"float4_e2m1fn"` | floats | float32 |
     | `"mxfp8_e4m3"`, `"mxfp8_e5m2"`, `"mxfp6_e2m3"`, `"mxfp6_e3m2"`, `"mxfp4"`, `"mxint8"` | as named | E8M0 |
     | `"nvfp4"` | `float4_e2m1fn` | `float8_e4m3fn` blocks times a float32 tensor scale |
@@ -401,6 +402,82 @@ class IntFormat(Format):
         return None
 
 
+@dataclasses.dataclass(frozen=True, repr=False)
+class StretchedFormat(Format):
+    """The `2**bits` half-integers `q + 1/2`, `q` in `[-2**(bits-1), 2**(bits-1) - 1]`, with float32 scales: see
+    [`eqx_quant.stretched_format`][]."""
+
+    width: int
+    scale: str = "float32"
+    scale_rule: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.width, bool) or not isinstance(self.width, (int, np.integer)) or not 1 <= self.width <= 8:
+            raise ValueError(f"`bits` must be an int in [1, 8], got bits={self.width!r}.")
+        object.__setattr__(self, "width", int(self.width))
+        if self.scale != "float32" or self.scale_rule is not None:
+            raise ValueError(f"A stretched grid takes float32 scales, got scale={self.scale!r}.")
+
+    @property
+    def name(self) -> str:
+        return f"int{self.width}_stretched"
+
+    @property
+    def bits(self) -> int:
+        return self.width
+
+    @property
+    def qmin(self) -> int:
+        """The lowest code `q` (the level `qmin + 1/2`)."""
+        return -(1 << (self.width - 1))
+
+    @property
+    def qmax(self) -> int:
+        """The highest code `q` (the level `qmax + 1/2`)."""
+        return (1 << (self.width - 1)) - 1
+
+    @property
+    def bound(self) -> float:
+        return self.qmax + 0.5
+
+    largest = bound
+    lsq_level = bound
+
+    @property
+    def signed_codes(self) -> bool:
+        return True
+
+    def _codes(self, v: Array) -> Array:
+        # The nearest half-integer `q + 1/2` of `v` is `q = floor(v)`; at a tie (`v` an integer) the even `q`. No sum
+        # follows the product that made `v` (`round(v - 1/2)` would be contracted into a fused multiply-add under
+        # `jit`, and round differently there).
+        q = jnp.floor(v)
+        odd = jnp.remainder(q, 2) == 1
+        return jnp.where((v == q) & odd, q - 1, q)
+
+    def nearest(self, v: Array) -> Array:
+        return self._codes(v) + 0.5
+
+    def levels(self, v: Array, zero_point: Array | None) -> Array:
+        del zero_point
+        q = jax.lax.clamp(np.asarray(self.qmin, v.dtype), self._codes(v), np.asarray(self.qmax, v.dtype))
+        return q + 0.5
+
+    def limits(self, zero_point: Array | None, ndim: int) -> tuple:
+        del zero_point, ndim
+        return -self.bound, self.bound
+
+    def encode(self, levels: Array) -> Array:
+        return jnp.floor(levels).astype(jnp.int8)
+
+    def decode(self, codes: Array, dtype: np.dtype) -> Array:
+        return codes.astype(dtype) + np.asarray(0.5, dtype)
+
+    @property
+    def packed_width(self) -> int | None:
+        return max(self.width, 2) if self.width <= 4 else None
+
+
 def _next_float32(value: float, up: bool = False) -> float:
     """The float32 just below the float32 `value` (just above it with `up`)."""
     return float(np.nextafter(np.float32(value), np.float32(np.inf if up else -np.inf)))
@@ -570,6 +647,33 @@ def int_format(bits: int | np.integer, *, signed: bool = True, narrow: bool = Fa
     return IntFormat(*int_range(bits, signed=signed, narrow=narrow))
 
 
+def stretched_format(bits: int | np.integer) -> StretchedFormat:
+    """The stretched grid of `bits` bits, with float32 scales: the `2**bits` levels `q + 1/2` for the codes `q` in
+    `[-2**(bits-1), 2**(bits-1) - 1]`, symmetric about zero and without it. At 2 bits the levels are
+    `{-1.5, -0.5, 0.5, 1.5}`: ParetoQ's Stretched Elastic Quant grid (Liu et al., 2025), which spends all four codes of
+    2-bit weights on nonzero levels, where the integers `[-2, 1]` spend one on zero and are lopsided. At 1 bit the
+    levels are `{-0.5, 0.5}` (binary weights).
+
+    `v = x / scale` goes to its nearest level, saturating at `±(2**(bits-1) - 1/2)`; a tie (`v` an integer) goes to
+    the level of the even code. A symmetric scale maps the largest magnitude to the top level: `max|x| / (2**(bits-1)
+    - 1/2)`. The codes `q` are stored, packed at 2, 3 or 4 bits like integers, and the level is `q + 1/2`; gradients
+    pass where `v` lies between the outermost levels.
+
+    !!! example
+
+        ```python
+        import jax.numpy as jnp
+        import eqx_quant
+
+        fmt = eqx_quant.stretched_format(2)
+        print(fmt)  # Format('int2_stretched')
+        x = jnp.array([-3.0, -0.2, 0.1, 0.9, 1.2])
+        print(eqx_quant.fake_quant_format(x, 1.0, fmt))  # [-1.5 -0.5  0.5  0.5  1.5]
+        ```
+    """
+    return StretchedFormat(bits)  # pyright: ignore[reportArgumentType]
+
+
 def float_format(dtype: object) -> FloatFormat:
     """The format of a low-precision float type with float32 scales: `float8_e4m3fn`, `float8_e5m2`,
     `float6_e2m3fn`, `float6_e3m2fn` or `float4_e2m1fn`, as a dtype (`jnp.float8_e4m3fn`) or its name."""
@@ -625,6 +729,11 @@ def format_named(name: str) -> Format:
     base, rceil = name.removesuffix("_rceil"), name.endswith("_rceil")
     if base in MX_FORMATS:
         return mx_format(base, scale_rule="rceil" if rceil else "floor")
+    if name.startswith("int") and name.endswith("_stretched") and name[3:-10].isdigit():
+        try:
+            return stretched_format(int(name[3:-10]))
+        except ValueError as error:
+            raise ValueError(f"`format`={name!r} names no stretched grid: {error}") from None
     for prefix, signed in (("uint", False), ("int", True)):
         digits = name.removeprefix(prefix).removesuffix("_narrow")
         if name.startswith(prefix) and digits.isdigit():
@@ -634,6 +743,7 @@ def format_named(name: str) -> Format:
                 raise ValueError(f"`format`={name!r} names no integer grid: {error}") from None
     raise ValueError(
         f"`format` must be a Format or one of the names int2 ... int16 (with _narrow), uint1 ... uint16, "
+        "int1_stretched ... int8_stretched, "
         f"{', '.join(_ELEMENTS)}, {', '.join(MX_FORMATS)} (with _rceil), nvfp4, {', '.join(GGML_FORMATS)}; got "
         f"{name!r}."
     )
@@ -657,7 +767,7 @@ def format_from_json(info: dict) -> Format:
     """The format that [`eqx_quant.Format.to_json`][] described."""
     info = dict(info)
     kind = info.pop("kind")
-    return {"IntFormat": IntFormat, "FloatFormat": FloatFormat}[kind](**info)
+    return {"IntFormat": IntFormat, "FloatFormat": FloatFormat, "StretchedFormat": StretchedFormat}[kind](**info)
 
 
 #

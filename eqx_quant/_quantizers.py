@@ -19,6 +19,7 @@ from ._format import (
     NVFP4_BLOCK,
     Format,
     IntFormat,
+    StretchedFormat,
     as_format,
     check_range,
     float_format,
@@ -47,6 +48,7 @@ from ._scales import (
     Scales,
     absmax_scale,
     check_method,
+    finite_absmax,
     finite_or,
     fit_scales,
     least_error_scale,
@@ -881,11 +883,12 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         min_scale: float = 1e-8,
         axis_name: AxisName | None = None,
         stacked: int = 0,
-        method: Literal["lsq", "absmax"] = "lsq",
+        method: Literal["lsq", "absmax", "paretoq"] = "lsq",
     ) -> "LearnedFakeQuant":
-        """Initialises the scales from data: for an integer grid as LSQ does, `2 * mean|x| / sqrt(qmax)`, or with
-        `method="absmax"` as round to nearest does; for a float format the scales [`eqx_quant.DynamicFakeQuant`][]
-        would use for `x` (`max|x| / M`, or the block scales of MX and NVFP4). Per tensor, per channel or per tile.
+        """Initialises the scales from data: for an integer grid as LSQ does, `2 * mean|x| / sqrt(qmax)`, with
+        `method="absmax"` as round to nearest does, or for ternary and stretched grids with `method="paretoq"` as
+        ParetoQ does; for a float format the scales [`eqx_quant.DynamicFakeQuant`][] would use for `x` (`max|x| / M`,
+        or the block scales of MX and NVFP4). Per tensor, per channel or per tile.
 
         **Arguments:**
 
@@ -904,7 +907,12 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
             leading axes, so that a `jax.lax.scan` over the layers hands each layer its own step sizes.
         - `method`: for an integer grid, `"lsq"` (LSQ's rule above) or `"absmax"`: the scales of
             [`eqx_quant.DynamicFakeQuant`][] with the same format and layout (symmetric only), so that training
-            starts exactly from the round-to-nearest model. Float formats always start from their dynamic scales.
+            starts exactly from the round-to-nearest model; `"paretoq"`, the initialisation of ParetoQ (Liu et al.,
+            2025), for two grids: the ternary grid `[-1, 1]` (`int_format(2, narrow=True)`) takes `max|x| / 1.5`,
+            whose levels `±max|x| / 1.5` sit at two thirds of the largest magnitude and round entries below a third
+            of it to zero, and a stretched grid ([`eqx_quant.stretched_format`][]) of `b` bits takes
+            `max|x| / 2**(b-1)`, whose top level is `(1 - 2**-b) max|x|` (three quarters of it at 2 bits).
+            Symmetric only. Float formats always start from their dynamic scales.
 
         **Returns:**
 
@@ -917,11 +925,14 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         _check_layout(fmt, layout)
         if not symmetric and not fmt.zero_points:
             raise ValueError(f"`symmetric`=False needs a zero point, which {fmt.name} does not have.")
-        if method not in ("lsq", "absmax"):
-            raise ValueError(f"`method` must be 'lsq' or 'absmax', got method={method!r}.")
-        if method == "absmax" and not symmetric:
+        if method not in ("lsq", "absmax", "paretoq"):
+            raise ValueError(f"`method` must be 'lsq', 'absmax' or 'paretoq', got method={method!r}.")
+        if method != "lsq" and not symmetric:
+            raise ValueError(f"`method`={method!r} starts from symmetric scales; it needs `symmetric`=True.")
+        if method == "paretoq" and paretoq_divisor(fmt) is None:
             raise ValueError(
-                "`method`='absmax' starts from symmetric round-to-nearest scales; it needs `symmetric`=True."
+                "`method`='paretoq' is the rule of the ternary grid [-1, 1] and of the stretched grids "
+                f"(int2_stretched, ...), got {fmt.name}."
             )
         if stacked:
             x = as_float_input("x", x)
@@ -940,6 +951,16 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
                    group_size=group_size, group_axis=group_axis, min_scale=min_scale, axis_name=axis_name)  # fmt: skip
 
 
+def paretoq_divisor(fmt: Format) -> float | None:
+    """ParetoQ's initial scale is `max|x|` over this: 1.5 for the ternary grid, `2**(b-1)` for a stretched grid of
+    `b` bits; `None` for other formats."""
+    if isinstance(fmt, IntFormat) and fmt.grid == (-1, 1) and fmt.scale == "float32":
+        return 1.5
+    if isinstance(fmt, StretchedFormat):
+        return float(fmt.qmax + 1)
+    return None
+
+
 @one_program
 def _initial_scales(
     view: Array, layout: Layout, shape: tuple[int, ...], fmt: Format, min_scale: float, symmetric: bool, method: str
@@ -947,6 +968,11 @@ def _initial_scales(
     """The arithmetic of [`eqx_quant.LearnedFakeQuant.init_from`][] on checked data: its initial scales for `view`
     (the sample data of shape `shape` under `layout`), compacted to the layout's shape."""
     axes = layout.reduction_axes(shape)
+    if method == "paretoq":
+        divisor = paretoq_divisor(fmt)
+        assert divisor is not None
+        scale = jnp.maximum(finite_absmax(view, axes) / np.float32(divisor), min_scale)
+        return Scales(layout.compact(scale, shape))
     if not isinstance(fmt, IntFormat) or fmt.scale != "float32" or method == "absmax":
         scale, _, tensor_scale = fit_scales(view, axes, fmt)
         if fmt.scale == "float32":

@@ -6,7 +6,17 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
-from ._format import GGML_BLOCK, GGML_FORMATS, MX_BLOCK, NVFP4, NVFP4_BLOCK, float_format, int_format, mx_format
+from ._format import (
+    GGML_BLOCK,
+    GGML_FORMATS,
+    MX_BLOCK,
+    NVFP4,
+    NVFP4_BLOCK,
+    float_format,
+    int_format,
+    mx_format,
+    stretched_format,
+)
 from ._misc import check_int
 from ._quantizers import DynamicFakeQuant
 from ._rules import LayerQuantizer, Rule
@@ -33,7 +43,10 @@ _FLOAT_RECIPES = {
 # The GGML block formats of llama.cpp's GGUF files: weights only (llama.cpp computes its activations in float).
 _GGML_RECIPES = ("q8_0", "q4_0", "q5_0")
 
-RECIPE_NAMES = (*_RECIPES, *_FLOAT_RECIPES, *_GGML_RECIPES)
+# name: the weight grid of ParetoQ's low-bit schemes, always with learned scales from ParetoQ's initialisation
+_PARETOQ_RECIPES = {"ternary": int_format(2, narrow=True), "w2a16_stretched": stretched_format(2)}
+
+RECIPE_NAMES = (*_RECIPES, *_PARETOQ_RECIPES, *_FLOAT_RECIPES, *_GGML_RECIPES)
 
 
 def recipe(
@@ -56,6 +69,8 @@ def recipe(
     | `"w4a16_g32"` | int4 per group of 32 | float | weight-only, 4 bits |
     | `"w3a16_g32"` | int3 per group of 32 | float | weight-only, 3 bits |
     | `"w2a16_g32"` | int2 per group of 32 | float | weight-only, 2 bits: needs QAT or GPTQ |
+    | `"ternary"` | {-1, 0, 1} per output channel, learned scales | float | weight-only, 1.58 bits: QAT only |
+    | `"w2a16_stretched"` | {±1/2, ±3/2} per output channel, learned scales | float | weight-only, 2 bits: QAT only |
     | `"fp8"` | FP8 E4M3 per output channel | FP8 E4M3 dynamic, per tensor | FP8 inference |
     | `"mxfp4"` | MXFP4, blocks of 32 along the contraction | MXFP8 E4M3, blocks of 32 | OCP MX hardware |
     | `"nvfp4"` | NVFP4, blocks of 16 along the contraction | NVFP4 | NVFP4 hardware (W4A4) |
@@ -73,6 +88,14 @@ def recipe(
     channel for its integer weights; a layer whose contraction does not split into MX or NVFP4 blocks gets the
     `"fp8"` quantizers instead. The block scales of MX and NVFP4 are always computed from the block, so
     `learned=True` only gives FP8 weights a learned scale, and `group_size` does not apply to them.
+
+    `"ternary"` and `"w2a16_stretched"` are ParetoQ's 1.58-bit and 2-bit schemes (Liu et al., 2025) for
+    quantization-aware training: weights on the ternary grid `[-1, 0, 1]` (`int_format(2, narrow=True)`) or on the
+    stretched 2-bit grid `{-3/2, -1/2, 1/2, 3/2}` ([`eqx_quant.stretched_format`][]), both stored at 2 bits, with one
+    learned scale per output channel (or per group, with `group_size`) initialised by ParetoQ's rule
+    ([`eqx_quant.LearnedFakeQuant.init_from`][] with `method="paretoq"`: `max|w| / 1.5` and `max|w| / 2`), whatever
+    `learned` says: without training such a model loses much of what the float one knew. Hold the scales fixed with
+    [`eqx_quant.trainable`][]`(model, scales=False)`. `keep` layers get learned int8 weights.
 
     The GGML recipes fake-quantize each weight exactly as llama.cpp's reference quantizer (`gguf.quants.quantize`)
     stores it: the fake-quantized weight is bit for bit what `gguf` dequantizes from the file
@@ -147,7 +170,11 @@ def recipe(
                 for pattern in patterns]  # fmt: skip
         rule = Rule(".*", weight=LayerQuantizer(GGML_FORMATS[name], GGML_BLOCK), input=None)
         return {"rules": [dataclasses.replace(r, backward=backward) for r in (*kept, rule)]}
-    if name in _FLOAT_RECIPES:
+    if name in _PARETOQ_RECIPES:
+        learned = True
+        weight = LayerQuantizer(_PARETOQ_RECIPES[name], group_size, learned=True, method="paretoq")
+        inputs = products = None
+    elif name in _FLOAT_RECIPES:
         (weight_format, weight_block), (input_format, input_block) = _FLOAT_RECIPES[name]
         weight = LayerQuantizer(weight_format, weight_block, learned=learned)
         if input_block is None:

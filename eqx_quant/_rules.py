@@ -12,7 +12,7 @@ from jaxtyping import PyTree
 from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import Format, float_format
 from ._int_ops import integer_grid
-from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
 from ._tree import map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._einsum import Einsum, QuantEinsum
@@ -76,6 +76,8 @@ class LayerQuantizer:
         [`eqx_quant.LearnedFakeQuant.init_from`][] with `method="absmax"`: the scales round to nearest would use, so
         that training starts from the round-to-nearest model (stacked layers get one set of scales per layer); block
         formats keep their dynamic block scales. Otherwise the quantizer is a [`eqx_quant.DynamicFakeQuant`][].
+        `method` is the rule of `init_from` for learned weights: `"absmax"`, or `"paretoq"` (ParetoQ's, for the
+        ternary grid `[-1, 1]` and the stretched grids only).
 
     A call `quantizer(path, layer)` makes the layer's quantizer, so a `LayerQuantizer` is a factory for
     [`eqx_quant.Rule`][].
@@ -85,6 +87,16 @@ class LayerQuantizer:
     group_size: int | None = None
     learned: bool = False
     input: bool = False
+    method: Literal["absmax", "paretoq"] = "absmax"
+
+    def __post_init__(self):
+        if self.method not in ("absmax", "paretoq"):
+            raise ValueError(f"`method` must be 'absmax' or 'paretoq', got method={self.method!r}.")
+        if self.method == "paretoq" and not (self.learned and paretoq_divisor(self.format) is not None):
+            raise ValueError(
+                "`method`='paretoq' initialises learned weights on the ternary grid [-1, 1] or a stretched grid: it "
+                f"needs learned=True and such a grid, got learned={self.learned} and {self.format.name}."
+            )
 
     def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer | None:
         fmt, group = self.format, self.group_size
@@ -114,7 +126,7 @@ class LayerQuantizer:
             depth = stack_depth(layer, weight.shape)
             if tiled:  # the keyword arguments of earlier releases, so that the quantizer compares equal to theirs
                 layout = dict(group_size=group)
-            return LearnedFakeQuant.init_from(weight, fmt, stacked=depth, method="absmax", **layout)  # pyright: ignore
+            return LearnedFakeQuant.init_from(weight, fmt, stacked=depth, method=self.method, **layout)  # pyright: ignore
         if tiled and not blocks:
             layout = dict(group_size=group)
         return DynamicFakeQuant(fmt, **layout)  # pyright: ignore[reportArgumentType]

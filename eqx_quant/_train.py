@@ -1,16 +1,27 @@
 """Helpers of quantization-aware training: what trains, and the distillation loss."""
 
+import functools
+from collections.abc import Callable
+from typing import Any
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, PyTree
+from jaxtyping import Array, ArrayLike, Float, Int, PyTree
 
-from ._misc import is_concrete
-from ._quantizers import AbstractQuantizer
+from ._misc import FLOAT32_TINY, is_concrete, one_program
+from ._observe import layer_stack
+from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
+from ._rules import float_model
+from ._tree import map_nodes, nodes
+from .nn._attention import QuantMultiheadAttention
+from .nn._einsum import QuantEinsum
+from .nn._layers import AbstractQuantLayer
 
 
 _SCALE_FIELDS = ("scale", "tensor_scale")
+_QUANTIZED = (AbstractQuantLayer, QuantEinsum, QuantMultiheadAttention)
 
 
 def trainable(
@@ -165,3 +176,168 @@ def distillation_loss(
     log_q = jax.nn.log_softmax(student / temperature, axis=-1)
     log_p = jax.nn.log_softmax(teacher / temperature, axis=-1)
     return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1) * (temperature * temperature)
+
+
+def _is_learnable(quantizer: object) -> bool:
+    """Whether `learn_scales` makes `quantizer` learned: a fixed or dynamic quantizer with float32 scales."""
+    return (
+        isinstance(quantizer, (FakeQuant, DynamicFakeQuant))
+        and quantizer.format.scale == "float32"
+        and getattr(quantizer, "axis_name", None) is None
+    )
+
+
+def _learned_like(quantizer: FakeQuant | DynamicFakeQuant, weight: Array) -> LearnedFakeQuant:
+    """A `LearnedFakeQuant` holding the scales (and zero points) that `quantizer` uses for `weight`."""
+    layout = quantizer.layout
+    scales = quantizer.scales(jax.lax.stop_gradient(weight))
+    shape, broadcast = weight.shape, layout.broadcast_shape(weight.shape)
+
+    def compact(a: Array) -> Array:
+        return layout.compact(jnp.broadcast_to(jnp.asarray(a, jnp.float32), broadcast), shape)
+
+    zero_point = None if scales.zero_point is None else compact(scales.zero_point)
+    return LearnedFakeQuant(
+        compact(scales.scale), format=quantizer.format, zero_point=zero_point, layout=layout, min_scale=FLOAT32_TINY
+    )
+
+
+def learn_scales(model: PyTree) -> PyTree:
+    """Makes the scales of every weight quantizer learned, starting exactly where they are: the step for training
+    the result of post-training quantization on (QAT from PTQ).
+
+    Each weight quantizer with float32 scales (integer grids, and FP8, FP6 and FP4 elements with float32 scales) that
+    is fixed ([`eqx_quant.FakeQuant`][]: the scales of [`eqx_quant.gptq`][], or of
+    [`eqx_quant.FakeQuant.fit`][]) or dynamic ([`eqx_quant.DynamicFakeQuant`][]: round to nearest) becomes a
+    [`eqx_quant.LearnedFakeQuant`][] holding the scales, and zero points, that it uses for the layer's current
+    weight, one set per layer of a stack (layers built with `eqx.filter_vmap`). The model's outputs are unchanged,
+    bit for bit; from there on, gradients train the weights and their scales together (choose what trains with
+    [`eqx_quant.trainable`][]).
+
+    Left as they are: learned quantizers; block formats, whose scales follow each block of the weight (MX, NVFP4,
+    the GGML formats: their weights still train); quantizers with an `axis_name`; input quantizers.
+
+    **Arguments:**
+
+    - `model`: a quantized model, e.g. from [`eqx_quant.quantize`][], [`eqx_quant.gptq`][] or
+        [`eqx_quant.calibrate`][].
+
+    **Returns:**
+
+    The model with learned weight scales.
+
+    **Raises:**
+
+    `ValueError` if the model has no weight quantizer with float32 scales (nothing could be learned).
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import eqx_quant
+
+        mlp = eqx.nn.MLP(32, 4, 32, 1, key=jax.random.key(0))
+        x = jax.random.normal(jax.random.key(1), (64, 32))
+        ptq = eqx_quant.gptq(eqx_quant.quantize(mlp, **eqx_quant.recipe("w4a16_g32", keep=())), [x])
+        qat = eqx_quant.learn_scales(ptq)
+        q = qat.layers[0].weight_quant
+        print(type(q).__name__, q.scale.shape)  # LearnedFakeQuant (32, 1)
+        ```
+    """
+    layers = [
+        (path, layer)
+        for path, layer in nodes(model, (AbstractQuantLayer,))
+        if isinstance(layer.weight_quant, AbstractFakeQuantizer) and eqx.is_array(layer.layer.weight)
+    ]
+    chosen = [path for path, layer in layers if _is_learnable(layer.weight_quant)]
+    learned = [path for path, layer in layers if isinstance(layer.weight_quant, LearnedFakeQuant)]
+    if not chosen and not learned:
+        raise ValueError(
+            "`model` has no weight quantizer with float32 scales to learn (a FakeQuant or DynamicFakeQuant onto an "
+            "integer grid or a float element type); block formats keep their block scales."
+        )
+
+    def learn(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
+        if path not in chosen:
+            return layer
+        make = functools.partial(_learned_like, layer.weight_quant)
+        for _ in layer_stack(layer):
+            make = eqx.filter_vmap(make)
+        return eqx.tree_at(lambda l: l.weight_quant, layer, one_program(make)(layer.layer.weight))
+
+    return map_nodes(model, (AbstractQuantLayer,), learn)
+
+
+def quantized_after(
+    n_steps: int, step: Int[ArrayLike, ""], fn: Callable[..., Any], model: PyTree, *args: Any, **kwargs: Any
+) -> Any:
+    """Delayed quantization: `fn(model, *args, **kwargs)` computed with the float model before step `n_steps` and
+    with the quantized model from it on, in one program.
+
+    Before the switch (`step < n_steps`) the call is `fn(eqx_quant.float_model(model), ...)`: the float layers with
+    the same weights, so that training updates the weights the quantized layers will use; from `step >= n_steps` on,
+    `fn(model, ...)`. The choice is a `jax.lax.cond` on the traced `step`: a jitted training step is traced and
+    compiled once, with both branches, and each step runs one of them. Before the switch, the quantizers' own arrays
+    (learned scales) receive zero gradients.
+
+    **Arguments:**
+
+    - `n_steps`: the number of float steps, a non-negative int (0: quantized from the start).
+    - `step`: the current step, an integer scalar (a Python int or a traced array, e.g. the step count of an optax
+        state).
+    - `fn`: a function of the model and `args` returning a PyTree of arrays (a loss, logits, `(loss, aux)`); both
+        branches must return the same structure.
+    - `model`: a quantized model (from [`eqx_quant.quantize`][]).
+    - `args`, `kwargs`: passed to `fn`.
+
+    **Returns:**
+
+    What `fn` returns.
+
+    **Raises:**
+
+    `TypeError` for an `n_steps` that is not an int, a `step` that is not an integer scalar, or an `fn` that is not
+    callable. `ValueError` for a negative `n_steps`, or a `model` without quantized layers (delaying would change
+    nothing).
+
+    !!! example
+
+        ```python
+        import equinox as eqx
+        import jax
+        import jax.numpy as jnp
+        import eqx_quant
+
+        mlp = eqx.nn.MLP(8, 1, 8, 1, key=jax.random.key(0))
+        qmlp = eqx_quant.quantize(mlp, **eqx_quant.recipe("w4a8_g32", keep=()))
+        x = jax.random.normal(jax.random.key(1), (4, 8))
+        loss = lambda m: jnp.mean(jax.vmap(m)(x) ** 2)
+        before = eqx_quant.quantized_after(100, 99, loss, qmlp)
+        after = eqx_quant.quantized_after(100, 100, loss, qmlp)
+        print(before == loss(eqx_quant.float_model(qmlp)), after == loss(qmlp))  # True True
+        ```
+    """
+    if isinstance(n_steps, bool) or not isinstance(n_steps, (int, np.integer)):
+        raise TypeError(f"`n_steps` must be an int, got n_steps={n_steps!r}.")
+    if n_steps < 0:
+        raise ValueError(f"`n_steps` must be non-negative, got n_steps={n_steps}.")
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer, np.ndarray, jax.Array)):
+        raise TypeError(f"`step` must be an integer scalar, got step={step!r}.")
+    step = jnp.asarray(step)
+    if step.ndim != 0 or not jnp.issubdtype(step.dtype, jnp.integer):
+        raise TypeError(f"`step` must be an integer scalar, got an array of shape {step.shape} and dtype {step.dtype}.")
+    if not callable(fn):
+        raise TypeError(f"`fn` must be callable, got fn={fn!r}.")
+    if not nodes(model, _QUANTIZED):
+        raise ValueError(
+            "`model` has no quantized layer (QuantLinear, QuantConv, QuantEmbedding, QuantEinsum, "
+            "QuantMultiheadAttention): it is the same model before and after the switch."
+        )
+    dynamic, static = eqx.partition((model, args, kwargs), eqx.is_array)
+
+    def branch(quantized: bool, dynamic: PyTree) -> Any:
+        m, a, k = eqx.combine(dynamic, static)
+        return fn(m if quantized else float_model(m), *a, **k)
+
+    return jax.lax.cond(step >= n_steps, functools.partial(branch, True), functools.partial(branch, False), dynamic)

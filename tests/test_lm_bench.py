@@ -273,6 +273,8 @@ def test_targets_and_table_from_hand_made_results():
             row("w3a16_g32", "rtn", 2.5, 150),
             row("w3a16_g32", "gptq", 2.2, 150),
             row("w3a16_g32", "qat", 2.1, 150),
+            row("w3a16_g32", "ptq_qat", 2.05, 150),
+            row("w3a16_g32", "qad", 2.3, 150),
         ],
     }
     figures = lm.targets(results)
@@ -281,12 +283,16 @@ def test_targets_and_table_from_hand_made_results():
             "w3a16_g32 rtn / float - 1": 0.25,
             "w3a16_g32 file / float": 0.15,
             "w3a16_g32 qat recovery": 0.4 / 0.6,  # (2.5 - 2.1) / (2.5 - 1.9)
+            "w3a16_g32 ptq_qat recovery": 0.45 / 0.6,
+            "w3a16_g32 qad recovery": 0.2 / 0.6,
+            "w3a16_g32 best qat recovery": 0.45 / 0.6,
+            "w3a16_g32 best qat - best ptq": 2.05 - 2.2,
             "w3a16_g32 gptq recovery": 0.3 / 0.5,  # (2.5 - 2.2) / (2.5 - 2.0)
         }
     )
     lines = lm.table(results).splitlines()
-    assert len(lines) == 4 + 3
-    assert lines[-1] == "| w3a16_g32 | qat | 2.1000 | +5.00% | yes | 150 | 15.0% |"
+    assert len(lines) == 4 + 5
+    assert lines[-3] == "| w3a16_g32 | qat | 2.1000 | +5.00% | yes | 150 | 15.0% |"
 
 
 def test_pareto_results_recompute_their_targets_print_and_plot(tmp_path, capsys):

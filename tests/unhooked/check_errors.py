@@ -72,6 +72,14 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.QuantizedBackward(8, rounding="up")),
         (TypeError, "`backward` must be a QuantizedBackward, an UnquantizedBackward or None, got backward='int8'.",
          lambda: eqx_quant.nn.QuantLinear(linear, backward="int8")),
+        (ValueError, "`method` must be 'lsq', 'absmax' or 'paretoq', got method='ternary'.",
+         lambda: eqx_quant.LearnedFakeQuant.init_from(x, 2, method="ternary")),
+        (ValueError, "`method` must be 'absmax' or 'paretoq', got method='lsq'.",
+         lambda: eqx_quant.LayerQuantizer(eqx_quant.int_format(4), learned=True, method="lsq")),
+        (TypeError, "`n_steps` must be an int, got n_steps=2.0.",
+         lambda: eqx_quant.quantized_after(2.0, 0, lambda m: 0.0, eqx_quant.quantize(mlp))),
+        (TypeError, "`step` must be an integer scalar, got step=1.5.",
+         lambda: eqx_quant.quantized_after(2, 1.5, lambda m: 0.0, eqx_quant.quantize(mlp))),
     ]  # fmt: skip
     for error, message, call in cases:
         with pytest.raises(error) as info:
