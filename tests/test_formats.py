@@ -19,7 +19,8 @@ F32 = np.float32
 NAMES = [
     "int8", "int4", "int2", "int8_narrow", "uint8", "uint1", "int16", "float8_e4m3fn", "float8_e5m2",
     "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
-    "mxfp4", "mxfp4_rceil", "mxint8", "nvfp4", "q8_0", "q4_0", "q5_0",
+    "mxfp4", "mxfp4_rceil", "mxint8", "nvfp4", "q8_0", "q4_0", "q5_0", "int1_stretched", "int2_stretched",
+    "int4_stretched", "int8_stretched",
 ]  # fmt: skip
 
 
@@ -147,6 +148,9 @@ QUANTIZERS = {
     "q5_0": DynamicFakeQuant("q5_0", group_size=32),
     "q8_0": DynamicFakeQuant("q8_0", group_size=32),
     "learned int4": LearnedFakeQuant(jnp.full((4,), 0.2), -8, 7, axis=0),
+    "stretched int2 per channel": DynamicFakeQuant("int2_stretched", axis=0),
+    "stretched int3 per group": DynamicFakeQuant("int3_stretched", group_size=16),
+    "learned ternary": LearnedFakeQuant(jnp.full((4,), 0.3), -1, 1, axis=0),
 }
 
 
