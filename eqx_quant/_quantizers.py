@@ -883,12 +883,13 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         min_scale: float = 1e-8,
         axis_name: AxisName | None = None,
         stacked: int = 0,
-        method: Literal["lsq", "absmax", "paretoq"] = "lsq",
+        method: Literal["lsq", "absmax", "paretoq"] | None = None,
     ) -> "LearnedFakeQuant":
-        """Initialises the scales from data: for an integer grid as LSQ does, `2 * mean|x| / sqrt(qmax)`, with
-        `method="absmax"` as round to nearest does, or for ternary and stretched grids with `method="paretoq"` as
-        ParetoQ does; for a float format the scales [`eqx_quant.DynamicFakeQuant`][] would use for `x` (`max|x| / M`,
-        or the block scales of MX and NVFP4). Per tensor, per channel or per tile.
+        """Initialises the scales from data: by default as round to nearest does (the scales of
+        [`eqx_quant.DynamicFakeQuant`][]: `max|x| / qmax` for an integer grid, `max|x| / M` for a float format, the
+        block scales of MX and NVFP4), so that training starts from the round-to-nearest model; for an integer grid
+        also as LSQ does (`2 * mean|x| / sqrt(qmax)`, and the default with a zero point), or for ternary and stretched
+        grids as ParetoQ does. Per tensor, per channel or per tile.
 
         **Arguments:**
 
@@ -905,9 +906,10 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
             built with `eqx.filter_vmap`, of shape `(layers, *weight_shape)`). The quantizer is then made for one
             tensor (`axis` and `group_size` refer to its axes) and stacked like the layer: its arrays get the same
             leading axes, so that a `jax.lax.scan` over the layers hands each layer its own step sizes.
-        - `method`: for an integer grid, `"lsq"` (LSQ's rule above) or `"absmax"`: the scales of
-            [`eqx_quant.DynamicFakeQuant`][] with the same format and layout (symmetric only), so that training
-            starts exactly from the round-to-nearest model; `"paretoq"`, the initialisation of ParetoQ (Liu et al.,
+        - `method`: for an integer grid, `"absmax"`: the scales of [`eqx_quant.DynamicFakeQuant`][] with the same
+            format and layout (symmetric only), so that training starts exactly from the round-to-nearest model;
+            `"lsq"`: LSQ's rule above, with LSQ+'s zero point when `symmetric=False`; `None` (the default):
+            `"absmax"` when symmetric, `"lsq"` otherwise; `"paretoq"`, the initialisation of ParetoQ (Liu et al.,
             2025), for two grids: the ternary grid `[-1, 1]` (`int_format(2, narrow=True)`) takes `max|x| / 1.5`,
             whose levels `±max|x| / 1.5` sit at two thirds of the largest magnitude and round entries below a third
             of it to zero, and a stretched grid ([`eqx_quant.stretched_format`][]) of `b` bits takes
@@ -925,6 +927,8 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         _check_layout(fmt, layout)
         if not symmetric and not fmt.zero_points:
             raise ValueError(f"`symmetric`=False needs a zero point, which {fmt.name} does not have.")
+        if method is None:
+            method = "absmax" if symmetric else "lsq"
         if method not in ("lsq", "absmax", "paretoq"):
             raise ValueError(f"`method` must be 'lsq', 'absmax' or 'paretoq', got method={method!r}.")
         if method != "lsq" and not symmetric:

@@ -78,7 +78,7 @@ def test_calibrated_per_group_scales_are_those_of_each_group(method):
 @pytest.mark.slow
 def test_learned_per_group_step_sizes_and_lsq_gradient():
     w = np.asarray(jax.random.normal(jax.random.key(2), (3, 8)), F32)
-    q = LearnedFakeQuant.init_from(w, 4, group_size=4)
+    q = LearnedFakeQuant.init_from(w, 4, group_size=4, method="lsq")
     assert q.scale.shape == (3, 2)
     expected_scale = 2 * np.abs(grouped(w, 4)).mean(axis=-1) / np.sqrt(7)
     np.testing.assert_allclose(np.asarray(q.scale), expected_scale, rtol=1e-6)

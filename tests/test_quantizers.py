@@ -21,7 +21,7 @@ from eqx_quant import (
     int_range,
 )
 
-from .helpers import assert_bitwise_equal, np_absmax_scale, reference_fake_quant, sum_to_shape
+from .helpers import assert_bitwise_equal, assert_trees_equal, np_absmax_scale, reference_fake_quant, sum_to_shape
 
 
 _TINY = np.finfo(np.float32).tiny
@@ -810,13 +810,15 @@ def test_learned_init_from(bits, signed, narrow):
     rng = np.random.default_rng(15)
     x_np = (rng.normal(size=(5, 8)) * np.arange(1, 6)[:, None]).astype(np.float32)
     qmin, qmax = int_range(bits, signed=signed, narrow=narrow)
-    q = LearnedFakeQuant.init_from(jnp.asarray(x_np), bits, signed=signed, narrow=narrow)
+    q = LearnedFakeQuant.init_from(jnp.asarray(x_np), bits, signed=signed, narrow=narrow, method="lsq")
     assert (q.qmin, q.qmax, q.axis, q.zero_point) == (qmin, qmax, None, None)
     assert q.scale.shape == () and q.scale.dtype == jnp.float32
     expected = 2 * np.mean(np.abs(x_np), dtype=np.float64) / math.sqrt(qmax)
     np.testing.assert_allclose(float(q.scale), expected, rtol=1e-6)
     for axis, reduce in ((0, 1), (-1, 0)):
-        per_channel = LearnedFakeQuant.init_from(jnp.asarray(x_np), bits, signed=signed, narrow=narrow, axis=axis)
+        per_channel = LearnedFakeQuant.init_from(
+            jnp.asarray(x_np), bits, signed=signed, narrow=narrow, axis=axis, method="lsq"
+        )
         assert per_channel.scale.shape == (x_np.shape[axis],)
         expected = 2 * np.mean(np.abs(x_np), axis=reduce, dtype=np.float64) / math.sqrt(qmax)
         np.testing.assert_allclose(per_channel.scale, expected, rtol=1e-6)
@@ -824,7 +826,7 @@ def test_learned_init_from(bits, signed, narrow):
     dirty = x_np.copy()
     dirty[0, 0], dirty[2, 3] = np.nan, -np.inf
     finite_abs = np.where(np.isfinite(dirty), np.abs(dirty), np.nan)
-    q = LearnedFakeQuant.init_from(jnp.asarray(dirty), bits, signed=signed, narrow=narrow, axis=0)
+    q = LearnedFakeQuant.init_from(jnp.asarray(dirty), bits, signed=signed, narrow=narrow, axis=0, method="lsq")
     expected = 2 * np.nanmean(finite_abs, axis=1, dtype=np.float64) / math.sqrt(qmax)
     np.testing.assert_allclose(q.scale, expected, rtol=1e-6)
 
@@ -841,6 +843,7 @@ def test_learned_init_from_absmax_is_round_to_nearest(bits):
     q = LearnedFakeQuant.init_from(x[0], bits, axis=0, method="absmax")
     np.testing.assert_allclose(q.scale, np.nanmax(np.abs(x_np[0]), axis=1) / qmax, rtol=3e-7)
     assert_bitwise_equal(q(x[0]), DynamicFakeQuant(bits, axis=0)(x[0]))
+    assert_trees_equal(LearnedFakeQuant.init_from(x[0], bits, axis=0), q)  # the default when symmetric
     stacked = LearnedFakeQuant.init_from(x, bits, group_size=32, stacked=1, method="absmax")
     assert stacked.scale.shape == (2, 4, 2)
     dynamic = DynamicFakeQuant(bits, group_size=32)
@@ -914,7 +917,7 @@ def test_learned_zero_point():
 def test_lsq_training_lowers_the_quantization_error(getkey):
     x = jax.random.normal(getkey(), (256,), jnp.float32) * 2 + jax.random.normal(getkey(), (256,), jnp.float32) ** 3
     x_np = np.asarray(x)
-    q = LearnedFakeQuant.init_from(x, 3)
+    q = LearnedFakeQuant.init_from(x, 3, method="lsq")
 
     @eqx.filter_jit
     def step(q_):
