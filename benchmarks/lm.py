@@ -78,6 +78,8 @@ class Preset:
     - `batch_size`, `steps`, `learning_rate`, `warmup_steps`, `weight_decay`: the float training.
     - `finetune_steps`, `finetune_learning_rate`, `finetune_warmup_steps`: the budget of every fine-tuning arm (the
         control, and QAT arms).
+    - `low_bit_learning_rate`: the peak learning rate of the QAT arms of `LOW_BIT_RECIPES` instead (chosen by the
+        sweep of `lm_sweep.py`: weights of 2 bits and fewer move further from the float ones, and train best faster).
     - `val_windows`: the number of validation windows (see the validation protocol above).
     - `train_chars`, `val_chars`: if not `None`, only that prefix of the training or validation stream is used.
     - `excerpt`: read the corpus from the excerpt shipped with the benchmark (`lm_data.load_excerpt`: prefixes of the
@@ -103,6 +105,7 @@ class Preset:
     finetune_steps: int
     finetune_learning_rate: float
     finetune_warmup_steps: int
+    low_bit_learning_rate: float
     val_windows: int
     train_chars: int | None
     val_chars: int | None
@@ -139,18 +142,21 @@ NO_GPTQ = (*FLOAT_RECIPES, "q4_0", "q5_0")
 # The tied embedding (the model's input layer and its output head) stays at 8 bits per row in every recipe, as the
 # first and last layers usually do.
 KEEP = ("embed",)
+LOW_BIT_RECIPES = ("w2a16_g32", "w2a16_stretched", "ternary")  # weights of 2 bits or fewer
 TIMED_RECIPE = "w4a8_g32"  # the QAT model whose training step `qat_step_ratio` compares with the float one
 
 PRESETS = {
     "smoke": Preset(
         name="smoke", dim=32, heads=2, depth=2, context=32, batch_size=16, steps=200, learning_rate=3e-3,
         warmup_steps=20, weight_decay=0.1, finetune_steps=20, finetune_learning_rate=3e-4, finetune_warmup_steps=2,
+        low_bit_learning_rate=1e-3,
         val_windows=64, train_chars=200_000, val_chars=20_000, excerpt=True, generate_tokens=16, recipes=("w4a8_g32",),
         calibration_batches=2, timing_steps=5,
     ),
     "full": Preset(
         name="full", dim=128, heads=4, depth=4, context=128, batch_size=16, steps=2000, learning_rate=2e-3,
         warmup_steps=100, weight_decay=0.1, finetune_steps=200, finetune_learning_rate=2e-4, finetune_warmup_steps=20,
+        low_bit_learning_rate=5e-4,
         val_windows=1024, train_chars=None, val_chars=None, excerpt=False, generate_tokens=112, recipes=FULL_RECIPES,
         calibration_batches=32, timing_steps=30,
     ),
@@ -311,16 +317,24 @@ def train(
     return model, losses
 
 
-def finetune(model: Any, bench: Bench, *, description: str, teacher: GPT | None = None, float_steps: int = 0) -> Any:
+def finetune(
+    model: Any,
+    bench: Bench,
+    *,
+    description: str,
+    teacher: GPT | None = None,
+    float_steps: int = 0,
+    learning_rate: float | None = None,
+) -> Any:
     """Fine-tunes `model` for the preset's fine-tuning budget: the same optimizer, schedule shape and (seeded)
     batches for every arm that calls it (with a `teacher`, on the distillation loss; with `float_steps`, the first
-    steps in float)."""
+    steps in float; with `learning_rate`, at that peak instead of the preset's `finetune_learning_rate`)."""
     p = bench.preset
     model, _ = train(
         model,
         bench.train,
         steps=p.finetune_steps,
-        learning_rate=p.finetune_learning_rate,
+        learning_rate=p.finetune_learning_rate if learning_rate is None else learning_rate,
         warmup_steps=p.finetune_warmup_steps,
         weight_decay=p.weight_decay,
         batch_size=p.batch_size,
@@ -441,24 +455,35 @@ def arm_gptq(model: GPT, bench: Bench, recipe: str) -> Any:
     return eqx_quant.gptq(quantized(model, recipe), calibration_batches(bench), act_order=True)
 
 
+def qat_learning_rate(preset: Preset, recipe: str) -> float:
+    """The peak learning rate of a QAT arm: `low_bit_learning_rate` for `LOW_BIT_RECIPES`, otherwise the control's
+    `finetune_learning_rate`."""
+    return preset.low_bit_learning_rate if recipe in LOW_BIT_RECIPES else preset.finetune_learning_rate
+
+
 def arm_qat(model: GPT, bench: Bench, recipe: str) -> Any:
     """Quantization-aware training: the recipe with learned weight scales ([`eqx_quant.LearnedFakeQuant`][],
     initialised by [`eqx_quant.LearnedFakeQuant.init_from`][] with `method="absmax"`: the round-to-nearest scales,
     so that training starts from the `rtn` model; one set per layer of the stack; the block scales of MX, NVFP4 and
     the GGML formats stay dynamic), fine-tuned with the control arm's budget, optimizer and batches."""
-    return finetune(quantized(model, recipe, learned=True), bench, description=f"qat {recipe}")
+    rate = qat_learning_rate(bench.preset, recipe)
+    return finetune(quantized(model, recipe, learned=True), bench, description=f"qat {recipe}", learning_rate=rate)
 
 
 def arm_ptq_qat(model: GPT, bench: Bench, recipe: str) -> Any:
     """Quantization-aware training from the `gptq` model: its weights, and its scales made learned by
     [`eqx_quant.learn_scales`][], fine-tuned like `qat`."""
-    return finetune(eqx_quant.learn_scales(arm_gptq(model, bench, recipe)), bench, description=f"ptq_qat {recipe}")
+    start = eqx_quant.learn_scales(arm_gptq(model, bench, recipe))
+    rate = qat_learning_rate(bench.preset, recipe)
+    return finetune(start, bench, description=f"ptq_qat {recipe}", learning_rate=rate)
 
 
 def arm_qad(model: GPT, bench: Bench, recipe: str) -> Any:
     """Quantization-aware distillation: the `qat` arm trained on the distillation loss against the float model's
     predictions ([`eqx_quant.distillation_loss`][], temperature 1) instead of the next character's cross-entropy."""
-    return finetune(quantized(model, recipe, learned=True), bench, description=f"qad {recipe}", teacher=model)
+    rate = qat_learning_rate(bench.preset, recipe)
+    start = quantized(model, recipe, learned=True)
+    return finetune(start, bench, description=f"qad {recipe}", teacher=model, learning_rate=rate)
 
 
 ARMS: dict[str, Callable[[GPT, Bench, str], Any]] = {
@@ -503,7 +528,10 @@ def _new_model(preset: Preset, vocab_size: int) -> GPT:
 
 
 # Preset fields that only the derived models depend on: changing them keeps the cached float model.
-_NOT_FLOAT_FIELDS = ("recipes", "calibration_batches", "timing_steps")
+_NOT_FLOAT_FIELDS = (
+    "recipes", "calibration_batches", "timing_steps", "finetune_steps", "finetune_learning_rate",
+    "finetune_warmup_steps", "low_bit_learning_rate",
+)  # fmt: skip
 
 
 def _cache_description(preset: Preset, corpus: Corpus) -> dict:

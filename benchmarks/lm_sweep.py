@@ -66,15 +66,17 @@ def run(
 
     start = time.perf_counter()
     for rate in sorted({*rates, base.finetune_learning_rate}):  # the preset's rate too: the delayed rows' control
-        swept = dataclasses.replace(bench, preset=dataclasses.replace(base, finetune_learning_rate=rate))
+        rates_of = dict(finetune_learning_rate=rate, low_bit_learning_rate=rate)
+        swept = dataclasses.replace(bench, preset=dataclasses.replace(base, **rates_of))
         add("control", None, rate, False, lm.arm_control(model, swept))
         for recipe in recipes:
             add("qat", recipe, rate, False, lm.arm_qat(model, swept, recipe))
     half = base.finetune_steps // 2
     for recipe in recipes:
         learned = lm.quantized(model, recipe, learned=True)
-        add("qat", recipe, base.finetune_learning_rate, True,
-            lm.finetune(learned, bench, description=f"delayed {recipe}", float_steps=half))  # fmt: skip
+        rate = base.finetune_learning_rate
+        add("qat", recipe, rate, True, lm.finetune(learned, bench, description=f"delayed {recipe}", float_steps=half,
+                                                   learning_rate=rate))  # fmt: skip
     results["seconds"] = time.perf_counter() - start
     (out / "lm_sweep.json").write_text(json.dumps(results, indent=1))
     return results

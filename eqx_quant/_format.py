@@ -156,6 +156,7 @@ class Format(abc.ABC):
     | name | elements | scales |
     |---|---|---|
     | `"int8"`, `"int4"`, ..., `"uint8"`, ... | integers `[qmin, qmax]` | float32 (with an optional zero point) |
+    | `"int2_narrow_wide"`, ... | integers, gradients half a step beyond the ends | float32 |
     | `"int2_stretched"`, ... | half-integers `q + 1/2` (see [`eqx_quant.stretched_format`][]) | float32 |
     | `"float8_e4m3fn"`, `"float8_e5m2"`, `"float6_e2m3fn"`, `"float6_e3m2fn"`, `"float4_e2m1fn"` | floats | float32 |
     | `"mxfp8_e4m3"`, `"mxfp8_e5m2"`, `"mxfp6_e2m3"`, `"mxfp6_e3m2"`, `"mxfp4"`, `"mxint8"` | as named | E8M0 |
@@ -273,13 +274,17 @@ class IntFormat(Format):
     """Integers in `[qmin, qmax]`: see [`eqx_quant.int_format`][]. `scale` says how the scales are stored
     (`"float32"`, `"e8m0"`, or `"float16"` for the GGML formats), `scale_rule` how E8M0 and float16 scales are chosen
     from a block, and `rounding` how `x / scale` is rounded (`"half_even"`; GGML's `"half_away"` and
-    `"shifted_trunc"`, with float16 scales only)."""
+    `"shifted_trunc"`, with float16 scales only). `window` is where gradients pass: `"levels"`, between the grid's
+    ends (the clipped straight-through estimator of LSQ), or `"rounding"`, wherever rounding does not saturate, half
+    a step beyond the ends (ParetoQ's, for its ternary grid; float32 scales without zero points only; the name gains
+    `_wide`: `"int2_narrow_wide"`)."""
 
     qmin: int
     qmax: int
     scale: str = "float32"
     scale_rule: str | None = None
     rounding: str = "half_even"
+    window: str = "levels"
 
     def __post_init__(self):
         object.__setattr__(self, "qmin", check_range(self.qmin, self.qmax)[0])
@@ -294,6 +299,10 @@ class IntFormat(Format):
                              f"'half_even' with the others, got scale={self.scale!r}.")  # fmt: skip
         if self.scale == "float16" and not self.qmin < 0 < self.qmax:
             raise ValueError(f"float16 scales take a signed grid, got [{self.qmin}, {self.qmax}].")
+        if self.window not in ("levels", "rounding"):
+            raise ValueError(f"`window` must be 'levels' or 'rounding', got window={self.window!r}.")
+        if self.window == "rounding" and self.scale != "float32":
+            raise ValueError(f"`window`='rounding' takes float32 scales, got scale={self.scale!r}.")
 
     @property
     def name(self) -> str:
@@ -304,7 +313,7 @@ class IntFormat(Format):
                 if (bits >= 2 or not signed) and int_range(bits, signed=signed, narrow=narrow) == self.grid:
                     grid = f"{prefix}{bits}{suffix}"
         if self.scale == "float32":
-            return grid
+            return grid + ("_wide" if self.window == "rounding" else "")
         if self.scale == "float16":
             known = {fmt: name for name, fmt in GGML_FORMATS.items()}
             return known.get(self, f"{grid} with float16 scales ({self.scale_rule}, {self.rounding})")
@@ -336,16 +345,16 @@ class IntFormat(Format):
 
     @property
     def zero_points(self) -> bool:
-        return self.scale == "float32"
+        return self.scale == "float32" and self.window == "levels"
 
     @property
     def signed_codes(self) -> bool:
         return self.qmin < 0
 
     def nearest(self, v: Array) -> Array:
-        if self.rounding == "half_even":
+        if self.rounding == "half_even" and self.window == "levels":
             return jnp.round(v)
-        return self.levels(v, None)  # only asked inside the limits, where nothing saturates
+        return self.levels(v, None)  # asked inside the limits: half a step beyond the ends, this saturates
 
     def levels(self, v: Array, zero_point: Array | None) -> Array:
         if self.rounding == "half_away":
@@ -377,13 +386,15 @@ class IntFormat(Format):
             return _next_float32(self.qmin - 0.5, up=True), _next_float32(self.qmax + 0.5)
         if self.rounding == "shifted_trunc":  # from the sum 0 up to the last float32 whose sum stays below the top
             return float(self.qmin - 0.5), _next_float32(_shifted_thresholds(self.qmin, self.qmax)[-1])
+        if self.window == "rounding":  # no zero point: half a step beyond the ends
+            return self.qmin - 0.5, self.qmax + 0.5
         # The exact integers `qmin - zero_point` and `qmax - zero_point`, compared with `v`: a sum `v + zero_point`
         # would be contracted into a fused multiply-add under `jit` only, and round differently there.
         zp = 0 if zero_point is None else expand_to_rank(zero_point, ndim)
         return self.qmin - zp, self.qmax - zp
 
     def ends(self, zero_point: Array | None, ndim: int) -> tuple:
-        if self.rounding == "half_even":
+        if self.rounding == "half_even" and self.window == "levels":
             return self.limits(zero_point, ndim)
         return self.qmin, self.qmax
 
@@ -413,10 +424,13 @@ class StretchedFormat(Format):
 
     def __post_init__(self):
         if isinstance(self.width, bool) or not isinstance(self.width, (int, np.integer)) or not 1 <= self.width <= 8:
-            raise ValueError(f"`bits` must be an int in [1, 8], got bits={self.width!r}.")
+            raise ValueError(f"`bits` must be an int in [1, 8], got bits={self.width!r}.")  # `width` is `bits`
         object.__setattr__(self, "width", int(self.width))
         if self.scale != "float32" or self.scale_rule is not None:
-            raise ValueError(f"A stretched grid takes float32 scales, got scale={self.scale!r}.")
+            raise ValueError(
+                f"A stretched grid takes float32 scales and no scale rule, got scale={self.scale!r} and "
+                f"scale_rule={self.scale_rule!r}."
+            )
 
     @property
     def name(self) -> str:
@@ -456,7 +470,7 @@ class StretchedFormat(Format):
         return jnp.where((v == q) & odd, q - 1, q)
 
     def nearest(self, v: Array) -> Array:
-        return self._codes(v) + 0.5
+        return self.levels(v, None)  # asked inside the limits: half a step beyond the ends, this saturates
 
     def levels(self, v: Array, zero_point: Array | None) -> Array:
         del zero_point
@@ -464,6 +478,12 @@ class StretchedFormat(Format):
         return q + 0.5
 
     def limits(self, zero_point: Array | None, ndim: int) -> tuple:
+        # Gradients pass wherever rounding does not saturate: half a step beyond the outermost levels (ParetoQ's
+        # window for this grid).
+        del zero_point, ndim
+        return float(self.qmin), float(self.qmax + 1)
+
+    def ends(self, zero_point: Array | None, ndim: int) -> tuple:
         del zero_point, ndim
         return -self.bound, self.bound
 
@@ -655,9 +675,12 @@ def stretched_format(bits: int | np.integer) -> StretchedFormat:
     levels are `{-0.5, 0.5}` (binary weights).
 
     `v = x / scale` goes to its nearest level, saturating at `±(2**(bits-1) - 1/2)`; a tie (`v` an integer) goes to
-    the level of the even code. A symmetric scale maps the largest magnitude to the top level: `max|x| / (2**(bits-1)
-    - 1/2)`. The codes `q` are stored, packed at 2, 3 or 4 bits like integers, and the level is `q + 1/2`; gradients
-    pass where `v` lies between the outermost levels.
+    the level of the even code, as ParetoQ's `round(v - 1/2) + 1/2` does, so that ties do not round symmetrically
+    about zero (`v = 0` goes to `+1/2`, `v = 1` to `1/2`, `v = -1` to `-3/2`). A symmetric scale maps the largest
+    magnitude to the top level: `max|x| / (2**(bits-1) - 1/2)`. The codes `q` are stored, packed at 2, 3 or 4 bits
+    like integers, and the level is `q + 1/2`. Gradients pass wherever rounding does not saturate, `|v| <=
+    2**(bits-1)`: half a step beyond the outermost levels, as in ParetoQ (the scale's learned-step-size gradient
+    there is `level - v`).
 
     !!! example
 
@@ -715,9 +738,10 @@ GGML_BLOCK = 32
 
 
 def format_named(name: str) -> Format:
-    """The format of a name: `"int8"`, `"int4"`, ..., `"int8_narrow"`, `"uint8"`, ..., the float element types,
-    the MX formats (`"mxfp4"`; `"mxfp4_rceil"` for the `rceil` scale rule), `"nvfp4"`, and the GGML block formats
-    `"q8_0"`, `"q4_0"`, `"q5_0"` (see [`eqx_quant.Format`][])."""
+    """The format of a name: `"int8"`, `"int4"`, ..., `"int8_narrow"`, `"uint8"`, ... (with `"_wide"`: gradients
+    half a step beyond the ends, see [`eqx_quant.IntFormat`][]), the stretched grids `"int2_stretched"`, ..., the
+    float element types, the MX formats (`"mxfp4"`; `"mxfp4_rceil"` for the `rceil` scale rule), `"nvfp4"`, and the
+    GGML block formats `"q8_0"`, `"q4_0"`, `"q5_0"` (see [`eqx_quant.Format`][])."""
     if not isinstance(name, str):
         raise TypeError(f"`format` must be a Format or its name, got {name!r}.")
     if name == "nvfp4":
@@ -734,6 +758,13 @@ def format_named(name: str) -> Format:
             return stretched_format(int(name[3:-10]))
         except ValueError as error:
             raise ValueError(f"`format`={name!r} names no stretched grid: {error}") from None
+    if name.endswith("_wide") and name.startswith(("int", "uint")) and "_stretched" not in name:
+        try:
+            base = format_named(name.removesuffix("_wide"))
+        except ValueError as error:
+            raise ValueError(f"`format`={name!r} names no integer grid: {error}") from None
+        assert isinstance(base, IntFormat)
+        return dataclasses.replace(base, window="rounding")
     for prefix, signed in (("uint", False), ("int", True)):
         digits = name.removeprefix(prefix).removesuffix("_narrow")
         if name.startswith(prefix) and digits.isdigit():
@@ -742,8 +773,8 @@ def format_named(name: str) -> Format:
             except ValueError as error:
                 raise ValueError(f"`format`={name!r} names no integer grid: {error}") from None
     raise ValueError(
-        f"`format` must be a Format or one of the names int2 ... int16 (with _narrow), uint1 ... uint16, "
-        "int1_stretched ... int8_stretched, "
+        f"`format` must be a Format or one of the names int2 ... int16 (with _narrow), uint1 ... uint16 (either "
+        "with _wide), int1_stretched ... int8_stretched, "
         f"{', '.join(_ELEMENTS)}, {', '.join(MX_FORMATS)} (with _rceil), nvfp4, {', '.join(GGML_FORMATS)}; got "
         f"{name!r}."
     )

@@ -12,6 +12,7 @@ from ._format import (
     MX_BLOCK,
     NVFP4,
     NVFP4_BLOCK,
+    IntFormat,
     float_format,
     int_format,
     mx_format,
@@ -44,7 +45,7 @@ _FLOAT_RECIPES = {
 _GGML_RECIPES = ("q8_0", "q4_0", "q5_0")
 
 # name: the weight grid of ParetoQ's low-bit schemes, always with learned scales from ParetoQ's initialisation
-_PARETOQ_RECIPES = {"ternary": int_format(2, narrow=True), "w2a16_stretched": stretched_format(2)}
+_PARETOQ_RECIPES = {"ternary": IntFormat(-1, 1, window="rounding"), "w2a16_stretched": stretched_format(2)}
 
 RECIPE_NAMES = (*_RECIPES, *_PARETOQ_RECIPES, *_FLOAT_RECIPES, *_GGML_RECIPES)
 
@@ -90,11 +91,13 @@ def recipe(
     `learned=True` only gives FP8 weights a learned scale, and `group_size` does not apply to them.
 
     `"ternary"` and `"w2a16_stretched"` are ParetoQ's 1.58-bit and 2-bit schemes (Liu et al., 2025) for
-    quantization-aware training: weights on the ternary grid `[-1, 0, 1]` (`int_format(2, narrow=True)`) or on the
-    stretched 2-bit grid `{-3/2, -1/2, 1/2, 3/2}` ([`eqx_quant.stretched_format`][]), both stored at 2 bits, with one
-    learned scale per output channel (or per group, with `group_size`) initialised by ParetoQ's rule
-    ([`eqx_quant.LearnedFakeQuant.init_from`][] with `method="paretoq"`: `max|w| / 1.5` and `max|w| / 2`), whatever
-    `learned` says: without training such a model loses much of what the float one knew. Hold the scales fixed with
+    quantization-aware training: weights on the ternary grid `[-1, 0, 1]` (`"int2_narrow_wide"`) or on the
+    stretched 2-bit grid `{-3/2, -1/2, 1/2, 3/2}` (`"int2_stretched"`, [`eqx_quant.stretched_format`][]), both
+    stored at 2 bits and both passing gradients wherever rounding does not saturate, half a step beyond the outermost
+    levels, as ParetoQ does; with one learned scale per output channel (or per group, with `group_size`) initialised
+    by ParetoQ's rule ([`eqx_quant.LearnedFakeQuant.init_from`][] with `method="paretoq"`: `max|w| / 1.5` and
+    `max|w| / 2`), whatever `learned` says: without training such a model loses much of what the float one knew (its
+    `rtn` is not round to nearest with absmax scales). Hold the scales fixed with
     [`eqx_quant.trainable`][]`(model, scales=False)`. `keep` layers get learned int8 weights.
 
     The GGML recipes fake-quantize each weight exactly as llama.cpp's reference quantizer (`gguf.quants.quantize`)
@@ -159,6 +162,11 @@ def recipe(
     if not isinstance(learned, bool):
         raise TypeError(f"`learned` must be a bool, got learned={learned!r}.")
     check_backward(backward)
+    if isinstance(backward, UnquantizedBackward) and name in _PARETOQ_RECIPES:
+        raise ValueError(
+            f"`backward=UnquantizedBackward()` gives the quantizers' scales no gradient, and the recipe {name!r} "
+            "trains its scales; leave `backward` out."
+        )
     if learned and isinstance(backward, UnquantizedBackward):
         raise ValueError(
             "`backward=UnquantizedBackward()` gives the quantizers' scales no gradient, so `learned=True` would train "
