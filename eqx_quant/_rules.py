@@ -10,7 +10,7 @@ import equinox as eqx
 from jaxtyping import PyTree
 
 from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
-from ._format import Format, float_format
+from ._format import Format, as_format, float_format
 from ._int_ops import integer_grid
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
 from ._tree import map_nodes, nodes
@@ -83,13 +83,14 @@ class LayerQuantizer:
     [`eqx_quant.Rule`][].
     """
 
-    format: Format
+    format: Format | str | int  # a Format after construction
     group_size: int | None = None
     learned: bool = False
     input: bool = False
     method: Literal["absmax", "paretoq"] = "absmax"
 
     def __post_init__(self):
+        object.__setattr__(self, "format", as_format(self.format))  # a name or a number of bits too
         if self.method not in ("absmax", "paretoq"):
             raise ValueError(f"`method` must be 'absmax' or 'paretoq', got method={self.method!r}.")
         if self.method == "paretoq" and not (self.learned and paretoq_divisor(self.format) is not None):
@@ -99,7 +100,7 @@ class LayerQuantizer:
             )
 
     def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer | None:
-        fmt, group = self.format, self.group_size
+        fmt, group = as_format(self.format), self.group_size
         blocks = fmt.scale != "float32"
         fits = group is not None and _tiles_fit(layer, group)
         tileable = blocks or isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding))

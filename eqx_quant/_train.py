@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PyTree
 
+from ._backward import UnquantizedBackward
 from ._misc import FLOAT32_TINY, is_concrete, one_program
 from ._observe import layer_stack
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
@@ -215,7 +216,9 @@ def learn_scales(model: PyTree) -> PyTree:
     [`eqx_quant.trainable`][]).
 
     Left as they are: learned quantizers; block formats, whose scales follow each block of the weight (MX, NVFP4,
-    the GGML formats: their weights still train); quantizers with an `axis_name`; input quantizers.
+    the GGML formats: their weights still train); quantizers with an `axis_name`; input quantizers; and the
+    quantizer of a layer whose weight is the placeholder of an `eqx.nn.Shared` tie (a tied output head: its weight is
+    the embedding's, whose own quantizer becomes learned).
 
     **Arguments:**
 
@@ -228,7 +231,8 @@ def learn_scales(model: PyTree) -> PyTree:
 
     **Raises:**
 
-    `ValueError` if the model has no weight quantizer with float32 scales (nothing could be learned).
+    `ValueError` if the model has no weight quantizer with float32 scales (nothing could be learned), or if such a
+    layer differentiates as the float layer ([`eqx_quant.UnquantizedBackward`][]: its scales would get no gradient).
 
     !!! example
 
@@ -257,6 +261,13 @@ def learn_scales(model: PyTree) -> PyTree:
             "`model` has no weight quantizer with float32 scales to learn (a FakeQuant or DynamicFakeQuant onto an "
             "integer grid or a float element type); block formats keep their block scales."
         )
+
+    for path, layer in layers:
+        if path in chosen and isinstance(getattr(layer, "backward", None), UnquantizedBackward):
+            raise ValueError(
+                f"Layer {path!r} differentiates as the float layer (`backward=UnquantizedBackward()`), which gives "
+                "scales no gradient: learned scales would never train. Quantize it without that backward first."
+            )
 
     def learn(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
         if path not in chosen:
@@ -303,9 +314,9 @@ def quantized_after(
 
     **Raises:**
 
-    `TypeError` for an `n_steps` that is not an int, a `step` that is not an integer scalar, or an `fn` that is not
-    callable. `ValueError` for a negative `n_steps`, or a `model` without quantized layers (delaying would change
-    nothing).
+    `TypeError` for an `n_steps` that is not an int, a `step` that is not an integer scalar, an `fn` that is not
+    callable, or one that returns something other than arrays. `ValueError` for a negative `n_steps`, or a `model`
+    without quantized layers (delaying would change nothing).
 
     !!! example
 
@@ -344,6 +355,13 @@ def quantized_after(
 
     def branch(quantized: bool, dynamic: PyTree) -> Any:
         m, a, k = eqx.combine(dynamic, static)
-        return fn(m if quantized else float_model(m), *a, **k)
+        out = fn(m if quantized else float_model(m), *a, **k)
+        for leaf in jax.tree.leaves(out):
+            if not eqx.is_array(leaf):
+                raise TypeError(
+                    f"`fn` must return a PyTree of arrays (both branches of the switch return it), got a leaf "
+                    f"{leaf!r} of type {type(leaf).__name__}."
+                )
+        return out
 
     return jax.lax.cond(step >= n_steps, functools.partial(branch, True), functools.partial(branch, False), dynamic)

@@ -324,3 +324,16 @@ def test_quantized_after_passes_args_and_kwargs_through():
 def test_quantized_after_errors(n_steps, step, fn, model, error, match):
     with pytest.raises(error, match=match):
         eqx_quant.quantized_after(n_steps, step, fn, model, X)
+
+
+def test_quantized_after_refuses_outputs_that_are_not_arrays():
+    with pytest.raises(TypeError, match="`fn` must return a PyTree of arrays .* got a leaf 'done' of type str"):
+        eqx_quant.quantized_after(2, 0, lambda m, x: (_loss(m, x), "done"), QMODEL, X)
+    with pytest.raises(TypeError, match="got a leaf 3 of type int"):
+        eqx_quant.quantized_after(2, 0, lambda m, x: {"n": 3}, QMODEL, X)
+
+
+def test_learn_scales_refuses_layers_that_differentiate_as_float():
+    model = eqx_quant.quantize(MLP, **eqx_quant.recipe("w8a8", backward=eqx_quant.UnquantizedBackward()))
+    with pytest.raises(ValueError, match="Layer 'layers.0' differentiates as the float layer"):
+        eqx_quant.learn_scales(model)

@@ -20,7 +20,7 @@ NAMES = [
     "int8", "int4", "int2", "int8_narrow", "uint8", "uint1", "int16", "float8_e4m3fn", "float8_e5m2",
     "float6_e2m3fn", "float6_e3m2fn", "float4_e2m1fn", "mxfp8_e4m3", "mxfp8_e5m2", "mxfp6_e2m3", "mxfp6_e3m2",
     "mxfp4", "mxfp4_rceil", "mxint8", "nvfp4", "q8_0", "q4_0", "q5_0", "int1_stretched", "int2_stretched",
-    "int4_stretched", "int8_stretched",
+    "int4_stretched", "int8_stretched", "int2_narrow_wide", "uint4_wide",
 ]  # fmt: skip
 
 

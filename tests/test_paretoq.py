@@ -68,18 +68,42 @@ def test_stretched_grid_with_a_scale_whose_quotients_are_rounded():
     assert_bitwise_equal(jax.jit(eqx_quant.fake_quant_format, static_argnums=2)(x, scale, fmt), want)
 
 
-def test_stretched_gradients_are_the_clipped_straight_through_estimator():
-    fmt = eqx_quant.stretched_format(2)
-    x = jnp.asarray(np.array([-2.0, -1.6, -1.5, -0.3, 0.0, 0.7, 1.5, 1.51, 3.0, np.nan], F32))
-    c = jnp.asarray(np.arange(1, 11, dtype=F32))
-    scale = jnp.asarray(F32(1.0))
-    gx, gs = jax.grad(lambda x, s: jnp.nansum(c * eqx_quant.fake_quant_format(x, s, fmt)), argnums=(0, 1))(x, scale)
-    v = np.asarray(x)
-    inside = np.abs(v) <= 1.5
-    np.testing.assert_array_equal(np.asarray(gx), np.where(inside, np.asarray(c), 0.0))
-    slope = np.where(inside, np_stretched_levels(v, 2) - v, np.where(v < 0, -1.5, 1.5))
-    want = np.sum(np.where(np.isnan(v), 0.0, np.asarray(c) * slope))
-    np.testing.assert_allclose(float(gs), want, rtol=1e-6)
+@pytest.mark.parametrize(
+    "name, ends", [("int2_stretched", (-1.5, 1.5)), ("int2_narrow_wide", (-1.0, 1.0)), ("int3_stretched", (-3.5, 3.5))]
+)
+def test_paretoq_grids_pass_gradients_wherever_rounding_does_not_saturate(name, ends):
+    """The window of ParetoQ's grids reaches half a step beyond the outermost levels: the input's gradient passes
+    there, and the scale's learned-step-size slope is `level - v` there and the end level beyond."""
+    fmt = eqx_quant.format_named(name)
+    low, high = ends[0] - 0.5, ends[1] + 0.5
+    v = np.array([low - 0.25, low, low + 0.25, -0.3, 0.0, 0.7, ends[1], ends[1] + 0.25, high, high + 0.01, np.nan], F32)
+    c = np.arange(1, v.size + 1, dtype=F32)
+    loss = lambda x, s: jnp.nansum(jnp.asarray(c) * eqx_quant.fake_quant_format(x, s, fmt))  # noqa: E731
+    gx, gs = jax.jit(jax.grad(loss, argnums=(0, 1)))(jnp.asarray(v), jnp.asarray(F32(1.0)))
+    inside = (v >= low) & (v <= high)
+    np.testing.assert_array_equal(np.asarray(gx), np.where(inside, c, 0.0))
+    levels = np.asarray(eqx_quant.fake_quant_format(jnp.asarray(v), 1.0, fmt), np.float64)
+    slope = np.where(inside, levels - v, np.where(v < 0, ends[0], ends[1]))
+    np.testing.assert_allclose(float(gs), np.sum(np.where(np.isnan(v), 0.0, c * slope)), rtol=1e-6)
+    if name.endswith("_wide"):  # the same grid and values as the integers, with another window
+        plain = eqx_quant.format_named(name.removesuffix("_wide"))
+        assert_bitwise_equal(eqx_quant.fake_quant_format(jnp.asarray(v), 1.0, plain), levels.astype(F32))
+        assert not fmt.zero_points and fmt.window == "rounding"
+        with pytest.raises(ValueError, match="needs a zero point"):
+            DynamicFakeQuant(fmt, symmetric=False)
+
+
+def test_wide_window_format_checks_and_names():
+    with pytest.raises(ValueError, match="`window` must be 'levels' or 'rounding', got window='all'"):
+        eqx_quant.IntFormat(-1, 1, window="all")
+    with pytest.raises(ValueError, match="`window`='rounding' takes float32 scales"):
+        eqx_quant.IntFormat(-127, 127, scale="e8m0", scale_rule="floor", window="rounding")
+    with pytest.raises(ValueError, match="`format`='int0_wide' names no integer grid"):
+        eqx_quant.format_named("int0_wide")
+    assert eqx_quant.format_named("uint4_wide") == eqx_quant.IntFormat(0, 15, window="rounding")
+    assert eqx_quant.LayerQuantizer("int2_stretched", learned=True, method="paretoq").format.name == "int2_stretched"
+    with pytest.raises(ValueError, match="the recipe 'ternary' trains its scales"):
+        eqx_quant.recipe("ternary", backward=eqx_quant.UnquantizedBackward())
 
 
 def test_stretched_dynamic_scale_storage_and_conversion(tmp_path):

@@ -152,12 +152,12 @@ def test_scanned_model_converts_bit_for_bit(lm, token_batches, weights):
 @pytest.mark.slow
 def test_init_from_stacked_is_per_layer():
     w = jax.random.normal(jax.random.key(3), (LAYERS, 6, 8)) * jnp.arange(1.0, LAYERS + 1.0)[:, None, None]
-    stacked = LearnedFakeQuant.init_from(w, 4, axis=0, stacked=1)
+    stacked = LearnedFakeQuant.init_from(w, 4, axis=0, stacked=1, method="lsq")
     assert stacked.scale.shape == (LAYERS, 6) and stacked.axis == 0
     grouped = LearnedFakeQuant.init_from(w, 4, group_size=4, stacked=1, symmetric=False)
     assert grouped.scale.shape == (LAYERS, 6, 2) and grouped.zero_point.shape == (LAYERS, 6, 2)
     for i in range(LAYERS):
-        one = LearnedFakeQuant.init_from(w[i], 4, axis=0)
+        one = LearnedFakeQuant.init_from(w[i], 4, axis=0, method="lsq")
         # LSQ's initial step: 2 mean|w| / sqrt(qmax), per output row of each layer.
         expected = 2 * np.abs(np.asarray(w[i], np.float64)).mean(axis=1) / np.sqrt(7)
         np.testing.assert_allclose(np.asarray(stacked.scale[i]), expected, rtol=1e-6)
