@@ -908,7 +908,8 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
             leading axes, so that a `jax.lax.scan` over the layers hands each layer its own step sizes.
         - `method`: for an integer grid, `"absmax"`: the scales of [`eqx_quant.DynamicFakeQuant`][] with the same
             format and layout (symmetric only), so that training starts exactly from the round-to-nearest model;
-            `"lsq"`: LSQ's rule above, with LSQ+'s zero point when `symmetric=False`; `None` (the default):
+            `"lsq"`: LSQ's rule above, with LSQ+'s zero point when `symmetric=False` (on a stretched grid with the
+            top level `2**(b-1) - 1/2` for `qmax`); `None` (the default):
             `"absmax"` when symmetric, `"lsq"` otherwise; `"paretoq"`, the initialisation of ParetoQ (Liu et al.,
             2025), for two grids: the ternary grid `[-1, 1]` (`int_format(2, narrow=True)`) takes `max|x| / 1.5`,
             whose levels `±max|x| / 1.5` sit at two thirds of the largest magnitude and round entries below a third
@@ -977,7 +978,8 @@ def _initial_scales(
         assert divisor is not None
         scale = jnp.maximum(finite_absmax(view, axes) / np.float32(divisor), min_scale)
         return Scales(layout.compact(scale, shape))
-    if not isinstance(fmt, IntFormat) or fmt.scale != "float32" or method == "absmax":
+    lsq = isinstance(fmt, (IntFormat, StretchedFormat)) and fmt.scale == "float32" and method == "lsq"
+    if not lsq:
         scale, _, tensor_scale = fit_scales(view, axes, fmt)
         if fmt.scale == "float32":
             scale = jnp.maximum(scale, min_scale)
@@ -988,9 +990,10 @@ def _initial_scales(
     mean = jnp.sum(magnitudes, axis=axes, keepdims=True) / count
     # Past float32's range the sum overflows where the mean does not: then the sum of pre-divided magnitudes.
     mean = jnp.where(jnp.isfinite(mean), mean, jnp.sum(magnitudes / count, axis=axes, keepdims=True))
-    scale = layout.compact(jnp.maximum(2 * mean / math.sqrt(fmt.qmax), min_scale), shape)
+    scale = layout.compact(jnp.maximum(2 * mean / math.sqrt(fmt.lsq_level), min_scale), shape)
     zero_point = None
     if not symmetric:
+        assert isinstance(fmt, IntFormat)
         lo = jnp.minimum(jnp.min(finite_or(view, 0.0), axis=axes, initial=0.0), 0.0)
         zero_point = jnp.clip(jnp.round(fmt.qmin - lo / scale), fmt.qmin, fmt.qmax)  # `lo` without unit axes
     return Scales(scale, zero_point)

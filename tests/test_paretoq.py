@@ -148,6 +148,8 @@ def test_paretoq_initialisation_against_numpy():
         grouped = LearnedFakeQuant.init_from(jnp.asarray(w), fmt, group_size=32, method="paretoq")
         want = np.abs(w.reshape(6, 2, 32)).max(-1) / divisor
         np.testing.assert_allclose(np.asarray(grouped.scale), want, rtol=1e-7)
+    lsq = LearnedFakeQuant.init_from(jnp.asarray(w), "int2_stretched", axis=0, method="lsq")  # qmax: the top level
+    np.testing.assert_allclose(np.asarray(lsq.scale), 2 * np.abs(w).mean(1) / np.sqrt(1.5), rtol=1e-6)
     stacked = LearnedFakeQuant.init_from(jnp.asarray(w.reshape(2, 3, 64)), "int2_stretched", axis=0, stacked=1,
                                          method="paretoq")  # fmt: skip
     np.testing.assert_allclose(np.asarray(stacked.scale), np.abs(w).max(1).reshape(2, 3) / 2.0, rtol=1e-7)
