@@ -151,7 +151,8 @@ class Format(abc.ABC):
     """A number format: an element grid and the way its scales are stored.
 
     Formats are immutable and hashable (quantizers keep them as static configuration). Make them with
-    [`eqx_quant.int_format`][], [`eqx_quant.float_format`][] or by name with [`eqx_quant.format_named`][]:
+    [`eqx_quant.int_format`][], [`eqx_quant.float_format`][], [`eqx_quant.stretched_format`][] or by name with
+    [`eqx_quant.format_named`][]:
 
     | name | elements | scales |
     |---|---|---|

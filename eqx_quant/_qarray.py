@@ -113,7 +113,8 @@ class QuantizedArray(eqx.Module):
 
     def levels(self) -> Shaped[Array, "*stack_and_view_shape"]:
         """The grid points, with the shape of the view (after the stacked axes, if any): the integers of an integer
-        format, the element values of a float format (in its compute dtype)."""
+        format, the element values of a float format or the half-integers of a stretched grid (in its compute
+        dtype)."""
         if isinstance(self.format, IntFormat):
             return self.unpacked()
         return one_program(QuantizedArray._float_levels)(self)
