@@ -470,10 +470,10 @@ def arm_qat(model: GPT, bench: Bench, recipe: str) -> Any:
     return finetune(quantized(model, recipe, learned=True), bench, description=f"qat {recipe}", learning_rate=rate)
 
 
-def arm_ptq_qat(model: GPT, bench: Bench, recipe: str) -> Any:
-    """Quantization-aware training from the `gptq` model: its weights, and its scales made learned by
-    [`eqx_quant.learn_scales`][], fine-tuned like `qat`."""
-    start = eqx_quant.learn_scales(arm_gptq(model, bench, recipe))
+def arm_ptq_qat(model: GPT, bench: Bench, recipe: str, gptq: Any = None) -> Any:
+    """Quantization-aware training from the `gptq` model (`gptq`, if that arm built it already; built here
+    otherwise): its weights, and its scales made learned by [`eqx_quant.learn_scales`][], fine-tuned like `qat`."""
+    start = eqx_quant.learn_scales(arm_gptq(model, bench, recipe) if gptq is None else gptq)
     rate = qat_learning_rate(bench.preset, recipe)
     return finetune(start, bench, description=f"ptq_qat {recipe}", learning_rate=rate)
 
@@ -679,12 +679,17 @@ def run(
     results["rows"] = []
     int_model = None  # the converted W8A8 round-to-nearest model, for the decoding benchmark
     for recipe in recipes:
+        built: dict[str, Any] = {}  # this recipe's models, by method
         for method in methods:
             if method in ("gptq", "ptq_qat") and recipe in NO_GPTQ:
                 continue
             start = time.perf_counter()
-            derived = ARMS[method](model, bench, recipe)
+            if method == "ptq_qat" and "gptq" in built:  # its seconds are then its fine-tuning's
+                derived = arm_ptq_qat(model, bench, recipe, gptq=built["gptq"])
+            else:
+                derived = ARMS[method](model, bench, recipe)
             seconds = time.perf_counter() - start
+            built[method] = derived
             converted = eqx_quant.convert(derived)
             if (recipe, method) == ("w8a8", "rtn"):
                 int_model = converted
@@ -764,17 +769,13 @@ def targets(results: dict) -> dict[str, float]:
             continue
         figures[f"{recipe} rtn / float - 1"] = rtn["val_bpc"] / float_bpc - 1
         figures[f"{recipe} file / float"] = rtn["file_bytes"] / results["float"]["file_bytes"]
-        recoveries = {}
-        for method in QAT_METHODS:
-            row = _row(results, recipe, method)
-            if row is not None:
-                recoveries[method] = (rtn["val_bpc"] - row["val_bpc"]) / (rtn["val_bpc"] - control_bpc)
-                figures[f"{recipe} {method} recovery"] = recoveries[method]
-        if recoveries:
+        trained = {m: row["val_bpc"] for m in QAT_METHODS if (row := _row(results, recipe, m)) is not None}
+        recoveries = {m: (rtn["val_bpc"] - bpc) / (rtn["val_bpc"] - control_bpc) for m, bpc in trained.items()}
+        figures |= {f"{recipe} {method} recovery": value for method, value in recoveries.items()}
+        if trained:
             figures[f"{recipe} best qat recovery"] = max(recoveries.values())
-            best_qat = min(_row(results, recipe, m)["val_bpc"] for m in recoveries)  # pyright: ignore
             best_ptq = min(row["val_bpc"] for row in (rtn, gptq) if row is not None)
-            figures[f"{recipe} best qat - best ptq"] = best_qat - best_ptq
+            figures[f"{recipe} best qat - best ptq"] = min(trained.values()) - best_ptq
         if gptq is not None:
             figures[f"{recipe} gptq recovery"] = (rtn["val_bpc"] - gptq["val_bpc"]) / (rtn["val_bpc"] - float_bpc)
     return figures

@@ -100,7 +100,8 @@ class LayerQuantizer:
             )
 
     def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer | None:
-        fmt, group = as_format(self.format), self.group_size
+        fmt, group = self.format, self.group_size
+        assert isinstance(fmt, Format)  # made one by `__post_init__`
         blocks = fmt.scale != "float32"
         fits = group is not None and _tiles_fit(layer, group)
         tileable = blocks or isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding))

@@ -18,7 +18,7 @@ from ._rules import float_model
 from ._tree import map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._einsum import QuantEinsum
-from .nn._layers import AbstractQuantLayer
+from .nn._layers import AbstractQuantLayer, per_layer
 
 
 _SCALE_FIELDS = ("scale", "tensor_scale")
@@ -254,9 +254,8 @@ def learn_scales(model: PyTree) -> PyTree:
         for path, layer in nodes(model, (AbstractQuantLayer,))
         if isinstance(layer.weight_quant, AbstractFakeQuantizer) and eqx.is_array(layer.layer.weight)
     ]
-    chosen = [path for path, layer in layers if _is_learnable(layer.weight_quant)]
-    learned = [path for path, layer in layers if isinstance(layer.weight_quant, LearnedFakeQuant)]
-    if not chosen and not learned:
+    chosen = {path for path, layer in layers if _is_learnable(layer.weight_quant)}
+    if not chosen and not any(isinstance(layer.weight_quant, LearnedFakeQuant) for _, layer in layers):
         raise ValueError(
             "`model` has no weight quantizer with float32 scales to learn (a FakeQuant or DynamicFakeQuant onto an "
             "integer grid or a float element type); block formats keep their block scales."
@@ -272,9 +271,7 @@ def learn_scales(model: PyTree) -> PyTree:
     def learn(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
         if path not in chosen:
             return layer
-        make = functools.partial(_learned_like, layer.weight_quant)
-        for _ in layer_stack(layer):
-            make = eqx.filter_vmap(make)
+        make = per_layer(functools.partial(_learned_like, layer.weight_quant), len(layer_stack(layer)))
         return eqx.tree_at(lambda l: l.weight_quant, layer, one_program(make)(layer.layer.weight))
 
     return map_nodes(model, (AbstractQuantLayer,), learn)
@@ -301,8 +298,8 @@ def quantized_after(
     **Arguments:**
 
     - `n_steps`: the number of float steps, a non-negative int (0: quantized from the start).
-    - `step`: the current step, an integer scalar (a Python int or a traced array, e.g. the step count of an optax
-        state).
+    - `step`: the current step, an integer scalar: inside a jitted training step, an array argument (e.g. the step
+        count of an optax state), since a Python int is static to `eqx.filter_jit` and compiles once per value.
     - `fn`: a function of the model and `args` returning a PyTree of arrays (a loss, logits, `(loss, aux)`); both
         branches must return the same structure.
     - `model`: a quantized model (from [`eqx_quant.quantize`][]).

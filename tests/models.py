@@ -18,6 +18,19 @@ def scan_blocks(blocks: eqx.Module, h: jax.Array) -> jax.Array:
     return jax.lax.scan(step, h, dynamic)[0]
 
 
+class LinearStack(eqx.Module):
+    """`depth` `Linear(width, width)` layers stacked with `eqx.filter_vmap`, each followed by a GELU, scanned."""
+
+    blocks: eqx.nn.Linear
+
+    def __init__(self, width: int, depth: int, key):
+        self.blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(width, width, key=k))(jax.random.split(key, depth))
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        return jax.lax.scan(lambda h, d: (jax.nn.gelu(eqx.combine(d, static)(h)), None), x, dynamic)[0]
+
+
 class ViTBlock(eqx.Module):
     norm1: eqx.nn.LayerNorm
     attn: eqx.nn.MultiheadAttention

@@ -9,6 +9,8 @@ import pytest
 
 import eqx_quant
 
+from .models import LinearStack
+
 
 RNG = np.random.default_rng(0)
 # Weights (32, 64) and (8, 32): every input size a multiple of 32, so groups and MX blocks fit everywhere.
@@ -129,22 +131,11 @@ def test_learn_scales_on_an_asymmetric_quantizer_learns_its_zero_points():
     _assert_same_outputs(qmodel, qat)
 
 
-class _Stack(eqx.Module):
-    """Three `Linear(16, 16)` stacked with `eqx.filter_vmap`, run one after another with `jax.lax.scan`."""
-
-    blocks: eqx.nn.Linear
-
-    def __init__(self, key):
-        self.blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(16, 16, key=k))(jax.random.split(key, 3))
-
-    def __call__(self, x):
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-        return jax.lax.scan(lambda h, d: (jax.nn.gelu(eqx.combine(d, static)(h)), None), x, dynamic)[0]
-
-
 @pytest.mark.slow
 def test_learn_scales_on_stacked_layers_gives_each_layer_its_own_scales():
-    qmodel = eqx_quant.quantize(_Stack(jax.random.key(1)), **eqx_quant.recipe("w4a16_g32", group_size=16, keep=()))
+    qmodel = eqx_quant.quantize(
+        LinearStack(16, 3, jax.random.key(1)), **eqx_quant.recipe("w4a16_g32", group_size=16, keep=())
+    )
     qat = eqx_quant.learn_scales(qmodel)
     learned = qat.blocks.weight_quant
     assert isinstance(learned, eqx_quant.LearnedFakeQuant)

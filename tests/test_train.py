@@ -9,6 +9,8 @@ import pytest
 import eqx_quant
 from eqx_quant._tree import path_string
 
+from .models import LinearStack
+
 
 RNG = np.random.default_rng(0)
 MLP = eqx.nn.MLP(32, 4, 32, 1, key=jax.random.key(0))
@@ -51,21 +53,10 @@ def test_trainable_selects_each_kind_of_array(weights, scales, zero_points, inpu
         assert want == _selected(model, eqx.is_inexact_array)
 
 
-class _Stack(eqx.Module):
-    blocks: eqx.nn.Linear
-
-    def __init__(self, key):
-        self.blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(32, 32, key=k))(jax.random.split(key, 3))
-
-    def __call__(self, x):
-        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
-        return jax.lax.scan(lambda h, d: (jax.nn.gelu(eqx.combine(d, static)(h)), None), x, dynamic)[0]
-
-
 def test_trainable_on_stacked_layers_leaves_the_calibrated_input_scales_out():
     """`calibrate` gives a stack per-layer input scales as arrays; `input_quantizers=False` keeps them fixed while the
     stacked weights and their learned scales train."""
-    model = eqx_quant.quantize(_Stack(jax.random.key(1)), **eqx_quant.recipe("w8a8", learned=True))
+    model = eqx_quant.quantize(LinearStack(32, 3, jax.random.key(1)), **eqx_quant.recipe("w8a8", learned=True))
     batches = [jnp.asarray(RNG.standard_normal((8, 32)).astype(np.float32)) for _ in range(2)]
     model = eqx_quant.calibrate(model, batches)
     spec = eqx_quant.trainable(model, input_quantizers=False)
