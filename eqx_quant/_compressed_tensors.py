@@ -11,7 +11,15 @@ import ml_dtypes
 import numpy as np
 from jaxtyping import PyTree
 
-from ._export import Names, is_tensor, named_leaves, resolve_names, split_stacked, write_safetensors
+from ._export import (
+    Names,
+    is_tensor,
+    named_leaves,
+    refuse_input_transforms,
+    resolve_names,
+    split_stacked,
+    write_safetensors,
+)
 from ._format import FloatFormat, Format, IntFormat
 from ._layout import Layout
 from ._qarray import QuantizedArray
@@ -268,6 +276,7 @@ def export_compressed_tensors(
     for layer_path, _ in nodes(model, (AbstractQuantLayer,)):
         raise ValueError(f"Layer {layer_path or '(the model itself)'!r} is quantized but not converted: call "
                          "`eqx_quant.convert` on the model first.")  # fmt: skip
+    refuse_input_transforms(model, "a compressed-tensors checkpoint")
     converted = dict(nodes(model, (AbstractConvertedLayer,)))
     leaves, _ = named_leaves(model)
     tensors_of = [name for name, leaf in leaves if is_tensor(leaf)]

@@ -15,10 +15,7 @@ from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
 from ._tree import map_nodes, nodes
 from .nn._converted import ConvertedConv, ConvertedEmbedding, ConvertedLinear
-from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear, per_layer, stack_depth
-
-
-_CONVERTED = {QuantLinear: ConvertedLinear, QuantConv: ConvertedConv}
+from .nn._layers import AbstractQuantLayer, QuantEmbedding, QuantLinear, per_layer, stack_depth
 
 
 def _frozen_input_quant(quantizer: Any) -> Any:
@@ -150,8 +147,9 @@ def convert(model: PyTree) -> PyTree:
 
     def to_int(path: str, layer: AbstractQuantLayer) -> Any:
         if layer.weight_quant is None:
-            # No integers to store; a quantized input still shapes the output, so the layer stays as it is.
-            return layer.layer if layer.input_quant is None else layer
+            # No integers to store; a quantized (or transformed) input still shapes the output, so the layer stays.
+            keep = layer.input_quant is not None or getattr(layer, "input_transform", None) is not None
+            return layer if keep else layer.layer
         if not isinstance(layer.weight_quant, AbstractFakeQuantizer):
             raise TypeError(
                 f"Layer {path!r} has weight quantizer {type(layer.weight_quant).__name__}, which has no number "
@@ -174,6 +172,8 @@ def convert(model: PyTree) -> PyTree:
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
         if isinstance(layer, QuantEmbedding):
             return ConvertedEmbedding(skeleton, tensor)
-        return _CONVERTED[type(layer)](skeleton, tensor, _frozen_input_quant(layer.input_quant))
+        if isinstance(layer, QuantLinear):
+            return ConvertedLinear(skeleton, tensor, _frozen_input_quant(layer.input_quant), layer.input_transform)
+        return ConvertedConv(skeleton, tensor, _frozen_input_quant(layer.input_quant))
 
     return map_nodes(model, (AbstractQuantLayer,), to_int)

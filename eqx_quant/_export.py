@@ -51,6 +51,19 @@ def _tensor_name(path: str, prefixes: list[str]) -> str:
     return path
 
 
+def refuse_input_transforms(model: PyTree, what: str) -> None:
+    """Raises, naming the layer, if a layer of `model` has an input transform: its stored weight computes on the
+    transformed input `T x`, which a reader of the file would not apply."""
+    for path, layer in nodes(model, (AbstractQuantLayer, AbstractConvertedLayer)):
+        transform = getattr(layer, "input_transform", None)
+        if transform is not None:
+            raise ValueError(
+                f"Layer {path or '(the model itself)'!r} has the input transform {type(transform).__name__} (from "
+                f"`smoothquant`, `awq` or `rotate`): its weight computes on the transformed input, which {what} has "
+                "no way to record. Export a model without input transforms, or save it with `eqx_quant.save`."
+            )
+
+
 def named_leaves(model: PyTree) -> tuple[list[tuple[str, Any]], Any]:
     """The leaves of `model` (quantized arrays and quantizers whole) with their tensor names, and its treedef: a
     layer's weight and bias are `<layer path>.weight` and `<layer path>.bias`, quantized or not."""
@@ -213,6 +226,7 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
     layers = list(unique_nodes(model, (AbstractConvertedLayer,), "model").items())
     if not layers:
         raise ValueError("`model` has no converted layer; convert it first with `eqx_quant.convert`.")
+    refuse_input_transforms(model, "a safetensors file")
     tensors: dict[str, np.ndarray] = {}
     metadata: dict[str, str] = {"format": "eqx_quant", "nibble_order": NIBBLE_ORDER, "bit_order": BIT_ORDER}
     for name, layer in layers:

@@ -11,7 +11,16 @@ import ml_dtypes
 import numpy as np
 from jaxtyping import PyTree
 
-from ._export import LAYER, Names, is_tensor, named_leaves, resolve_names, split_stacked, stack_length
+from ._export import (
+    LAYER,
+    Names,
+    is_tensor,
+    named_leaves,
+    refuse_input_transforms,
+    resolve_names,
+    split_stacked,
+    stack_length,
+)
 from ._format import GGML_BLOCK, GGML_FORMATS, FloatFormat, Format, IntFormat, mx_format
 from ._layout import Layout
 from ._qarray import QuantizedArray
@@ -277,6 +286,7 @@ def export_gguf(
     for layer_path, _ in nodes(model, (AbstractQuantLayer,)):
         raise ValueError(f"Layer {layer_path or '(the model itself)'!r} is quantized but not converted: call "
                          "`eqx_quant.convert` on the model first.")  # fmt: skip
+    refuse_input_transforms(model, "a GGUF file")
     leaves, _ = named_leaves(model)
     for name, leaf in leaves:
         if isinstance(leaf, AbstractQuantizer):

@@ -45,11 +45,11 @@ class _Recording:
 _active: list[_Recording] = []  # the recording of the calibration step in progress; empty outside of one
 _HOST_FOLDS = {
     "absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add, "nonfinite": np.add,
-    "finite": np.add,
+    "finite": np.add, "channel_absmax": np.maximum, "channel_abssum": np.add, "count": np.add,
 }  # fmt: skip
 _REDUCTIONS = {
     "absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum, "nonfinite": jnp.sum,
-    "finite": jnp.sum,
+    "finite": jnp.sum, "channel_absmax": jnp.max, "channel_abssum": jnp.sum, "count": jnp.sum,
 }  # fmt: skip
 
 
@@ -120,7 +120,17 @@ def _gram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
     return {"vector": finite_or(jax.lax.stop_gradient(x).astype(jnp.float32).ravel(), 0.0)}
 
 
-_STATISTICS = {"stats": _tensor_stats, "hist": _histogram, "gram": _gram}
+def _channels(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
+    """Per input channel (the last axis), the largest finite `|x|` and the sum of the finite `|x|`, and the number of
+    vectors seen: the statistics of SmoothQuant and AWQ."""
+    del top, num_bins
+    x = jnp.abs(finite_or(jax.lax.stop_gradient(x).astype(jnp.float32), 0.0))
+    x = x.reshape(-1, x.shape[-1])
+    count = jnp.asarray(x.shape[0], jnp.float32)
+    return {"channel_absmax": jnp.max(x, axis=0), "channel_abssum": jnp.sum(x, axis=0), "count": count}
+
+
+_STATISTICS = {"stats": _tensor_stats, "hist": _histogram, "gram": _gram, "channels": _channels}
 
 
 class _Observer(AbstractQuantizer):

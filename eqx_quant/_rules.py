@@ -604,11 +604,17 @@ def float_model(model: PyTree) -> PyTree:
 
     **Returns:**
 
-    The float model, whose leaves are exactly the wrapped layers' leaves (after training, the trained ones).
+    The float model, whose leaves are exactly the wrapped layers' leaves (after training, the trained ones), except
+    the weight of a layer with an input transform `T` ([`eqx_quant.smoothquant`][], [`eqx_quant.awq`][],
+    [`eqx_quant.rotate`][]), which becomes `layer.weight @ T`: the weight that computes on the input what the
+    transformed layer computed in floating point (the float weight it was made from, to rounding error).
     """
 
     def unwrap(path: str, module: Any) -> Any:
         del path
+        transform = getattr(module, "input_transform", None)
+        if transform is not None:
+            return eqx.tree_at(lambda l: l.weight, module.layer, transform.restore(module.layer.weight))
         if isinstance(module, AbstractQuantLayer):
             return module.layer
         if isinstance(module, QuantEinsum):

@@ -25,6 +25,7 @@ from .nn._attention import QuantMultiheadAttention
 from .nn._converted import AbstractConvertedLayer, ConvertedConv, ConvertedEmbedding, ConvertedLinear
 from .nn._einsum import Einsum, QuantEinsum
 from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear, per_layer, stack_depth
+from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput
 
 
 _MAGIC = b"EQXQUANT"
@@ -140,6 +141,9 @@ def _modules(model: PyTree, name: str) -> list[dict[str, Any]]:
     for types in ((AbstractQuantLayer, AbstractConvertedLayer), (QuantEinsum,), (QuantMultiheadAttention,)):
         for path, module in unique_nodes(model, types, name).items():
             record = {"type": type(module).__name__, **_static_fields(module)}
+            transform = getattr(module, "input_transform", None)
+            if transform is not None:  # its arrays are saved with the others; its type says how to rebuild it
+                record["input_transform"] = type(transform).__name__
             kinds.setdefault(json.dumps(record, sort_keys=True), record | {"paths": []})["paths"].append(path)
     return list(kinds.values())
 
@@ -336,19 +340,23 @@ def _rebuilt(
         kind = record["type"]
         stack = node.weight.shape[: stack_depth(node, node.weight.shape)]
         inputs = None if isinstance(node, eqx.nn.Embedding) else quantizer(f"{saved_path}.input_quant", stack)
+        transform = _empty_transform(record.get("input_transform"), stack + (getattr(node, "in_features", 0),))
         if kind.startswith("Converted"):
             qweight = _empty_array(tensors[f"{saved_path}.qweight"], stack)
             skeleton = eqx.tree_at(lambda l: l.weight, node, None)
             if kind == "ConvertedEmbedding":
                 return ConvertedEmbedding(skeleton, qweight)
-            return {"ConvertedLinear": ConvertedLinear, "ConvertedConv": ConvertedConv}[kind](skeleton, qweight, inputs)
+            if kind == "ConvertedLinear":
+                return ConvertedLinear(skeleton, qweight, inputs, transform)
+            return ConvertedConv(skeleton, qweight, inputs)
         weights = quantizer(f"{saved_path}.weight_quant", stack)
         if kind == "QuantEmbedding":
             return QuantEmbedding(node, weight_quant=weights)
         backward = _backward(record.get("backward"))
         if kind == "QuantConv":
             return QuantConv(node, weight_quant=weights, input_quant=inputs, matmul=record["matmul"], backward=backward)
-        return QuantLinear(node, weight_quant=weights, input_quant=inputs, matmul=record["matmul"], backward=backward)
+        return QuantLinear(node, weight_quant=weights, input_quant=inputs, matmul=record["matmul"], backward=backward,
+                           input_transform=transform)  # fmt: skip
 
     def product(path: str, einsum: Any) -> Any:
         if path not in at:
@@ -367,6 +375,17 @@ def _rebuilt(
     like = map_nodes(like, (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding), layer)
     like = map_nodes(like, (eqx.nn.MultiheadAttention,), attention)
     return map_nodes(like, (Einsum,), product)
+
+
+def _empty_transform(kind: str | None, shape: tuple[int, ...]) -> AbstractInputTransform | None:
+    """An input transform of the saved type, with arrays of `shape` (`(*stack, in_features)`) to read into."""
+    if kind is None:
+        return None
+    if kind == "ScaleInput":
+        return ScaleInput(jnp.ones(shape, jnp.float32))
+    if kind == "RotateInput":
+        return RotateInput(jnp.ones(shape, jnp.int8))
+    raise ValueError(f"The file has an input transform of type {kind!r}, which this release cannot rebuild." + _HINT)
 
 
 def _empty_array(description: dict[str, Any], stack: tuple[int, ...]) -> QuantizedArray:

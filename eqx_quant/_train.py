@@ -19,6 +19,7 @@ from ._tree import map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._einsum import QuantEinsum
 from .nn._layers import AbstractQuantLayer, per_layer
+from .nn._transforms import AbstractInputTransform
 
 
 _SCALE_FIELDS = ("scale", "tensor_scale")
@@ -49,14 +50,15 @@ def trainable(
         stack of layers, or learned input scales.
 
     A weight quantizer is one held as a layer's `weight_quant`; every other quantizer counts as an activations'
-    quantizer. Static and dynamic quantizers hold no floating arrays and never train. Stacked layers (built with
+    quantizer. The arrays of input transforms ([`eqx_quant.nn.ScaleInput`][]) are never selected. Static and dynamic
+    quantizers hold no floating arrays and never train. Stacked layers (built with
     `eqx.filter_vmap`) are selected like any other: their arrays carry the stack's leading axes.
 
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][] (or any model: without quantizers, only `weights` matters).
     - `weights`, `scales`, `zero_points`, `input_quantizers`: what trains, as above; all `True` by default, which
-        selects what `eqx.is_inexact_array` selects.
+        selects what `eqx.is_inexact_array` selects but the arrays of input transforms.
 
     **Returns:**
 
@@ -93,7 +95,7 @@ def trainable(
             raise TypeError(f"`{name}` must be a bool, got {name}={value!r}.")
 
     def is_quantizer(node: object) -> bool:
-        return isinstance(node, AbstractQuantizer)
+        return isinstance(node, (AbstractQuantizer, AbstractInputTransform))
 
     def quantizer_spec(role_weight: bool, path: tuple, leaf: object) -> bool:
         if not eqx.is_inexact_array(leaf):
@@ -104,6 +106,8 @@ def trainable(
         return zero_points if field == "zero_point" else scales if field in _SCALE_FIELDS else weights
 
     def spec(path: tuple, node: object) -> object:
+        if isinstance(node, AbstractInputTransform):  # fixed by the algorithm that made it: never trains
+            return jax.tree.map(lambda _: False, node)
         if is_quantizer(node):
             role_weight = bool(path) and getattr(path[-1], "name", None) == "weight_quant"
             return jax.tree_util.tree_map_with_path(lambda p, leaf: quantizer_spec(role_weight, p, leaf), node)

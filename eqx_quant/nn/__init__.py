@@ -17,6 +17,11 @@ from ._layers import (
     QuantEmbedding as QuantEmbedding,
     QuantLinear as QuantLinear,
 )
+from ._transforms import (
+    AbstractInputTransform as AbstractInputTransform,
+    RotateInput as RotateInput,
+    ScaleInput as ScaleInput,
+)
 
 
 # The names of earlier releases.

@@ -9,7 +9,8 @@ from .._int_ops import integer_grid, integer_product, plan
 from .._misc import one_program, read_through, whole_batch
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
-from ._layers import as_vector, check_input, scalar_output
+from ._layers import as_vector, check_input, check_transform, scalar_output
+from ._transforms import AbstractInputTransform
 
 
 @one_program
@@ -126,7 +127,9 @@ class ConvertedLinear(AbstractConvertedLayer):
     the sum and adds the bias, `y = (acc * scale_w) * scale_x + bias`: the same computation as
     [`eqx_quant.nn.QuantLinear`][]'s integer forward, bit for bit. A weight with one scale per
     group along the contraction runs on integers too (each group's int32 sum scaled by its group's scale). Otherwise
-    (per-channel inputs, say) it runs the dequantized weight in floating point, as the quantized layer does.
+    (per-channel inputs, say) it runs the dequantized weight in floating point, as the quantized layer does. An
+    `input_transform` (from [`eqx_quant.smoothquant`][], [`eqx_quant.awq`][] or [`eqx_quant.rotate`][]) is applied to
+    the input first, as the quantized layer applies it; the stored weight is the transformed one.
 
     **Overflow.** The int32 accumulator is exact while `K * max|w - zw| * max|x - zx| <= 2**31 - 1` for a
     contraction of length `K`: `K <= 131071` for int8 weights and inputs. Longer contractions are split into chunks
@@ -137,11 +140,17 @@ class ConvertedLinear(AbstractConvertedLayer):
     layer: eqx.nn.Linear
     qweight: QuantizedArray
     input_quant: AbstractQuantizer | None
+    input_transform: AbstractInputTransform | None = None
+
+    def __check_init__(self):
+        check_transform(self.layer, self.input_transform)
 
     def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
-        """Like `eqx.nn.Linear.__call__`."""
+        """Like `eqx.nn.Linear.__call__` (after the input transform of the quantized layer, if it has one)."""
         with jax.named_scope("eqx_quant.ConvertedLinear"):
             check_input(self.layer, x)
+            if self.input_transform is not None:
+                x = self.input_transform(x)
             return converted_forward(self, x, key)
 
 

@@ -18,6 +18,7 @@ from .._int_ops import LinearSpec, integer_forward, integer_grid, plan
 from .._misc import one_program, read_through
 from .._qarray import nan_levels
 from .._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
+from ._transforms import AbstractInputTransform
 
 
 def default_weight_quant() -> DynamicFakeQuant:
@@ -125,6 +126,20 @@ def check_unquantized_backward(layer: "QuantLinear | QuantConv") -> None:
 def check_quantizer(name: str, value: object) -> None:
     if value is not None and not isinstance(value, AbstractQuantizer):
         raise TypeError(f"`{name}` must be a quantizer module or None, got {value!r}.")
+
+
+def check_transform(layer: eqx.nn.Linear, transform: object) -> None:
+    """Raises unless `transform` is `None` or an input transform of `layer`'s input size."""
+    if transform is None:
+        return
+    if not isinstance(transform, AbstractInputTransform):
+        raise TypeError(f"`input_transform` must be an input transform module or None, got {transform!r}.")
+    array = next(a for a in jax.tree.leaves(transform))
+    if layer.in_features == "scalar" or array.shape[-1] != layer.in_features:
+        raise ValueError(
+            f"`input_transform` must act on {layer.in_features!r} input features (its arrays' last axis), got "
+            f"{transform!r}."
+        )
 
 
 def check_matmul(matmul: object) -> None:
@@ -238,6 +253,7 @@ class QuantLinear(AbstractQuantLayer):
     input_quant: AbstractQuantizer | None
     matmul: Literal["int", "float"] = eqx.field(static=True)
     backward: QuantizedBackward | UnquantizedBackward | None = eqx.field(static=True)
+    input_transform: AbstractInputTransform | None
 
     def __init__(
         self,
@@ -247,6 +263,7 @@ class QuantLinear(AbstractQuantLayer):
         input_quant: AbstractQuantizer | None = default_input_quant(),
         matmul: Literal["int", "float"] = "int",
         backward: QuantizedBackward | UnquantizedBackward | None = None,
+        input_transform: AbstractInputTransform | None = None,
     ):
         """**Arguments:**
 
@@ -260,12 +277,17 @@ class QuantLinear(AbstractQuantLayer):
             [`eqx_quant.QuantizedBackward`][] to compute the input's gradient with an integer product (it needs
             `matmul="int"` and integer quantizers for both operands); or an [`eqx_quant.UnquantizedBackward`][] for
             the float layer's gradients at the original operands. Both change the gradient contract.
+        - `input_transform`: `None`, or an invertible map `T` of the input applied before the input quantizer
+            ([`eqx_quant.nn.ScaleInput`][], [`eqx_quant.nn.RotateInput`][]), whose inverse `layer.weight` has
+            absorbed: the layer computes `layer.weight @ input_quant(T x)`. [`eqx_quant.smoothquant`][],
+            [`eqx_quant.awq`][] and [`eqx_quant.rotate`][] set it.
         """
         self.layer = layer
         self.weight_quant = weight_quant
         self.input_quant = input_quant
         self.matmul = matmul
         self.backward = backward
+        self.input_transform = input_transform
 
     def __check_init__(self):
         if not isinstance(self.layer, eqx.nn.Linear):
@@ -275,6 +297,7 @@ class QuantLinear(AbstractQuantLayer):
         check_matmul(self.matmul)
         check_backward(self.backward)
         check_unquantized_backward(self)
+        check_transform(self.layer, self.input_transform)
         if isinstance(self.backward, QuantizedBackward):
             if self.matmul != "int":
                 raise ValueError(f"`backward` needs the integer forward, matmul='int'; got matmul={self.matmul!r}.")
@@ -288,6 +311,8 @@ class QuantLinear(AbstractQuantLayer):
         """Like `eqx.nn.Linear.__call__`, on the fake-quantized weight and input."""
         with jax.named_scope("eqx_quant.QuantLinear"):
             check_input(self.layer, x)
+            if self.input_transform is not None:
+                x = self.input_transform(x)
             return quant_forward(self, x, key)
 
 

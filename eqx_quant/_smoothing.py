@@ -1,0 +1,383 @@
+"""Equivalent transforms of linear layers before quantization: SmoothQuant's and AWQ's per-channel scaling, and
+randomized Hadamard rotations. Each gives a layer an input transform `T` and the weight `W T⁻¹`, which compute the
+same float function and quantize better."""
+
+import math
+from collections.abc import Callable, Iterable
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, PyTree
+
+from ._misc import check_int, check_real
+from ._observe import fold, layer_stack, progress_bar
+from ._quantizers import DynamicFakeQuant
+from ._tree import map_nodes, nodes
+from .nn._layers import QuantLinear
+from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput, hadamard_order
+
+
+Where = Callable[[str, eqx.Module], bool] | None
+
+
+def _check_flags(**flags: object) -> None:
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"`{name}` must be a bool, got {name}={flag!r}.")
+
+
+def _targets(model: PyTree, where: Where, default: Callable[[QuantLinear], bool], what: str, wanted: str):
+    """The `QuantLinear` layers the algorithm `what` transforms: those `where` selects, else those `default` keeps
+    (`wanted` says which in the error); each checked."""
+    if where is not None and not callable(where):
+        raise TypeError(f"`where` must be a function `f(path, layer)` or None, got where={where!r}.")
+    chosen = nodes(model, (QuantLinear,))
+    chosen = [(p, l) for p, l in chosen if (where(p, l) if where is not None else default(l))]
+    if not chosen:
+        selection = "that `where` selects" if where is not None else wanted
+        raise ValueError(f"`model` has no eqx_quant.nn.QuantLinear {selection}: `{what}` would change nothing.")
+    for path, layer in chosen:
+        _check_layer(path, layer, what)
+    return chosen
+
+
+def _check_layer(path: str, layer: QuantLinear, what: str) -> None:
+    """Raises, naming the layer, unless `what` can give `layer` an input transform: a single array weight, no
+    transform yet, and quantizers that will see the transformed operands (dynamic ones, not fitted yet)."""
+    name = path or "(the model itself)"
+    if not eqx.is_array(layer.layer.weight):
+        raise ValueError(
+            f"Layer {name!r} holds the placeholder of an `eqx.nn.Shared` tie, not its weight; `{what}` cannot change "
+            "a tied weight. Exclude it with `where`."
+        )
+    if layer.layer.in_features == "scalar":
+        raise ValueError(
+            f"Layer {name!r} takes a scalar input, which `{what}` cannot transform. Exclude it with `where`."
+        )
+    if layer.input_transform is not None:
+        raise ValueError(
+            f"Layer {name!r} already has the input transform {type(layer.input_transform).__name__}; a layer holds "
+            f"one. Exclude it from `{what}` with `where`."
+        )
+    for kind, quantizer, before in (
+        ("weight", layer.weight_quant, "`gptq`, `learn_scales` or `quantize(..., learned=True)`"),
+        ("input", layer.input_quant, "`calibrate` or `quantize(..., learned=True)`"),
+    ):
+        if quantizer is not None and not isinstance(quantizer, DynamicFakeQuant):
+            raise ValueError(
+                f"Layer {name!r} has the {kind} quantizer {quantizer!r}, whose scales were fitted to the operand "
+                f"as it is; `{what}` changes that operand. Run `{what}` on the model from `quantize`, before "
+                f"{before}."
+            )
+
+
+def _stacked(records: list[dict[str, np.ndarray]], name: str, stack: tuple[int, ...]) -> np.ndarray:
+    array = np.stack([record[name] for record in records])
+    return array.reshape(stack + array.shape[1:])
+
+
+def _statistics(model, targets, batches, batched, statistic, progress, what) -> dict[str, list]:
+    found = fold(model, targets, batches, batched, statistic, progress=progress, description=what)
+    never = [path for path, _ in targets if path not in found]
+    if never:
+        raise ValueError(f"The layers at {never} were never called on the calibration batches.")
+    return found
+
+
+def _with_transform(layer: QuantLinear, transform: AbstractInputTransform, weight: Array) -> QuantLinear:
+    weight = weight.astype(layer.layer.weight.dtype)
+    return eqx.tree_at(
+        lambda l: (l.layer.weight, l.input_transform), layer, (weight, transform), is_leaf=lambda x: x is None
+    )
+
+
+def _replace(model: PyTree, done: dict[str, QuantLinear]) -> PyTree:
+    return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))
+
+
+def smoothquant(
+    model: PyTree,
+    batches: Iterable[PyTree],
+    *,
+    alpha: float = 0.5,
+    batched: bool = False,
+    where: Where = None,
+    progress: bool = False,
+) -> PyTree:
+    r"""SmoothQuant (Xiao et al., ICML 2023): moves the quantization difficulty of outlier input channels from the
+    activations to the weights.
+
+    For each chosen [`eqx_quant.nn.QuantLinear`][], with `X_j` the layer's inputs in channel `j` over the calibration
+    data and `W_j` its weight's column `j`,
+
+    $$s_j = \frac{\max |X_j|^{\alpha}}{\max |W_j|^{1 - \alpha}},$$
+
+    (`s_j = 1` where either maximum is 0), the layer's input is multiplied by `1 / s` (an
+    [`eqx_quant.nn.ScaleInput`][] applied before its input quantizer) and its weight's columns by `s`. The float
+    function is unchanged up to rounding; the input's channels are evened out, at the weight's expense.
+
+    The factor is a per-channel product the layer computes on its input (in the fake-quant model and the converted one
+    alike, so they agree bit for bit), not folded into a preceding normalisation: each layer gets its own `s`, from
+    its own weight. Run it on the model from [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and
+    [`eqx_quant.gptq`][], whose scales and Hessians then see the smoothed operands.
+
+    **Arguments:**
+
+    - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
+    - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][].
+    - `alpha`: the migration strength in `[0, 1]`: 0 leaves the input as it is up to the weight's scale, 1 divides
+        every input channel by its maximum.
+    - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
+    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with an input
+        quantizer.
+
+    **Returns:**
+
+    The model with smoothed layers.
+
+    **Raises:**
+
+    `ValueError`, naming the layer, if no layer is chosen, a chosen layer already has an input transform or holds a
+    fitted quantizer (static, learned: the order above), or is never called on the batches; `ValueError` for `alpha`
+    outside `[0, 1]`.
+    """
+    alpha = check_real("alpha", alpha)
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"`alpha` must be in [0, 1], got alpha={alpha}.")
+    _check_flags(batched=batched, progress=progress)
+    targets = _targets(model, where, lambda l: l.input_quant is not None, "smoothquant", "with an input quantizer")
+    found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
+    done = {}
+    for path, layer in targets:
+        weight = layer.layer.weight
+        x_max = _stacked(found[path], "channel_absmax", layer_stack(layer)).astype(np.float64)
+        w_max = np.max(np.abs(np.asarray(weight, np.float64)), axis=-2)
+        s = smoothquant_factors(x_max, w_max, alpha)
+        transform = ScaleInput(jnp.asarray(1 / s, jnp.float32))
+        done[path] = _with_transform(layer, transform, transform.absorb(weight))
+    return _replace(model, done)
+
+
+def smoothquant_factors(x_max: np.ndarray, w_max: np.ndarray, alpha: float) -> np.ndarray:
+    """SmoothQuant's `s = x_max**alpha / w_max**(1 - alpha)` in float64, 1 where either maximum is 0."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        s = x_max**alpha / w_max ** (1 - alpha)
+    return np.where((x_max > 0) & (w_max > 0) & np.isfinite(s) & (s > 0), s, 1.0)
+
+
+def _awq_layouts(path: str, layer: QuantLinear) -> int | None:
+    """The group of columns that share a weight scale in `layer` (AWQ's clipping searches one limit per row and
+    group): `None` for one scale per tensor, the group size, or the row's length for per-row scales."""
+    q = layer.weight_quant
+    layout = q.layout  # pyright: ignore[reportOptionalMemberAccess]
+    n = layer.layer.in_features
+    if layout.is_per_tensor():
+        return None
+    if layout.axes in ((0,), (-2,)) and layout.group_size is None:
+        return n  # pyright: ignore[reportReturnType]
+    if layout.axes == () and layout.group_size is not None and layout.group_axis in (-1, 1):
+        return layout.group_size
+    raise ValueError(
+        f"Layer {path!r} has weight quantizer {q!r}; `awq` needs one scale per tensor, per output row (axis=0) or "
+        "per group of input columns (group_size). Exclude the layer with `where`."
+    )
+
+
+@eqx.filter_jit
+def _awq_scales(quantizer, weight: Array, gram: Array, x_mean: Array, grid: int) -> tuple[Array, Array]:
+    """AWQ's search of `s = x_mean**alpha` (normalised) over `alpha = i / grid`: the multiplier `1 / s` (float32)
+    whose quantized layer makes the least output error `tr(D G Dᵀ)`, `D` the effective weight minus `weight`, and the
+    errors of every `alpha`."""
+    weight = weight.astype(jnp.float32)
+
+    def error(alpha):
+        multiplier = awq_multiplier(x_mean, alpha)
+        effective = quantizer(weight / multiplier) * multiplier
+        d = effective - weight
+        return jnp.sum(jnp.matmul(d, gram, precision=jax.lax.Precision.HIGHEST) * d), multiplier
+
+    errors, multipliers = jax.lax.map(error, jnp.arange(grid, dtype=jnp.float32) / grid)
+    return multipliers[jnp.argmin(errors)], errors
+
+
+def awq_multiplier(x_mean: Array, alpha: Array) -> Array:
+    """`1 / s` for AWQ's `s = max(x_mean, 1e-4)**alpha / sqrt(max(s) * min(s))`, in float32."""
+    s = jnp.maximum(x_mean, 1e-4) ** alpha
+    s = s / jnp.sqrt(jnp.max(s) * jnp.min(s))
+    return (1 / s).astype(jnp.float32)
+
+
+@eqx.filter_jit
+def _awq_clip(quantizer, weight: Array, gram: Array, multiplier: Array, group: int | None, ratios: Array) -> Array:
+    """AWQ's clipping search on the scaled weight `weight` (computing on `multiplier * x`): per row and group of
+    `group` columns (or for the whole tensor when `group` is None), the limit `ratio * max|w|` whose clipped and
+    quantized weight makes the least error on the group's share of the output. Returns the clipped weight."""
+    out, n = weight.shape
+    g = n if group is None else group
+    blocks = jnp.stack([gram[i : i + g, i : i + g] for i in range(0, n, g)])  # (groups, g, g)
+    rows = weight.reshape(out, n // g, g)
+    top = jnp.max(jnp.abs(rows), axis=-1, keepdims=True) if group is not None else jnp.max(jnp.abs(weight))
+
+    def error(ratio):
+        limit = top * ratio
+        clipped = jnp.clip(rows, -limit, limit).reshape(out, n)
+        d = ((quantizer(clipped) - weight) * multiplier).reshape(out, n // g, g)
+        moved = jnp.einsum("ogi,gij->ogj", d, blocks, precision=jax.lax.Precision.HIGHEST)
+        return jnp.sum(moved * d, axis=-1)  # (out, groups)
+
+    errors = jax.lax.map(error, ratios)  # (ratios, out, groups)
+    if group is None:
+        best = ratios[jnp.argmin(jnp.sum(errors, axis=(1, 2)))]
+    else:
+        best = ratios[jnp.argmin(errors, axis=0)][..., None]
+    limit = top * best
+    return jnp.clip(rows, -limit, limit).reshape(out, n)
+
+
+def awq(
+    model: PyTree,
+    batches: Iterable[PyTree],
+    *,
+    grid: int = 20,
+    clip: bool = True,
+    clip_grid: int = 20,
+    max_shrink: float = 0.5,
+    batched: bool = False,
+    where: Where = None,
+    progress: bool = False,
+) -> PyTree:
+    r"""Activation-aware weight quantization (AWQ; Lin et al., MLSys 2024): per-input-channel scaling of the weight
+    searched on calibration data, then a search of each weight group's clipping range.
+
+    For each chosen [`eqx_quant.nn.QuantLinear`][], with `x̄_j` the mean `|x_j|` of the layer's inputs in channel `j`
+    and `G = Σ x xᵀ` their Gram matrix over the calibration data:
+
+    - **scaling**: for `α = 0, 1/grid, ..., (grid-1)/grid`, `s = x̄^α` (each `x̄_j` at least `1e-4`), divided by
+        `sqrt(max s * min s)`; the layer would compute `Q(W diag(s)) (x / s)`, whose output error over the data is
+        `tr(D G Dᵀ)` with `D = Q(W diag(s)) diag(1/s) - W`. The `α` of least error wins (`α = 0` is plain
+        round-to-nearest, so the error never grows). The layer then holds an [`eqx_quant.nn.ScaleInput`][] of
+        `1 / s` and the weight `W diag(s)`.
+    - **clipping** (`clip=True`): for each output row and group of columns sharing a weight scale (the whole row
+        for per-row scales; the whole tensor for one scale), the limit `r * max|w|`,
+        `r = 1, 1 - 1/clip_grid, ...` down to `1 - max_shrink` (excluded), that makes the least error on that group's
+        share of the output, `d_g G_gg d_gᵀ`; the weight is clipped to it, so that the weight quantizer, which fits
+        its scales to the weight when it runs, uses the clipped range.
+
+    The weight quantizer is applied as the layer applies it, so the search works for every weight format and
+    layout: integer grids, FP4/FP6/FP8 with float32 scales, MX and NVFP4. The error it measures is the weight's:
+    input quantizers are not part of it (AWQ is made for weight-only quantization; with quantized inputs, the
+    smoothing of the inputs by `1 / s` also changes their rounding). Run it on the model from
+    [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][] (AWQ then GPTQ combine).
+
+    **Arguments:**
+
+    - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
+    - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][].
+    - `grid`: the number of `α` tried.
+    - `clip`: whether to search the clipping range too.
+    - `clip_grid`, `max_shrink`: the clipping ratios tried, `1 - i / clip_grid` for `i < max_shrink * clip_grid`.
+    - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
+    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
+        quantizer.
+
+    **Returns:**
+
+    The model with scaled (and clipped) weights.
+
+    **Raises:**
+
+    `ValueError`, naming the layer, if no layer is chosen, a chosen layer already has an input transform, holds a
+    fitted quantizer (run `awq` before `gptq`, `calibrate`, `learn_scales`), has a weight layout other than per
+    tensor, per row or per group of columns, or is never called on the batches; `ValueError` or `TypeError` for
+    `grid`, `clip_grid` or `max_shrink` out of range.
+    """
+    grid, clip_grid = check_int("grid", grid), check_int("clip_grid", clip_grid)
+    if grid < 1 or clip_grid < 1:
+        raise ValueError(f"`grid` and `clip_grid` must be at least 1, got grid={grid}, clip_grid={clip_grid}.")
+    max_shrink = check_real("max_shrink", max_shrink)
+    if not 0 <= max_shrink < 1:
+        raise ValueError(f"`max_shrink` must be in [0, 1), got max_shrink={max_shrink}.")
+    _check_flags(clip=clip, batched=batched, progress=progress)
+    targets = _targets(model, where, lambda l: l.weight_quant is not None, "awq", "with a weight quantizer")
+    groups = {path: _awq_layouts(path, layer) for path, layer in targets}
+    means = _statistics(model, targets, batches, batched, "channels", progress, "awq (statistics)")
+    grams = _statistics(model, targets, batches, batched, "gram", progress, "awq (Gram matrices)")
+    shrinks = max(1, math.ceil(max_shrink * clip_grid - 1e-9))
+    ratios = jnp.asarray(1 - np.arange(shrinks) / clip_grid, jnp.float32)
+    done = {}
+    for path, layer in progress_bar(targets, progress, "awq (layers)"):
+        stack = layer_stack(layer)
+        weight = layer.layer.weight
+        n = weight.shape[-1]
+        x_mean = _stacked(means[path], "channel_abssum", stack) / _stacked(means[path], "count", stack)[..., None]
+        gram = _stacked(grams[path], "gram", stack)
+        flat_weight = weight.reshape((-1,) + weight.shape[-2:])
+        multipliers, new_weights = [], []
+        for i in range(flat_weight.shape[0]):
+            g_i = jnp.asarray(gram.reshape(-1, n, n)[i], jnp.float32)
+            m_i = jnp.asarray(x_mean.reshape(-1, n)[i], jnp.float32)
+            multiplier, _ = _awq_scales(layer.weight_quant, flat_weight[i], g_i, m_i, grid)
+            scaled = (flat_weight[i] / multiplier).astype(jnp.float32)
+            if clip:
+                scaled = _awq_clip(layer.weight_quant, scaled, g_i, multiplier, groups[path], ratios)
+            multipliers.append(multiplier)
+            new_weights.append(scaled)
+        transform = ScaleInput(jnp.stack(multipliers).reshape(stack + (n,)))
+        done[path] = _with_transform(layer, transform, jnp.stack(new_weights).reshape(weight.shape))
+    return _replace(model, done)
+
+
+def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
+    r"""Randomized Hadamard rotations of linear layers' inputs (as in QuaRot, Ashkboos et al., NeurIPS 2024): outliers
+    spread over all channels before rounding.
+
+    Each chosen [`eqx_quant.nn.QuantLinear`][] with `n` input features gets an [`eqx_quant.nn.RotateInput`][]
+    `R = H D / sqrt(n)` (`H` a Hadamard matrix, `D` random signs drawn from `key`, one draw per layer and per layer
+    of a stack) and the rotated weight `W Rᵀ`, so that `(W Rᵀ)(R x) = W x`: the float function is unchanged up to
+    rounding, while both operands of the product are spread by `R`. The input is rotated online, when the layer
+    runs, by a fast Walsh-Hadamard transform (`O(n log n)`), in the fake-quant and converted models alike. `n` must
+    be a power of two, or `m * 2**k` with `m - 1` a prime `≡ 3 (mod 4)` (12, 20, 24, 40, 44, 48, 56, 60, 68, 72, ...).
+
+    Run it on the model from [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][]
+    (rotation then GPTQ combine).
+
+    **Arguments:**
+
+    - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
+    - `key`: a JAX PRNG key (`jax.random.key(0)`) for the signs.
+    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a quantizer.
+
+    **Returns:**
+
+    The model with rotated layers.
+
+    **Raises:**
+
+    `ValueError`, naming the layer, if no layer is chosen, or a chosen layer's input size cannot be rotated, it
+    already has an input transform or holds a fitted quantizer; `TypeError` for a `key` that is not a PRNG key.
+    """
+    if not (isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
+        raise TypeError(f"`key` must be a JAX PRNG key (`jax.random.key(0)`), got key={key!r}.")
+    has_quantizer = lambda l: l.weight_quant is not None or l.input_quant is not None  # noqa: E731
+    targets = _targets(model, where, has_quantizer, "rotate", "with a quantizer")
+    for path, layer in targets:
+        n = layer.layer.in_features
+        if hadamard_order(n) is None:  # pyright: ignore[reportArgumentType]
+            raise ValueError(
+                f"Layer {path!r} has in_features={n}, which `rotate` cannot rotate: it needs a power of two, or "
+                "m * 2**k with m - 1 a prime ≡ 3 (mod 4) (12, 20, 24, 44, ...). Exclude the layer with `where`."
+            )
+    done = {}
+    for i, (path, layer) in enumerate(targets):
+        shape = layer_stack(layer) + (layer.layer.in_features,)
+        signs = jax.random.rademacher(jax.random.fold_in(key, i), shape, dtype=jnp.int8)
+        transform = RotateInput(signs)
+        done[path] = _with_transform(layer, transform, _absorbed(transform, layer.layer.weight))
+    return _replace(model, done)
+
+
+@eqx.filter_jit
+def _absorbed(transform: RotateInput, weight: Array) -> Array:
+    return transform.absorb(weight)
