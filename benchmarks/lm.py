@@ -132,7 +132,7 @@ class Preset:
             eqx_quant.recipe(name)  # a `ValueError` naming the known recipes if it is not one
 
 
-INT_RECIPES = ("w8a8", "w8a8_attn", "w4a8_g32", "w4a16_g32", "w3a16_g32", "w2a16_g32")
+INT_RECIPES = ("w8a8", "w8a8_attn", "w4a8_g32", "w4a4_g32", "w4a16_g32", "w3a16_g32", "w2a16_g32")
 FULL_RECIPES = (*INT_RECIPES, "w2a16_stretched", "ternary", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_0")
 METHODS = ("rtn", "gptq", "qat", "ptq_qat", "qad")
 FLOAT_RECIPES = ("fp8", "mxfp4", "nvfp4")  # low-precision float formats: round-to-nearest and QAT rows only
@@ -455,6 +455,47 @@ def arm_gptq(model: GPT, bench: Bench, recipe: str) -> Any:
     return eqx_quant.gptq(quantized(model, recipe), calibration_batches(bench), act_order=True)
 
 
+def arm_smoothquant(model: GPT, bench: Bench, recipe: str) -> Any:
+    """SmoothQuant ([`eqx_quant.smoothquant`][], alpha 0.5, on the calibration batches) of every linear layer with
+    an input quantizer, then round to nearest."""
+    return eqx_quant.smoothquant(quantized(model, recipe), calibration_batches(bench))
+
+
+def arm_awq(model: GPT, bench: Bench, recipe: str) -> Any:
+    """AWQ ([`eqx_quant.awq`][]: scaling and clipping searched on the calibration batches) of every linear layer,
+    then round to nearest."""
+    return eqx_quant.awq(quantized(model, recipe), calibration_batches(bench))
+
+
+def arm_awq_gptq(model: GPT, bench: Bench, recipe: str) -> Any:
+    """AWQ, then GPTQ as in `gptq` on the scaled weights."""
+    batches = calibration_batches(bench)
+    return eqx_quant.gptq(eqx_quant.awq(quantized(model, recipe), batches), batches, act_order=True)
+
+
+def arm_rotate(model: GPT, bench: Bench, recipe: str) -> Any:
+    """Randomized Hadamard rotations ([`eqx_quant.rotate`][], key `seed`) of every linear layer's input, then round
+    to nearest."""
+    return eqx_quant.rotate(quantized(model, recipe), key=jax.random.key(bench.preset.seed))
+
+
+def arm_rotate_gptq(model: GPT, bench: Bench, recipe: str) -> Any:
+    """Rotations as in `rotate`, then GPTQ as in `gptq` on the rotated weights."""
+    rotated = eqx_quant.rotate(quantized(model, recipe), key=jax.random.key(bench.preset.seed))
+    return eqx_quant.gptq(rotated, calibration_batches(bench), act_order=True)
+
+
+def arm_autoround(model: GPT, bench: Bench, recipe: str) -> Any:
+    """Learned rounding and clipping ([`eqx_quant.autoround`][]: 200 steps of signed gradient descent per layer,
+    sequential) of every linear layer on the recipe's weight grid."""
+    return eqx_quant.autoround(quantized(model, recipe), calibration_batches(bench))
+
+
+def arm_gptq_one_pass(model: GPT, bench: Bench, recipe: str) -> Any:
+    """GPTQ as in `gptq`, with every Hessian from one pass of the round-to-nearest model (`sequential=False`)."""
+    return eqx_quant.gptq(quantized(model, recipe), calibration_batches(bench), act_order=True, sequential=False)
+
+
 def qat_learning_rate(preset: Preset, recipe: str) -> float:
     """The peak learning rate of a QAT arm: `low_bit_learning_rate` for `LOW_BIT_RECIPES`, otherwise the control's
     `finetune_learning_rate`."""
@@ -492,9 +533,21 @@ ARMS: dict[str, Callable[[GPT, Bench, str], Any]] = {
     "qat": arm_qat,
     "ptq_qat": arm_ptq_qat,
     "qad": arm_qad,
+    "gptq_one_pass": arm_gptq_one_pass,
+    "smoothquant": arm_smoothquant,
+    "awq": arm_awq,
+    "awq_gptq": arm_awq_gptq,
+    "rotate": arm_rotate,
+    "rotate_gptq": arm_rotate_gptq,
+    "autoround": arm_autoround,
 }
 QAT_METHODS = ("qat", "ptq_qat", "qad")
-PTQ_METHODS = ("rtn", "gptq")
+PTQ_METHODS = (
+    "rtn", "gptq", "gptq_one_pass", "smoothquant", "awq", "awq_gptq", "rotate", "rotate_gptq", "autoround",
+)  # fmt: skip
+# The PTQ algorithms of `PTQ_ARMS` (besides `rtn` and `gptq`) run on the integer recipes only; `smoothquant` only where
+# the inputs are quantized.
+PTQ_ARMS = PTQ_METHODS[2:]
 
 
 def step_seconds(models: dict[str, Any], bench: Bench) -> dict[str, float]:
@@ -614,8 +667,9 @@ def run(
     - `out`: the output folder, created if needed.
     - `cache`: a folder where the trained float model is stored and looked up; `None` to always train.
     - `recipes`: the recipes of the quantized rows (default: the preset's).
-    - `methods`: the methods of every recipe, from `METHODS`: `"rtn"`, `"gptq"`, `"qat"` (not `"gptq"` for the
-        float-format recipes of `FLOAT_RECIPES`, which this benchmark measures by round-to-nearest and QAT only).
+    - `methods`: the methods of every recipe, among `ARMS` (default `METHODS`): `"rtn"`, `"gptq"`, `"qat"`, ... (not
+        `"gptq"` for the recipes of `NO_GPTQ`, which this benchmark measures by round-to-nearest and QAT only; the
+        PTQ algorithms of `PTQ_ARMS` on the integer recipes only, `"smoothquant"` where inputs are quantized).
         Each row is the fake-quantized model's validation bits per character, its converted (integer) model's, and
         the size of the converted model's file.
     - `progress`: whether to show progress bars (on stderr).
@@ -634,7 +688,7 @@ def run(
         eqx_quant.recipe(name)
     unknown = [method for method in methods if method not in ARMS]
     if unknown:
-        raise ValueError(f"`methods` must be among {METHODS}, got {list(methods)!r}.")
+        raise ValueError(f"`methods` must be among {tuple(ARMS)}, got {list(methods)!r}.")
     say = log if log is not None else (lambda line: None)
     out.mkdir(parents=True, exist_ok=True)
     bench = prepare(preset, progress)
@@ -682,6 +736,8 @@ def run(
         built: dict[str, Any] = {}  # this recipe's models, by method
         for method in methods:
             if method in ("gptq", "ptq_qat") and recipe in NO_GPTQ:
+                continue
+            if method in PTQ_ARMS and (recipe not in INT_RECIPES or (method == "smoothquant" and "a16" in recipe)):
                 continue
             start = time.perf_counter()
             if method == "ptq_qat" and "gptq" in built:  # its seconds are then its fine-tuning's
@@ -758,15 +814,20 @@ def targets(results: dict) -> dict[str, float]:
         `w3a16_g32`, 0.8 for `w2a16_g32`);
     - `"{recipe} best qat - best ptq"`: the best QAT row's bits per character minus the best PTQ row's (`rtn`,
         `gptq`; target at most 0);
-    - `"{recipe} gptq recovery"`: `(rtn - gptq) / (rtn - float)` (at least 0.5 for `w3a16_g32`);
+    - `"{recipe} {method} recovery"` for each PTQ method but `rtn` (`PTQ_METHODS`): `(rtn - row) / (rtn - float)`,
+        the share of round to nearest's loss that the method removes (`gptq`: at least 0.5 for `w3a16_g32`;
+        `rotate_gptq`: at least 0.5 for `w4a4_g32`);
+    - `"{recipe} best ptq recovery"`: the largest of them (at least 0.85 for `w4a16_g32`, 0.75 for `w3a16_g32`, 0.6
+        for `w2a16_g32`);
     - `"{recipe} file / float"`: the converted model's file size over the float32 one's (at most 0.16 for int4).
     """
     float_bpc, control_bpc = results["float"]["val_bpc"], results["control"]["val_bpc"]
     figures = {}
     for recipe in dict.fromkeys(r["recipe"] for r in results["rows"]):
-        rtn, gptq = (_row(results, recipe, method) for method in PTQ_METHODS)
+        rtn = _row(results, recipe, "rtn")
         if rtn is None:
             continue
+        ptq = {m: row["val_bpc"] for m in PTQ_METHODS if (row := _row(results, recipe, m)) is not None}
         figures[f"{recipe} rtn / float - 1"] = rtn["val_bpc"] / float_bpc - 1
         figures[f"{recipe} file / float"] = rtn["file_bytes"] / results["float"]["file_bytes"]
         trained = {m: row["val_bpc"] for m in QAT_METHODS if (row := _row(results, recipe, m)) is not None}
@@ -774,10 +835,11 @@ def targets(results: dict) -> dict[str, float]:
         figures |= {f"{recipe} {method} recovery": value for method, value in recoveries.items()}
         if trained:
             figures[f"{recipe} best qat recovery"] = max(recoveries.values())
-            best_ptq = min(row["val_bpc"] for row in (rtn, gptq) if row is not None)
-            figures[f"{recipe} best qat - best ptq"] = min(trained.values()) - best_ptq
-        if gptq is not None:
-            figures[f"{recipe} gptq recovery"] = (rtn["val_bpc"] - gptq["val_bpc"]) / (rtn["val_bpc"] - float_bpc)
+            figures[f"{recipe} best qat - best ptq"] = min(trained.values()) - min(ptq.values())
+        removed = {m: (rtn["val_bpc"] - bpc) / (rtn["val_bpc"] - float_bpc) for m, bpc in ptq.items() if m != "rtn"}
+        figures |= {f"{recipe} {method} recovery": value for method, value in removed.items()}
+        if removed:
+            figures[f"{recipe} best ptq recovery"] = max(removed.values())
     return figures
 
 
@@ -844,6 +906,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--plot", type=pathlib.Path, default=None, help="where to draw the bits-per-character plot")
     parser.add_argument("--recipes", nargs="+", default=None, help="the recipes of the rows (default: the preset's)")
     parser.add_argument(
+        "--methods", nargs="+", default=list(METHODS), choices=list(ARMS), help="the methods (arms) of every recipe"
+    )
+    parser.add_argument(
         "--results", type=pathlib.Path, default=None, help="print the table (and plot) of an lm_results.json; no run"
     )
     args = parser.parse_args(argv)
@@ -854,7 +919,7 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--preset and --out are required unless --results is given")
     else:
         print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
-        results = run(args.preset, args.out, cache=args.cache, recipes=args.recipes)
+        results = run(args.preset, args.out, cache=args.cache, recipes=args.recipes, methods=args.methods)
         print(f"wrote {args.out / 'lm_results.json'}")
     print(table(results))
     for name, value in results["targets"].items():

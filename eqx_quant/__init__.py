@@ -7,6 +7,7 @@ from ._auto import (
     AutoRecipeRow as AutoRecipeRow,
     auto_recipe as auto_recipe,
 )
+from ._autoround import autoround as autoround
 from ._backward import (
     QuantizedBackward as QuantizedBackward,
     UnquantizedBackward as UnquantizedBackward,

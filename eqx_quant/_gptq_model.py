@@ -1,19 +1,20 @@
 """GPTQ over a model: each linear layer's Hessian from calibration data, and its weight replaced by GPTQ's."""
 
 import functools
+import math
 from collections.abc import Callable, Iterable
 
 import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import PyTree
+from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import gptq_solve
 from ._misc import FLOAT32_TINY
 from ._observe import fold, layer_stack, progress_bar
-from ._quantizers import DynamicFakeQuant, FakeQuant, LearnedFakeQuant
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._tree import map_nodes, nodes
 from .nn._layers import QuantLinear, per_layer
 
@@ -44,10 +45,96 @@ def _gptq_grid(path: str, quantizer: object) -> tuple[Format, int | None]:
     return fmt, layout.group_size
 
 
+class _Solved(AbstractQuantizer):
+    """Stands in for a weight quantizer while sequential GPTQ runs: the weight as it is where `done` (GPTQ's
+    quantized weight, already in place), the quantizer's output elsewhere. `done` is an array (one entry per layer of
+    a stack), so that every pass over the calibration data runs the same compiled program."""
+
+    done: Array
+    quantizer: AbstractQuantizer
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        return jnp.where(self.done, x, self.quantizer(x, key=key))
+
+
+class _Order(AbstractQuantizer):
+    """Stands in for an input quantizer while the model is traced once: records the layer's path when Python calls
+    it, so that the layers are listed in the order the model calls them."""
+
+    path: str = eqx.field(static=True)
+    calls: "_Calls" = eqx.field(static=True)
+
+    def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
+        if self.path not in self.calls.paths:
+            self.calls.paths.append(self.path)
+        return x
+
+
+class _Calls:
+    """The paths `_Order` records, in a holder hashed by identity (a static field must be hashable)."""
+
+    def __init__(self):
+        self.paths: list[str] = []
+
+
+def _call_order(model: PyTree, layers: list, batch: PyTree, batched: bool) -> list[str]:
+    """The paths of `layers` in the order the model first calls them on `batch` (traced, not run). A layer inside a
+    `jax.lax.scan` over a stack is called once in the traced body, in its place among the body's layers."""
+    calls = _Calls()
+    chosen = dict(layers)
+    swap = lambda path, l: eqx.tree_at(lambda m: m.input_quant, l, _Order(path, calls), is_leaf=lambda x: x is None)  # noqa: E731
+    traced = map_nodes(model, (QuantLinear,), lambda path, l: swap(path, l) if path in chosen else l)
+    eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), traced, batch)
+    return calls.paths
+
+
+def _steps(order: list[str], stacks: dict[str, tuple[int, ...]]) -> list[tuple[str, int]]:
+    """`(path, index in the stack)` in the order of quantization: the layers in call order, and consecutive layers of
+    stacks of one shape (the layers of one scanned block) interleaved along the stack: block 0's layers, then block
+    1's, ..."""
+    steps: list[tuple[str, int]] = []
+    i = 0
+    while i < len(order):
+        stack = stacks[order[i]]
+        group = [order[i]]
+        while stack and i + len(group) < len(order) and stacks[order[i + len(group)]] == stack:
+            group.append(order[i + len(group)])
+        steps += [(path, k) for k in range(math.prod(stack)) for path in group]
+        i += len(group)
+    return steps
+
+
+def _solve(weight: Array, hessian: Array, fmt: Format, group_size: int | None, act_order: bool, damp: float):
+    """GPTQ on one layer (or, under `jax.vmap`, on each layer of a stack): the quantized weight `scale * levels` in
+    the weight's dtype, its scales in the compact layout of the quantizer, and the tensor scale (or None)."""
+    levels, scales = gptq_solve(weight, hessian, fmt=fmt, group_size=group_size, act_order=act_order, damp=damp)
+    g = weight.shape[-1] if group_size is None else group_size
+    repeated = jnp.repeat(scales.scale, g, axis=-1)
+    t = scales.tensor_scale
+    new_weight = apply_scale(fmt, levels.astype(jnp.float32), repeated, t).astype(weight.dtype)
+    compact = scales.scale[..., 0] if group_size is None else scales.scale
+    return new_weight, compact, t
+
+
+def _with_gptq(layer: QuantLinear, fmt: Format, group_size: int | None, weight, compact, t) -> QuantLinear:
+    """`layer` holding GPTQ's weight, and a fixed weight quantizer with GPTQ's scales: a static `FakeQuant`, or for
+    a stack a `LearnedFakeQuant` holding one set of scales per layer."""
+    stack = layer_stack(layer)
+    layout = dict(axis=0) if group_size is None else dict(group_size=group_size)
+    if not stack:
+        tensor_scale = None if t is None else float(t)
+        quantizer = FakeQuant(np.asarray(compact), format=fmt, tensor_scale=tensor_scale, **layout)
+    else:
+        make = lambda s, t: LearnedFakeQuant(s, format=fmt, tensor_scale=t, min_scale=FLOAT32_TINY, **layout)  # noqa: E731
+        quantizer = per_layer(make, len(stack))(compact, t)
+    return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant), layer, (weight, quantizer))
+
+
 def gptq(
     model: PyTree,
     batches: Iterable[PyTree],
     *,
+    sequential: bool = True,
     damp: float = 0.01,
     act_order: bool = False,
     batched: bool = False,
@@ -67,17 +154,25 @@ def gptq(
     are unchanged. (A `LearnedFakeQuant`'s scales are positive: the signed block scales of `"q4_0"` and `"q5_0"` are
     a `ValueError` on stacked layers.)
 
-    The Hessian of each layer is `Σ x xᵀ` over the inputs the layer sees when the model runs on `batches` with its
-    weight quantizers active and the chosen layers' input quantizers bypassed (all layers from one pass: layers are not
-    re-run one after another on the outputs of already-GPTQ-quantized ones). It is collected like
-    [`eqx_quant.calibrate`][]'s statistics, so that layers inside the model's own `jax.vmap` and `jax.lax.scan` are
-    seen, one Hessian per layer of a stack.
+    The Hessian of a layer is `Σ x xᵀ` over the inputs the layer sees when the model runs on `batches`, with the
+    chosen layers' input quantizers bypassed. It is collected like [`eqx_quant.calibrate`][]'s statistics, so that
+    layers inside the model's own `jax.vmap` and `jax.lax.scan` are seen, one Hessian per layer of a stack.
+
+    **Sequential** (the default, as the paper does it): the layers are quantized one at a time in the order the
+    model calls them (found by tracing the model once on the first batch), each layer's Hessian collected on the
+    outputs of the layers already quantized with GPTQ, the later ones still computing with their weight quantizers.
+    The layers of a scanned stack go layer by layer along the stack: the first block's layers in their order, then
+    the second block's. That is one pass over `batches` per layer (and per layer of a stack), each running the same
+    compiled program per layer path; `batches` is read into a list first. With `sequential=False`, one pass collects
+    every Hessian from the model with its weight quantizers active: faster, less accurate, since no layer sees its
+    predecessors' GPTQ error.
 
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][] whose linear weight quantizers are symmetric per-row or
         per-group (e.g. `DynamicFakeQuant(4, group_size=32)`, `DynamicFakeQuant("mxfp4", group_size=32)`).
     - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][].
+    - `sequential`: quantize the layers one after another (above), or all from one pass.
     - `damp`, `act_order`: as for [`eqx_quant.gptq_quantize`][].
     - `batched`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
@@ -88,6 +183,31 @@ def gptq(
 
     The model with GPTQ-quantized linear weights.
     """
+    make = lambda fmt, group_size: functools.partial(  # noqa: E731
+        _solve, fmt=fmt, group_size=group_size, act_order=act_order, damp=damp
+    )
+    return solve_weights(model, batches, "gptq", make, sequential, batched, where, progress)
+
+
+def solve_weights(
+    model: PyTree,
+    batches: Iterable[PyTree],
+    name: str,
+    make_solve: Callable[[Format, int | None], Callable],
+    sequential: bool,
+    batched: bool,
+    where: Callable[[str, eqx.Module], bool] | None,
+    progress: bool,
+    check: Callable[[str, Format], None] | None = None,
+) -> PyTree:
+    """The model wiring of a weight solver (GPTQ's, AutoRound's): the chosen layers, their Hessians (sequentially or
+    from one pass), `make_solve(fmt, group_size)(weight, hessian) -> (weight, compact scales, tensor scale)` on each
+    layer (of a stack), and the layers made to hold the solution with a fixed quantizer of its scales. `check(path,
+    fmt)` may refuse a layer's format."""
+    if not isinstance(sequential, bool):
+        raise TypeError(f"`sequential` must be a bool, got sequential={sequential!r}.")
+    if where is not None and not callable(where):
+        raise TypeError(f"`where` must be a function `f(path, layer)` or None, got where={where!r}.")
     layers = [
         (path, layer)
         for path, layer in nodes(model, (QuantLinear,))
@@ -97,47 +217,91 @@ def gptq(
     if where is not None:
         layers = [(path, layer) for path, layer in layers if where(path, layer)]
     if not layers:
-        raise ValueError("`model` has no QuantLinear layer with a weight quantizer to quantize with GPTQ.")
+        raise ValueError(f"`model` has no QuantLinear layer with a weight quantizer to quantize with `{name}`.")
     grids = {path: _gptq_grid(path, layer.weight_quant) for path, layer in layers}
     for path, layer in layers:
         fmt = grids[path][0]
+        if check is not None:
+            check(path, fmt)
         if layer_stack(layer) and fmt.scale_rule == "signed_max":
             raise ValueError(
                 f"Layer {path!r} is stacked (built with `eqx.filter_vmap`) and quantizes its weight to {fmt.name}, "
-                "whose block scales are signed: a stacked layer holds GPTQ's scales in a LearnedFakeQuant, which "
-                "keeps them positive. Run `gptq` on the unstacked layers, or choose another format (q8_0), or "
-                "exclude the layer with `where`."
+                f"whose block scales are signed: a stacked layer holds `{name}`'s scales in a LearnedFakeQuant, "
+                f"which keeps them positive. Run `{name}` on the unstacked layers, or choose another format (q8_0), "
+                "or exclude the layer with `where`."
             )
-    # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes.
-    grams = fold(model, layers, batches, batched, "gram", progress=progress, description="gptq (Hessians)")
+    solve = {path: make_solve(*grids[path]) for path, _ in layers}
+    if sequential:
+        solved = _sequential(model, layers, solve, batches, batched, progress, name)
+    else:
+        # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes.
+        grams = fold(model, layers, batches, batched, "gram", progress=progress, description=f"{name} (Hessians)")
+        _check_called(layers, grams)
+        solved = {}
+        for path, layer in progress_bar(layers, progress, f"{name} (layers)"):
+            stack = layer_stack(layer)
+            hessian = jnp.asarray(np.stack([record["gram"] for record in grams[path]]))
+            fn = solve[path]
+            for _ in stack:
+                fn = jax.vmap(fn)
+            solved[path] = fn(layer.layer.weight, hessian.reshape(stack + hessian.shape[1:]))
+    done = {path: _with_gptq(layer, *grids[path], *solved[path]) for path, layer in layers}
+    return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))
+
+
+def _check_called(layers: list, grams: dict) -> None:
     never = [path for path, _ in layers if path not in grams]
     if never:
         raise ValueError(f"The layers at {never} were never called on the calibration batches.")
 
-    def solved(path: str, layer: QuantLinear) -> QuantLinear:
-        fmt, group_size = grids[path]
-        weight = layer.layer.weight
-        stack = layer_stack(layer)
-        hessian = jnp.asarray(np.stack([record["gram"] for record in grams[path]]))
-        hessian = hessian.reshape(stack + hessian.shape[1:])
-        solve = functools.partial(gptq_solve, fmt=fmt, group_size=group_size, act_order=act_order, damp=damp)
-        for _ in stack:
-            solve = jax.vmap(solve)
-        levels, scales = solve(weight, hessian)
-        g = weight.shape[-1] if group_size is None else group_size
-        repeated = jnp.repeat(scales.scale, g, axis=-1)
-        t = scales.tensor_scale
-        t_of_row = None if t is None else t.reshape(t.shape + (1, 1))  # one per layer of a stack, against its rows
-        new_weight = apply_scale(fmt, levels.astype(jnp.float32), repeated, t_of_row).astype(weight.dtype)
-        compact = scales.scale[..., 0] if group_size is None else scales.scale
-        layout = dict(axis=0) if group_size is None else dict(group_size=group_size)
-        if not stack:
-            tensor_scale = None if t is None else float(t)
-            quantizer = FakeQuant(np.asarray(compact), format=fmt, tensor_scale=tensor_scale, **layout)
-        else:
-            make = lambda s, t: LearnedFakeQuant(s, format=fmt, tensor_scale=t, min_scale=FLOAT32_TINY, **layout)  # noqa: E731
-            quantizer = per_layer(make, len(stack))(compact, t)
-        return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant), layer, (new_weight, quantizer))
 
-    done = {path: solved(path, layer) for path, layer in progress_bar(layers, progress, "gptq (layers)")}
-    return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))
+def _put(model: PyTree, path: str, weight: Array, done: Array) -> PyTree:
+    """`model` with the layer at `path` holding `weight` and the flags `done` of its `_Solved` quantizer."""
+
+    def put(p: str, layer: QuantLinear) -> QuantLinear:
+        if p != path:
+            return layer
+        return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant.done), layer, (weight, done))  # pyright: ignore
+
+    return map_nodes(model, (QuantLinear,), put)
+
+
+def _sequential(model, layers, solve, batches, batched, progress, name) -> dict[str, tuple]:
+    """Sequential GPTQ: per layer (and per layer of a stack) in call order, its Hessian on the outputs of the layers
+    already quantized, then its solution put in place. Returns `(weight, compact scales, tensor scale)` by path."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("`batches` is empty: calibration needs at least one batch.")
+    stacks = {path: layer_stack(layer) for path, layer in layers}
+    order = _call_order(model, layers, batches[0], batched)
+    _check_called(layers, {path: None for path in order})
+    chosen = {path for path, _ in layers}
+
+    def solving(path: str, layer: QuantLinear) -> QuantLinear:  # bypassed inputs; weights GPTQ's where done
+        if path not in chosen:
+            return layer
+        done = _Solved(jnp.zeros(stacks[path] + (1, 1), bool), layer.weight_quant)  # pyright: ignore[reportArgumentType]
+        return eqx.tree_at(lambda l: (l.weight_quant, l.input_quant), layer, (done, None), is_leaf=lambda x: x is None)
+
+    current = map_nodes(model, (QuantLinear,), solving)
+    results: dict[str, list] = {path: [None] * math.prod(stacks[path]) for path in chosen}
+    for path, k in progress_bar(_steps(order, stacks), progress, f"{name} (layers)"):
+        layer = dict(nodes(current, (QuantLinear,)))[path]
+        grams = fold(current, [(path, layer)], batches, batched, "gram")
+        _check_called([(path, layer)], grams)
+        stack = stacks[path]
+        weights = layer.layer.weight.reshape((-1,) + layer.layer.weight.shape[len(stack) :])
+        result = solve[path](weights[k], jnp.asarray(grams[path][k]["gram"]))
+        results[path][k] = result
+        new_weight = weights.at[k].set(result[0]).reshape(layer.layer.weight.shape)
+        flags = layer.weight_quant.done.reshape(-1, 1, 1).at[k].set(True).reshape(layer.weight_quant.done.shape)  # pyright: ignore
+        current = _put(current, path, new_weight, flags)
+    out = {}
+    for path in chosen:
+        parts = results[path]
+        weight = jnp.stack([p[0] for p in parts]).reshape(dict(layers)[path].layer.weight.shape)
+        compact = jnp.stack([p[1] for p in parts])
+        compact = compact.reshape(stacks[path] + compact.shape[1:])
+        t = None if parts[0][2] is None else jnp.stack([p[2] for p in parts]).reshape(stacks[path])
+        out[path] = (weight, compact, t)
+    return out

@@ -29,6 +29,7 @@ _RECIPES: dict[str, tuple[int, int | None, int | None, bool]] = {
     "w8a8_attn": (8, None, 8, True),
     "w8a16": (8, None, None, False),
     "w4a8_g32": (4, 32, 8, False),
+    "w4a4_g32": (4, 32, 4, False),
     "w4a16_g32": (4, 32, None, False),
     "w3a16_g32": (3, 32, None, False),
     "w2a16_g32": (2, 32, None, False),
@@ -67,6 +68,7 @@ def recipe(
     | `"w8a8_attn"` | as `"w8a8"` | as `"w8a8"`, and attention's two products | integer attention too |
     | `"w8a16"` | int8 per output channel | float | weight-only, near lossless |
     | `"w4a8_g32"` | int4 per group of 32 | int8 dynamic | the usual LLM weights, integer activations |
+    | `"w4a4_g32"` | int4 per group of 32 | int4 dynamic | 4-bit activations: needs [`eqx_quant.rotate`][] |
     | `"w4a16_g32"` | int4 per group of 32 | float | weight-only, 4 bits |
     | `"w3a16_g32"` | int3 per group of 32 | float | weight-only, 3 bits |
     | `"w2a16_g32"` | int2 per group of 32 | float | weight-only, 2 bits: needs QAT or GPTQ |

@@ -193,13 +193,13 @@ def _awq_scales(quantizer, weight: Array, gram: Array, x_mean: Array, grid: int)
     weight = weight.astype(jnp.float32)
 
     def error(alpha):
-        multiplier = awq_multiplier(x_mean, alpha)
+        multiplier = awq_multiplier(x_mean, alpha)[None, :]
         effective = quantizer(weight / multiplier) * multiplier
         d = effective - weight
         return jnp.sum(jnp.matmul(d, gram, precision=jax.lax.Precision.HIGHEST) * d), multiplier
 
     errors, multipliers = jax.lax.map(error, jnp.arange(grid, dtype=jnp.float32) / grid)
-    return multipliers[jnp.argmin(errors)], errors
+    return multipliers[jnp.argmin(errors), 0], errors
 
 
 def awq_multiplier(x_mean: Array, alpha: Array) -> Array:
@@ -223,7 +223,7 @@ def _awq_clip(quantizer, weight: Array, gram: Array, multiplier: Array, group: i
     def error(ratio):
         limit = top * ratio
         clipped = jnp.clip(rows, -limit, limit).reshape(out, n)
-        d = ((quantizer(clipped) - weight) * multiplier).reshape(out, n // g, g)
+        d = ((quantizer(clipped) - weight) * multiplier[None, :]).reshape(out, n // g, g)
         moved = jnp.einsum("ogi,gij->ogj", d, blocks, precision=jax.lax.Precision.HIGHEST)
         return jnp.sum(moved * d, axis=-1)  # (out, groups)
 
@@ -319,7 +319,7 @@ def awq(
             g_i = jnp.asarray(gram.reshape(-1, n, n)[i], jnp.float32)
             m_i = jnp.asarray(x_mean.reshape(-1, n)[i], jnp.float32)
             multiplier, _ = _awq_scales(layer.weight_quant, flat_weight[i], g_i, m_i, grid)
-            scaled = (flat_weight[i] / multiplier).astype(jnp.float32)
+            scaled = (flat_weight[i] / multiplier[None, :]).astype(jnp.float32)
             if clip:
                 scaled = _awq_clip(layer.weight_quant, scaled, g_i, multiplier, groups[path], ratios)
             multipliers.append(multiplier)

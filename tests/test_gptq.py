@@ -11,7 +11,7 @@ import eqx_quant
 from eqx_quant import DynamicFakeQuant, LearnedFakeQuant, gptq
 from eqx_quant._gptq import gptq_quantize
 
-from .helpers import assert_bitwise_equal, np_absmax_scale
+from .helpers import assert_bitwise_equal, init, np_absmax_scale
 
 
 def numpy_gptq(w, h, qmin, qmax, group_size=None, act_order=False, damp=0.01):
@@ -221,27 +221,35 @@ class Stacked(eqx.Module):
 
 
 def hessians_by_hand(model, tokens):
-    """Each layer's `Σ x xᵀ` from running the weight-quantized model (inputs unquantized) one layer at a time."""
+    """Each layer's `Σ x xᵀ` from running the weight-quantized `model` (inputs unquantized) one layer at a time: the
+    model from `quantize` for GPTQ in one pass, the one GPTQ made for sequential GPTQ (whose first layer computes
+    with GPTQ's weight, which its fixed quantizer leaves unchanged)."""
     h = np.asarray(tokens, np.float64).reshape(-1, 16)
     grams = []
     for i in range(2):
         layer = jax.tree_util.tree_map(lambda a: a[i] if eqx.is_array(a) else a, model.layers)  # noqa: B023
         grams.append(h.T @ h)
-        out = np.asarray(jax.vmap(eqx.tree_at(lambda l: l.input_quant, layer, None))(jnp.asarray(h, jnp.float32)))
+        out = np.asarray(
+            jax.vmap(eqx.tree_at(lambda l: l.input_quant, layer, None, is_leaf=lambda v: v is None))(
+                jnp.asarray(h, jnp.float32)
+            )
+        )
         h = out + h
     return grams
 
 
 @pytest.mark.slow
-def test_gptq_on_a_scanned_model_uses_exactly_the_gptq_integers():
+@pytest.mark.parametrize("sequential", [True, False])
+def test_gptq_on_a_scanned_model_uses_exactly_the_gptq_integers(sequential):
     model = Stacked(jax.random.key(10))
     qmodel = eqx_quant.quantize(model, weights=DynamicFakeQuant(3, group_size=8), activations=None)
     latent = correlated_inputs(jax.random.key(11), 16, 4 * 6).astype(np.float32).reshape(4, 6, 16)
     batches = [jnp.asarray(latent[:2]), jnp.asarray(latent[2:])]
-    quantized = gptq(qmodel, batches)
+    quantized = gptq(qmodel, batches, sequential=sequential)
     quantizer = quantized.layers.weight_quant
     assert type(quantizer) is LearnedFakeQuant and quantizer.scale.shape == (2, 16, 2)
-    grams = hessians_by_hand(qmodel, jnp.concatenate(batches))
+    # Sequential: the second layer's Hessian comes from the first layer's GPTQ weight; else from its RTN weight.
+    grams = hessians_by_hand(quantized if sequential else qmodel, jnp.concatenate(batches))
     for i in range(2):
         expected, scales = gptq_quantize(
             qmodel.layers.layer.weight[i], jnp.asarray(grams[i], jnp.float32), -4, 3, group_size=8
@@ -276,3 +284,29 @@ def test_gptq_on_an_mlp_gives_static_quantizers_and_checks_its_layers():
         gptq(eqx_quant.quantize(mlp, weights=DynamicFakeQuant(4)), [x])  # per tensor: not a GPTQ layout
     with pytest.raises(ValueError, match="symmetric"):
         gptq(eqx_quant.quantize(mlp, weights=DynamicFakeQuant(4, axis=0, symmetric=False)), [x])
+
+
+@pytest.mark.slow
+def test_sequential_gptq_follows_the_call_order_and_the_quantized_outputs():
+    """Three layers called in another order than the model holds them: each one's Hessian is the Gram matrix of its
+    inputs computed, by hand, through the layers GPTQ quantized before it."""
+
+    class Shuffled(eqx.Module):
+        a: eqx.nn.Linear
+        b: eqx.nn.Linear
+        c: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.a(jnp.tanh(self.c(jnp.tanh(self.b(x)))))
+
+    model = init(lambda k: Shuffled(*(eqx.nn.Linear(8, 8, key=k) for _ in range(3))), 21)
+    x = jnp.asarray(correlated_inputs(jax.random.key(22), 8, 40).astype(np.float32))
+    qmodel = eqx_quant.quantize(model, weights=DynamicFakeQuant(3, axis=0), activations=None)
+    quantized = gptq(qmodel, [x[:24], x[24:]])
+    h = np.asarray(x, np.float64)
+    for name in ("b", "c", "a"):  # the call order
+        expected, _ = gptq_quantize(getattr(qmodel, name).layer.weight, jnp.asarray(h.T @ h, jnp.float32), -4, 3)
+        layer = getattr(quantized, name)
+        levels = layer.weight_quant.quantize(layer.layer.weight).levels()
+        np.testing.assert_array_equal(np.asarray(levels), np.asarray(expected))
+        h = np.tanh(np.asarray(jax.vmap(layer)(jnp.asarray(h, jnp.float32)), np.float64))

@@ -80,6 +80,22 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.quantized_after(2.0, 0, lambda m: 0.0, eqx_quant.quantize(mlp))),
         (TypeError, "`step` must be an integer scalar, got step=1.5.",
          lambda: eqx_quant.quantized_after(2, 1.5, lambda m: 0.0, eqx_quant.quantize(mlp))),
+        (TypeError, "`alpha` must be a real number, got '0.5' of type str.",
+         lambda: eqx_quant.smoothquant(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], alpha="0.5")),
+        (TypeError, "`batched` must be a bool, got batched=1.",
+         lambda: eqx_quant.smoothquant(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], batched=1)),
+        (TypeError, "`grid` must be an int, got 2.5 of type float.",
+         lambda: eqx_quant.awq(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], grid=2.5)),
+        (TypeError, "`clip` must be a bool, got clip='yes'.",
+         lambda: eqx_quant.awq(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], clip="yes")),
+        (TypeError, "`key` must be a JAX PRNG key (`jax.random.key(0)`), got key=0.",
+         lambda: eqx_quant.rotate(eqx_quant.quantize(mlp), key=0)),
+        (TypeError, "`where` must be a function `f(path, layer)` or None, got where='layers.0'.",
+         lambda: eqx_quant.rotate(eqx_quant.quantize(mlp), key=jax.random.key(0), where="layers.0")),
+        (TypeError, "`sequential` must be a bool, got sequential=1.",
+         lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], sequential=1)),
+        (TypeError, "`input_transform` must be an input transform module or None, got 2.0.",
+         lambda: eqx_quant.nn.QuantLinear(linear, input_transform=2.0)),
     ]  # fmt: skip
     for error, message, call in cases:
         with pytest.raises(error) as info:
