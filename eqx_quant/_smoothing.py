@@ -34,7 +34,10 @@ def _targets(model: PyTree, where: Where, default: Callable[[QuantLinear], bool]
     if where is not None and not callable(where):
         raise TypeError(f"`where` must be a function `f(path, layer)` or None, got where={where!r}.")
     chosen = nodes(model, (QuantLinear,))
-    chosen = [(p, l) for p, l in chosen if (where(p, l) if where is not None else default(l))]
+    if where is None:  # by default, every layer `default` keeps that holds a weight of its own (not a tie's)
+        chosen = [(p, l) for p, l in chosen if default(l) and eqx.is_array(l.layer.weight)]
+    else:
+        chosen = [(p, l) for p, l in chosen if where(p, l)]
     if not chosen:
         selection = "that `where` selects" if where is not None else wanted
         raise ValueError(f"`model` has no eqx_quant.nn.QuantLinear {selection}: `{what}` would change nothing.")
@@ -131,7 +134,7 @@ def smoothquant(
         every input channel by its maximum.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with an input
-        quantizer.
+        quantizer (and a weight of its own: not the placeholder of an `eqx.nn.Shared` tie).
 
     **Returns:**
 
@@ -274,13 +277,14 @@ def awq(
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
-    - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][].
+    - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][]
+        (read into a list first: it is passed over twice).
     - `grid`: the number of `α` tried.
     - `clip`: whether to search the clipping range too.
     - `clip_grid`, `max_shrink`: the clipping ratios tried, `1 - i / clip_grid` for `i < max_shrink * clip_grid`.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
-        quantizer.
+        quantizer (and a weight of its own: not the placeholder of an `eqx.nn.Shared` tie).
 
     **Returns:**
 
@@ -302,6 +306,7 @@ def awq(
     _check_flags(clip=clip, batched=batched, progress=progress)
     targets = _targets(model, where, lambda l: l.weight_quant is not None, "awq", "with a weight quantizer")
     groups = {path: _awq_layouts(path, layer) for path, layer in targets}
+    batches = list(batches)  # read twice: the channels' means, then the Gram matrices
     means = _statistics(model, targets, batches, batched, "channels", progress, "awq (statistics)")
     grams = _statistics(model, targets, batches, batched, "gram", progress, "awq (Gram matrices)")
     shrinks = max(1, math.ceil(max_shrink * clip_grid - 1e-9))
@@ -338,7 +343,8 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
     of a stack) and the rotated weight `W Rᵀ`, so that `(W Rᵀ)(R x) = W x`: the float function is unchanged up to
     rounding, while both operands of the product are spread by `R`. The input is rotated online, when the layer
     runs, by a fast Walsh-Hadamard transform (`O(n log n)`), in the fake-quant and converted models alike. `n` must
-    be a power of two, or `m * 2**k` with `m - 1` a prime `≡ 3 (mod 4)` (12, 20, 24, 40, 44, 48, 56, 60, 68, 72, ...).
+    be a power of two, or `m * 2**k` with `m - 1` a prime `≡ 3 (mod 4)` and `m <= 256` (12, 20, 24, 40, 44, 48, 60, 68,
+    72, ...).
 
     Run it on the model from [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][]
     (rotation then GPTQ combine).
@@ -347,7 +353,8 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
 
     - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
     - `key`: a JAX PRNG key (`jax.random.key(0)`) for the signs.
-    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a quantizer.
+    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a quantizer
+        (and a weight of its own: not the placeholder of an `eqx.nn.Shared` tie).
 
     **Returns:**
 

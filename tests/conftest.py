@@ -44,6 +44,8 @@ _LONGEST_FIRST = (
     "test_stacked.py",
     "test_attention.py",
     "test_quantizers.py",
+    "test_ptq_bench.py",
+    "test_smoothing.py",
 )
 
 

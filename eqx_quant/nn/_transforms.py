@@ -38,6 +38,11 @@ def _per_row(array: Array, weight: Array) -> Array:
     return jnp.expand_dims(array, -2) if weight.ndim > array.ndim else array
 
 
+def _against(array: Array, x: Array) -> Array:
+    """A transform's array of shape `(n,)` against an input of shape `(*batch, n)`."""
+    return array.reshape((1,) * (x.ndim - array.ndim) + array.shape)
+
+
 class ScaleInput(AbstractInputTransform):
     """Multiplies the input by a per-channel factor, `T = diag(multiplier)`, and the weight's columns by its inverse:
     the smoothing of [`eqx_quant.smoothquant`][] and [`eqx_quant.awq`][].
@@ -58,7 +63,7 @@ class ScaleInput(AbstractInputTransform):
             )
 
     def __call__(self, x: Float[Array, "*batch n"]) -> Float[Array, "*batch n"]:
-        return x * jax.lax.stop_gradient(self.multiplier).astype(x.dtype)
+        return x * _against(jax.lax.stop_gradient(self.multiplier).astype(x.dtype), x)
 
     def absorb(self, weight: Float[Array, "*stack out n"]) -> Float[Array, "*stack out n"]:
         return (weight / _per_row(self.multiplier, weight)).astype(weight.dtype)
@@ -128,7 +133,7 @@ def walsh_hadamard(x: Array, order: int, *, transpose: bool = False) -> Array:
 class RotateInput(AbstractInputTransform):
     """Rotates the input by a randomized Hadamard matrix, `T = H D / sqrt(n)`, with `D = diag(signs)` of random
     ±1 and `H` a Hadamard matrix of size `n` (Sylvester's for powers of two, times a small Paley factor for
-    `n = m * 2**k` with `m - 1` a prime `≡ 3 mod 4`: 12, 20, 24, 44, 48, 60, ...): the rotation of
+    `n = m * 2**k` with `m - 1` a prime `≡ 3 mod 4`, `m <= 256`: 12, 20, 24, 40, 44, 48, 60, ...): the rotation of
     [`eqx_quant.rotate`][]. `T` is orthogonal, so the weight absorbs `Tᵀ`.
 
     `T x` is computed with a fast Walsh-Hadamard transform, `O(n log n)` sums and differences (and one small dense
@@ -159,7 +164,7 @@ class RotateInput(AbstractInputTransform):
         return x * jnp.asarray(1 / math.sqrt(n), x.dtype)
 
     def __call__(self, x: Float[Array, "*batch n"]) -> Float[Array, "*batch n"]:
-        signs = self.signs.astype(x.dtype)
+        signs = _against(self.signs.astype(x.dtype), x)
         return self._scaled(walsh_hadamard(x * signs, self.order))
 
     def absorb(self, weight: Float[Array, "*stack out n"]) -> Float[Array, "*stack out n"]:

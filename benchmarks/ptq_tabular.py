@@ -1,0 +1,393 @@
+"""Post-training quantization of small classifiers trained on raw tabular data, where a few input features are
+orders of magnitude larger than the others: what SmoothQuant, AWQ, Hadamard rotations and GPTQ recover.
+
+Run with `python benchmarks/ptq_tabular.py [--preset {full,smoke}] [--out DIR]` (default: the full preset, results
+in `benchmarks/results/`). It needs the `examples` extra (optax, scikit-learn). For each data set of the preset
+(`wine`, `breast_cancer`, bundled with scikit-learn), it
+
+1. splits the data 70/30, stratified, with a fixed seed, and leaves the features as they are (no standardisation:
+   wine's proline reaches 1680 next to features of 0.1 to 10, the cancer data's areas 4254 next to smoothness of
+   0.1, and these outliers reach the first linear layer);
+2. trains an `eqx.nn.MLP` (in -> 64 -> 64 -> classes, ReLU) in float per seed of the preset: full-batch Adam on the
+   cross-entropy, a fixed number of steps, initialised from the seed;
+3. quantizes it each way of `CONFIGS` that the preset names (W8A8: int8 weights per output channel, int8 per-tensor
+   inputs; W4A8: int4 weights per output channel, int8 per-tensor inputs; the input scales dynamic, one per example
+   as the model runs under `jax.vmap`, or calibrated on the training split), in the library's order
+   `quantize -> [smoothquant | awq | rotate] -> calibrate -> [gptq] -> convert`;
+4. scores the converted model (`eqx_quant.convert`) on the test split, after checking that its logits equal the
+   fake-quantized model's bit for bit under `eqx.filter_jit`: test accuracy, its drop from the float model (in
+   percentage points) and the relative error of the logits, `||y - y_float|| / ||y_float||` over the test split;
+5. prints a Markdown table per data set (accuracy per seed, then the means over seeds), the benchmark's targets
+   (`targets`) as met or missed with their figures, and writes `DIR/ptq_tabular_{preset}.json`.
+"""
+
+import argparse
+import dataclasses
+import json
+import pathlib
+import platform
+import time
+from collections.abc import Callable
+from typing import Any
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import sklearn
+from sklearn.datasets import load_breast_cancer, load_wine
+from sklearn.model_selection import train_test_split
+
+import eqx_quant
+
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
+DATASETS = {"wine": load_wine, "breast_cancer": load_breast_cancer}
+SPLIT_SEED = 0  # the train/test split's
+TEST_SIZE = 0.3
+
+
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """The sizes of a run: the data sets, the seeds of the float training (initialisation), its full-batch Adam steps
+    and learning rate, and the MLP's hidden width and depth."""
+
+    name: str
+    datasets: tuple[str, ...]
+    seeds: tuple[int, ...]
+    steps: int
+    learning_rate: float = 1e-3
+    width: int = 64
+    depth: int = 2
+    configs: tuple[str, ...] | None = None  # the rows of `CONFIGS` by name; None for all
+
+
+# The smoke preset's rows: the premise, SmoothQuant at 8 bits, and GPTQ at 4 bits with and without it.
+SMOKE_CONFIGS = ("W8A8 RTN", "W8A8 SmoothQuant 0.5", "W4A8 GPTQ", "W4A8 SmoothQuant 0.5 + GPTQ")
+PRESETS = {
+    "smoke": Preset("smoke", ("wine",), (0,), steps=500, configs=SMOKE_CONFIGS),
+    "full": Preset("full", ("wine", "breast_cancer"), (0, 1, 2), steps=3000),
+}
+
+
+# --------------------------------------------------------------------------------------------------- configurations
+
+
+def _hidden(path: str, layer: eqx.Module) -> bool:
+    return path != "layers.0"  # 13 and 30 input features cannot be rotated; the hidden layers' 64 can
+
+
+def _first(path: str, layer: eqx.Module) -> bool:
+    return path == "layers.0"
+
+
+TRANSFORMS: dict[str, Callable[[Any, list, int], Any]] = {
+    "smoothquant": lambda m, batches, seed: eqx_quant.smoothquant(m, batches, alpha=0.5),
+    "smoothquant_0.75": lambda m, batches, seed: eqx_quant.smoothquant(m, batches, alpha=0.75),
+    "awq": lambda m, batches, seed: eqx_quant.awq(m, batches),
+    "rotate": lambda m, batches, seed: eqx_quant.rotate(m, key=jax.random.key(seed), where=_hidden),
+    # SmoothQuant on the first layer (which sees the outlier features), rotations on the hidden ones
+    "smoothquant_rotate": lambda m, batches, seed: eqx_quant.rotate(
+        eqx_quant.smoothquant(m, batches, alpha=0.5, where=_first), key=jax.random.key(seed), where=_hidden
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A quantized row: the weights' bits (per output channel; inputs always int8 per tensor), the transform of
+    `TRANSFORMS` run before calibration (or none), whether the input scales are calibrated on the training split
+    (else dynamic), whether the weights are solved by GPTQ (else rounded to nearest), and whether GPTQ runs with
+    `act_order` (the columns of largest Hessian diagonal first: the outlier features' columns, such as wine's last
+    one, are then solved first and the other columns compensate their errors)."""
+
+    name: str
+    bits: int
+    transform: str | None = None
+    calibrated: bool = True
+    gptq: bool = False
+    act_order: bool = False
+
+
+CONFIGS = (
+    Config("W8A8 RTN, dynamic inputs", 8, calibrated=False),
+    Config("W8A8 RTN", 8),
+    Config("W8A8 SmoothQuant 0.5", 8, "smoothquant"),
+    Config("W8A8 SmoothQuant 0.75", 8, "smoothquant_0.75"),
+    Config("W8A8 AWQ", 8, "awq"),
+    Config("W4A8 RTN", 4),
+    Config("W4A8 GPTQ", 4, gptq=True),
+    Config("W4A8 GPTQ act_order", 4, gptq=True, act_order=True),
+    Config("W4A8 SmoothQuant 0.5 + GPTQ", 4, "smoothquant", gptq=True),
+    Config("W4A8 AWQ + GPTQ", 4, "awq", gptq=True),
+    Config("W4A8 rotate(hidden) + GPTQ", 4, "rotate", gptq=True),
+    # The best of a few combinations tried on the full preset (not one of the targets' rows)
+    Config(
+        "W4A8 SmoothQuant(first) + rotate(hidden) + GPTQ act_order", 4, "smoothquant_rotate", gptq=True, act_order=True
+    ),
+)
+
+
+def rules(bits: int) -> list[eqx_quant.Rule]:
+    """Every linear layer: `bits`-bit weights, one scale per output channel; 8-bit dynamic per-tensor inputs."""
+    if bits == 8:
+        return eqx_quant.recipe("w8a8")["rules"]
+    return [eqx_quant.Rule(".*", weight=eqx_quant.LayerQuantizer(bits), input=eqx_quant.DynamicFakeQuant(8))]
+
+
+def quantized(model: eqx.nn.MLP, config: Config, batches: list, seed: int) -> Any:
+    """The fake-quantized model of `config`, calibrated (and solved) on `batches`."""
+    qmodel = eqx_quant.quantize(model, rules=rules(config.bits))
+    if config.transform is not None:
+        qmodel = TRANSFORMS[config.transform](qmodel, batches, seed)
+    if config.calibrated:
+        qmodel = eqx_quant.calibrate(qmodel, batches)
+    if config.gptq:
+        qmodel = eqx_quant.gptq(qmodel, batches, act_order=config.act_order)
+    return qmodel
+
+
+# ------------------------------------------------------------------------------------------------- data, training
+
+
+@dataclasses.dataclass(frozen=True)
+class Data:
+    x_train: np.ndarray
+    x_test: np.ndarray
+    y_train: np.ndarray
+    y_test: np.ndarray
+    classes: int
+
+
+def load(name: str) -> Data:
+    """The data set's raw features (float32) and labels, split `1 - TEST_SIZE` / `TEST_SIZE`, stratified."""
+    bunch = DATASETS[name]()
+    x_train, x_test, y_train, y_test = train_test_split(
+        bunch.data.astype(np.float32),
+        bunch.target.astype(np.int32),
+        test_size=TEST_SIZE,
+        stratify=bunch.target,
+        random_state=SPLIT_SEED,
+    )
+    return Data(x_train, x_test, y_train, y_test, len(bunch.target_names))
+
+
+@eqx.filter_jit
+def logits(model: Any, x: jax.Array) -> jax.Array:
+    return jax.vmap(model)(x)
+
+
+def train(data: Data, preset: Preset, seed: int) -> tuple[eqx.nn.MLP, float]:
+    """The float MLP trained by full-batch Adam for the preset's steps; and its final training loss."""
+    model = eqx.nn.MLP(data.x_train.shape[1], data.classes, preset.width, preset.depth, key=jax.random.key(seed))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    optimizer = optax.adam(preset.learning_rate)
+    x, y = jnp.asarray(data.x_train), jnp.asarray(data.y_train)
+
+    def loss(params):
+        out = jax.vmap(eqx.combine(params, static))(x)
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(out, y))
+
+    def step(carry, _):
+        params, state = carry
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, state = optimizer.update(grads, state, params)
+        return (optax.apply_updates(params, updates), state), value
+
+    # optax mixes Python floats with its int32 step count, which strict dtype promotion would reject.
+    with jax.numpy_dtype_promotion("standard"):
+        run = jax.jit(lambda p: jax.lax.scan(step, (p, optimizer.init(p)), None, length=preset.steps))
+        (params, _), losses = run(params)
+    return eqx.combine(params, static), float(losses[-1])
+
+
+# ------------------------------------------------------------------------------------------------------ evaluation
+
+
+def scores(out: np.ndarray, reference: np.ndarray, labels: np.ndarray) -> dict[str, float]:
+    """Test accuracy in percent, and the relative error of the logits `out` against the float model's."""
+    out64, ref64 = out.astype(np.float64), reference.astype(np.float64)
+    return {
+        "accuracy": 100.0 * float(np.mean(np.argmax(out, axis=1) == labels)),
+        "rel_error": float(np.linalg.norm(out64 - ref64) / np.linalg.norm(ref64)),
+    }
+
+
+def run_dataset(name: str, preset: Preset, say: Callable[[str], None]) -> dict:
+    """Every row of one data set, per seed and averaged over the seeds, with the targets."""
+    data = load(name)
+    batches = [jnp.asarray(data.x_train)]  # calibration: the whole training split, one batch
+    x_test = jnp.asarray(data.x_test)
+    configs = [c for c in CONFIGS if preset.configs is None or c.name in preset.configs]
+    per_seed: dict[str, list[dict]] = {"float": [], **{c.name: [] for c in configs}}
+    for seed in preset.seeds:
+        start = time.perf_counter()
+        model, final_loss = train(data, preset, seed)
+        reference = np.asarray(logits(model, x_test))
+        per_seed["float"].append({"seed": seed, "train_loss": final_loss, **scores(reference, reference, data.y_test)})
+        say(
+            f"{name} seed {seed}: float trained in {time.perf_counter() - start:.1f} s, loss {final_loss:.4f}, "
+            f"test accuracy {per_seed['float'][-1]['accuracy']:.2f}%"
+        )
+        for config in configs:
+            start = time.perf_counter()
+            qmodel = quantized(model, config, batches, seed)
+            converted = eqx_quant.convert(qmodel)
+            fake, out = np.asarray(logits(qmodel, x_test)), np.asarray(logits(converted, x_test))
+            # The library's promise: the converted (integer) model computes exactly what the fake-quantized one does.
+            assert np.array_equal(fake, out), f"{name} seed {seed} {config.name}: converted != fake-quantized"
+            row = {"seed": seed, **scores(out, reference, data.y_test), "converted_equals_fake": True}
+            row["seconds"] = time.perf_counter() - start
+            per_seed[config.name].append(row)
+            say(f"  {config.name}: {row['accuracy']:.2f}%, rel. error {row['rel_error']:.4f}")
+    float_accuracy = float(np.mean([r["accuracy"] for r in per_seed["float"]]))
+    rows = []
+    for row_name, runs in per_seed.items():
+        accuracy = float(np.mean([r["accuracy"] for r in runs]))
+        rows.append(
+            {
+                "name": row_name,
+                "config": None if row_name == "float" else dataclasses.asdict(_config(row_name)),
+                "accuracy": accuracy,
+                "drop": float_accuracy - accuracy,
+                "rel_error": float(np.mean([r["rel_error"] for r in runs])),
+                "per_seed": runs,
+            }
+        )
+    result = {
+        "n_train": len(data.y_train),
+        "n_test": len(data.y_test),
+        "features": int(data.x_train.shape[1]),
+        "classes": data.classes,
+        "feature_absmax": np.abs(data.x_train).max(axis=0).tolist(),
+        "rows": rows,
+    }
+    result["targets"] = targets(result)
+    return result
+
+
+def _config(name: str) -> Config:
+    return next(c for c in CONFIGS if c.name == name)
+
+
+# --------------------------------------------------------------------------------------------------------- targets
+
+
+# name: (the target, the rows it reads, whether a row meets it from its mean drop in points and relative error)
+TARGETS: dict[str, tuple[str, tuple[str, ...], Callable[[float, float], bool]]] = {
+    "outliers_matter": (
+        "calibrated RTN W8A8 loses >= 2 points or has >= 2% rel. error",
+        ("W8A8 RTN",),
+        lambda drop, rel_error: drop >= 2.0 or rel_error >= 0.02,
+    ),
+    "smoothquant_w8a8": (
+        "SmoothQuant W8A8 within 0.5 points or 0.5% rel. error",
+        ("W8A8 SmoothQuant 0.5", "W8A8 SmoothQuant 0.75"),
+        lambda drop, rel_error: drop <= 0.5 or rel_error <= 0.005,
+    ),
+    "w4a8_smoothquant_or_awq_gptq": (
+        "W4A8 SmoothQuant or AWQ + GPTQ within 2 points",
+        ("W4A8 SmoothQuant 0.5 + GPTQ", "W4A8 AWQ + GPTQ"),
+        lambda drop, rel_error: drop <= 2.0,
+    ),
+}
+
+
+def targets(dataset: dict) -> dict[str, dict]:
+    """The targets of `TARGETS` on one data set's figures, the means over the seeds (a drop is the float model's
+    accuracy minus the row's, in points: a gain is within any margin): each with the figures of every row it reads
+    that the run has, and met if one of them meets it (a target none of whose rows ran is left out)."""
+    by_name = {r["name"]: r for r in dataset["rows"]}
+    result = {}
+    for key, (text, names, meets) in TARGETS.items():
+        rows = []
+        names = [n for n in names if n in by_name]
+        if not names:
+            continue
+        for n in names:
+            drop, rel_error = by_name[n]["drop"], by_name[n]["rel_error"]
+            rows.append({"row": n, "drop": drop, "rel_error": rel_error, "met": meets(drop, rel_error)})
+        result[key] = {"target": text, "met": any(r["met"] for r in rows), "rows": rows}
+    return result
+
+
+def table(name: str, dataset: dict) -> str:
+    """One data set's rows as a Markdown table: accuracy per seed, then the means over the seeds."""
+    lines = [
+        f"**{name}** ({dataset['n_train']} train / {dataset['n_test']} test, {dataset['features']} features, "
+        f"{dataset['classes']} classes)",
+        "",
+        "| configuration | accuracy per seed (%) | accuracy (%) | drop (points) | rel. error |",
+        "|---|---|---:|---:|---:|",
+    ]
+    for r in dataset["rows"]:
+        seeds = " / ".join(f"{s['accuracy']:.2f}" for s in r["per_seed"])
+        lines.append(
+            f"| {r['name']} | {seeds} | {r['accuracy']:.2f} | {r['drop']:+.2f} | {100 * r['rel_error']:.2f}% |"
+        )
+    return "\n".join(lines)
+
+
+def target_lines(name: str, dataset: dict) -> list[str]:
+    """A line per target: met or missed, with the figures of the rows it reads."""
+    lines = []
+    for t in dataset["targets"].values():
+        figures = "; ".join(
+            f"{r['row']}: drop {r['drop']:+.2f} points, rel. error {100 * r['rel_error']:.2f}%" for r in t["rows"]
+        )
+        lines.append(f"{name}: {t['target']}: {'met' if t['met'] else 'missed'} ({figures})")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------------------- run
+
+
+def run(preset: str | Preset, out: pathlib.Path = RESULTS, *, log: Callable[[str], None] | None = print) -> dict:
+    """Runs the benchmark and writes `out/ptq_tabular_{preset}.json`; returns what it wrote."""
+    if isinstance(preset, str):
+        if preset not in PRESETS:
+            raise ValueError(f"`preset` must be one of {sorted(PRESETS)}, got {preset!r}.")
+        preset = PRESETS[preset]
+    say = log if log is not None else (lambda line: None)
+    start = time.perf_counter()
+    datasets = {name: run_dataset(name, preset, say) for name in preset.datasets}
+    results = {
+        "preset": dataclasses.asdict(preset),
+        "split": {"test_size": TEST_SIZE, "seed": SPLIT_SEED, "stratified": True},
+        "machine": {
+            "jax": jax.__version__,
+            "backend": jax.default_backend(),
+            "device": jax.devices()[0].device_kind,
+            "eqx_quant": eqx_quant.__version__,
+            "equinox": eqx.__version__,
+            "sklearn": sklearn.__version__,
+            "python": platform.python_version(),
+            "platform": platform.platform(),
+        },
+        "datasets": datasets,
+        "seconds": time.perf_counter() - start,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"ptq_tabular_{preset.name}.json").write_text(json.dumps(results, indent=1))
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for ptq_tabular_{preset}.json")
+    args = parser.parse_args(argv)
+    print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
+    results = run(args.preset, args.out)
+    for name, dataset in results["datasets"].items():
+        print()
+        print(table(name, dataset))
+        print()
+        print("\n".join(target_lines(name, dataset)))
+    print(f"\n{results['seconds']:.0f} s; wrote {args.out / f'ptq_tabular_{args.preset}.json'}")
+    return results
+
+
+if __name__ == "__main__":
+    main()

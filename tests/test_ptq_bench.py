@@ -1,0 +1,106 @@
+"""The tabular post-training benchmark (`benchmarks/ptq_tabular.py`): its smoke preset end to end, and its targets
+and table from hand-made rows."""
+
+import importlib
+import json
+import pathlib
+import sys
+
+import pytest
+
+
+BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+ptq = importlib.import_module("ptq_tabular")
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("ptq_tabular")
+    lines: list[str] = []
+    results = ptq.run("smoke", out, log=lines.append)
+    return out, results, lines
+
+
+@pytest.mark.slow
+def test_smoke_run_writes_plausible_results(smoke):
+    out, results, lines = smoke
+    written = json.loads((out / "ptq_tabular_smoke.json").read_text())
+    assert written == json.loads(json.dumps(results))  # what run returns is what it wrote
+    assert {"preset", "split", "machine", "datasets", "seconds"} <= set(written)
+    assert written["preset"]["name"] == "smoke" and written["machine"]["jax"]
+    assert list(written["datasets"]) == ["wine"]
+
+    wine = written["datasets"]["wine"]
+    assert (wine["n_train"], wine["n_test"], wine["features"], wine["classes"]) == (124, 54, 13, 3)
+    assert max(wine["feature_absmax"]) > 1000 > 100 * min(wine["feature_absmax"])  # proline, and the small ones
+    rows = {r["name"]: r for r in wine["rows"]}
+    assert list(rows) == ["float", *ptq.SMOKE_CONFIGS]
+    for row in wine["rows"]:
+        assert len(row["per_seed"]) == 1 and row["per_seed"][0]["seed"] == 0
+        correct = row["accuracy"] * wine["n_test"] / 100  # a whole number of test examples
+        assert correct == pytest.approx(round(correct)) and 0 <= row["accuracy"] <= 100
+        if row["name"] != "float":
+            # The converted (integer) model's logits are the fake-quantized model's, bit for bit (run asserts it).
+            assert row["per_seed"][0]["converted_equals_fake"] is True
+            assert row["rel_error"] > 0  # every quantized model moves off the float one
+    f = rows["float"]
+    assert f["drop"] == 0 and f["rel_error"] == 0
+    assert f["accuracy"] > 80  # trained on raw features, still far above chance (40%, the largest class)
+
+    # The outliers matter: calibrated per-tensor inputs and RTN weights lose accuracy, and SmoothQuant recovers most
+    # of it, with a far smaller error of the logits.
+    rtn, smooth = rows["W8A8 RTN"], rows["W8A8 SmoothQuant 0.5"]
+    assert rtn["drop"] >= 2 and rtn["rel_error"] > 0.02
+    assert smooth["accuracy"] > rtn["accuracy"] and 3 * smooth["rel_error"] < rtn["rel_error"]
+    assert rows["W4A8 SmoothQuant 0.5 + GPTQ"]["rel_error"] < rows["W4A8 GPTQ"]["rel_error"]
+
+    t = wine["targets"]
+    assert list(t) == list(ptq.TARGETS) and t["outliers_matter"]["met"] is True
+    assert [r["row"] for r in t["smoothquant_w8a8"]["rows"]] == ["W8A8 SmoothQuant 0.5"]  # the rows the run has
+    assert lines[0].startswith("wine seed 0: float trained") and len(lines) == 1 + len(ptq.SMOKE_CONFIGS)
+
+
+def _rows(drops_and_errors: dict[str, tuple[float, float]]) -> list[dict]:
+    rows = [{"name": "float", "accuracy": 90.0, "drop": 0.0, "rel_error": 0.0, "per_seed": [{"accuracy": 90.0}]}]
+    for name, (drop, rel_error) in drops_and_errors.items():
+        seeds = [{"accuracy": 90.0 - drop + d} for d in (-1, 1)]
+        rows.append({"name": name, "accuracy": 90.0 - drop, "drop": drop, "rel_error": rel_error, "per_seed": seeds})
+    return rows
+
+
+def test_targets_and_table_from_hand_made_rows():
+    figures = {
+        "W8A8 RTN": (1.0, 0.03),  # loses 1 point only, but 3% relative error: the premise holds
+        "W8A8 SmoothQuant 0.5": (0.75, 0.004),  # the relative error is within 0.5%
+        "W8A8 SmoothQuant 0.75": (-1.0, 0.02),  # a gain is within 0.5 points
+        "W4A8 SmoothQuant 0.5 + GPTQ": (2.5, 0.1),
+        "W4A8 AWQ + GPTQ": (3.0, 0.01),  # only points count here
+    }
+    dataset = {"n_train": 10, "n_test": 5, "features": 3, "classes": 2, "rows": _rows(figures)}
+    t = ptq.targets(dataset)
+    assert t["outliers_matter"]["met"] is True
+    assert t["smoothquant_w8a8"]["met"] is True and [r["met"] for r in t["smoothquant_w8a8"]["rows"]] == [True, True]
+    assert t["w4a8_smoothquant_or_awq_gptq"]["met"] is False
+    dataset["targets"] = t
+    lines = ptq.target_lines("toy", dataset)
+    assert lines[0] == (
+        "toy: calibrated RTN W8A8 loses >= 2 points or has >= 2% rel. error: met "
+        "(W8A8 RTN: drop +1.00 points, rel. error 3.00%)"
+    )
+    assert lines[2].startswith("toy: W4A8 SmoothQuant or AWQ + GPTQ within 2 points: missed (W4A8 SmoothQuant")
+    table = ptq.table("toy", dataset).splitlines()
+    assert len(table) == 4 + 1 + len(figures)
+    assert table[5] == "| W8A8 RTN | 88.00 / 90.00 | 89.00 | +1.00 | 3.00% |"
+
+    figures["W8A8 RTN"] = (1.0, 0.01)
+    assert ptq.targets({"rows": _rows(figures)})["outliers_matter"]["met"] is False
+
+
+def test_refuses_an_unknown_preset(tmp_path):
+    with pytest.raises(SystemExit) as info:
+        ptq.main(["--preset", "huge", "--out", str(tmp_path)])
+    assert info.value.code == 2
+    with pytest.raises(ValueError, match="`preset`"):
+        ptq.run("huge", tmp_path)
+    assert not list(tmp_path.iterdir())

@@ -1,0 +1,661 @@
+"""Input transforms (`ScaleInput`, `RotateInput` and the Hadamard matrices behind it) and the algorithms that set
+them (`smoothquant`, `awq`, `rotate`) against NumPy twins; their workflows with `calibrate`, `gptq`, `convert`,
+`save`/`load`, training and the exporters."""
+
+import functools
+import re
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.linalg
+
+import eqx_quant
+from eqx_quant.nn import RotateInput, ScaleInput
+from eqx_quant.nn._transforms import hadamard_order, paley_hadamard, walsh_hadamard
+
+from .helpers import assert_bitwise_equal, init, np_absmax_scale
+from .models import DecoderLM, LinearStack
+
+
+RNG = np.random.default_rng(0)
+# Weights (32, 64) and (8, 32): every input size a multiple of 32 (groups fit) and a power of two (rotations fit).
+MLP = init(lambda k: eqx.nn.MLP(64, 8, 32, 1, key=k), 0)
+NORMAL = RNG.standard_normal((32, 64)).astype(np.float32)
+X_SMOOTH = jnp.asarray(NORMAL * np.where(np.arange(64) == 3, 100, 1).astype(np.float32))  # one outlier channel
+X_ROTATE = jnp.asarray(NORMAL * np.where(np.arange(64) == 5, 10, 1).astype(np.float32))  # a milder one
+# Channels of very different typical sizes: what AWQ's scaling is for.
+X_AWQ = jnp.asarray(NORMAL * np.exp(RNG.standard_normal(64)).astype(np.float32))
+W4_ROW = eqx_quant.DynamicFakeQuant(4, axis=0)
+
+
+@eqx.filter_jit
+def _apply(model, x):
+    return jax.vmap(model)(x)
+
+
+def _eager(model, x):
+    return jax.vmap(model)(x)
+
+
+# A function of modules (a transform's bound method, say) compiled: eager calls compile every operation.
+_jit = eqx.filter_jit(lambda f, *args: f(*args))
+
+
+@eqx.filter_jit
+def _float_function(layer, x):
+    """What a transformed layer computes in floating point: its wrapped layer on the transformed input."""
+    return jax.vmap(lambda v: layer.layer(layer.input_transform(v)))(x)
+
+
+def _np_linear(linear, x) -> np.ndarray:
+    """The float64 NumPy twin of an `eqx.nn.Linear` on a batch."""
+    return np.asarray(x, np.float64) @ np.asarray(linear.weight, np.float64).T + np.asarray(linear.bias, np.float64)
+
+
+def _rms(a, b) -> float:
+    return float(np.sqrt(np.mean((np.asarray(a, np.float64) - np.asarray(b, np.float64)) ** 2)))
+
+
+def _hadamard(n: int) -> np.ndarray:
+    """The float64 Hadamard matrix of size `n` the rotations use: Paley's factor of order `hadamard_order(n)`
+    Kronecker Sylvester's, from scipy."""
+    m = hadamard_order(n)
+    assert m is not None
+    return np.kron(paley_hadamard(m).astype(np.float64), scipy.linalg.hadamard(n // m).astype(np.float64))
+
+
+def _rotation(signs) -> np.ndarray:
+    """The NumPy twin of `RotateInput(signs)`'s matrix, `T = H D / sqrt(n)`, in float64."""
+    signs = np.asarray(signs, np.float64)
+    return _hadamard(signs.size) * signs[None, :] / np.sqrt(signs.size)
+
+
+def _matrix(transform, n: int) -> np.ndarray:
+    """The matrix of a transform, column by column: `T e_j` for each basis vector."""
+    return np.asarray(_jit(jax.vmap(transform), jnp.eye(n, dtype=jnp.float32)), np.float64).T
+
+
+# --- Hadamard matrices ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("order", [1, 4, 8, 12, 20, 24, 44])
+def test_paley_hadamard_is_a_hadamard_matrix(order):
+    """`H Hᵀ = m I` with entries ±1."""
+    h = paley_hadamard(order).astype(np.int64)
+    assert h.shape == (order, order)
+    assert set(np.unique(h)) <= {-1, 1}
+    np.testing.assert_array_equal(h @ h.T, order * np.eye(order, dtype=np.int64))
+
+
+def test_hadamard_order_table():
+    """The small factor `m` of `n = m * 2**k`: 1 for powers of two, the least Paley order otherwise, else None."""
+    table = {1: 1, 2: 1, 16: 1, 1024: 1, 12: 12, 24: 12, 48: 12, 40: 20, 4608: 72, 28: None, 10: None, 6: None}
+    table |= {11008: None, 0: None, 3: None, 56: None}
+    for n, m in table.items():
+        assert hadamard_order(n) == m, n
+
+
+@pytest.mark.parametrize("n", [16, 12, 48, 40])
+def test_walsh_hadamard_is_the_kronecker_product(n):
+    """`walsh_hadamard(x)` is `x Hᵀ` (and `x H` with `transpose`) for `H = Paley ⊗ Sylvester`: exact on small
+    integers."""
+    x = RNG.integers(-8, 9, size=(3, n)).astype(np.float32)
+    h = _hadamard(n)
+    m = hadamard_order(n)
+    assert m is not None
+    transform = jax.jit(walsh_hadamard, static_argnums=1, static_argnames="transpose")
+    np.testing.assert_array_equal(np.asarray(transform(jnp.asarray(x), m)), x @ h.T)
+    np.testing.assert_array_equal(np.asarray(transform(jnp.asarray(x), m, transpose=True)), x @ h)
+
+
+# --- RotateInput and ScaleInput -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [16, 24])
+def test_rotate_input_matches_the_numpy_twin(n):
+    """`T` read column by column is `H D / sqrt(n)`, orthogonal; `absorb` is `W Tᵀ`, `restore` inverts it, and
+    `absorb(W) T x = W x`."""
+    signs = jnp.asarray(RNG.choice([-1, 1], size=n).astype(np.int8))
+    transform = RotateInput(signs)
+    t = _matrix(transform, n)
+    twin = _rotation(signs)
+    np.testing.assert_allclose(t, twin, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(t @ t.T, np.eye(n), rtol=0, atol=1e-6)
+    w = RNG.standard_normal((5, n)).astype(np.float32)
+    absorbed = _jit(transform.absorb, jnp.asarray(w))
+    np.testing.assert_allclose(np.asarray(absorbed), w @ twin.T, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(_jit(transform.restore, absorbed)), w, rtol=0, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(_jit(transform.restore, jnp.asarray(w))), w @ twin, rtol=0, atol=1e-5)
+    x = RNG.standard_normal((7, n)).astype(np.float32)
+    y = np.asarray(_jit(jax.vmap(transform), jnp.asarray(x)), np.float64) @ np.asarray(absorbed, np.float64).T
+    np.testing.assert_allclose(y, x @ w.T.astype(np.float64), rtol=0, atol=1e-4)
+
+
+def _transforms():
+    multiplier = RNG.uniform(0.1, 10, size=24).astype(np.float32)
+    scale = ScaleInput(jnp.asarray(multiplier))
+    rotate = RotateInput(jnp.asarray(RNG.choice([-1, 1], size=24).astype(np.int8)))
+    return multiplier, scale, rotate
+
+
+def test_transforms_agree_eagerly_under_jit_and_vmap():
+    """Both transforms compute the same bits eagerly (one example at a time), under `jax.jit` and under `jax.vmap`;
+    `ScaleInput` is exactly `x * multiplier`, its `restore` exactly `W * m` and its `absorb` `W / m`."""
+    x = jnp.asarray(RNG.standard_normal((6, 24)).astype(np.float32))
+    multiplier, scale, rotate = _transforms()
+    for transform in (scale, rotate):
+        eager = np.stack([np.asarray(transform(v)) for v in x])
+        assert_bitwise_equal(jax.vmap(transform)(x), eager)
+        assert_bitwise_equal(eqx.filter_jit(lambda t, v: jax.vmap(t)(v))(transform, x), eager)
+        assert_bitwise_equal(eqx.filter_jit(lambda t, v: t(v))(transform, x[0]), eager[0])
+    assert_bitwise_equal(jax.vmap(scale)(x), np.asarray(x) * multiplier)
+    np.testing.assert_array_equal(_matrix(scale, 24), np.diag(multiplier.astype(np.float64)))
+    w = RNG.standard_normal((5, 24)).astype(np.float32)
+    # XLA's float32 division on CPU may be 1 ulp off the correctly rounded quotient.
+    np.testing.assert_allclose(np.asarray(scale.absorb(jnp.asarray(w))), w / multiplier, rtol=2.5e-7, atol=0)
+    assert_bitwise_equal(scale.restore(jnp.asarray(w)), w * multiplier)
+
+
+def test_transforms_take_a_batch_under_strict_rank_promotion():
+    """The transforms' documented `*batch n` input: a batch at once computes what `jax.vmap` computes."""
+    x = jnp.asarray(RNG.standard_normal((6, 24)).astype(np.float32))
+    _, scale, rotate = _transforms()
+    for transform in (scale, rotate):
+        assert_bitwise_equal(transform(x), jax.vmap(transform)(x))
+
+
+def test_rotate_input_rejects_sizes_without_a_hadamard_matrix():
+    """Signs of a size `m * 2**k` with no Paley order `m` are a ValueError that names `signs`."""
+    for n in (28, 10):
+        with pytest.raises(ValueError, match="`signs`"):
+            RotateInput(jnp.ones(n, jnp.int8))
+
+
+# --- smoothquant ----------------------------------------------------------------------------------------------------
+
+
+def _w8a8(model=MLP):
+    return eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"))
+
+
+Q8 = _w8a8()
+SMOOTH_BATCHES = [X_SMOOTH[:16], X_SMOOTH[16:]]
+_second = lambda path, layer: path == "layers.1"  # noqa: E731
+
+
+@functools.cache
+def _smoothed(alpha=0.5, where=None):
+    return eqx_quant.smoothquant(Q8, SMOOTH_BATCHES, alpha=alpha, where=where)
+
+
+@functools.cache
+def _calibrated(smooth: bool):
+    """The W8A8 MLP calibrated on `X_SMOOTH`, smoothed first or not."""
+    return eqx_quant.calibrate(_smoothed() if smooth else Q8, [X_SMOOTH])
+
+
+def _smoothquant_twin(x, weight, alpha):
+    """NumPy twin of SmoothQuant's multiplier `1 / s`, `s_j = max|X_j|**alpha / max|W_j|**(1 - alpha)`."""
+    x_max = np.max(np.abs(np.asarray(x, np.float64)), axis=0)
+    w_max = np.max(np.abs(np.asarray(weight, np.float64)), axis=0)
+    return 1 / (x_max**alpha / w_max ** (1 - alpha))
+
+
+@pytest.mark.parametrize("alpha", [0.5, 0.8])
+def test_smoothquant_matches_the_numpy_twin_and_keeps_the_float_function(alpha):
+    """The first layer's multiplier (over two batches) is the twin's `1 / s`, its weight `W * s`; every layer with an
+    input quantizer is smoothed; the float function of the layer, and `float_model`, are unchanged up to rounding."""
+    smoothed = _smoothed(alpha)
+    layer = smoothed.layers[0]
+    assert isinstance(layer.input_transform, ScaleInput)
+    assert isinstance(smoothed.layers[1].input_transform, ScaleInput)
+    multiplier = np.asarray(layer.input_transform.multiplier)
+    assert multiplier.dtype == np.float32
+    np.testing.assert_allclose(multiplier, _smoothquant_twin(X_SMOOTH, MLP.layers[0].weight, alpha), rtol=2e-6)
+    assert np.argmin(multiplier) == 3  # the outlier channel is divided down the most
+    np.testing.assert_allclose(np.asarray(layer.layer.weight), np.asarray(MLP.layers[0].weight) / multiplier, rtol=1e-6)
+    x = X_SMOOTH[:4]
+    np.testing.assert_allclose(
+        np.asarray(_float_function(layer, x)), _np_linear(MLP.layers[0], x), rtol=1e-5, atol=1e-4
+    )
+    restored = eqx_quant.float_model(smoothed)
+    for a, b in zip(restored.layers, MLP.layers, strict=True):
+        np.testing.assert_allclose(np.asarray(a.weight), np.asarray(b.weight), rtol=1e-6, atol=1e-7)
+        assert_bitwise_equal(a.bias, b.bias)
+    np.testing.assert_allclose(np.asarray(_apply(restored, x)), np.asarray(_apply(MLP, x)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_smoothquant_lowers_the_w8a8_error_on_an_outlier_channel():
+    """Calibrated W8A8 with an outlier input channel: smoothing moves the outlier into the weight, and the output
+    error against the float model drops (both computed here)."""
+    float_out = _apply(MLP, X_SMOOTH)
+    error_plain = _rms(_apply(_calibrated(False), X_SMOOTH), float_out)
+    error_smoothed = _rms(_apply(_calibrated(True), X_SMOOTH), float_out)
+    assert error_smoothed < 0.5 * error_plain, (error_smoothed, error_plain)
+
+
+def test_smoothquant_statistics_ignore_non_finite_inputs():
+    """A NaN in the calibration data counts as 0 in the channel maxima: the first layer gets the multiplier of data
+    with a 0 there (at the entry that was its channel's maximum, so that leaving it in would show)."""
+    data = np.array(X_SMOOTH)
+    data[int(np.argmax(np.abs(data[:, 7]))), 7] = np.nan
+    zeroed = np.where(np.isnan(data), np.float32(0), data)
+    with_nan = eqx_quant.smoothquant(Q8, [jnp.asarray(data[:16]), jnp.asarray(data[16:])])
+    with_zero = eqx_quant.smoothquant(Q8, [jnp.asarray(zeroed[:16]), jnp.asarray(zeroed[16:])])
+    got = with_nan.layers[0].input_transform.multiplier
+    assert_bitwise_equal(got, with_zero.layers[0].input_transform.multiplier)
+    np.testing.assert_allclose(np.asarray(got), _smoothquant_twin(zeroed, MLP.layers[0].weight, 0.5), rtol=2e-6)
+    assert not np.allclose(np.asarray(got), np.asarray(_smoothed().layers[0].input_transform.multiplier))
+
+
+def test_smoothquant_where_transforms_only_the_chosen_layer():
+    """With `where` choosing `layers.1`, `layers.0` keeps its weight and has no transform."""
+    smoothed = _smoothed(where=_second)
+    assert smoothed.layers[0].input_transform is None
+    assert_bitwise_equal(smoothed.layers[0].layer.weight, Q8.layers[0].layer.weight)
+    assert isinstance(smoothed.layers[1].input_transform, ScaleInput)
+    assert smoothed.layers[1].input_transform.multiplier.shape == (32,)
+
+
+class _HalfUsed(eqx.Module):
+    used: eqx.nn.Linear
+    unused: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.used(x)
+
+
+def test_smoothquant_errors():
+    """ValueErrors naming the argument or the layer: `alpha` outside [0, 1], a `where` that selects nothing, a layer
+    smoothed twice, one already calibrated (the message names `calibrate`), a layer never called."""
+    with pytest.raises(ValueError, match="alpha"):
+        eqx_quant.smoothquant(Q8, SMOOTH_BATCHES, alpha=1.5)
+    with pytest.raises(ValueError, match="where"):
+        eqx_quant.smoothquant(Q8, SMOOTH_BATCHES, where=lambda path, layer: False)
+    with pytest.raises(ValueError, match=r"'layers\.1' already has the input transform ScaleInput"):
+        eqx_quant.smoothquant(_smoothed(where=_second), SMOOTH_BATCHES)
+    with pytest.raises(ValueError, match=r"(?s)'layers\.0'.*before `calibrate`"):
+        eqx_quant.smoothquant(_calibrated(False), SMOOTH_BATCHES)
+    half = _w8a8(init(lambda k: _HalfUsed(eqx.nn.Linear(64, 8, key=k), eqx.nn.Linear(64, 8, key=k)), 1))
+    with pytest.raises(ValueError, match=r"\['unused'\] were never called"):
+        eqx_quant.smoothquant(half, SMOOTH_BATCHES)
+
+
+# --- awq ------------------------------------------------------------------------------------------------------------
+
+
+def _rtn(w, group):
+    """NumPy float32 twin of the symmetric int4 weight quantizer: `max|w| / 7` per row (`group=None`) or per group of
+    columns, round half to even, clip to [-8, 7]."""
+    w = np.asarray(w, np.float32)
+    out, n = w.shape
+    blocks = w.reshape(out, -1, group or n)
+    scale = np_absmax_scale(np.abs(blocks).max(axis=-1, keepdims=True), 7)
+    return (scale * np.clip(np.round(blocks * (np.float32(1) / scale)), -8, 7)).reshape(out, n)
+
+
+def _awq_multiplier(x_mean, alpha):
+    s = np.maximum(x_mean, 1e-4) ** alpha
+    return (1 / (s / np.sqrt(s.max() * s.min()))).astype(np.float32)
+
+
+def _awq_scaling_twin(w, x, group, grid=20):
+    """The float64 twin of AWQ's scaling search: each `alpha = i / grid`'s multiplier and output error
+    `tr(D G Dᵀ)`."""
+    x = np.asarray(x, np.float64)
+    gram, x_mean = x.T @ x, np.mean(np.abs(x), axis=0)
+    multipliers, errors = [], []
+    for i in range(grid):
+        m = _awq_multiplier(x_mean, i / grid)
+        d = _rtn(w / m, group).astype(np.float64) * m - w
+        multipliers.append(m)
+        errors.append(np.trace(d @ gram @ d.T))
+    return np.stack(multipliers), np.array(errors)
+
+
+def _assert_least_twin_error(multiplier, w, x, group):
+    """Asserts that `multiplier` is the twin's for some `alpha` (to float32 rounding) whose twin error is the least
+    (to 1e-4); returns its index and the twin's errors."""
+    multipliers, errors = _awq_scaling_twin(w, x, group)
+    chosen = int(np.argmin(np.max(np.abs(multipliers - multiplier) / multipliers, axis=1)))
+    np.testing.assert_allclose(multiplier, multipliers[chosen], rtol=1e-5)
+    assert errors[chosen] <= errors.min() * (1 + 1e-4), (chosen, errors)
+    return chosen, errors
+
+
+def _awq_clip_errors(scaled, multiplier, x, group, ratios):
+    """The float64 twin of AWQ's clipping errors `d_g G_gg d_gᵀ` per ratio, row and group, for the scaled weight."""
+    x = np.asarray(x, np.float64)
+    out, n = scaled.shape
+    g = group or n
+    blocks = scaled.reshape(out, n // g, g)
+    errors = np.zeros((len(ratios), out, n // g))
+    for k, ratio in enumerate(ratios):
+        limit = np.abs(blocks).max(axis=-1, keepdims=True) * np.float32(ratio)
+        clipped = np.clip(blocks, -limit, limit).reshape(out, n)
+        d = ((_rtn(clipped, group) - scaled).astype(np.float64) * multiplier).reshape(out, n // g, g)
+        for j in range(n // g):
+            x_g = x[:, j * g : (j + 1) * g]
+            errors[k, :, j] = np.sum((d[:, j] @ x_g.T) ** 2, axis=1)
+    return errors
+
+
+AWQ_BATCHES = [X_AWQ[:16], X_AWQ[16:]]
+
+
+@functools.cache
+def _awq_models():
+    """The MLP quantized weight-only int4 per group of 32, and `awq` of its first layer without and with clipping."""
+    q = eqx_quant.quantize(MLP, **eqx_quant.recipe("w4a16_g32"))
+    first = lambda path, layer: path == "layers.0"  # noqa: E731
+    return q, eqx_quant.awq(q, AWQ_BATCHES, clip=False, where=first), eqx_quant.awq(q, AWQ_BATCHES, where=first)
+
+
+def _output_error(weight, multiplier, w, x):
+    """`tr(D G Dᵀ)` of the effective weight `weight * multiplier` against `w` on the data `x`, in float64."""
+    d = np.asarray(weight, np.float64) * np.asarray(multiplier, np.float64) - np.asarray(w, np.float64)
+    return float(np.sum((np.asarray(x, np.float64) @ d.T) ** 2))
+
+
+@pytest.mark.slow
+def test_awq_matches_the_numpy_twin_and_beats_round_to_nearest():
+    """Int4 per group of 32: the multiplier is one of the twin's, of least twin error (to 1e-4), and not
+    round-to-nearest's; without clipping the float function is unchanged; each row and group's clipping ratio has
+    the least twin error of the ratios tried; the weight-only output error is at most RTN's, with and without
+    clipping, and the fake-quant layer computes the twin's `Q(W') (m x)`."""
+    q, scaled_model, clipped_model = _awq_models()
+    w, x = np.asarray(MLP.layers[0].weight), np.asarray(X_AWQ)
+    layer, clipped = scaled_model.layers[0], clipped_model.layers[0]
+    multiplier = np.asarray(layer.input_transform.multiplier)
+    assert_bitwise_equal(clipped.input_transform.multiplier, multiplier)
+
+    chosen, errors = _assert_least_twin_error(multiplier, w, x, 32)
+    assert chosen > 0 and errors[chosen] < errors[0]  # the scaling does better than RTN (alpha = 0) here
+
+    # Without clipping, the weight is `W / m` (to XLA's float32 division) and computes `W x` on `m x`.
+    scaled = np.asarray(layer.layer.weight)
+    np.testing.assert_allclose(scaled, w / multiplier, rtol=2.5e-7, atol=0)
+    np.testing.assert_allclose(
+        np.asarray(_float_function(layer, X_AWQ[:4])), _np_linear(MLP.layers[0], X_AWQ[:4]), rtol=1e-5, atol=1e-5
+    )
+
+    # Clipping: each row and group is clipped to `ratio * max|w|` for the ratio of least twin error of the 10 tried.
+    ratios = 1 - np.arange(10) / 20
+    top = np.abs(scaled).reshape(32, 2, 32).max(axis=-1)
+    got = np.abs(np.asarray(clipped.layer.weight)).reshape(32, 2, 32).max(axis=-1) / top
+    index = np.argmin(np.abs(got[None] - ratios[:, None, None]), axis=0)
+    np.testing.assert_allclose(got, ratios[index], rtol=1e-6)
+    limit = np.repeat(np.abs(np.asarray(clipped.layer.weight)).reshape(32, 2, 32).max(axis=-1), 32, axis=1)
+    assert_bitwise_equal(clipped.layer.weight, np.clip(scaled, -limit, limit))
+    clip_errors = _awq_clip_errors(scaled, multiplier, x, 32, ratios)
+    chosen_errors = np.take_along_axis(clip_errors, index[None], axis=0)[0]
+    np.testing.assert_array_less(chosen_errors, clip_errors.min(axis=0) * (1 + 1e-4) + 1e-9)
+    assert np.any(index > 0)  # some groups are clipped
+
+    # The output error on the data is at most round-to-nearest's, and the fake-quant layers compute the twin's.
+    final = _rtn(np.asarray(clipped.layer.weight), 32)
+    rtn_error = _output_error(_rtn(w, 32), 1, w, x)
+    scaled_error = _output_error(_rtn(scaled, 32), multiplier, w, x)
+    clipped_error = _output_error(final, multiplier, w, x)
+    assert clipped_error <= scaled_error <= rtn_error, (clipped_error, scaled_error, rtn_error)
+    bias = np.asarray(MLP.layers[0].bias, np.float64)
+    for model, weight, m in ((q, _rtn(w, 32), 1), (clipped_model, final, multiplier)):
+        want = (x * m).astype(np.float32).astype(np.float64) @ weight.T.astype(np.float64) + bias
+        np.testing.assert_allclose(np.asarray(_apply(model.layers[0], X_AWQ)), want, rtol=1e-5, atol=1e-5)
+
+
+STACK = init(lambda k: LinearStack(32, 2, k), 3)
+X_STACK = jnp.asarray(
+    RNG.standard_normal((16, 32)).astype(np.float32) * np.exp(RNG.standard_normal(32)).astype(np.float32)
+)
+
+
+def _gelu(x):
+    """`jax.nn.gelu` (its tanh approximation) in float64."""
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+@pytest.mark.slow
+def test_awq_on_a_stack_searches_each_layer_of_it():
+    """A scanned stack of two layers with int4 weights per row gets a multiplier per layer, shape (2, 32), each the
+    twin's least-error choice on the inputs that the quantized stack feeds that layer, and the weights `W_i / m_i`."""
+    q = eqx_quant.quantize(STACK, weights=W4_ROW, activations=None)
+    done = eqx_quant.awq(q, [X_STACK], clip=False)
+    multipliers = np.asarray(done.blocks.input_transform.multiplier)
+    assert multipliers.shape == (2, 32)
+    h = np.asarray(X_STACK, np.float64)
+    for i in range(2):
+        w = np.asarray(STACK.blocks.weight[i])
+        _assert_least_twin_error(multipliers[i], w, h, None)
+        np.testing.assert_allclose(np.asarray(done.blocks.layer.weight[i]), w / multipliers[i], rtol=2.5e-7, atol=0)
+        h = _gelu(h @ _rtn(w, None).astype(np.float64).T + np.asarray(STACK.blocks.bias[i], np.float64))
+    assert not np.allclose(multipliers[0], multipliers[1])
+
+
+def test_awq_errors():
+    """ValueErrors naming the argument or the layer: `grid=0`, `clip_grid=0`, `max_shrink=1.0`, and a weight
+    quantizer with a scale per input column, which `awq` cannot search."""
+    q = eqx_quant.quantize(MLP, **eqx_quant.recipe("w4a16_g32"))
+    for kwargs, match in (
+        (dict(grid=0), "grid"),
+        (dict(clip_grid=0), "clip_grid"),
+        (dict(max_shrink=1.0), "max_shrink"),
+        (dict(max_shrink=-0.1), "max_shrink"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            eqx_quant.awq(q, [X_AWQ], **kwargs)
+    columns = eqx_quant.quantize(MLP, weights=eqx_quant.DynamicFakeQuant(4, axis=1), activations=None)
+    with pytest.raises(ValueError, match=r"(?s)'layers\.0'.*`awq` needs"):
+        eqx_quant.awq(columns, [X_AWQ])
+
+
+# --- rotate ---------------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _rotated():
+    return eqx_quant.rotate(Q8, key=jax.random.key(5))
+
+
+@pytest.mark.slow
+def test_rotate_matches_the_numpy_twin_and_keeps_the_float_function():
+    """Each layer's signs are `rademacher(fold_in(key, i))`, its weight `W Tᵀ` for the twin's `T`; the float
+    function and `float_model` are unchanged up to rounding; another key gives other signs."""
+    key = jax.random.key(5)
+    rotated = _rotated()
+    for i, (layer, original) in enumerate(zip(rotated.layers, MLP.layers, strict=True)):
+        signs = layer.input_transform.signs
+        n = original.in_features
+        assert_bitwise_equal(signs, jax.random.rademacher(jax.random.fold_in(key, i), (n,), dtype=jnp.int8))
+        t = _rotation(signs)
+        w = np.asarray(original.weight, np.float64)
+        np.testing.assert_allclose(np.asarray(layer.layer.weight), w @ t.T, rtol=0, atol=1e-6)
+        v = RNG.standard_normal((4, n)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(_float_function(layer, v)), _np_linear(original, v), rtol=0, atol=1e-5)
+    restored = eqx.filter_jit(eqx_quant.float_model)(rotated)  # eagerly, each butterfly stage compiles alone
+    for a, b in zip(restored.layers, MLP.layers, strict=True):
+        np.testing.assert_allclose(np.asarray(a.weight), np.asarray(b.weight), rtol=0, atol=1e-6)
+        assert_bitwise_equal(a.bias, b.bias)
+    other = eqx_quant.rotate(Q8, key=jax.random.key(6))
+    assert np.any(
+        np.asarray(other.layers[0].input_transform.signs) != np.asarray(rotated.layers[0].input_transform.signs)
+    )
+
+
+@pytest.mark.slow
+def test_rotate_lowers_the_error_of_4_bit_inputs_with_an_outlier():
+    """4-bit per-tensor inputs and an outlier input channel: the rotation spreads the outlier, and the output error
+    against the float model drops."""
+    q = eqx_quant.quantize(
+        MLP, weights=eqx_quant.DynamicFakeQuant(8, axis=0), activations=eqx_quant.DynamicFakeQuant(4)
+    )
+    rotated = eqx_quant.rotate(q, key=jax.random.key(0))
+    float_out = _apply(MLP, X_ROTATE)
+    error_plain, error_rotated = _rms(_apply(q, X_ROTATE), float_out), _rms(_apply(rotated, X_ROTATE), float_out)
+    assert error_rotated < 0.75 * error_plain, (error_rotated, error_plain)
+
+
+@pytest.mark.slow
+def test_rotate_a_decoder_lm_with_stacked_layers():
+    """Every linear layer of the scanned decoder is rotated, with signs of its own for each layer of the stack and
+    the weights `W Tᵀ` of the twin, which `float_model` restores; the outputs stay within 2% of the float model's."""
+    lm = init(lambda k: DecoderLM(k), 4)
+    q = eqx_quant.quantize(lm, **eqx_quant.recipe("w8a8"))
+    rotated = eqx_quant.rotate(q, key=jax.random.key(1))
+    names = ("qkv", "out", "gate", "up", "down")
+    signs = [getattr(rotated.blocks, name).input_transform.signs for name in names]
+    for name, s in zip(names, signs, strict=True):
+        n = getattr(lm.blocks, name).in_features
+        assert s.shape == (2, n) and s.dtype == jnp.int8, name
+        assert np.any(np.asarray(s[0]) != np.asarray(s[1])), name
+        t = [_rotation(s[i]) for i in range(2)]
+        w = np.asarray(getattr(lm.blocks, name).weight, np.float64)
+        want = np.stack([w[i] @ t[i].T for i in range(2)])
+        np.testing.assert_allclose(np.asarray(getattr(rotated.blocks, name).layer.weight), want, rtol=0, atol=1e-6)
+    assert np.any(np.asarray(signs[2]) != np.asarray(signs[3]))  # gate and up: two draws
+    restored = eqx.filter_jit(eqx_quant.float_model)(rotated)
+    for name in names:
+        w = np.asarray(getattr(lm.blocks, name).weight)
+        np.testing.assert_allclose(np.asarray(getattr(restored.blocks, name).weight), w, rtol=0, atol=1e-6)
+    tokens = jnp.asarray(RNG.integers(0, 13, size=(4, 8)))
+    float_out = np.asarray(_apply(lm, tokens))
+    assert _rms(_apply(rotated, tokens), float_out) < 0.02 * np.sqrt(np.mean(float_out**2))
+
+
+def test_rotate_errors():
+    """A layer of 28 input features (no Hadamard matrix) is a ValueError naming it and `in_features=28`; a layer
+    rotated twice is one too."""
+    model = eqx_quant.quantize(init(lambda k: eqx.nn.MLP(28, 4, 32, 1, key=k), 2), **eqx_quant.recipe("w8a8"))
+    with pytest.raises(ValueError, match=r"'layers\.0' has in_features=28"):
+        eqx_quant.rotate(model, key=jax.random.key(0))
+    rotated = eqx_quant.rotate(model, key=jax.random.key(0), where=lambda path, layer: path == "layers.1")
+    assert rotated.layers[0].input_transform is None
+    with pytest.raises(ValueError, match=r"'layers\.1' already has the input transform RotateInput"):
+        eqx_quant.rotate(rotated, key=jax.random.key(0), where=lambda path, layer: path == "layers.1")
+
+
+# --- workflows: convert, save and load ------------------------------------------------------------------------------
+
+
+def _assert_converted_matches(fake, converted, x, eager=True):
+    """The converted model computes the fake-quant model's bits under `eqx.filter_jit` (and eagerly)."""
+    want = _apply(fake, x)
+    assert np.all(np.isfinite(np.asarray(want)))
+    assert_bitwise_equal(_apply(converted, x), want)
+    if eager:
+        assert_bitwise_equal(_eager(converted, x), _eager(fake, x))
+
+
+@functools.cache
+def _converted_smoothed():
+    return eqx_quant.convert(_calibrated(True))
+
+
+@functools.cache
+def _rotated_stack():
+    """The stack quantized W4A8 per group of 32, rotated, then GPTQ-quantized, and its converted model."""
+    q = eqx_quant.quantize(STACK, **eqx_quant.recipe("w4a8_g32"))
+    fake = eqx_quant.gptq(eqx_quant.rotate(q, key=jax.random.key(2)), [X_STACK])
+    return fake, eqx_quant.convert(fake)
+
+
+@pytest.mark.slow
+def test_smoothquant_calibrate_convert_agree_bit_for_bit():
+    """smoothquant → calibrate → convert: the converted layers keep the multipliers and compute the same bits."""
+    fake, converted = _calibrated(True), _converted_smoothed()
+    for a, b in zip(fake.layers, converted.layers, strict=True):
+        assert isinstance(b, eqx_quant.nn.ConvertedLinear)
+        assert_bitwise_equal(b.input_transform.multiplier, a.input_transform.multiplier)
+    _assert_converted_matches(fake, converted, X_SMOOTH)
+
+
+@pytest.mark.slow
+def test_rotate_gptq_convert_agree_bit_for_bit():
+    """rotate → gptq → convert on a scanned stack: GPTQ quantizes the rotated weights, the converted model keeps the
+    signs and computes the fake-quant model's bits, and both stay close to the float stack."""
+    fake, converted = _rotated_stack()
+    assert isinstance(fake.blocks.weight_quant, eqx_quant.LearnedFakeQuant)
+    assert fake.blocks.input_transform.signs.shape == (2, 32)
+    assert_bitwise_equal(converted.blocks.input_transform.signs, fake.blocks.input_transform.signs)
+    _assert_converted_matches(fake, converted, X_STACK, eager=False)
+    float_out = np.asarray(_apply(STACK, X_STACK))
+    assert _rms(_apply(fake, X_STACK), float_out) < 0.1 * np.sqrt(np.mean(float_out**2))
+
+
+@pytest.mark.slow
+def test_awq_convert_agree_bit_for_bit():
+    """awq → convert on weight-only int4 per group: the converted layers keep the multiplier and compute the
+    fake-quant model's bits."""
+    _, _, fake = _awq_models()
+    converted = eqx_quant.convert(fake)
+    assert_bitwise_equal(converted.layers[0].input_transform.multiplier, fake.layers[0].input_transform.multiplier)
+    _assert_converted_matches(fake, converted, X_AWQ, eager=False)
+
+
+@pytest.mark.slow
+def test_save_and_load_keep_the_transforms(tmp_path):
+    """`save` then `load`, into the float model's `filter_eval_shape` skeleton and into the model itself, of a
+    fake-quant smoothed MLP and a converted rotated stack: the same transforms and the same output bits."""
+    cases = (
+        (_calibrated(True), eqx.filter_eval_shape(lambda: MLP), X_SMOOTH, lambda m: m.layers[0].input_transform),
+        (_rotated_stack()[1], eqx.filter_eval_shape(lambda: STACK), X_STACK, lambda m: m.blocks.input_transform),
+    )
+    for i, (model, skeleton, x, transform) in enumerate(cases):
+        path = tmp_path / f"model{i}.eqx"
+        eqx_quant.save(path, model)
+        want = _apply(model, x)
+        for like in (skeleton, model):
+            loaded = eqx_quant.load(path, like)
+            assert type(transform(loaded)) is type(transform(model))
+            for a, b in zip(jax.tree.leaves(transform(loaded)), jax.tree.leaves(transform(model)), strict=True):
+                assert_bitwise_equal(a, b)
+            assert_bitwise_equal(_apply(loaded, x), want)
+
+
+# --- training and export --------------------------------------------------------------------------------------------
+
+
+def test_gradients_and_trainable_leave_the_transforms_alone():
+    """Through a W8A8 model with a rotated first layer and a smoothed second one, the weights get finite, non-zero
+    gradients, the multiplier a zero one and the signs none; `trainable` selects the weights and biases and neither
+    transform array."""
+    model = eqx_quant.rotate(
+        _smoothed(where=_second), key=jax.random.key(3), where=lambda path, layer: path == "layers.0"
+    )
+    assert isinstance(model.layers[0].input_transform, RotateInput)
+    x, y = X_ROTATE[:8], jnp.asarray(RNG.standard_normal((8, 8)).astype(np.float32))
+
+    @eqx.filter_jit
+    @eqx.filter_grad
+    def grad(model):
+        return jnp.mean((jax.vmap(model)(x) - y) ** 2)
+
+    g, spec = grad(model), eqx_quant.trainable(model)
+    for g_layer, s_layer in zip(g.layers, spec.layers, strict=True):
+        weight_grad = np.asarray(g_layer.layer.weight)
+        assert np.all(np.isfinite(weight_grad)) and np.any(weight_grad != 0)
+        assert s_layer.layer.weight is True and s_layer.layer.bias is True
+    assert g.layers[0].input_transform.signs is None
+    assert spec.layers[0].input_transform.signs is False
+    np.testing.assert_array_equal(np.asarray(g.layers[1].input_transform.multiplier), 0)
+    assert spec.layers[1].input_transform.multiplier is False
+
+
+def test_exporters_refuse_input_transforms(tmp_path):
+    """safetensors, GGUF and compressed-tensors exports of a converted model with input transforms (smoothed on its
+    second layer, rotated) are ValueErrors naming the layer and its input transform, and write nothing."""
+    for model, name in ((_smoothed(where=_second), "layers.1"), (_rotated(), "layers.0")):
+        model = eqx_quant.convert(model)
+        assert isinstance(model.layers[1], eqx_quant.nn.ConvertedLinear)
+        match = f"'{re.escape(name)}' has the input transform"
+        with pytest.raises(ValueError, match=match):
+            eqx_quant.export_safetensors(tmp_path / "model.safetensors", model)
+        with pytest.raises(ValueError, match=match):
+            eqx_quant.export_gguf(tmp_path / "model.gguf", model)
+        with pytest.raises(ValueError, match=match):
+            eqx_quant.export_compressed_tensors(tmp_path / "checkpoint", model)
+    assert not list(tmp_path.iterdir())
