@@ -103,7 +103,21 @@ def text_table(cells: list[tuple[str, ...]], numeric: tuple[int, ...]) -> str:
     return "\n".join([lines[0], rule, *lines[1:-1], rule, lines[-1]])
 
 
+def _with_transform(row: SummaryRow, layer: Any) -> SummaryRow:
+    """`row` of a layer with an input transform: named before its input quantizer, its arrays counted as stored."""
+    transform = getattr(layer, "input_transform", None)
+    if transform is None:
+        return row
+    extra = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(transform))
+    stored = None if row.stored_bytes is None else row.stored_bytes + extra
+    return dataclasses.replace(row, input=f"{type(transform).__name__}, then {row.input}", stored_bytes=stored)
+
+
 def _row(path: str, layer: Any) -> SummaryRow:
+    return _with_transform(_layer_row(path, layer), layer)
+
+
+def _layer_row(path: str, layer: Any) -> SummaryRow:
     kind = type(layer).__name__
     if isinstance(layer, QuantEinsum):
         operands = f"{describe_quantizer(layer.lhs_quant)} x {describe_quantizer(layer.rhs_quant)}"
@@ -149,7 +163,8 @@ def summary(model: PyTree) -> Summary:
     **Returns:**
 
     A [`eqx_quant.Summary`][]: `print` it for the table; its `rows`, `float_bytes` and `stored_bytes` hold the
-    figures.
+    figures. A linear layer with an input transform ([`eqx_quant.smoothquant`][], [`eqx_quant.awq`][],
+    [`eqx_quant.rotate`][]) names it before its input quantizer, and its stored bytes count the transform's arrays.
 
     !!! example
 

@@ -659,3 +659,19 @@ def test_exporters_refuse_input_transforms(tmp_path):
         with pytest.raises(ValueError, match=match):
             eqx_quant.export_compressed_tensors(tmp_path / "checkpoint", model)
     assert not list(tmp_path.iterdir())
+
+
+def test_summary_names_the_transform_and_counts_its_bytes():
+    """`summary` puts the transform before the input quantizer, and counts its arrays in the stored bytes: one int8
+    sign per input feature for a rotation, one float32 factor for a smoothing."""
+    mlp = init(lambda k: eqx.nn.MLP(16, 4, 32, 1, key=k), 3)
+    plain = eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a8"))
+    rotated = eqx_quant.rotate(plain, key=jax.random.key(0))
+    smoothed = eqx_quant.smoothquant(plain, [jnp.ones((4, 16))], where=lambda path, layer: path == "layers.1")
+    base = [row.stored_bytes for row in eqx_quant.summary(plain).rows]
+    rows = eqx_quant.summary(rotated).rows
+    assert [row.input for row in rows] == ["RotateInput, then int8 dynamic, per tensor"] * 2
+    assert [row.stored_bytes for row in rows] == [base[0] + 16, base[1] + 32]
+    rows = eqx_quant.summary(eqx_quant.convert(smoothed)).rows
+    assert rows[0].input == "int8 dynamic, per tensor" and rows[0].stored_bytes == base[0]
+    assert rows[1].input.startswith("ScaleInput, then ") and rows[1].stored_bytes == base[1] + 4 * 32
