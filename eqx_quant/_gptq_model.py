@@ -12,10 +12,10 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import gptq_solve
-from ._misc import FLOAT32_TINY
-from ._observe import fold, layer_stack, progress_bar
+from ._misc import FLOAT32_TINY, check_real, check_where
+from ._observe import check_called, fold, layer_stack, progress_bar
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
-from ._tree import map_nodes, nodes
+from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear, per_layer
 
 
@@ -88,18 +88,31 @@ def _call_order(model: PyTree, layers: list, batch: PyTree, batched: bool) -> li
     return calls.paths
 
 
-def _steps(order: list[str], stacks: dict[str, tuple[int, ...]]) -> list[tuple[str, int]]:
+def _stack_root(model: PyTree, path: str, stack: tuple[int, ...]) -> str:
+    """The outermost module on the way to the layer at `path` whose every array leaf carries the stack's leading axes:
+    the module built with `eqx.filter_vmap` (a scanned block), which the layers of one step of the scan share."""
+    leaves = [(path_string(p), leaf) for p, leaf in jax.tree_util.tree_flatten_with_path(model)[0]]
+    parts = path.split(".")
+    for i in range(1, len(parts) + 1):
+        prefix = ".".join(parts[:i])
+        under = [leaf for p, leaf in leaves if (p == prefix or p.startswith(f"{prefix}.")) and eqx.is_array(leaf)]
+        if under and all(leaf.shape[: len(stack)] == stack for leaf in under):
+            return prefix
+    return path
+
+
+def _steps(model: PyTree, order: list[str], stacks: dict[str, tuple[int, ...]]) -> list[tuple[str, int]]:
     """`(path, index in the stack)` in the order of quantization: the layers in call order, and consecutive layers of
-    stacks of one shape (the layers of one scanned block) interleaved along the stack: block 0's layers, then block
+    one stacked module (the layers of one scanned block) interleaved along the stack: block 0's layers, then block
     1's, ..."""
+    roots = {path: _stack_root(model, path, stacks[path]) for path in order if stacks[path]}
     steps: list[tuple[str, int]] = []
     i = 0
     while i < len(order):
-        stack = stacks[order[i]]
         group = [order[i]]
-        while stack and i + len(group) < len(order) and stacks[order[i + len(group)]] == stack:
+        while order[i] in roots and i + len(group) < len(order) and roots.get(order[i + len(group)]) == roots[order[i]]:
             group.append(order[i + len(group)])
-        steps += [(path, k) for k in range(math.prod(stack)) for path in group]
+        steps += [(path, k) for k in range(math.prod(stacks[order[i]])) for path in group]
         i += len(group)
     return steps
 
@@ -116,7 +129,7 @@ def _solve(weight: Array, hessian: Array, fmt: Format, group_size: int | None, a
     return new_weight, compact, t
 
 
-def _with_gptq(layer: QuantLinear, fmt: Format, group_size: int | None, weight, compact, t) -> QuantLinear:
+def _with_solution(layer: QuantLinear, fmt: Format, group_size: int | None, weight, compact, t) -> QuantLinear:
     """`layer` holding GPTQ's weight, and a fixed weight quantizer with GPTQ's scales: a static `FakeQuant`, or for
     a stack a `LearnedFakeQuant` holding one set of scales per layer."""
     stack = layer_stack(layer)
@@ -183,6 +196,11 @@ def gptq(
 
     The model with GPTQ-quantized linear weights.
     """
+    if not isinstance(act_order, bool):
+        raise TypeError(f"`act_order` must be a bool, got act_order={act_order!r}.")
+    damp = check_real("damp", damp)
+    if not (math.isfinite(damp) and damp >= 0):
+        raise ValueError(f"`damp` must be finite and >= 0, got damp={damp!r}.")
     make = lambda fmt, group_size: functools.partial(  # noqa: E731
         _solve, fmt=fmt, group_size=group_size, act_order=act_order, damp=damp
     )
@@ -206,8 +224,7 @@ def solve_weights(
     fmt)` may refuse a layer's format."""
     if not isinstance(sequential, bool):
         raise TypeError(f"`sequential` must be a bool, got sequential={sequential!r}.")
-    if where is not None and not callable(where):
-        raise TypeError(f"`where` must be a function `f(path, layer)` or None, got where={where!r}.")
+    check_where(where)
     layers = [
         (path, layer)
         for path, layer in nodes(model, (QuantLinear,))
@@ -236,7 +253,7 @@ def solve_weights(
     else:
         # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes.
         grams = fold(model, layers, batches, batched, "gram", progress=progress, description=f"{name} (Hessians)")
-        _check_called(layers, grams)
+        check_called(layers, grams)
         solved = {}
         for path, layer in progress_bar(layers, progress, f"{name} (layers)"):
             stack = layer_stack(layer)
@@ -245,14 +262,8 @@ def solve_weights(
             for _ in stack:
                 fn = jax.vmap(fn)
             solved[path] = fn(layer.layer.weight, hessian.reshape(stack + hessian.shape[1:]))
-    done = {path: _with_gptq(layer, *grids[path], *solved[path]) for path, layer in layers}
+    done = {path: _with_solution(layer, *grids[path], *solved[path]) for path, layer in layers}
     return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))
-
-
-def _check_called(layers: list, grams: dict) -> None:
-    never = [path for path, _ in layers if path not in grams]
-    if never:
-        raise ValueError(f"The layers at {never} were never called on the calibration batches.")
 
 
 def _put(model: PyTree, path: str, weight: Array, done: Array) -> PyTree:
@@ -274,7 +285,7 @@ def _sequential(model, layers, solve, batches, batched, progress, name) -> dict[
         raise ValueError("`batches` is empty: calibration needs at least one batch.")
     stacks = {path: layer_stack(layer) for path, layer in layers}
     order = _call_order(model, layers, batches[0], batched)
-    _check_called(layers, {path: None for path in order})
+    check_called(layers, {path: None for path in order})
     chosen = {path for path, _ in layers}
 
     def solving(path: str, layer: QuantLinear) -> QuantLinear:  # bypassed inputs; weights GPTQ's where done
@@ -285,10 +296,10 @@ def _sequential(model, layers, solve, batches, batched, progress, name) -> dict[
 
     current = map_nodes(model, (QuantLinear,), solving)
     results: dict[str, list] = {path: [None] * math.prod(stacks[path]) for path in chosen}
-    for path, k in progress_bar(_steps(order, stacks), progress, f"{name} (layers)"):
+    for path, k in progress_bar(_steps(model, order, stacks), progress, f"{name} (layers)"):
         layer = dict(nodes(current, (QuantLinear,)))[path]
         grams = fold(current, [(path, layer)], batches, batched, "gram")
-        _check_called([(path, layer)], grams)
+        check_called([(path, layer)], grams)
         stack = stacks[path]
         weights = layer.layer.weight.reshape((-1,) + layer.layer.weight.shape[len(stack) :])
         result = solve[path](weights[k], jnp.asarray(grams[path][k]["gram"]))

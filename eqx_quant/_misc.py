@@ -24,6 +24,12 @@ def check_int(name: str, value: object) -> int:
     return int(value)
 
 
+def check_where(where: object) -> None:
+    """Raises a `TypeError` unless `where` is a predicate `f(path, layer)` or `None`."""
+    if where is not None and not callable(where):
+        raise TypeError(f"`where` must be a function `f(path, layer)` or None, got where={where!r}.")
+
+
 def check_real(name: str, value: object) -> float:
     """Returns `value` as a Python `float`, or raises a `TypeError` naming `name`.
 

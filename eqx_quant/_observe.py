@@ -121,12 +121,13 @@ def _gram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
 
 
 def _channels(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
-    """Per input channel (the last axis), the largest finite `|x|` and the sum of the finite `|x|`, and the number of
-    vectors seen: the statistics of SmoothQuant and AWQ."""
+    """Per input channel (the last axis), the largest finite `|x|`, the sum of the finite `|x|` and the number of
+    finite entries: the statistics of SmoothQuant and AWQ."""
     del top, num_bins
-    x = jnp.abs(finite_or(jax.lax.stop_gradient(x).astype(jnp.float32), 0.0))
+    x = jax.lax.stop_gradient(x).astype(jnp.float32)
     x = x.reshape(-1, x.shape[-1])
-    count = jnp.asarray(x.shape[0], jnp.float32)
+    count = jnp.sum(jnp.isfinite(x), axis=0, dtype=jnp.float32)  # per channel: its finite entries
+    x = jnp.abs(finite_or(x, 0.0))
     return {"channel_absmax": jnp.max(x, axis=0), "channel_abssum": jnp.sum(x, axis=0), "count": count}
 
 
@@ -206,6 +207,13 @@ def _lines(items: Iterable, description: str) -> Iterator:
     for i, item in enumerate(items):
         print(f"{description}: {i + 1}", file=sys.stderr, flush=True)
         yield item
+
+
+def check_called(targets: list[tuple[str, Any]], found: dict[str, Any]) -> None:
+    """Raises, naming them, if some of the target layers have no statistics: they were never called."""
+    never = [path for path, _ in targets if path not in found]
+    if never:
+        raise ValueError(f"The layers at {never} were never called on the calibration batches.")
 
 
 def fold(

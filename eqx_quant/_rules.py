@@ -25,6 +25,7 @@ from .nn._layers import (
     default_weight_quant,
     stack_depth,
 )
+from .nn._transforms import restored
 
 
 Factory: TypeAlias = Callable[[str, eqx.Module], AbstractQuantizer | None]
@@ -593,12 +594,6 @@ def quantize(
     return map_nodes(model, (Einsum, QuantEinsum), lambda path, m: product(path, m) if isinstance(m, Einsum) else m)
 
 
-@eqx.filter_jit
-def _restored(transform: Any, weight: Any) -> Any:
-    """`transform.restore(weight)`, compiled as one program (an eager rotation would compile each butterfly stage)."""
-    return transform.restore(weight)
-
-
 def float_model(model: PyTree) -> PyTree:
     """Replaces every quantized layer by the float layer it wraps: the inverse of [`eqx_quant.quantize`][].
 
@@ -620,7 +615,7 @@ def float_model(model: PyTree) -> PyTree:
         del path
         transform = getattr(module, "input_transform", None)
         if transform is not None:
-            return eqx.tree_at(lambda l: l.weight, module.layer, _restored(transform, module.layer.weight))
+            return eqx.tree_at(lambda l: l.weight, module.layer, restored(transform, module.layer.weight))
         if isinstance(module, AbstractQuantLayer):
             return module.layer
         if isinstance(module, QuantEinsum):

@@ -11,12 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._misc import check_int, check_real
-from ._observe import fold, layer_stack, progress_bar
+from ._misc import check_int, check_real, check_where
+from ._observe import check_called, fold, layer_stack, progress_bar
 from ._quantizers import DynamicFakeQuant
 from ._tree import map_nodes, nodes
 from .nn._layers import QuantLinear
-from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput, hadamard_order
+from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput, absorbed, hadamard_order
 
 
 Where = Callable[[str, eqx.Module], bool] | None
@@ -30,18 +30,30 @@ def _check_flags(**flags: object) -> None:
 
 def _targets(model: PyTree, where: Where, default: Callable[[QuantLinear], bool], what: str, wanted: str):
     """The `QuantLinear` layers the algorithm `what` transforms: those `where` selects, else those `default` keeps
-    (`wanted` says which in the error); each checked."""
-    if where is not None and not callable(where):
-        raise TypeError(f"`where` must be a function `f(path, layer)` or None, got where={where!r}.")
+    (`wanted` says which, in the errors); each checked. Layers inside an `eqx.nn.Shared` are left out by default and
+    refused when `where` selects them: a tie would carry one side's transformed weight to the other, untransformed,
+    side."""
+    check_where(where)
+    shared = {path for path, _ in nodes(model, (eqx.nn.Shared,))}
+    tied = lambda path: any(path == s or path.startswith(f"{s}.") for s in shared)  # noqa: E731
     chosen = nodes(model, (QuantLinear,))
-    if where is None:  # by default, every layer `default` keeps that holds a weight of its own (not a tie's)
-        chosen = [(p, l) for p, l in chosen if default(l) and eqx.is_array(l.layer.weight)]
+    if where is None:
+        chosen = [(p, l) for p, l in chosen if default(l) and not tied(p)]
     else:
         chosen = [(p, l) for p, l in chosen if where(p, l)]
     if not chosen:
         selection = "that `where` selects" if where is not None else wanted
         raise ValueError(f"`model` has no eqx_quant.nn.QuantLinear {selection}: `{what}` would change nothing.")
     for path, layer in chosen:
+        name = path or "(the model itself)"
+        if tied(path):
+            raise ValueError(
+                f"Layer {name!r} is inside an `eqx.nn.Shared`: `{what}` cannot transform a layer whose weight a tie "
+                "may share with another. Exclude it with `where`."
+            )
+        if not default(layer):
+            raise ValueError(f"Layer {name!r} is not a layer {wanted}, so `{what}` would do nothing for it. "
+                             "Exclude it with `where`.")  # fmt: skip
         _check_layer(path, layer, what)
     return chosen
 
@@ -50,11 +62,6 @@ def _check_layer(path: str, layer: QuantLinear, what: str) -> None:
     """Raises, naming the layer, unless `what` can give `layer` an input transform: a single array weight, no
     transform yet, and quantizers that will see the transformed operands (dynamic ones, not fitted yet)."""
     name = path or "(the model itself)"
-    if not eqx.is_array(layer.layer.weight):
-        raise ValueError(
-            f"Layer {name!r} holds the placeholder of an `eqx.nn.Shared` tie, not its weight; `{what}` cannot change "
-            "a tied weight. Exclude it with `where`."
-        )
     if layer.layer.in_features == "scalar":
         raise ValueError(
             f"Layer {name!r} takes a scalar input, which `{what}` cannot transform. Exclude it with `where`."
@@ -83,9 +90,7 @@ def _stacked(records: list[dict[str, np.ndarray]], name: str, stack: tuple[int, 
 
 def _statistics(model, targets, batches, batched, statistic, progress, what) -> dict[str, list]:
     found = fold(model, targets, batches, batched, statistic, progress=progress, description=what)
-    never = [path for path, _ in targets if path not in found]
-    if never:
-        raise ValueError(f"The layers at {never} were never called on the calibration batches.")
+    check_called(targets, found)
     return found
 
 
@@ -170,7 +175,7 @@ def smoothquant_factors(x_max: np.ndarray, w_max: np.ndarray, alpha: float) -> n
     return np.where((x_max > 0) & (w_max > 0) & np.isfinite(s) & (s > 0), s, 1.0)
 
 
-def _awq_layouts(path: str, layer: QuantLinear) -> int | None:
+def _awq_group(path: str, layer: QuantLinear) -> int | None:
     """The group of columns that share a weight scale in `layer` (AWQ's clipping searches one limit per row and
     group): `None` for one scale per tensor, the group size, or the row's length for per-row scales."""
     q = layer.weight_quant
@@ -189,10 +194,9 @@ def _awq_layouts(path: str, layer: QuantLinear) -> int | None:
 
 
 @eqx.filter_jit
-def _awq_scales(quantizer, weight: Array, gram: Array, x_mean: Array, grid: int) -> tuple[Array, Array]:
+def _awq_scales(quantizer, weight: Array, gram: Array, x_mean: Array, grid: int) -> Array:
     """AWQ's search of `s = x_mean**alpha` (normalised) over `alpha = i / grid`: the multiplier `1 / s` (float32)
-    whose quantized layer makes the least output error `tr(D G Dᵀ)`, `D` the effective weight minus `weight`, and the
-    errors of every `alpha`."""
+    whose quantized layer makes the least output error `tr(D G Dᵀ)`, `D` the effective weight minus `weight`."""
     weight = weight.astype(jnp.float32)
 
     def error(alpha):
@@ -202,7 +206,7 @@ def _awq_scales(quantizer, weight: Array, gram: Array, x_mean: Array, grid: int)
         return jnp.sum(jnp.matmul(d, gram, precision=jax.lax.Precision.HIGHEST) * d), multiplier
 
     errors, multipliers = jax.lax.map(error, jnp.arange(grid, dtype=jnp.float32) / grid)
-    return multipliers[jnp.argmin(errors), 0], errors
+    return multipliers[jnp.argmin(errors), 0]
 
 
 def awq_multiplier(x_mean: Array, alpha: Array) -> Array:
@@ -236,7 +240,15 @@ def _awq_clip(quantizer, weight: Array, gram: Array, multiplier: Array, group: i
     else:
         best = ratios[jnp.argmin(errors, axis=0)][..., None]
     limit = top * best
-    return jnp.clip(rows, -limit, limit).reshape(out, n)
+    clipped = jnp.clip(rows, -limit, limit).reshape(out, n)
+    if quantizer.format.scale != "e4m3":  # each group's rounding depends on that group alone
+        return clipped
+
+    def total(w):  # the whole layer's error: NVFP4's tensor scale, from the whole weight, ties the groups together
+        d = (quantizer(w) - weight) * multiplier[None, :]
+        return jnp.sum(jnp.matmul(d, gram, precision=jax.lax.Precision.HIGHEST) * d)
+
+    return jnp.where(total(clipped) <= total(weight), clipped, weight)
 
 
 def awq(
@@ -266,7 +278,8 @@ def awq(
         for per-row scales; the whole tensor for one scale), the limit `r * max|w|`,
         `r = 1, 1 - 1/clip_grid, ...` down to `1 - max_shrink` (excluded), that makes the least error on that group's
         share of the output, `d_g G_gg d_gᵀ`; the weight is clipped to it, so that the weight quantizer, which fits
-        its scales to the weight when it runs, uses the clipped range.
+        its scales to the weight when it runs, uses the clipped range. On NVFP4, whose tensor scale (from the whole
+        weight) ties the groups together, the clipped weight is kept only if the whole layer's error is no larger.
 
     The weight quantizer is applied as the layer applies it, so the search works for every weight format and
     layout: integer grids, FP4/FP6/FP8 with float32 scales, MX and NVFP4. The error it measures is the weight's:
@@ -295,35 +308,40 @@ def awq(
     `ValueError`, naming the layer, if no layer is chosen, a chosen layer already has an input transform, holds a
     fitted quantizer (run `awq` before `gptq`, `calibrate`, `learn_scales`), has a weight layout other than per
     tensor, per row or per group of columns, or is never called on the batches; `ValueError` or `TypeError` for
-    `grid`, `clip_grid` or `max_shrink` out of range.
+    `grid` (at least 2), `clip_grid` or `max_shrink` out of range (with `clip=True`, at least two ratios).
     """
     grid, clip_grid = check_int("grid", grid), check_int("clip_grid", clip_grid)
-    if grid < 1 or clip_grid < 1:
-        raise ValueError(f"`grid` and `clip_grid` must be at least 1, got grid={grid}, clip_grid={clip_grid}.")
+    if grid < 2:  # one `α`, 0, is round to nearest
+        raise ValueError(f"`grid` must be at least 2, got grid={grid}.")
     max_shrink = check_real("max_shrink", max_shrink)
     if not 0 <= max_shrink < 1:
         raise ValueError(f"`max_shrink` must be in [0, 1), got max_shrink={max_shrink}.")
     _check_flags(clip=clip, batched=batched, progress=progress)
+    shrinks = math.ceil(max_shrink * clip_grid - 1e-9)
+    if clip and (clip_grid < 1 or shrinks < 2):  # only the ratio 1: no clipping
+        raise ValueError(
+            f"`clip=True` needs at least two clipping ratios, `1 - i / clip_grid` for `i < max_shrink * clip_grid`; "
+            f"got clip_grid={clip_grid}, max_shrink={max_shrink}."
+        )
     targets = _targets(model, where, lambda l: l.weight_quant is not None, "awq", "with a weight quantizer")
-    groups = {path: _awq_layouts(path, layer) for path, layer in targets}
+    groups = {path: _awq_group(path, layer) for path, layer in targets}
     batches = list(batches)  # read twice: the channels' means, then the Gram matrices
     means = _statistics(model, targets, batches, batched, "channels", progress, "awq (statistics)")
     grams = _statistics(model, targets, batches, batched, "gram", progress, "awq (Gram matrices)")
-    shrinks = max(1, math.ceil(max_shrink * clip_grid - 1e-9))
-    ratios = jnp.asarray(1 - np.arange(shrinks) / clip_grid, jnp.float32)
+    ratios = jnp.asarray(1 - np.arange(max(shrinks, 1)) / max(clip_grid, 1), jnp.float32)
     done = {}
     for path, layer in progress_bar(targets, progress, "awq (layers)"):
         stack = layer_stack(layer)
         weight = layer.layer.weight
         n = weight.shape[-1]
-        x_mean = _stacked(means[path], "channel_abssum", stack) / _stacked(means[path], "count", stack)[..., None]
+        x_mean = _stacked(means[path], "channel_abssum", stack) / np.maximum(_stacked(means[path], "count", stack), 1)
         gram = _stacked(grams[path], "gram", stack)
         flat_weight = weight.reshape((-1,) + weight.shape[-2:])
         multipliers, new_weights = [], []
         for i in range(flat_weight.shape[0]):
             g_i = jnp.asarray(gram.reshape(-1, n, n)[i], jnp.float32)
             m_i = jnp.asarray(x_mean.reshape(-1, n)[i], jnp.float32)
-            multiplier, _ = _awq_scales(layer.weight_quant, flat_weight[i], g_i, m_i, grid)
+            multiplier = _awq_scales(layer.weight_quant, flat_weight[i], g_i, m_i, grid)
             scaled = (flat_weight[i] / multiplier[None, :]).astype(jnp.float32)
             if clip:
                 scaled = _awq_clip(layer.weight_quant, scaled, g_i, multiplier, groups[path], ratios)
@@ -371,20 +389,16 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
     targets = _targets(model, where, has_quantizer, "rotate", "with a quantizer")
     for path, layer in targets:
         n = layer.layer.in_features
-        if hadamard_order(n) is None:  # pyright: ignore[reportArgumentType]
+        if n < 2 or hadamard_order(n) is None:  # pyright: ignore[reportArgumentType]  (one feature: a sign flip)
             raise ValueError(
-                f"Layer {path!r} has in_features={n}, which `rotate` cannot rotate: it needs a power of two, or "
-                "m * 2**k with m - 1 a prime ≡ 3 (mod 4) (12, 20, 24, 44, ...). Exclude the layer with `where`."
+                f"Layer {path!r} has in_features={n}, which `rotate` cannot rotate: it needs a power of two (2 or "
+                "more), or m * 2**k with m - 1 a prime ≡ 3 (mod 4) (12, 20, 24, 44, ...). Exclude the layer with "
+                "`where`."
             )
     done = {}
     for i, (path, layer) in enumerate(targets):
         shape = layer_stack(layer) + (layer.layer.in_features,)
         signs = jax.random.rademacher(jax.random.fold_in(key, i), shape, dtype=jnp.int8)
         transform = RotateInput(signs)
-        done[path] = _with_transform(layer, transform, _absorbed(transform, layer.layer.weight))
+        done[path] = _with_transform(layer, transform, absorbed(transform, layer.layer.weight))
     return _replace(model, done)
-
-
-@eqx.filter_jit
-def _absorbed(transform: RotateInput, weight: Array) -> Array:
-    return transform.absorb(weight)

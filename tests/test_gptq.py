@@ -310,3 +310,85 @@ def test_sequential_gptq_follows_the_call_order_and_the_quantized_outputs():
         levels = layer.weight_quant.quantize(layer.layer.weight).levels()
         np.testing.assert_array_equal(np.asarray(levels), np.asarray(expected))
         h = np.tanh(np.asarray(jax.vmap(layer)(jnp.asarray(h, jnp.float32)), np.float64))
+
+
+class TwoPerBlock(eqx.Module):
+    """Two stacks of blocks, each block two `Linear(8, 8)` layers, run one stack after the other with `lax.scan`."""
+
+    enc: eqx.Module
+    dec: eqx.Module
+
+    def __init__(self, key):
+        def block(k):
+            k1, k2 = jax.random.split(k)
+            return {"a": eqx.nn.Linear(8, 8, key=k1), "b": eqx.nn.Linear(8, 8, key=k2)}
+
+        k1, k2 = jax.random.split(key)
+        self.enc = eqx.filter_vmap(block)(jax.random.split(k1, 2))
+        self.dec = eqx.filter_vmap(block)(jax.random.split(k2, 2))
+
+    def __call__(self, h):
+        for stack in (self.enc, self.dec):
+            dynamic, static = eqx.partition(stack, eqx.is_array)
+
+            def step(h, arrays, static=static):
+                blk = eqx.combine(arrays, static)
+                return h + blk["b"](jnp.tanh(blk["a"](h))), None
+
+            h = jax.lax.scan(step, h, dynamic)[0]
+        return h
+
+
+def test_sequential_steps_follow_the_blocks_of_each_scanned_stack():
+    from eqx_quant._gptq_model import _call_order, _steps
+    from eqx_quant._observe import layer_stack
+    from eqx_quant._tree import nodes
+
+    qmodel = eqx_quant.quantize(init(TwoPerBlock, 23), weights=DynamicFakeQuant(3, axis=0), activations=None)
+    layers = nodes(qmodel, (eqx_quant.nn.QuantLinear,))
+    order = _call_order(qmodel, layers, jnp.ones((2, 8)), False)
+    assert order == ["enc.a", "enc.b", "dec.a", "dec.b"]
+    steps = _steps(qmodel, order, {path: layer_stack(layer) for path, layer in layers})
+    assert steps == [("enc.a", 0), ("enc.b", 0), ("enc.a", 1), ("enc.b", 1),
+                     ("dec.a", 0), ("dec.b", 0), ("dec.a", 1), ("dec.b", 1)]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_sequential_gptq_on_two_layers_per_scanned_block_uses_the_hessians_by_hand():
+    """Each layer's Hessian is the Gram matrix of its inputs computed by hand through the blocks and layers GPTQ
+    quantized before it (the first block's two layers, then the second's, then the next stack's)."""
+    model = init(TwoPerBlock, 23)
+    qmodel = eqx_quant.quantize(model, weights=DynamicFakeQuant(3, axis=0), activations=None)
+    x = jnp.asarray(correlated_inputs(jax.random.key(24), 8, 48).astype(np.float32))
+    quantized = gptq(qmodel, [x[:24], x[24:]])
+    h = np.asarray(x, np.float64)
+    for name in ("enc", "dec"):
+        for i in range(2):
+            out = {}
+            inputs = h
+            for layer_name in ("a", "b"):
+                original = getattr(qmodel, name)[layer_name]
+                solved = getattr(quantized, name)[layer_name]
+                weight = original.layer.weight[i]
+                expected, _ = gptq_quantize(weight, jnp.asarray(inputs.T @ inputs, jnp.float32), -4, 3)
+                one = jax.tree_util.tree_map(lambda a: a[i], solved.weight_quant)  # noqa: B023
+                levels = one.quantize(solved.layer.weight[i]).levels().reshape(8, 8)
+                # The Hessian by hand sums in another order than the observers: a level may move by one step.
+                assert np.mean(np.asarray(levels) == np.asarray(expected)) > 0.95
+                w = np.asarray(solved.layer.weight[i], np.float64)
+                b = np.asarray(solved.layer.bias[i], np.float64)
+                out[layer_name] = inputs @ w.T + b
+                inputs = np.tanh(out[layer_name])
+            h = h + out["b"]
+
+
+def test_bad_damping_is_refused_before_the_batches_are_read():
+    qmodel = eqx_quant.quantize(init(lambda k: eqx.nn.MLP(8, 2, 8, 1, key=k), 25))
+
+    def batches():
+        raise AssertionError("read")
+        yield  # a generator
+
+    for damp in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="`damp` must be finite and >= 0"):
+            gptq(qmodel, batches(), damp=damp)

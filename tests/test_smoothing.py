@@ -437,12 +437,16 @@ def test_awq_on_a_stack_searches_each_layer_of_it():
 
 
 def test_awq_errors():
-    """ValueErrors naming the argument or the layer: `grid=0`, `clip_grid=0`, `max_shrink=1.0`, and a weight
-    quantizer with a scale per input column, which `awq` cannot search."""
+    """ValueErrors naming the argument or the layer: a grid of fewer than two `alpha`s or two clipping ratios (which
+    would do nothing), `max_shrink` outside [0, 1), a weight quantizer with a scale per input column, which `awq`
+    cannot search, and a layer without a weight quantizer chosen by `where`."""
     q = eqx_quant.quantize(MLP, **eqx_quant.recipe("w4a16_g32"))
     for kwargs, match in (
         (dict(grid=0), "grid"),
+        (dict(grid=1), "grid"),  # only alpha = 0: round to nearest
         (dict(clip_grid=0), "clip_grid"),
+        (dict(clip_grid=1), "clip_grid"),  # only the ratio 1: no clipping
+        (dict(max_shrink=0.0), "max_shrink"),
         (dict(max_shrink=1.0), "max_shrink"),
         (dict(max_shrink=-0.1), "max_shrink"),
     ):
@@ -451,6 +455,10 @@ def test_awq_errors():
     columns = eqx_quant.quantize(MLP, weights=eqx_quant.DynamicFakeQuant(4, axis=1), activations=None)
     with pytest.raises(ValueError, match=r"(?s)'layers\.0'.*`awq` needs"):
         eqx_quant.awq(columns, [X_AWQ])
+    inputs_only = eqx_quant.quantize(MLP, weights=None)
+    with pytest.raises(ValueError, match=r"'layers\.0' is not a layer with a weight quantizer"):
+        eqx_quant.awq(inputs_only, [X_AWQ], where=lambda path, layer: True)
+    eqx_quant.awq(q, [X_AWQ], clip=False, max_shrink=0.0)  # no clipping asked for: the ratios do not matter
 
 
 # --- rotate ---------------------------------------------------------------------------------------------------------
@@ -675,3 +683,97 @@ def test_summary_names_the_transform_and_counts_its_bytes():
     rows = eqx_quant.summary(eqx_quant.convert(smoothed)).rows
     assert rows[0].input == "int8 dynamic, per tensor" and rows[0].stored_bytes == base[0]
     assert rows[1].input.startswith("ScaleInput, then ") and rows[1].stored_bytes == base[1] + 4 * 32
+
+
+class _Tied(eqx.Module):
+    """Two linear layers whose weights an `eqx.nn.Shared` ties, and a third of its own."""
+
+    tied: eqx.nn.Shared
+    own: eqx.nn.Linear
+
+    def __init__(self, key):
+        k1, k2, k3 = jax.random.split(key, 3)
+        pair = (eqx.nn.Linear(16, 16, key=k1), eqx.nn.Linear(16, 16, key=k2))
+        self.tied = eqx.nn.Shared(pair, where=lambda p: p[1].weight, get=lambda p: p[0].weight)
+        self.own = eqx.nn.Linear(16, 16, key=k3)
+
+    def __call__(self, x):
+        a, b = self.tied()
+        return self.own(b(jnp.tanh(a(x))))
+
+
+def test_layers_inside_a_tie_are_left_alone_or_refused():
+    """The owner of a tied weight would pass its transformed weight to the other side of the tie, which has no
+    transform: the algorithms leave every layer inside an `eqx.nn.Shared` alone by default, and refuse one that
+    `where` chooses."""
+    model = eqx_quant.quantize(init(_Tied, 5), **eqx_quant.recipe("w8a8"))
+    x = jnp.asarray(RNG.standard_normal((8, 16)).astype(np.float32))
+    rotated = eqx_quant.rotate(model, key=jax.random.key(0))
+    assert rotated.own.input_transform is not None
+    assert all(layer.input_transform is None for layer in rotated.tied.pytree)
+    smoothed = eqx_quant.smoothquant(model, [x])
+    assert all(layer.input_transform is None for layer in smoothed.tied.pytree)
+    reference = jax.vmap(eqx_quant.float_model(model))(x)
+    np.testing.assert_allclose(jax.vmap(eqx_quant.float_model(smoothed))(x), reference, rtol=1e-4, atol=1e-5)
+    owner = lambda path, layer: path == "tied.pytree.0"  # noqa: E731
+    for call in (
+        lambda: eqx_quant.rotate(model, key=jax.random.key(0), where=owner),
+        lambda: eqx_quant.smoothquant(model, [x], where=owner),
+        lambda: eqx_quant.awq(model, [x], where=owner),
+    ):
+        with pytest.raises(ValueError, match=r"'tied\.pytree\.0' is inside an `eqx.nn.Shared`"):
+            call()
+
+
+def test_a_layer_without_what_the_algorithm_needs_is_refused_by_where():
+    float_inputs = eqx_quant.quantize(MLP, activations=None)
+    with pytest.raises(ValueError, match=r"'layers\.0' is not a layer with an input quantizer"):
+        eqx_quant.smoothquant(float_inputs, SMOOTH_BATCHES, where=lambda path, layer: True)
+    nothing = eqx_quant.quantize(MLP, weights=None, activations=None)
+    with pytest.raises(ValueError, match=r"'layers\.0' is not a layer with a quantizer"):
+        eqx_quant.rotate(nothing, key=jax.random.key(0), where=lambda path, layer: True)
+
+
+def test_transforms_refuse_values_that_are_not_invertible_or_not_signs():
+    with pytest.raises(ValueError, match="positive and finite"):
+        ScaleInput(jnp.asarray([1.0, 0.0, 2.0]))
+    with pytest.raises(ValueError, match="positive and finite"):
+        ScaleInput(jnp.asarray([1.0, jnp.nan]))
+    with pytest.raises(ValueError, match="only -1 and 1"):
+        RotateInput(jnp.asarray([3, 0, 1, 1], jnp.int8))
+
+
+def test_awq_clipping_never_raises_the_layers_error_on_nvfp4():
+    """NVFP4's tensor scale ties a weight's groups together, so the best limit of each group alone can raise the whole
+    layer's error: `awq` keeps the clipped weight only where the layer's error (computed here in float64, from the
+    effective weight against the float one) does not grow."""
+    mlp = init(lambda k: eqx.nn.MLP(64, 16, 64, 1, key=k), 7)
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((512, 64)) * np.exp(2 * rng.standard_normal(64))[None, :]).astype(np.float32)
+    qmodel = eqx_quant.quantize(mlp, **eqx_quant.recipe("nvfp4"))
+    first = lambda path, layer: path == "layers.0"  # noqa: E731
+    errors = []
+    for clip in (False, True):
+        layer = eqx_quant.awq(qmodel, [jnp.asarray(x)], clip=clip, where=first).layers[0]
+        effective = np.asarray(layer.weight_quant(layer.layer.weight), np.float64)
+        effective = effective * np.asarray(layer.input_transform.multiplier, np.float64)[None, :]
+        errors.append(
+            np.sum((x.astype(np.float64) @ (effective - np.asarray(mlp.layers[0].weight, np.float64)).T) ** 2)
+        )
+    assert errors[1] <= errors[0] * (1 + 1e-5), errors
+
+
+def test_channel_statistics_leave_non_finite_entries_out_of_the_means():
+    """The channels' statistics (SmoothQuant's maxima, AWQ's means) over data with NaN and infinite entries: the
+    maxima and means of the finite entries of each channel, as NumPy's `nanmax` and `nanmean` give them."""
+    from eqx_quant._observe import fold
+
+    model = eqx_quant.quantize(MLP, **eqx_quant.recipe("w8a8"))
+    data = np.array(X_SMOOTH)
+    data[3, 1], data[5, 1], data[7, 2] = np.nan, np.inf, -np.inf
+    first = [("layers.0", model.layers[0])]
+    record = fold(model, first, [jnp.asarray(data[:16]), jnp.asarray(data[16:])], False, "channels")["layers.0"][0]
+    finite = np.where(np.isfinite(data), np.abs(data), np.nan)
+    np.testing.assert_allclose(record["channel_absmax"], np.nanmax(finite, axis=0), rtol=0)
+    np.testing.assert_allclose(record["channel_abssum"] / record["count"], np.nanmean(finite, axis=0), rtol=1e-6)
+    np.testing.assert_array_equal(record["count"], np.sum(np.isfinite(data), axis=0))

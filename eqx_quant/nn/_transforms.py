@@ -33,6 +33,11 @@ class AbstractInputTransform(eqx.Module):
         raise NotImplementedError
 
 
+def _concrete(array: object) -> bool:
+    """Whether `array`'s values are known now (not a tracer, not a shape)."""
+    return isinstance(array, (np.ndarray, jax.Array)) and not isinstance(array, jax.core.Tracer)
+
+
 def _per_row(array: Array, weight: Array) -> Array:
     """A transform's array of shape `(*stack, n)` against a weight of shape `(*stack, out, n)`."""
     return jnp.expand_dims(array, -2) if weight.ndim > array.ndim else array
@@ -61,6 +66,10 @@ class ScaleInput(AbstractInputTransform):
                 "`multiplier` must be a floating array with one entry per input channel (and leading stack axes), "
                 f"got dtype {self.multiplier.dtype} and shape {self.multiplier.shape}."
             )
+        if _concrete(self.multiplier):
+            values = np.asarray(self.multiplier)
+            if not np.all(np.isfinite(values) & (values > 0)):
+                raise ValueError(f"`multiplier` must be positive and finite, got {values.ravel()[:8]}...")
 
     def __call__(self, x: Float[Array, "*batch n"]) -> Float[Array, "*batch n"]:
         return x * _against(jax.lax.stop_gradient(self.multiplier).astype(x.dtype), x)
@@ -156,6 +165,8 @@ class RotateInput(AbstractInputTransform):
                 "`signs` must be an int8 array of ±1 whose last axis has a size `m * 2**k` with m = 1 or m - 1 a "
                 f"prime ≡ 3 (mod 4), got dtype {signs.dtype} and shape {signs.shape}."
             )
+        if _concrete(signs) and not np.all(np.abs(np.asarray(signs)) == 1):
+            raise ValueError(f"`signs` must hold only -1 and 1, got {np.unique(np.asarray(signs))}.")
         self.signs = signs
         self.order = order
 
@@ -176,3 +187,15 @@ class RotateInput(AbstractInputTransform):
         # Each row w becomes Tᵀ w = D Hᵀ w / sqrt(n).
         signs = _per_row(self.signs, weight).astype(weight.dtype)
         return self._scaled(walsh_hadamard(weight, self.order, transpose=True)) * signs
+
+
+@eqx.filter_jit
+def absorbed(transform: AbstractInputTransform, weight: Array) -> Array:
+    """`transform.absorb(weight)` as one compiled program (eagerly, a rotation would compile each butterfly stage)."""
+    return transform.absorb(weight)
+
+
+@eqx.filter_jit
+def restored(transform: AbstractInputTransform, weight: Array) -> Array:
+    """`transform.restore(weight)` as one compiled program."""
+    return transform.restore(weight)
