@@ -175,7 +175,8 @@ def gptq(
     model calls them (found by tracing the model once on the first batch), each layer's Hessian collected on the
     outputs of the layers already quantized with GPTQ, the later ones still computing with their weight quantizers.
     The layers of a scanned stack go layer by layer along the stack: the first block's layers in their order, then
-    the second block's. That is one pass over `batches` per layer (and per layer of a stack), each running the same
+    the second block's (the layers of one module built with `eqx.filter_vmap`, in the order of its stack axis; a
+    scan in reverse, or a layer outside the stack called inside its scan, is not followed). That is one pass over `batches` per layer (and per layer of a stack), each running the same
     compiled program per layer path; `batches` is read into a list first. With `sequential=False`, one pass collects
     every Hessian from the model with its weight quantizers active: faster, less accurate, since no layer sees its
     predecessors' GPTQ error.
