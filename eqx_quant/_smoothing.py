@@ -139,7 +139,7 @@ def smoothquant(
         every input channel by its maximum.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with an input
-        quantizer (and a weight of its own: not the placeholder of an `eqx.nn.Shared` tie).
+        quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
 
     **Returns:**
 
@@ -147,9 +147,9 @@ def smoothquant(
 
     **Raises:**
 
-    `ValueError`, naming the layer, if no layer is chosen, a chosen layer already has an input transform or holds a
-    fitted quantizer (static, learned: the order above), or is never called on the batches; `ValueError` for `alpha`
-    outside `[0, 1]`.
+    `ValueError`, naming the layer, if no layer is chosen, a chosen layer has no input quantizer, is inside an
+    `eqx.nn.Shared`, already has an input transform or holds a fitted quantizer (static, learned: the order above),
+    or is never called on the batches; `ValueError` for `alpha` outside `[0, 1]`.
     """
     alpha = check_real("alpha", alpha)
     if not 0 <= alpha <= 1:
@@ -297,7 +297,7 @@ def awq(
     - `clip_grid`, `max_shrink`: the clipping ratios tried, `1 - i / clip_grid` for `i < max_shrink * clip_grid`.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
-        quantizer (and a weight of its own: not the placeholder of an `eqx.nn.Shared` tie).
+        quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
 
     **Returns:**
 
@@ -305,8 +305,9 @@ def awq(
 
     **Raises:**
 
-    `ValueError`, naming the layer, if no layer is chosen, a chosen layer already has an input transform, holds a
-    fitted quantizer (run `awq` before `gptq`, `calibrate`, `learn_scales`), has a weight layout other than per
+    `ValueError`, naming the layer, if no layer is chosen, a chosen layer has no weight quantizer or is inside an
+    `eqx.nn.Shared`, already has an input transform, holds a fitted quantizer (run `awq` before `gptq`,
+    `calibrate`, `learn_scales`), has a weight layout other than per
     tensor, per row or per group of columns, or is never called on the batches; `ValueError` or `TypeError` for
     `grid` (at least 2), `clip_grid` or `max_shrink` out of range (with `clip=True`, at least two ratios).
     """
@@ -372,7 +373,7 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
     - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
     - `key`: a JAX PRNG key (`jax.random.key(0)`) for the signs.
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a quantizer
-        (and a weight of its own: not the placeholder of an `eqx.nn.Shared` tie).
+        (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
 
     **Returns:**
 
@@ -380,8 +381,9 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
 
     **Raises:**
 
-    `ValueError`, naming the layer, if no layer is chosen, or a chosen layer's input size cannot be rotated, it
-    already has an input transform or holds a fitted quantizer; `TypeError` for a `key` that is not a PRNG key.
+    `ValueError`, naming the layer, if no layer is chosen, or a chosen layer has no quantizer, is inside an
+    `eqx.nn.Shared`, has an input size that cannot be rotated, already has an input transform or holds a fitted
+    quantizer; `TypeError` for a `key` that is not a PRNG key.
     """
     if not (isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
         raise TypeError(f"`key` must be a JAX PRNG key (`jax.random.key(0)`), got key={key!r}.")
