@@ -13,9 +13,9 @@ from jaxtyping import PyTree
 
 from ._export import (
     Names,
+    check_exportable,
     is_tensor,
     named_leaves,
-    refuse_input_transforms,
     resolve_names,
     split_stacked,
     write_safetensors,
@@ -27,7 +27,6 @@ from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
 from ._serialise import write_replacing
 from ._tree import nodes
 from .nn._converted import AbstractConvertedLayer, ConvertedLinear
-from .nn._layers import AbstractQuantLayer
 
 
 # The release of compressed-tensors whose layout this follows (its 4- and 8-bit packing is that of earlier releases).
@@ -273,10 +272,7 @@ def export_compressed_tensors(
         print(sorted(os.listdir(directory)))  # ['config.json', 'model.safetensors']
         ```
     """
-    for layer_path, _ in nodes(model, (AbstractQuantLayer,)):
-        raise ValueError(f"Layer {layer_path or '(the model itself)'!r} is quantized but not converted: call "
-                         "`eqx_quant.convert` on the model first.")  # fmt: skip
-    refuse_input_transforms(model, "a compressed-tensors checkpoint")
+    check_exportable(model, "a compressed-tensors checkpoint")
     converted = dict(nodes(model, (AbstractConvertedLayer,)))
     leaves, _ = named_leaves(model)
     tensors_of = [name for name, leaf in leaves if is_tensor(leaf)]

@@ -51,6 +51,14 @@ def _tensor_name(path: str, prefixes: list[str]) -> str:
     return path
 
 
+def check_exportable(model: PyTree, what: str) -> None:
+    """Raises, naming the layer, if a layer of `model` is quantized but not converted, or has an input transform."""
+    for path, _ in nodes(model, (AbstractQuantLayer,)):
+        raise ValueError(f"Layer {path or '(the model itself)'!r} is quantized but not converted: call "
+                         "`eqx_quant.convert` on the model first.")  # fmt: skip
+    refuse_input_transforms(model, what)
+
+
 def refuse_input_transforms(model: PyTree, what: str) -> None:
     """Raises, naming the layer, if a layer of `model` has an input transform: its stored weight computes on the
     transformed input `T x`, which a reader of the file would not apply."""

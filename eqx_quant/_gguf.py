@@ -14,9 +14,9 @@ from jaxtyping import PyTree
 from ._export import (
     LAYER,
     Names,
+    check_exportable,
     is_tensor,
     named_leaves,
-    refuse_input_transforms,
     resolve_names,
     split_stacked,
     stack_length,
@@ -26,8 +26,6 @@ from ._layout import Layout
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer
 from ._serialise import write_replacing
-from ._tree import nodes
-from .nn._layers import AbstractQuantLayer
 
 
 _MAGIC = b"GGUF"
@@ -283,10 +281,7 @@ def export_gguf(
     metadata.setdefault("general.quantization_version", np.uint32(2))
     for key, value in metadata.items():
         _encode_value(value, _value_type(value, key), key)  # checked before anything is computed
-    for layer_path, _ in nodes(model, (AbstractQuantLayer,)):
-        raise ValueError(f"Layer {layer_path or '(the model itself)'!r} is quantized but not converted: call "
-                         "`eqx_quant.convert` on the model first.")  # fmt: skip
-    refuse_input_transforms(model, "a GGUF file")
+    check_exportable(model, "a GGUF file")
     leaves, _ = named_leaves(model)
     for name, leaf in leaves:
         if isinstance(leaf, AbstractQuantizer):
