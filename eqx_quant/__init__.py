@@ -73,6 +73,7 @@ from ._rules import (
 from ._serialise import load as load, save as save
 from ._smoothing import awq as awq, rotate as rotate, smoothquant as smoothquant
 from ._summary import Summary as Summary, SummaryRow as SummaryRow, summary as summary
+from ._traced import TracedProduct as TracedProduct
 from ._train import (
     distillation_loss as distillation_loss,
     learn_scales as learn_scales,

@@ -12,8 +12,8 @@ from jaxtyping import PyTree
 
 from ._format import Format, IntFormat
 from ._misc import FLOAT32_TINY, check_int
-from ._observe import fold, layer_stack
-from ._quantizers import DynamicFakeQuant, FakeQuant, LearnedFakeQuant, check_fit_method
+from ._observe import TracedInput, fold, layer_stack, traced_inputs, with_traced_inputs
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant, check_fit_method
 from ._scales import (
     absmax_scale,
     check_method,
@@ -27,9 +27,10 @@ from ._tree import map_nodes, nodes
 from .nn._layers import AbstractQuantLayer, per_layer
 
 
-def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer]]:
-    """The quantized layers whose input quantizer a static one can replace: dynamic or static, with float32 scales."""
-    layers = nodes(model, (AbstractQuantLayer,))
+def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer | TracedInput]]:
+    """The quantized layers (and traced weights) whose input quantizer a static one can replace: dynamic or static,
+    with float32 scales."""
+    layers = nodes(model, (AbstractQuantLayer,)) + traced_inputs(model)
     return [
         (path, layer)
         for path, layer in layers
@@ -67,7 +68,8 @@ def calibrate(
 ) -> PyTree:
     """Post-training quantization: fixes the activation (input) quantizers of a model from calibration data.
 
-    A layer's calibrated input quantizer is a static [`eqx_quant.FakeQuant`][], whose scale is part of the compiled
+    A layer's (or a traced weight's products', see [`eqx_quant.nn.QuantTraced`][]) calibrated input quantizer is a
+    static [`eqx_quant.FakeQuant`][], whose scale is part of the compiled
     program, except in a stack of layers (built with `eqx.filter_vmap` and run with `jax.lax.scan`), where a scan needs
     the scales as arrays, one per layer: there it is a [`eqx_quant.LearnedFakeQuant`][] holding them, which computes
     exactly what the static quantizer would, and which an optimizer trains if the model's arrays are handed to it (see
@@ -175,9 +177,7 @@ def calibrate(
         absmax = jnp.asarray(t["absmax"], jnp.float32).reshape(1)
         return float(least_error_scale(centres, weights, absmax, (0,), fmt, num_candidates)[0]), 0
 
-    def replace(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
-        if path not in totals:
-            return layer
+    def calibrated(path: str, layer: AbstractQuantLayer | TracedInput) -> AbstractQuantizer:
         fmt = layer.input_quant.format  # pyright: ignore[reportOptionalMemberAccess]
         if method != "minmax" and isinstance(fmt, IntFormat) and not fmt.qmin <= 0 <= fmt.qmax:
             raise ValueError(
@@ -196,6 +196,12 @@ def calibrate(
                 zero_points = jnp.asarray([zp for _, zp in fits], jnp.float32).reshape(stack)
             make = lambda s, z: LearnedFakeQuant(s, format=fmt, zero_point=z, min_scale=FLOAT32_TINY)  # noqa: E731
             quantizer = per_layer(make, len(stack))(scales, zero_points)
-        return eqx.tree_at(lambda l: l.input_quant, layer, quantizer)
+        return quantizer
 
-    return map_nodes(model, (AbstractQuantLayer,), replace)
+    def replace(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
+        if path not in totals:
+            return layer
+        return eqx.tree_at(lambda l: l.input_quant, layer, calibrated(path, layer))
+
+    model = map_nodes(model, (AbstractQuantLayer,), replace)
+    return with_traced_inputs(model, lambda p, t: calibrated(p, t) if p in totals else t.input_quant)

@@ -13,7 +13,8 @@ from jaxtyping import PyTree
 
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
-from ._tree import map_nodes, nodes
+from ._traced import QuantTraced, replaced
+from ._tree import map_nodes, nodes, path_string
 from .nn._converted import ConvertedConv, ConvertedEmbedding, ConvertedLinear
 from .nn._layers import AbstractQuantLayer, QuantEmbedding, QuantLinear, per_layer, stack_depth
 
@@ -139,10 +140,10 @@ def convert(model: PyTree) -> PyTree:
         ```
     """
 
-    if not nodes(model, (AbstractQuantLayer,)):
+    if not nodes(model, (AbstractQuantLayer, QuantTraced)):
         raise ValueError(
-            "`model` has no quantized layer to convert (an eqx_quant.nn.QuantLinear, QuantConv or QuantEmbedding); "
-            "quantize it first with `eqx_quant.quantize`."
+            "`model` has no quantized layer to convert (an eqx_quant.nn.QuantLinear, QuantConv, QuantEmbedding or "
+            "QuantTraced); quantize it first with `eqx_quant.quantize`."
         )
 
     def to_int(path: str, layer: AbstractQuantLayer) -> Any:
@@ -160,12 +161,7 @@ def convert(model: PyTree) -> PyTree:
             # The placeholder of an `eqx.nn.Shared` tie: the weight is another layer's, restored at call time; the
             # layer stays as it is and quantizes what it receives (the other layer's dequantized weight).
             return layer
-        if not isinstance(weight, jax.core.Tracer) and np.isnan(np.asarray(weight)).any():
-            index = tuple(int(i) for i in np.argwhere(np.isnan(np.asarray(weight)))[0])
-            raise ValueError(
-                f"Layer {path or '(the model itself)'!r} has a NaN weight entry at index {index}, which no integer "
-                "can store; the fake-quant weight is NaN there. Replace the NaN entries before converting."
-            )
+        _check_finite_weight(f"Layer {path or '(the model itself)'!r}", weight)
         depth = stack_depth(layer.layer, weight.shape)
         tensor = _weight_quantization(depth)(_whole_tensor(layer.weight_quant), weight)
         tensor = _sharded_like(tensor, weight)
@@ -176,4 +172,39 @@ def convert(model: PyTree) -> PyTree:
             return ConvertedLinear(skeleton, tensor, _frozen_input_quant(layer.input_quant), layer.input_transform)
         return ConvertedConv(skeleton, tensor, _frozen_input_quant(layer.input_quant))
 
-    return map_nodes(model, (AbstractQuantLayer,), to_int)
+    model = map_nodes(model, (AbstractQuantLayer,), to_int)
+    return map_nodes(model, (QuantTraced,), lambda path, traced: _convert_traced(traced))
+
+
+def _check_finite_weight(what: str, weight: Any) -> None:
+    """A `ValueError` naming `what` if the concrete `weight` holds NaN, which no integer stores."""
+    if not isinstance(weight, jax.core.Tracer) and np.isnan(np.asarray(weight)).any():
+        index = tuple(int(i) for i in np.argwhere(np.isnan(np.asarray(weight)))[0])
+        raise ValueError(
+            f"{what} has a NaN weight entry at index {index}, which no integer can store; the fake-quant weight is "
+            "NaN there. Replace the NaN entries before converting."
+        )
+
+
+def _convert_traced(traced: QuantTraced) -> QuantTraced:
+    """The traced weights stored as their codes (the leaf becomes a QuantizedArray), the input quantizers frozen."""
+    index = {path: i for i, path in enumerate(traced.weight_paths)}
+    for path, quantizer in zip(traced.weight_paths, traced.weight_quants, strict=True):
+        if quantizer is not None and not isinstance(quantizer, AbstractFakeQuantizer):
+            raise TypeError(
+                f"Traced weight {path!r} has weight quantizer {type(quantizer).__name__}, which has no number "
+                "format; only fake quantizers (FakeQuant, DynamicFakeQuant, LearnedFakeQuant) can be converted."
+            )
+
+    def store(key_path: Any, leaf: Any) -> Any:
+        i = index.get(path_string(key_path))
+        quantizer = None if i is None else traced.weight_quants[i]
+        if quantizer is None or isinstance(leaf, QuantizedArray):
+            return leaf
+        _check_finite_weight(f"Traced weight {path_string(key_path)!r}", leaf)
+        return _sharded_like(_weight_quantization(0)(_whole_tensor(quantizer), leaf), leaf)
+
+    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    model = jax.tree_util.tree_map_with_path(store, traced.model, is_leaf=is_stored)
+    inputs = tuple(_frozen_input_quant(q) for q in traced.input_quants)
+    return replaced(traced, model=model, input_quants=inputs)

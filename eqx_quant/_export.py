@@ -17,6 +17,7 @@ from ._packing import BIT_ORDER, NIBBLE_ORDER
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._serialise import write_replacing
+from ._traced import QuantTraced
 from ._tree import nodes, path_string, unique_nodes
 from .nn._converted import AbstractConvertedLayer
 from .nn._layers import AbstractQuantLayer
@@ -61,7 +62,14 @@ def check_exportable(model: PyTree, what: str) -> None:
 
 def refuse_input_transforms(model: PyTree, what: str) -> None:
     """Raises, naming the layer, if a layer of `model` has an input transform: its stored weight computes on the
-    transformed input `T x`, which a reader of the file would not apply."""
+    transformed input `T x`, which a reader of the file would not apply; or if `model` has traced weights (an
+    [`eqx_quant.nn.QuantTraced`][]), whose products no tensor name of the file places."""
+    for path, traced in nodes(model, (QuantTraced,)):
+        raise ValueError(
+            f"The model at {path or '(the root)'!r} is an eqx_quant.nn.QuantTraced: its traced weights "
+            f"{list(traced.weight_paths)} are products of the model's own code, which {what} has no layer names "
+            "for. Export a model built from eqx.nn layers, or save it with `eqx_quant.save`."
+        )
     for path, layer in nodes(model, (AbstractQuantLayer, AbstractConvertedLayer)):
         transform = getattr(layer, "input_transform", None)
         if transform is not None:

@@ -3,6 +3,7 @@
 import functools
 import math
 from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -12,29 +13,37 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import gptq_solve
+from ._layout import Layout
 from ._misc import FLOAT32_TINY, check_real, check_where
-from ._observe import check_called, fold, layer_stack, progress_bar
+from ._observe import TracedInput, check_called, fold, layer_stack, progress_bar, traced_inputs
+from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
+from ._traced import QuantTraced, replaced
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear, per_layer
 
 
-def _gptq_grid(path: str, quantizer: object) -> tuple[Format, int | None]:
-    """`(format, group_size)` of a weight quantizer that GPTQ can stand in for, or a `ValueError` naming the
-    layer: symmetric, with one scale per output row (`axis=0`) or per group (or block) of input columns."""
+def _symmetric(quantizer: object) -> bool:
+    """Whether a weight quantizer is symmetric on a grid holding 0 and positive levels, as GPTQ quantizes."""
     symmetric = (
         (isinstance(quantizer, DynamicFakeQuant) and quantizer.symmetric)
         or (isinstance(quantizer, FakeQuant) and quantizer.zero_point == 0)
         or (isinstance(quantizer, LearnedFakeQuant) and quantizer.zero_point is None)
     )
+    fmt = getattr(quantizer, "format", None)
+    return symmetric and (not isinstance(fmt, IntFormat) or fmt.qmin <= 0 < fmt.qmax)
+
+
+def _gptq_grid(path: str, quantizer: object) -> tuple[Format, int | None]:
+    """`(format, group_size)` of a weight quantizer that GPTQ can stand in for, or a `ValueError` naming the
+    layer: symmetric, with one scale per output row (`axis=0`) or per group (or block) of input columns."""
     layout = getattr(quantizer, "layout", None)
     fmt = getattr(quantizer, "format", None)
     per_row = layout is not None and layout.axes in ((0,), (-2,)) and layout.group_size is None
     per_group = (
         layout is not None and layout.axes == () and layout.group_size is not None and layout.group_axis in (-1, 1)
     )
-    grid = not isinstance(fmt, IntFormat) or fmt.qmin <= 0 < fmt.qmax
-    if not symmetric or not (per_row or per_group) or not grid:
+    if not _symmetric(quantizer) or not (per_row or per_group):
         raise ValueError(
             f"Layer {path!r} has weight quantizer {quantizer!r}; GPTQ needs a symmetric one (DynamicFakeQuant, or a "
             "FakeQuant / LearnedFakeQuant with zero point 0) with one scale per output row (axis=0) or per group "
@@ -237,8 +246,24 @@ def solve_weights(
     ]
     if where is not None:
         layers = [(path, layer) for path, layer in layers if where(path, layer)]
-    if not layers:
-        raise ValueError(f"`model` has no QuantLinear layer with a weight quantizer to quantize with `{name}`.")
+    traced = _traced_targets(model, where, name)
+    if not layers and not traced:
+        raise ValueError(
+            f"`model` has no QuantLinear layer (nor traced weight) with a weight quantizer to quantize with `{name}`."
+        )
+    for t in traced:
+        if check is not None:
+            check(t.name, t.fmt)
+    if traced:
+        batches = list(batches)  # read by both
+        if layers:
+            model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, check)
+        return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
+    return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, check)
+
+
+def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, check) -> PyTree:
+    """`solve_weights` on the chosen QuantLinear layers."""
     grids = {path: _gptq_grid(path, layer.weight_quant) for path, layer in layers}
     for path, layer in layers:
         fmt = grids[path][0]
@@ -268,6 +293,180 @@ def solve_weights(
             solved[path] = fn(layer.layer.weight, hessian.reshape(stack + hessian.shape[1:]))
     done = {path: _with_solution(layer, *grids[path], *solved[path]) for path, layer in layers}
     return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))
+
+
+class _TracedTarget(NamedTuple):
+    """A traced weight that a weight solver quantizes: its name, where it lives, its grid and contracted axis."""
+
+    name: str  # `<root>.model.<path>`, as `traced_inputs` names it
+    root: str
+    index: int
+    path: str
+    stack: tuple[int, ...]
+    weight: Array
+    fmt: Format
+    group_size: int | None
+    axis: int  # the contracted axis of one layer's weight (after the stack's axes)
+
+
+def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_TracedTarget]:
+    """The traced weights of `model` with a weight quantizer (those `where(name, weight)` selects) that a weight
+    solver can take: symmetric, one scale per channel or per tile of the one axis their products sum over."""
+    targets = []
+    found = [(root, traced, inner, target) for root, traced in nodes(model, (QuantTraced,))
+             for inner, target in traced_inputs(traced)]  # fmt: skip
+    for root, traced, inner, target in found:
+        full = ".".join(p for p in (root, inner) if p)
+        target = target._replace(root=root)
+        path, quantizer = traced.weight_paths[target.index], traced.weight_quants[target.index]
+        weight = _leaves(traced.model)[path]
+        if quantizer is None or not eqx.is_array(weight) or (where is not None and not where(full, weight)):
+            continue
+        layout, ndim, depth = getattr(quantizer, "layout", None), weight.ndim, len(target.stack)
+        contracted: list[int] = []
+        if layout is not None and layout.group_size is None and not layout.stacked:
+            contracted = [a for a in range(ndim) if a not in {x % ndim for x in layout.axes}]
+        elif layout is not None and not layout.axes and not layout.stacked:
+            contracted = [layout.group_axis % ndim]
+        if not _symmetric(quantizer) or len(contracted) != 1 or contracted[0] < depth:
+            raise ValueError(
+                f"Traced weight {full!r} has weight quantizer {quantizer!r}; `{name}` needs a symmetric one "
+                "(DynamicFakeQuant, or a FakeQuant / LearnedFakeQuant with zero point 0) with one scale per channel "
+                "or per tile of the single weight axis its products sum over (a product summing over several axes, "
+                "a convolution's, is not solved). Exclude the weight with `where`."
+            )
+        fmt = quantizer.format  # pyright: ignore[reportAttributeAccessIssue]
+        if depth and fmt.scale != "float32" and fmt.scale != "e8m0":
+            raise ValueError(
+                f"Traced weight {full!r} is stepped through by `jax.lax.scan` and quantizes to {fmt.name}, whose "
+                f"scales a static quantizer of the whole stack cannot hold per layer. Exclude it with `where`."
+            )
+        targets.append(_TracedTarget(full, target.root, target.index, path, target.stack, weight, fmt,
+                                     layout.group_size, contracted[0] - depth))  # fmt: skip
+    return targets
+
+
+def _leaves(model: PyTree) -> dict[str, Any]:
+    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    return {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stored)[0]}
+
+
+def _as_matrix(weight: Array, axis: int) -> Array:
+    """One layer's weight as GPTQ's `(rows, columns)`: the contracted axis last, the others flattened into rows."""
+    moved = jnp.moveaxis(weight, axis, -1)
+    return moved.reshape(-1, moved.shape[-1])
+
+
+def _from_matrix(solution: tuple, shape: tuple[int, ...], axis: int, group_size: int | None) -> tuple:
+    """A solver's `(weight, compact scales, tensor scale)` on `_as_matrix`'s matrix, in the layer weight's layout."""
+    weight, compact, t = solution
+    others = tuple(n for i, n in enumerate(shape) if i != axis)
+    weight = jnp.moveaxis(weight.reshape(others + (shape[axis],)), -1, axis)
+    if group_size is None:
+        compact = compact.reshape(others)
+    else:
+        compact = jnp.moveaxis(compact.reshape(others + (compact.shape[-1],)), -1, axis)
+    return weight, compact, t
+
+
+def _with_traced(model: PyTree, target: _TracedTarget, weight: Array, quantizer: Any) -> PyTree:
+    """`model` with the traced weight of `target` and its weight quantizer replaced."""
+
+    def put(root: str, traced: QuantTraced) -> QuantTraced:
+        if root != target.root:
+            return traced
+        leaf = lambda m: _leaf_at(m, target.path)  # noqa: E731
+        inner = eqx.tree_at(leaf, traced.model, weight)
+        weights = list(traced.weight_quants)
+        weights[target.index] = quantizer
+        return replaced(traced, model=inner, weight_quants=weights)
+
+    return map_nodes(model, (QuantTraced,), put)
+
+
+def _leaf_at(model: PyTree, path: str) -> Any:
+    for p, x in jax.tree_util.tree_flatten_with_path(model)[0]:
+        if path_string(p) == path:
+            return x
+    raise KeyError(path)
+
+
+def _traced_solution(target: _TracedTarget, compact: Array, tensor_scale: Array | None) -> FakeQuant:
+    """A fixed quantizer of the traced weight with the solver's scales: a static FakeQuant over the whole leaf (one
+    scale per channel, a stack's layer axes among them, or per tile of the contracted axis)."""
+    axis = target.axis + len(target.stack)
+    if target.group_size is None:
+        layout = Layout(axes=tuple(a for a in range(target.weight.ndim) if a != axis))
+    else:
+        layout = Layout(group_size=target.group_size, group_axis=axis)
+    t = None if tensor_scale is None else float(tensor_scale)
+    return FakeQuant(np.asarray(compact), format=target.fmt, tensor_scale=t, layout=layout)
+
+
+def _solve_traced(model, targets, make_solve, sequential, batches, batched, progress, name) -> PyTree:
+    """A weight solver on the traced weights `targets`: per weight (and per layer of a stack), its products' Gram
+    matrix over the axis they sum over, the solver on the weight as a matrix, and the solution put back with a fixed
+    quantizer of its scales. Sequential: in the order the program first uses them (the weights of one stack
+    interleaved layer by layer), each on the outputs of those already solved."""
+    batches = list(batches)
+    if not batches:
+        raise ValueError("`batches` is empty: calibration needs at least one batch.")
+    solve = {t.name: make_solve(t.fmt, t.group_size) for t in targets}
+    layers = lambda t: math.prod(t.stack)  # noqa: E731
+    flat = {t.name: t.weight.reshape((-1,) + t.weight.shape[len(t.stack) :]) for t in targets}
+    parts: dict[str, list] = {t.name: [None] * layers(t) for t in targets}
+    observed = lambda chosen: [(t.name, TracedInput(t.root, t.index, t.stack, None)) for t in chosen]  # noqa: E731
+
+    if not sequential:
+        grams = fold(model, observed(targets), batches, batched, "gram", progress=progress,
+                     description=f"{name} (Hessians)")  # fmt: skip
+        check_called(observed(targets), grams)
+        for t in targets:
+            for k in range(layers(t)):
+                hessian = jnp.asarray(grams[t.name][k]["gram"])
+                result = solve[t.name](_as_matrix(flat[t.name][k], t.axis), hessian)
+                parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axis, t.group_size)
+    else:
+        chosen = {(t.root, t.index) for t in targets}
+
+        def bypass(root: str, traced: QuantTraced) -> QuantTraced:
+            weights, inputs = list(traced.weight_quants), list(traced.input_quants)
+            for i in range(len(weights)):
+                if (root, i) in chosen:
+                    stack = traced.stacks[i]
+                    ndim = _leaves(traced.model)[traced.weight_paths[i]].ndim
+                    weights[i] = _Solved(jnp.zeros(stack + (1,) * (ndim - len(stack)), bool), weights[i])  # pyright: ignore
+                    inputs[i] = None
+            return replaced(traced, weight_quants=weights, input_quants=inputs)
+
+        current = map_nodes(model, (QuantTraced,), bypass)
+        steps, i = [], 0
+        while i < len(targets):  # consecutive weights of one stack shape: the layers of one scanned block
+            group = [targets[i]]
+            while (targets[i].stack and i + len(group) < len(targets)
+                   and targets[i + len(group)].stack == targets[i].stack):  # fmt: skip
+                group.append(targets[i + len(group)])
+            steps += [(t, k) for k in range(layers(group[0])) for t in group]
+            i += len(group)
+        for t, k in progress_bar(steps, progress, f"{name} (layers)"):
+            grams = fold(current, observed([t]), batches, batched, "gram")
+            check_called(observed([t]), grams)
+            result = solve[t.name](_as_matrix(flat[t.name][k], t.axis), jnp.asarray(grams[t.name][k]["gram"]))
+            parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axis, t.group_size)
+            flat[t.name] = flat[t.name].at[k].set(parts[t.name][k][0])
+            traced = dict(nodes(current, (QuantTraced,)))[t.root]
+            solved = traced.weight_quants[t.index]
+            done = solved.done.reshape(-1).at[k].set(True).reshape(solved.done.shape)  # pyright: ignore
+            solved = eqx.tree_at(lambda q: q.done, solved, done)
+            current = _with_traced(current, t, flat[t.name].reshape(t.weight.shape), solved)
+    for t in targets:
+        results = parts[t.name]
+        weight = jnp.stack([r[0] for r in results]).reshape(t.weight.shape)
+        compact = jnp.stack([r[1] for r in results])
+        compact = compact.reshape(t.stack + compact.shape[1:])
+        tensor = None if results[0][2] is None else results[0][2]
+        model = _with_traced(model, t, weight, _traced_solution(t, compact, tensor))
+    return model
 
 
 def _put(model: PyTree, path: str, weight: Array, done: Array) -> PyTree:

@@ -7,7 +7,7 @@ import math
 import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -19,7 +19,8 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._misc import FLOAT32_TINY
 from ._quantizers import AbstractQuantizer
 from ._scales import finite_or, stats
-from ._tree import map_nodes
+from ._traced import QuantTraced, replaced
+from ._tree import map_nodes, nodes
 from .nn._layers import AbstractQuantLayer, stack_depth
 
 
@@ -158,6 +159,21 @@ class _Observer(AbstractQuantizer):
         _tap_for(self.path)(self.index, record)
         return x
 
+    def product_input(self, x: Array, contracted: tuple[int, ...]) -> Array:
+        """Observes `x` as the activation operand of a traced product summing over its axes `contracted`: for
+        `"gram"`, the Gram matrix of its rows (the contracted axes flattened, the others counting rows), GPTQ's
+        Hessian of the product; other statistics as `__call__`."""
+        if self.statistic != "gram":
+            return self(x)
+        if self.index.ndim:
+            return self(x)  # the error of a stack observed at once
+        rows = jnp.moveaxis(x, contracted, tuple(range(-len(contracted), 0)))
+        rows = rows.reshape(-1, math.prod(x.shape[a] for a in contracted))
+        rows = finite_or(jax.lax.stop_gradient(rows).astype(jnp.float32), 0.0)
+        gram = jnp.einsum("ni,nj->ij", rows, rows, precision=jax.lax.Precision.HIGHEST)
+        _tap_for(self.path)(self.index, {"gram": gram})
+        return x
+
 
 @eqx.filter_jit
 def _calibration_step(observed: PyTree, batch: PyTree, batched: bool) -> PyTree:
@@ -165,9 +181,46 @@ def _calibration_step(observed: PyTree, batch: PyTree, batched: bool) -> PyTree:
     return observed(batch) if batched else jax.vmap(observed)(batch)
 
 
-def layer_stack(layer: AbstractQuantLayer) -> tuple[int, ...]:
+class TracedInput(NamedTuple):
+    """The input quantizer of the products of a traced weight of an [`eqx_quant.nn.QuantTraced`][] (at `root`, the
+    weight `index` of it), as observers and calibration see it: like a layer's, with the stack it is stepped through
+    along."""
+
+    root: str
+    index: int
+    stack: tuple[int, ...]
+    input_quant: Any
+
+
+def traced_inputs(model: PyTree) -> list[tuple[str, TracedInput]]:
+    """The input quantizers of every traced weight of `model`, named `<root>.model.<weight path>`, as the weight."""
+    found = []
+    for root, traced in nodes(model, (QuantTraced,)):
+        for i, (path, stack) in enumerate(zip(traced.weight_paths, traced.stacks, strict=True)):
+            name = ".".join(p for p in (root, "model", path) if p)
+            found.append((name, TracedInput(root, i, stack, traced.input_quants[i])))
+    return found
+
+
+def with_traced_inputs(model: PyTree, replace: Callable[[str, TracedInput], Any]) -> PyTree:
+    """`model` with each traced weight's input quantizer replaced by `replace(name, target)` (named as
+    `traced_inputs` names them)."""
+
+    def swap(root: str, traced: QuantTraced) -> QuantTraced:
+        inputs = list(traced.input_quants)
+        for name, target in traced_inputs(traced):
+            name = ".".join(p for p in (root, name) if p)
+            inputs[target.index] = replace(name, target._replace(root=root))
+        return replaced(traced, input_quants=inputs)
+
+    return map_nodes(model, (QuantTraced,), swap)
+
+
+def layer_stack(layer: AbstractQuantLayer | TracedInput) -> tuple[int, ...]:
     """The shape of the stack a quantized layer belongs to: `()` for a single layer, `(layers,)` for layers built
     with `eqx.filter_vmap`."""
+    if isinstance(layer, TracedInput):
+        return layer.stack
     weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
     if not eqx.is_array(weight):  # the placeholder of an `eqx.nn.Shared` tie: a single layer
         return ()
@@ -175,21 +228,29 @@ def layer_stack(layer: AbstractQuantLayer) -> tuple[int, ...]:
 
 
 def observe(
-    model: PyTree, targets: list[tuple[str, AbstractQuantLayer]], statistic: str, tops=None, num_bins: int = 0
+    model: PyTree,
+    targets: list[tuple[str, AbstractQuantLayer | TracedInput]],
+    statistic: str,
+    tops=None,
+    num_bins: int = 0,
 ) -> PyTree:
-    """`model` with the input quantizer of each target layer replaced by an observer of `statistic`."""
+    """`model` with the input quantizer of each target layer (or traced weight) replaced by an observer of
+    `statistic`."""
     chosen = dict(targets)
+
+    def observer(path: str, layer: AbstractQuantLayer | TracedInput) -> _Observer:
+        stack = layer_stack(layer)
+        index = jnp.arange(math.prod(stack), dtype=jnp.int32).reshape(stack)
+        top = None if tops is None else jnp.asarray(tops[path], jnp.float32).reshape(stack)
+        return _Observer(index, top, path, statistic, num_bins)
 
     def swap(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
         if path not in chosen:
             return layer
-        stack = layer_stack(layer)
-        index = jnp.arange(math.prod(stack), dtype=jnp.int32).reshape(stack)
-        top = None if tops is None else jnp.asarray(tops[path], jnp.float32).reshape(stack)
-        observer = _Observer(index, top, path, statistic, num_bins)
-        return eqx.tree_at(lambda l: l.input_quant, layer, observer, is_leaf=lambda x: x is None)
+        return eqx.tree_at(lambda l: l.input_quant, layer, observer(path, layer), is_leaf=lambda x: x is None)
 
-    return map_nodes(model, (AbstractQuantLayer,), swap)
+    model = map_nodes(model, (AbstractQuantLayer,), swap)
+    return with_traced_inputs(model, lambda p, t: observer(p, t) if p in chosen else t.input_quant)
 
 
 def progress_bar(items: Iterable, enabled: bool, description: str) -> Iterable:

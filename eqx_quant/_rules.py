@@ -13,6 +13,7 @@ from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import Format, as_format, float_format
 from ._int_ops import integer_grid
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
+from ._traced import QuantTraced, TracedProduct, find_products, trace_call, weight_layout
 from ._tree import map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._einsum import Einsum, QuantEinsum
@@ -101,6 +102,8 @@ class LayerQuantizer:
             )
 
     def __call__(self, path: str, layer: eqx.Module) -> AbstractQuantizer | None:
+        if isinstance(layer, TracedProduct):
+            return self._traced(layer)
         fmt, group = self.format, self.group_size
         assert isinstance(fmt, Format)  # made one by `__post_init__`
         blocks = fmt.scale != "float32"
@@ -132,6 +135,35 @@ class LayerQuantizer:
             return LearnedFakeQuant.init_from(weight, fmt, stacked=depth, method=self.method, **layout)  # pyright: ignore
         if tiled and not blocks:
             layout = dict(group_size=group)
+        return DynamicFakeQuant(fmt, **layout)  # pyright: ignore[reportArgumentType]
+
+    def _traced(self, product: TracedProduct) -> AbstractQuantizer | None:
+        """The quantizer of a traced weight (or of its products' input), laid out along the product: tiles along the
+        contracted axis when there is one and they fit, else one scale per channel (weights) or per tensor (inputs),
+        with the same fallbacks as layers."""
+        fmt, group = self.format, self.group_size
+        assert isinstance(fmt, Format)
+        blocks, ggml = fmt.scale != "float32", fmt.scale == "float16"
+        shape, axes = (product.input_shape, product.input_contracted) if self.input else (
+            product.weight.shape, product.contracted)  # fmt: skip
+        fits = group is not None and len(axes) == 1 and shape[axes[0]] % group == 0
+        if group is not None and not fits:
+            instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else "gets one scale per channel"
+            warnings.warn(
+                f"Traced weight {product.path!r}: its product's contraction (axes {axes} of {shape}) does not split "
+                f"into tiles of {group}, so it {instead} instead of {fmt.name} in tiles of {group}.",
+                stacklevel=3,
+            )
+            if ggml:
+                return None
+            if blocks:
+                fmt, blocks = _FP8, False
+        tiles = dict(group_size=group, group_axis=axes[0]) if fits else {}
+        if self.input:
+            return DynamicFakeQuant(fmt, **tiles) if blocks else DynamicFakeQuant(fmt)  # pyright: ignore
+        layout = tiles or dict(axis=product.channels)
+        if self.learned and not blocks:
+            return LearnedFakeQuant.init_from(product.weight, fmt, method=self.method, **layout)  # pyright: ignore
         return DynamicFakeQuant(fmt, **layout)  # pyright: ignore[reportArgumentType]
 
 
@@ -378,6 +410,7 @@ def quantize(
     match: Literal["search", "full"] = "search",
     subclasses: Literal["error", "wrap", "skip"] = "error",
     backward: QuantizedBackward | UnquantizedBackward | None = None,
+    example: tuple | Callable[[PyTree], Any] | None = None,
 ) -> PyTree:
     """Replaces the layers of a model by their quantized wrappers.
 
@@ -412,6 +445,19 @@ def quantize(
     (`subclasses="error"`) such a layer raises a `ValueError` naming it; `"skip"` leaves it in floating point and
     `"wrap"` wraps it anyway. Subclasses that keep the base `__call__` are wrapped as usual.
 
+    **Products however written** (`example=`). With an example call, `quantize` also traces the model and finds every
+    product of one of its own floating-point array leaves (outside the layers above) with an activation:
+    `W @ x`, `x @ W.T`, `jnp.dot`, `jnp.matmul`, `jnp.einsum`, `lax.dot_general`, `lax.conv_general_dilated`, in
+    methods of any class, through transposes, reshapes, casts, slices, `jit`, `checkpoint`, `cond`, custom-derivative
+    functions and `lax.scan` over a stacked leaf. Such a weight is named by its leaf's path (`layers.1.weights`,
+    `gnn.w_self`), rules reach it like a layer, and a factory receives an [`eqx_quant.TracedProduct`][] as its
+    `layer`; the model comes back wrapped in an [`eqx_quant.nn.QuantTraced`][] (see there for what a call computes).
+    Scales follow the product: one per output channel means one per index of the axes it does not sum over, tiles run
+    along the axis it sums over. A quantizer module written for layers keeps its meaning (`axis=0`: per output
+    channel; `group_size=g`: tiles along the contraction). The input of a traced weight's products is quantized at
+    each product with the rule's `input` quantizer; those products compute in floating point on the quantized
+    operands (`matmul` does not apply; a `backward` of the rule is an error there).
+
     **Arguments:**
 
     - `model`: the float model.
@@ -438,15 +484,20 @@ def quantize(
         (an input quantizer per channel, say) raises a `ValueError` when called. Or an
         [`eqx_quant.UnquantizedBackward`][] for every `QuantLinear` and [`eqx_quant.nn.QuantConv`][]: their gradients
         are then the float layer's at the original operands (Qwix's contract; no learned quantizers).
+    - `example`: to also quantize the products written with the model's own arrays (see above): a tuple of arguments
+        for one call `model(*example)` (arrays or `jax.ShapeDtypeStruct`s), or a function `f(model)` that calls it
+        (for keyword arguments, `lambda m: m(x, key=key)`). Only shapes and dtypes matter; nothing is computed.
 
     **Returns:**
 
-    The model with the selected layers wrapped.
+    The model with the selected layers wrapped; with `example`, and traced weights that the configuration reaches,
+    that model inside an [`eqx_quant.nn.QuantTraced`][].
 
     **Raises:**
 
     `ValueError` if a rule, `where` or a mapping pattern matches no layer (the message lists the paths), if a pattern
-    is not a valid regular expression, or if the model has no layer to quantize (a model whose layers are all
+    is not a valid regular expression, if a traced weight enters products that sum over different axes of it, or a
+    product inside a `jax.lax.while_loop`, or if the model has no layer to quantize (a model whose layers are all
     quantized already is returned as it is); `TypeError` for a malformed configuration.
 
     !!! example
@@ -489,13 +540,21 @@ def quantize(
 
     layer_types = FLOAT_LAYERS + (AbstractQuantLayer,)
     wants_products = products is not None if rules is None else any(rule.products is not None for rule in rules)
+    if isinstance(model, QuantTraced):
+        raise ValueError(
+            "`model` is an eqx_quant.nn.QuantTraced already; start from the float model "
+            "(`eqx_quant.float_model(model)`)."
+        )
     layers = nodes(model, layer_types)
     attentions = nodes(model, (eqx.nn.MultiheadAttention, QuantMultiheadAttention)) if wants_products else []
     einsums = nodes(model, (Einsum, QuantEinsum)) if wants_products else []
-    if not (layers or attentions or einsums):
+    traced = _traced_weights(model, example)
+    if not (layers or attentions or einsums or traced):
+        found = " nor, tracing `example`, a product of one of its arrays" if example is not None else ""
         raise ValueError(
             "`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer (nor, with `products`, an "
-            "Einsum or MultiheadAttention) to quantize."
+            f"Einsum or MultiheadAttention{found}) to quantize. Products written with bare arrays (`x @ W.T`, "
+            "`jnp.einsum`) are found with `example=`."
         )
     done = [(path, layer) for path, layer in layers if isinstance(layer, AbstractQuantLayer)]
     layers = [(path, layer) for path, layer in layers if not isinstance(layer, AbstractQuantLayer)]
@@ -523,7 +582,7 @@ def quantize(
             "start from the float model (`eqx_quant.float_model(model)`).",
             stacklevel=2,
         )
-    if not (layers or products_of):
+    if not (layers or products_of or traced):
         return model  # every layer is quantized already
     decisions = {}
     for path, layer in layers:
@@ -536,7 +595,17 @@ def quantize(
             decision = decide(attention, einsum, True)  # a product's own rule first, else its attention's
         if decision is not None and decision.products is not None:
             decisions[path] = decision
-    paths = [path for path, _ in layers] + [path for path, _, _ in products_of]
+    for path, product in traced.items():
+        decision = decide(path, product, False)
+        if decision is not None and (decision.weight is not None or decision.input is not None):
+            if decision.backward is not None:
+                raise ValueError(
+                    f"The rule reaching the traced weight {path!r} sets `backward`, which applies to "
+                    "eqx_quant.nn.QuantLinear and QuantConv layers only; traced products keep the gradient of the "
+                    "float product of their quantized operands. Leave it out of that rule."
+                )
+            decisions[path] = decision
+    paths = [path for path, _ in layers] + [path for path, _, _ in products_of] + list(traced)
     check(paths)
     if not decisions:
         raise ValueError("The configuration reaches none of the layers" + _candidates_message(paths))
@@ -569,9 +638,44 @@ def quantize(
             backward=decision.backward if integer else unquantized,
         )  # fmt: skip
 
+    chosen = [(path, decisions[path]) for path in traced if path in decisions]
     model = map_nodes(model, layer_types, wrap)
-    if not wants_products:
+    if wants_products:
+        model = _wrap_products(model, decisions)
+    if not chosen:
         return model
+    weights = tuple(None if d.weight is None else weight_layout(d.weight, traced[path]) for path, d in chosen)
+    inputs = tuple(d.input for _, d in chosen)
+    stacks = tuple(traced[path].stack for path, _ in chosen)
+    matmuls = tuple(d.matmul for _, d in chosen)
+    return QuantTraced(model, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls)
+
+
+def _traced_weights(model: PyTree, example: object) -> dict[str, TracedProduct]:
+    """The traced weights of `model` (outside its layers) called as `example` says, by path: each weight's first
+    product, after checking that its other products sum over the same axes of it."""
+    if example is None:
+        return {}
+    call = trace_call(example)
+    skipped = FLOAT_LAYERS + (AbstractQuantLayer, Einsum, QuantEinsum, eqx.nn.MultiheadAttention,
+                              QuantMultiheadAttention)  # fmt: skip
+    excluded = [path for path, _ in nodes(model, skipped)]
+    found: dict[str, TracedProduct] = {}
+    for product in find_products(model, call, excluded):
+        first = found.setdefault(product.path, product)
+        if first.stack != product.stack:  # stepped through in one product and not in another: one set of inputs
+            found[product.path] = first = dataclasses.replace(first, stack=())
+        if first.contracted != product.contracted:
+            raise ValueError(
+                f"The weight {product.path!r} enters two products that sum over different axes of it: "
+                f"{first.describe()}; and {product.describe()}. One quantized leaf has one scale layout; leave it out "
+                "of the rules (or write one of the products with a copy of the weight)."
+            )
+    return found
+
+
+def _wrap_products(model: PyTree, decisions: dict[str, _Decision]) -> PyTree:
+    """`model` with the einsums and attentions that `decisions` gives product quantizers wrapped."""
 
     def product(path: str, einsum: Einsum) -> Einsum | QuantEinsum:
         decision = decisions.get(path)
@@ -622,6 +726,7 @@ def float_model(model: PyTree) -> PyTree:
             return module.einsum
         return module
 
+    model = map_nodes(model, (QuantTraced,), lambda path, module: module.float_model())
     model = map_nodes(model, (AbstractQuantLayer, QuantEinsum), unwrap)
     return map_nodes(model, (QuantMultiheadAttention,), lambda path, module: module.attention)
 

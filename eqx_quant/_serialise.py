@@ -20,7 +20,8 @@ from ._layout import Layout
 from ._qarray import QuantizedArray, quantize_array
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant, PassthroughClip
 from ._scales import Scales
-from ._tree import map_nodes, unique_nodes
+from ._traced import QuantTraced
+from ._tree import map_nodes, path_string, unique_nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._converted import AbstractConvertedLayer, ConvertedConv, ConvertedEmbedding, ConvertedLinear
 from .nn._einsum import Einsum, QuantEinsum
@@ -138,7 +139,8 @@ def _modules(model: PyTree, name: str) -> list[dict[str, Any]]:
     """Every quantized, converted and product module of `model`: its type and static fields, and the paths of the
     modules that have them, what `load` needs to rebuild the model from the float one."""
     kinds: dict[str, dict[str, Any]] = {}
-    for types in ((AbstractQuantLayer, AbstractConvertedLayer), (QuantEinsum,), (QuantMultiheadAttention,)):
+    for types in ((AbstractQuantLayer, AbstractConvertedLayer), (QuantEinsum,), (QuantMultiheadAttention,),
+                  (QuantTraced,)):  # fmt: skip
         for path, module in unique_nodes(model, types, name).items():
             record = {"type": type(module).__name__, **_static_fields(module)}
             transform = getattr(module, "input_transform", None)
@@ -372,9 +374,33 @@ def _rebuilt(
         scores, values = product(f"{path}.scores", wrapped.scores), product(f"{path}.values", wrapped.values)
         return QuantMultiheadAttention(node, scores=scores, values=values)
 
+    traced = [(p, record) for p, record in modules.items() if record["type"] == "QuantTraced"]
+    if traced:
+        like = _rebuilt_traced(like, traced, quantizer, tensors)
     like = map_nodes(like, (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding), layer)
     like = map_nodes(like, (eqx.nn.MultiheadAttention,), attention)
     return map_nodes(like, (Einsum,), product)
+
+
+def _rebuilt_traced(like: PyTree, records: list, quantizer: Callable, tensors: dict[str, Any]) -> QuantTraced:
+    """The float model `like` inside the saved [`eqx_quant.nn.QuantTraced`][]: its quantizers, and an empty stored
+    array in place of each traced weight that the file stores."""
+    if len(records) != 1 or records[0][0] != "":
+        raise ValueError(
+            f"The file has traced-weight models at {[p for p, _ in records]}, which `load` rebuilds only at the "
+            "root of the model (where `quantize` puts it)." + _HINT
+        )
+    record = records[0][1]
+    paths, stacks, matmuls = tuple(record["weight_paths"]), _tuples(record["stacks"]), tuple(record["matmuls"])
+
+    def empty(key_path: Any, leaf: Any) -> Any:
+        name = f"model.{path_string(key_path)}"
+        return _empty_array(tensors[name], ()) if name in tensors else leaf
+
+    model = jax.tree_util.tree_map_with_path(empty, like)
+    weights = tuple(quantizer(f"weight_quants.{i}", ()) for i in range(len(paths)))
+    inputs = tuple(quantizer(f"input_quants.{i}", stack) for i, stack in enumerate(stacks))
+    return QuantTraced(model, weights, inputs, paths, stacks, matmuls)
 
 
 def _empty_transform(kind: str | None, shape: tuple[int, ...]) -> AbstractInputTransform | None:
@@ -482,7 +508,7 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
             modules = {path: record for record in header["modules"] for path in record["paths"]}
         except (ValueError, KeyError, TypeError, AttributeError) as error:
             raise ValueError(f"`path`={str(path)!r} has a damaged `eqx_quant.save` header.") from error
-        wrappers = (AbstractQuantLayer, AbstractConvertedLayer, QuantEinsum, QuantMultiheadAttention)
+        wrappers = (AbstractQuantLayer, AbstractConvertedLayer, QuantEinsum, QuantMultiheadAttention, QuantTraced)
         if modules and not unique_nodes(like, wrappers, "like"):  # a float `like`: the file says how to quantize it
             like = _rebuilt(like, modules, saved, others, tensors)
         found = _header_nodes(like, "like")

@@ -10,8 +10,10 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._layout import Layout
+from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
-from ._tree import nodes
+from ._traced import QuantTraced
+from ._tree import nodes, path_string
 from .nn._converted import AbstractConvertedLayer
 from .nn._einsum import QuantEinsum
 from .nn._layers import AbstractQuantLayer, per_layer, stack_depth
@@ -149,7 +151,8 @@ def _layer_row(path: str, layer: Any) -> SummaryRow:
 
 def summary(model: PyTree) -> Summary:
     """A table of the layers of a model (float, quantized or converted): for each `Linear`, `Conv` and `Embedding`
-    (and each quantized product of activations), its path, kind, weight and input quantizers, the weight's bits per
+    (and each quantized product of activations, and each traced weight of an [`eqx_quant.nn.QuantTraced`][], kind
+    `traced`), its path, kind, weight and input quantizers, the weight's bits per
     element, and the weight's bytes in float and as a converted model stores it (codes, scales and zero points), with
     the totals.
 
@@ -181,5 +184,34 @@ def summary(model: PyTree) -> Summary:
         ```
     """
     types = _FLOAT_LAYERS + (AbstractQuantLayer, AbstractConvertedLayer, QuantEinsum)
-    found = nodes(model, types)
-    return Summary(tuple(_row(path, layer) for path, layer in found))
+    rows = [_row(path, layer) for path, layer in nodes(model, types)]
+    for path, traced in nodes(model, (QuantTraced,)):
+        rows += _traced_rows(path, traced)
+    return Summary(tuple(rows))
+
+
+def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
+    """A row per traced weight of a [`eqx_quant.nn.QuantTraced`][] at `path`, named by the leaf's path in it."""
+    leaves = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(
+        traced.model, is_leaf=lambda x: isinstance(x, QuantizedArray))[0]}  # fmt: skip
+    rows = []
+    for leaf_path, quantizer, inputs in zip(
+        traced.weight_paths, traced.weight_quants, traced.input_quants, strict=True
+    ):
+        weight = leaves[leaf_path]
+        name = ".".join(p for p in (path, "model", leaf_path) if p)
+        inputs = describe_quantizer(inputs)
+        if isinstance(weight, QuantizedArray):
+            float_bytes = math.prod(weight.shape) * np.dtype(weight.dtype).itemsize
+            rows.append(SummaryRow(name, "traced (converted)", f"{weight.format.name}, {_layout(weight.layout)}",
+                                   inputs, weight.format.bits, float_bytes, weight.nbytes))  # fmt: skip
+            continue
+        float_bytes = weight.size * weight.dtype.itemsize
+        if not isinstance(quantizer, AbstractFakeQuantizer):
+            rows.append(SummaryRow(name, "traced", describe_quantizer(quantizer), inputs, None, float_bytes,
+                                   float_bytes))  # fmt: skip
+            continue
+        stored = eqx.filter_eval_shape(lambda q, w: q.quantize_array(w), quantizer, weight)
+        rows.append(SummaryRow(name, "traced", describe_quantizer(quantizer), inputs, quantizer.format.bits,
+                               float_bytes, _nbytes(stored)))  # fmt: skip
+    return rows

@@ -109,7 +109,8 @@ def trainable(
         if isinstance(node, AbstractInputTransform):  # fixed by the algorithm that made it: never trains
             return jax.tree.map(lambda _: False, node)
         if is_quantizer(node):
-            role_weight = bool(path) and getattr(path[-1], "name", None) == "weight_quant"
+            names = [getattr(key, "name", None) for key in path[-2:]]
+            role_weight = names[-1:] == ["weight_quant"] or names[:1] == ["weight_quants"]  # a layer's or traced
             return jax.tree_util.tree_map_with_path(lambda p, leaf: quantizer_spec(role_weight, p, leaf), node)
         return weights and eqx.is_inexact_array(node)
 

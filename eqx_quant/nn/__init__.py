@@ -2,6 +2,7 @@
 [`eqx_quant.convert`][] makes of them."""
 
 from .._qarray import QuantizedArray as QuantizedArray
+from .._traced import QuantTraced as QuantTraced
 from ._attention import QuantMultiheadAttention as QuantMultiheadAttention
 from ._converted import (
     AbstractConvertedLayer as AbstractConvertedLayer,

@@ -100,6 +100,9 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], sequential=1)),
         (TypeError, "`input_transform` must be an input transform module or None, got 2.0.",
          lambda: eqx_quant.nn.QuantLinear(linear, input_transform=2.0)),
+        (TypeError, "`example` must be a tuple of arguments for one call `model(*example)`, or a function f(model) "
+                    "that calls the model, got [1.0].",
+         lambda: eqx_quant.quantize(mlp, example=[1.0])),
     ]  # fmt: skip
     for error, message, call in cases:
         with pytest.raises(error) as info:

@@ -1,0 +1,753 @@
+"""Products found by tracing: the weight-by-activation products a model computes with its own array leaves, however
+its code writes them (`W @ x`, `x @ W.T`, `jnp.dot`, `jnp.einsum`, `lax.dot_general`, `lax.conv_general_dilated`).
+
+A model's call is traced to a jaxpr with its array leaves as inputs. Each value of the program remembers whether it
+is a view of a leaf (through transposes, reshapes, casts, slices, the slicing of `lax.scan` over a stacked leaf,
+`jit`, `checkpoint`, `cond` and custom-derivative functions) and which of the leaf's axes its own axes hold. A
+`dot_general` or `conv_general_dilated` with such a view as one operand is a product of that weight: the leaf axes it
+sums over are the weight's contraction, the others its channels. [`eqx_quant.nn.QuantTraced`][] runs the program
+again with those weights quantized at the leaf and the other operand of their products quantized at the product.
+"""
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+from jax.extend import core as jcore
+from jaxtyping import PyTree
+
+from ._format import IntFormat
+from ._int_ops import INT32_MAX, integer_grid, opaque
+from ._layout import Layout
+from ._misc import flat
+from ._qarray import QuantizedArray
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant
+from ._tree import path_string
+
+
+class _View(NamedTuple):
+    """A value that is a view of leaf `leaf`: `axes[i]` are the leaf axes that the value's axis `i` spans (none for
+    an axis made by broadcasting, several where a reshape merged axes). `sliced` counts the leading leaf axes that
+    enclosing `lax.scan`s have sliced off one after the other (the layers of a stack), `None` once a scan sliced
+    the leaf along another axis."""
+
+    leaf: int
+    axes: tuple[tuple[int, ...], ...]
+    sliced: int | None = 0
+
+
+class TracedProduct(eqx.Module):
+    """One product of a model's weight leaf with an activation, as tracing found it; what a rule's factory receives
+    as its `layer` argument for a traced weight (see [`eqx_quant.quantize`][]).
+
+    **Fields:**
+
+    - `path`: the weight leaf's path in the model, e.g. `"layers.1.weights"`.
+    - `weight`: the leaf (its array).
+    - `contracted`: the leaf axes the product sums over (for a convolution, the input channels and the kernel's
+        spatial axes); the other axes are the weight's channels (a stacked leaf's layer axis among them).
+    - `input_shape`: the shape of the activation operand.
+    - `input_contracted`: the axes of the activation operand that the product sums over.
+    - `primitive`: `"dot_general"` or `"conv_general_dilated"`.
+    - `stack`: the lengths of the weight's leading axes that `jax.lax.scan`s step through before the product (a
+        stack of layers, one layer per step), `()` if none.
+    """
+
+    path: str = eqx.field(static=True)
+    weight: Any
+    contracted: tuple[int, ...] = eqx.field(static=True)
+    input_shape: tuple[int, ...] = eqx.field(static=True)
+    input_contracted: tuple[int, ...] = eqx.field(static=True)
+    primitive: str = eqx.field(static=True)
+    stack: tuple[int, ...] = eqx.field(static=True, default=())
+
+    @property
+    def channels(self) -> tuple[int, ...]:
+        """The weight's axes that the product does not sum over: one scale per index along them is one per output
+        channel."""
+        return tuple(a for a in range(self.weight.ndim) if a not in self.contracted)
+
+    def describe(self) -> str:
+        """A one-line description: the primitive, the operand shapes and the contraction."""
+        shape = "x".join(map(str, self.weight.shape))
+        return (
+            f"{self.primitive}: weight {self.path!r} ({shape}) summed over its axes {self.contracted}, input "
+            f"{self.input_shape} over {self.input_contracted}"
+        )
+
+
+class _Use(NamedTuple):
+    leaf: int
+    contracted: tuple[int, ...]
+    input_shape: tuple[int, ...]
+    input_contracted: tuple[int, ...]
+    primitive: str
+    loop: bool  # inside a while loop
+    sliced: int | None  # the weight's leading axes sliced off by scans (see `_View`)
+
+
+_PRODUCTS = ("dot_general", "conv_general_dilated")
+_SAME = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision", "slice", "rev", "pad",
+                   "dynamic_slice", "optimization_barrier"})  # fmt: skip
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})  # fmt: skip
+
+
+def _reshape_axes(src: _View, shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> _View | None:
+    """The view after a reshape: axes that merge or split share their leaf axes; unit axes hold none."""
+    kept_in = [i for i, n in enumerate(shape_in) if n != 1]
+    kept_out = [j for j, n in enumerate(shape_out) if n != 1]
+    axes: list[tuple[int, ...]] = [()] * len(shape_out)
+    i = j = 0
+    while i < len(kept_in) or j < len(kept_out):
+        group_in, group_out = [kept_in[i]], [kept_out[j]]
+        size_in, size_out = shape_in[kept_in[i]], shape_out[kept_out[j]]
+        i, j = i + 1, j + 1
+        while size_in != size_out:
+            if size_in < size_out:
+                group_in.append(kept_in[i])
+                size_in *= shape_in[kept_in[i]]
+                i += 1
+            else:
+                group_out.append(kept_out[j])
+                size_out *= shape_out[kept_out[j]]
+                j += 1
+        spanned = tuple(sorted({a for k in group_in for a in src.axes[k]}))
+        for k in group_out:
+            axes[k] = spanned
+    return src._replace(axes=tuple(axes))
+
+
+def _view_after(eqn: Any, views: list[_View | None]) -> _View | None:
+    """The view the output of a one-output structural operation is, if its first operand is one."""
+    src = views[0] if views else None
+    if src is None:
+        return None
+    name, params = eqn.primitive.name, eqn.params
+    if name in _SAME:
+        return src
+    if name == "transpose":
+        return src._replace(axes=tuple(src.axes[p] for p in params["permutation"]))
+    if name == "squeeze":
+        return src._replace(axes=tuple(a for i, a in enumerate(src.axes) if i not in params["dimensions"]))
+    if name == "expand_dims":
+        axes = list(src.axes)
+        for d in sorted(params["dimensions"]):
+            axes.insert(d, ())
+        return src._replace(axes=tuple(axes))
+    if name == "broadcast_in_dim":
+        where = {d: i for i, d in enumerate(params["broadcast_dimensions"])}
+        return src._replace(axes=tuple(src.axes[where[k]] if k in where else () for k in range(len(params["shape"]))))
+    if name == "reshape" and params.get("dimensions") is None:
+        return _reshape_axes(src, tuple(eqn.invars[0].aval.shape), tuple(params["new_sizes"]))
+    return None
+
+
+def _sub_jaxprs(eqn: Any) -> list[Any]:
+    """The closed jaxprs a call-like equation runs, as `(jaxpr, consts)` pairs."""
+    for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        if key in eqn.params:
+            sub = eqn.params[key]
+            return [sub] if isinstance(sub, jcore.ClosedJaxpr) else [jcore.ClosedJaxpr(sub, ())]
+    return []
+
+
+def _product(eqn: Any, views: list[_View | None], loop: bool) -> _Use | None:
+    """The weight use of a product equation whose one operand is a view of a leaf and the other is not."""
+    lhs, rhs = views[0], views[1]
+    if (lhs is None) == (rhs is None):
+        return None
+    if eqn.primitive.name == "dot_general":
+        (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
+        weight_side = 0 if lhs is not None else 1
+        dims = (contract_l, contract_r)[weight_side]
+        input_dims = (contract_l, contract_r)[1 - weight_side]
+    else:
+        if rhs is None:
+            return None  # an activation used as the kernel of a convolution over a weight: not a weight product
+        weight_side = 1
+        _, rhs_spec, _ = eqn.params["dimension_numbers"]
+        dims = tuple(rhs_spec[1:])  # input channels and the kernel's spatial axes
+        lhs_spec = eqn.params["dimension_numbers"][0]
+        input_dims = tuple(lhs_spec[1:])
+    view = views[weight_side]
+    assert view is not None
+    contracted = tuple(sorted({a for d in dims for a in view.axes[d]}))
+    free = {a for d in range(len(view.axes)) if d not in dims for a in view.axes[d]}
+    if free & set(contracted):
+        raise ValueError(
+            f"A {eqn.primitive.name} sums over some of the elements of a weight axis and not over others (leaf axes "
+            f"{sorted(free & set(contracted))} of the weight it reads, after a reshape): no scale layout follows it."
+        )
+    input_shape = tuple(eqn.invars[1 - weight_side].aval.shape)
+    return _Use(view.leaf, contracted, input_shape, tuple(input_dims), eqn.primitive.name, loop, view.sliced)
+
+
+def _slice(view: _View | None) -> _View | None:
+    """The view of one step of a scan over `view`'s first axis."""
+    if view is None:
+        return None
+    regular = view.sliced is not None and view.axes[0] == (view.sliced,)
+    return view._replace(axes=view.axes[1:], sliced=view.sliced + 1 if regular else None)  # pyright: ignore
+
+
+def _scan_views(eqn: Any, views: list[_View | None]) -> list[_View | None]:
+    """The views a scan's body sees: its constants as they are, no carry, one slice of each scanned input."""
+    consts, carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    return [*views[:consts], *([None] * carry), *map(_slice, views[consts + carry :])]
+
+
+def walk(jaxpr: Any, views: Sequence[_View | None], uses: list[_Use], loop: bool = False) -> list[_View | None]:
+    """Propagates leaf views through `jaxpr`, appending every weight product to `uses`; returns the outputs' views."""
+    env: dict[Any, _View | None] = dict(zip(jaxpr.invars, views, strict=True))
+    read = lambda v: None if isinstance(v, jcore.Literal) else env.get(v)  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs = eqn_views(eqn, ins, uses, loop)
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], loop: bool = False) -> list[_View | None]:
+    """The views of an equation's outputs, appending the weight products it computes (itself or inside) to `uses`."""
+    name = eqn.primitive.name
+    nothing = [None] * len(eqn.outvars)
+    if name in _PRODUCTS:
+        use = _product(eqn, ins, loop)
+        if use is not None:
+            uses.append(use)
+        return nothing
+    if name == "scan":
+        walk(eqn.params["jaxpr"].jaxpr, _scan_views(eqn, ins), uses, loop)
+        return nothing
+    if name == "cond":
+        for branch in eqn.params["branches"]:
+            walk(branch.jaxpr, ins[1:], uses, loop)
+        return nothing
+    if name == "while":
+        cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+        carry = [None] * (len(ins) - cond_n - body_n)
+        walk(eqn.params["body_jaxpr"].jaxpr, [*ins[cond_n : cond_n + body_n], *carry], uses, True)
+        walk(eqn.params["cond_jaxpr"].jaxpr, [*ins[:cond_n], *carry], uses, True)
+        return nothing
+    subs = _sub_jaxprs(eqn)
+    if subs:
+        sub = subs[0].jaxpr
+        if name in _CALLS or len(sub.invars) == len(ins):
+            return walk(sub, ins[-len(sub.invars) :] if sub.invars else [], uses, loop)[: len(eqn.outvars)]
+        return nothing
+    if len(eqn.outvars) == 1:
+        return [_view_after(eqn, ins)]
+    return nothing
+
+
+def _uses_inside(eqn: Any, ins: list[_View | None]) -> bool:
+    uses: list[_Use] = []
+    eqn_views(eqn, ins, uses)
+    return bool(uses)
+
+
+class Codes(NamedTuple):
+    """What an integer product needs of a weight view besides its value: its integer levels, its scales broadcast
+    to its shape, and where its levels are NaN (`None`: nowhere). Structural operations apply to them as to the
+    value."""
+
+    levels: Any
+    scale: Any
+    nan: Any
+
+
+class Inputs(NamedTuple):
+    """For each leaf (by program input), the input quantizer of its products and the stack axes its arrays carry;
+    and for the leaves whose products may compute on integers, the largest magnitude of their levels."""
+
+    quantizers: dict[int, tuple[Any, int]]
+    integer: dict[int, int]
+
+
+_CODES_SAME = frozenset({"copy", "copy_p", "reduce_precision", "optimization_barrier"})
+_CODES_MOVED = frozenset({"transpose", "squeeze", "expand_dims", "broadcast_in_dim", "reshape", "slice", "rev",
+                          "dynamic_slice"})  # fmt: skip
+
+
+def _codes_after(eqn: Any, codes: Codes | None, ins: list[Any]) -> Codes | None:
+    """The codes of an operation's output view: the same operation on the levels, scales and NaN mask. A cast to
+    another dtype (which may round the values) and other operations drop them: the product then computes in float."""
+    name = eqn.primitive.name
+    if codes is None or (name == "convert_element_type" and eqn.params["new_dtype"] != eqn.invars[0].aval.dtype):
+        return None
+    if name in _CODES_SAME or name == "convert_element_type":
+        return codes
+    if name not in _CODES_MOVED:
+        return None
+    params = eqn.primitive.get_bind_params(eqn.params)
+    move = lambda a: None if a is None else eqn.primitive.bind(a, *ins[1:], **params)  # noqa: E731
+    return Codes(move(codes.levels), move(codes.scale), move(codes.nan))
+
+
+def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequence[_View | None],
+             codes: Sequence[Codes | None], inputs: Inputs) -> list[Any]:  # fmt: skip
+    """Runs `jaxpr` on `args`, quantizing with `inputs` the activation operand of every product of a leaf view (on
+    integers, from the view's `codes`, where the formats allow it); everything else runs as traced."""
+    env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    seen: dict[Any, _View | None] = dict(zip(jaxpr.invars, views, strict=True))
+    held: dict[Any, Codes | None] = dict(zip(jaxpr.invars, codes, strict=True))
+    read = lambda v: v.val if isinstance(v, jcore.Literal) else env[v]  # noqa: E731
+    view = lambda v: None if isinstance(v, jcore.Literal) else seen.get(v)  # noqa: E731
+    code = lambda v: None if isinstance(v, jcore.Literal) else held.get(v)  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins, in_views, in_codes = (
+            [read(v) for v in eqn.invars],
+            [view(v) for v in eqn.invars],
+            [code(v) for v in eqn.invars],
+        )
+        out_views = eqn_views(eqn, in_views, [])
+        out_codes: list[Codes | None] = [None] * len(eqn.outvars)
+        if _uses_inside(eqn, in_views):
+            outs = _evaluate_with_products(eqn, ins, in_views, in_codes, inputs)
+        else:
+            outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            outs = outs if eqn.primitive.multiple_results else [outs]
+            if out_views[0] is not None and len(outs) == 1:
+                out_codes = [_codes_after(eqn, in_codes[0], ins)]
+        env.update(zip(eqn.outvars, outs, strict=True))
+        seen.update(zip(eqn.outvars, out_views, strict=True))
+        held.update(zip(eqn.outvars, out_codes, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _evaluate_with_products(eqn: Any, ins: list[Any], views: list[_View | None], codes: list[Codes | None],
+                            inputs: Inputs) -> list:  # fmt: skip
+    name, params = eqn.primitive.name, eqn.params
+    if name in _PRODUCTS:
+        return [_product_value(eqn, ins, views, codes, inputs)]
+    if name == "scan":
+        body = params["jaxpr"]
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        consts, init, xs = ins[:n_consts], ins[n_consts : n_consts + n_carry], ins[n_consts + n_carry :]
+        body_views = _scan_views(eqn, views)
+        # The input quantizers of the weights this scan steps through layer by layer, whose arrays hold one entry
+        # per layer (a calibrated stack): scanned alongside, one layer's entries per step; and the codes of the
+        # scanned weights, sliced like them.
+        quantizers = inputs.quantizers
+        stepped = {
+            v.leaf: eqx.partition(quantizers[v.leaf][0], eqx.is_array)
+            for v, inner in zip(views[n_consts + n_carry :], body_views[n_consts + n_carry :], strict=True)
+            if v is not None and inner is not None and inner.sliced is not None and quantizers[v.leaf][1] > 0
+        }
+        arrays = {leaf: dynamic for leaf, (dynamic, _) in stepped.items()}
+        const_codes, xs_codes = codes[:n_consts], codes[n_consts + n_carry :]
+
+        def step(carry, x):
+            x, x_codes, layer = x
+            inner = dict(quantizers)
+            for leaf, (_, static) in stepped.items():
+                inner[leaf] = (eqx.combine(layer[leaf], static), quantizers[leaf][1] - 1)
+            body_codes = [*const_codes, *([None] * n_carry), *x_codes]
+            outs = evaluate(body.jaxpr, body.consts, [*consts, *carry, *x], body_views, body_codes,
+                            inputs._replace(quantizers=inner))  # fmt: skip
+            return outs[:n_carry], outs[n_carry:]
+
+        carry, ys = jax.lax.scan(step, init, (xs, xs_codes, arrays), length=params["length"],
+                                 reverse=params["reverse"], unroll=params["unroll"])  # fmt: skip
+        return [*carry, *ys]
+    if name == "cond":
+        branches = [
+            lambda ops, c, b=b: evaluate(b.jaxpr, b.consts, ops, views[1:], c, inputs) for b in params["branches"]
+        ]
+        return jax.lax.switch(ins[0], branches, ins[1:], codes[1:])
+    if name == "while":
+        uses: list[_Use] = []
+        eqn_views(eqn, views, uses)
+        raise ValueError(
+            f"A {uses[0].primitive} of a weight runs inside a `jax.lax.while_loop` (leaf axes {uses[0].contracted} "
+            "summed): a loop whose trip count is not known when tracing cannot be quantized product by product. "
+            "Write the loop with `jax.lax.scan` or `jax.lax.fori_loop` with static bounds."
+        )
+    sub = _sub_jaxprs(eqn)[0]
+    n = len(sub.jaxpr.invars)
+    args, arg_views, arg_codes = ins[len(ins) - n :], views[len(ins) - n :], codes[len(ins) - n :]
+    run = lambda a, c: evaluate(sub.jaxpr, sub.consts, a, arg_views, c, inputs)  # noqa: E731
+    if name in ("remat2", "checkpoint"):
+        run = jax.checkpoint(run, prevent_cse=params["prevent_cse"], policy=params["policy"])
+    # Calls (`jit`) run inline; a custom-derivative function whose body holds a quantized product runs its body, so
+    # that its product is quantized (its own derivative rule then gives way to the quantized body's).
+    return run(args, arg_codes)[: len(eqn.outvars)]
+
+
+def _product_value(eqn: Any, ins: list[Any], views: list[_View | None], codes: list[Codes | None],
+                   inputs: Inputs) -> Any:  # fmt: skip
+    """A product of a weight view with an activation: the activation quantized, then the integer product where both
+    operands are on integer grids with scales constant along the contraction, else the float product."""
+    use = _product(eqn, views, False)
+    assert use is not None
+    side = 1 if views[0] is not None else 0  # the activation's
+    quantizer = inputs.quantizers[use.leaf][0]
+    ins = list(ins)
+    if hasattr(quantizer, "product_input"):  # an observer that wants to know the contraction (GPTQ's Hessian)
+        ins[side] = quantizer.product_input(ins[side], use.input_contracted)  # pyright: ignore
+    elif quantizer is not None:
+        weight_codes = codes[1 - side]
+        if eqn.primitive.name == "dot_general" and use.leaf in inputs.integer and weight_codes is not None:
+            if _integer_input(quantizer, ins[side], use.input_contracted, inputs.integer[use.leaf]):
+                fx, tx, nx = quantizer.fake_quant_and_array(ins[side])  # pyright: ignore[reportAttributeAccessIssue]
+                dims = eqn.params["dimension_numbers"]
+                y = _integer_dot(dims, side, fx, ins[1 - side], tx.values, tx.scale, nx, *weight_codes)
+                return y.astype(eqn.outvars[0].aval.dtype)
+        ins[side] = quantizer(ins[side])
+    return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def integer_weight(quantizer: object) -> bool:
+    """Whether a traced weight's quantizer (or stored array) gives integer products their weight operand: a
+    symmetric integer grid with float32 scales, one per tensor or channel (no tiles)."""
+    layout = getattr(quantizer, "layout", None)
+    if not integer_grid(quantizer) or layout is None or layout.group_size is not None:
+        return False
+    zero_point = getattr(quantizer, "zero_point", None)
+    if isinstance(quantizer, DynamicFakeQuant):
+        return quantizer.symmetric
+    return zero_point is None or (not isinstance(zero_point, jax.Array) and not any(flat(zero_point)))
+
+
+def _integer_input(quantizer: object, x: Any, contracted: tuple[int, ...], weight_bound: int) -> bool:
+    """Whether the activation quantizer gives an integer product its operand: a symmetric integer grid with one
+    float32 scale per tensor, and a contraction whose int32 sums are exact."""
+    if not (integer_weight(quantizer) and quantizer.layout.is_per_tensor()):  # pyright: ignore
+        return False
+    length = math.prod(x.shape[a] for a in contracted)
+    return length * _bound(quantizer.format) * weight_bound <= INT32_MAX  # pyright: ignore[reportAttributeAccessIssue]
+
+
+def _bound(fmt: IntFormat) -> int:
+    """The largest magnitude of a symmetric grid's levels."""
+    return max(-fmt.qmin, fmt.qmax)
+
+
+def _arranged(a: Any, side: int, dims: Any, other_free: int, reduce: Callable) -> Any:
+    """An operand-shaped array constant along the contracted axes (scales), or to be reduced over them (NaN masks),
+    on the non-contracted axes in the output's order: batch axes, then the left operand's free axes, then the
+    right's (`other_free` unit axes for the other operand's)."""
+    (lc, rc), (lb, rb) = dims
+    contract, batch = (lc, lb) if side == 0 else (rc, rb)
+    free = [d for d in range(a.ndim) if d not in contract and d not in batch]
+    a = reduce(jnp.transpose(a, (*batch, *free, *contract)), tuple(range(a.ndim - len(contract), a.ndim)))
+    n = len(batch)
+    units = (1,) * other_free
+    return a.reshape(a.shape + units) if side == 0 else a.reshape(a.shape[:n] + units + a.shape[n:])
+
+
+def _first(a: Any, axes: tuple[int, ...]) -> Any:
+    return a[(Ellipsis,) + (0,) * len(axes)] if axes else a
+
+
+def _any(a: Any, axes: tuple[int, ...]) -> Any:
+    return jnp.any(a, axis=axes) if axes else a
+
+
+def _integer_value(dims, side, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
+    """The product from the integers: an int32 `dot_general`, rescaled once per output element by the product of
+    the operands' scales; NaN where a contracted slice of either operand holds one, as in the float product."""
+    lhs, rhs = (w_levels, x_levels) if side == 1 else (x_levels, w_levels)
+    acc = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32)
+    (lc, rc), (lb, rb) = dims
+    free = [len([d for d in range(o.ndim) if d not in c and d not in b]) for o, c, b in ((lhs, lc, lb), (rhs, rc, rb))]
+    w_side = 1 - side
+    scale = x_scale.reshape(()) * _arranged(w_scale, w_side, dims, free[side], _first)
+    nan = _arranged(x_nan, side, dims, free[w_side], _any)
+    if w_nan is not None:
+        nan = nan | _arranged(w_nan, w_side, dims, free[side], _any)
+    y = acc.astype(scale.dtype) * scale
+    return opaque(jnp.where(nan, jnp.nan, y))
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _integer_dot(dims, side, fx, fw, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
+    del fx, fw
+    return _integer_value(dims, side, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan)
+
+
+@_integer_dot.defjvp
+def _integer_dot_jvp(dims, side, primals, tangents):
+    fx, fw = primals[:2]
+    dfx, dfw = tangents[:2]
+    y = _integer_dot(dims, side, *primals)  # through the function itself, for a second derivative
+    pair = lambda x, w: (w, x) if side == 1 else (x, w)  # noqa: E731
+    dy = jax.lax.dot_general(*pair(dfx, fw), dims) + jax.lax.dot_general(*pair(fx, dfw), dims)
+    return y, dy.astype(y.dtype)
+
+
+def _float_candidates(model: PyTree, excluded: Sequence[str]) -> list[tuple[str, Any]]:
+    """The floating-point array leaves of `model`, by path, outside the subtrees at `excluded` paths."""
+    found = []
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
+        path = path_string(key_path)
+        if any(path == p or path.startswith(p + ".") or p == "" for p in excluded):
+            continue
+        if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 1:
+            found.append((path, leaf))
+    return found
+
+
+def _leaf_view(leaf: Any, index: int) -> _View:
+    return _View(index, tuple((a,) for a in range(leaf.ndim)))
+
+
+class _Traced(NamedTuple):
+    """A call traced with the array leaves of its inputs as the program's inputs."""
+
+    jaxpr: Any  # closed
+    leaves: list[Any]
+    paths: list[tuple]  # the key path of each leaf in the inputs
+    out: tuple[Any, Any]  # the dynamic and static parts of the output
+
+
+def _trace(fn: Callable[..., Any], inputs: PyTree) -> _Traced:
+    """The program of `fn(inputs)`, its inputs being the array leaves of `inputs`."""
+    dynamic, static = eqx.partition(inputs, eqx.is_array)
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(dynamic)
+    leaves = [leaf for _, leaf in with_paths]
+
+    def run(*flat):
+        return fn(eqx.combine(jax.tree.unflatten(treedef, flat), static))
+
+    shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+    closed, out_dynamic, out_static = eqx.filter_make_jaxpr(run)(*shapes)
+    return _Traced(closed, leaves, [p for p, _ in with_paths], (out_dynamic, out_static))
+
+
+def find_products(model: PyTree, call: Callable[[PyTree], Any], excluded: Sequence[str]) -> list[TracedProduct]:
+    """The weight products of `call(model)` whose weight is a floating-point leaf outside the `excluded` subtrees,
+    in the order the program computes them. Raises `ValueError` for a product inside a `while_loop`."""
+    candidates = {path for path, _ in _float_candidates(model, excluded)}
+    traced = _trace(call, model)
+    paths = [path_string(p) for p in traced.paths]
+    views = [
+        _leaf_view(x, i) if p in candidates else None for i, (p, x) in enumerate(zip(paths, traced.leaves, strict=True))
+    ]
+    uses: list[_Use] = []
+    walk(traced.jaxpr.jaxpr, views, uses)
+    products = []
+    for use in uses:
+        path, leaf = paths[use.leaf], traced.leaves[use.leaf]
+        if use.loop:
+            raise ValueError(
+                f"The weight {path!r} enters a {use.primitive} inside a `jax.lax.while_loop`, whose trip count is "
+                "not known when tracing: it cannot be quantized product by product. Write the loop with "
+                "`jax.lax.scan` (or `jax.lax.fori_loop` with static bounds), or leave the weight out of the rules."
+            )
+        stack = tuple(leaf.shape[: use.sliced or 0])
+        products.append(
+            TracedProduct(path, leaf, use.contracted, use.input_shape, use.input_contracted, use.primitive, stack)
+        )
+    return products
+
+
+def _follows(layout: Layout, product: TracedProduct) -> bool:
+    """Whether `layout` already lays scales out along `product`: per tensor, per index of its channel axes, or in
+    tiles along its one contracted axis."""
+    ndim = product.weight.ndim
+    axes = tuple(sorted(a % ndim for a in layout.axes))
+    if layout.stacked:
+        return False
+    if layout.group_size is None:
+        return axes in ((), product.channels)
+    return not axes and (layout.group_axis % ndim,) == product.contracted
+
+
+def weight_layout(quantizer: AbstractQuantizer, product: TracedProduct) -> AbstractQuantizer:
+    """A weight quantizer for a traced weight: one already laid out along the product as it is; a dynamic one written
+    for layers (`axis=0` for one scale per output channel, tiles along the last axis, the contraction) with the same
+    meaning here: one scale per index of the weight's channel axes, tiles along its contracted axis."""
+    layout = getattr(quantizer, "layout", None)
+    if layout is None or _follows(layout, product):
+        return quantizer
+    if isinstance(quantizer, DynamicFakeQuant) and not layout.stacked:
+        if layout.group_size is None and layout.axes == (0,):
+            return dataclasses.replace(quantizer, layout=Layout(axes=product.channels))
+        if not layout.axes and layout.group_size is not None and layout.group_axis == -1:
+            if len(product.contracted) == 1:
+                tiles = Layout(group_size=layout.group_size, group_axis=product.contracted[0])
+                return dataclasses.replace(quantizer, layout=tiles)
+    raise ValueError(
+        f"The weight {product.path!r} is a traced weight (its product sums over its axes {product.contracted} of "
+        f"{product.weight.shape}); its {type(quantizer).__name__}'s layout {layout} does not follow that product. "
+        "Give it one scale per tensor, a DynamicFakeQuant with `axis=0` (one scale per output channel) or "
+        "`group_size=g` (tiles along a single contracted axis), or a factory such as eqx_quant.LayerQuantizer."
+    )
+
+
+class QuantTraced(eqx.Module):
+    """A model whose weight-by-activation products, found by tracing its call, are quantized: made by
+    [`eqx_quant.quantize`][] with `example=` for the products a model writes with its own array leaves (bare
+    weight arrays, custom layer classes, `jnp.einsum`), which no `eqx.nn` layer wraps.
+
+    Calling it calls the model: the program of `model(*args, **kwargs)` is traced (once per compilation under
+    `eqx.filter_jit`; at every call eagerly) and run again with each quantized weight leaf replaced by its
+    fake-quantized value (or, after [`eqx_quant.convert`][], the dequantized stored codes, bit for bit the same) and
+    the activation operand of each of its products replaced by that operand's quantized value. Everything else in
+    the program runs as traced. The product is the float product of the quantized operands.
+
+    **Fields:**
+
+    - `model`: the model, with its `eqx.nn` layers quantized as [`eqx_quant.quantize`][] quantizes them.
+    - `weight_paths`: the paths of the traced weights in `model` (static).
+    - `weight_quants`: the quantizer of each traced weight, applied to the whole leaf wherever the program reads it.
+    - `input_quants`: the quantizer of the activation operand of each traced weight's products, or `None`.
+    - `stacks`: for each traced weight, the lengths of its leading axes that `jax.lax.scan`s step through (a stack
+        of layers; see [`eqx_quant.TracedProduct`][]), `()` if none (static). An input quantizer whose arrays carry
+        these leading axes (as [`eqx_quant.calibrate`][] makes them: one scale per layer) is stepped through with the
+        weight, one layer's entries per step.
+    - `matmuls`: for each traced weight, `"int"` for the integer product where the quantizers allow it, `"float"`
+        for the float product of the quantized operands (static).
+    """
+
+    model: PyTree
+    weight_quants: tuple[AbstractQuantizer | None, ...]
+    input_quants: tuple[AbstractQuantizer | None, ...]
+    weight_paths: tuple[str, ...] = eqx.field(static=True)
+    stacks: tuple[tuple[int, ...], ...] = eqx.field(static=True)
+    matmuls: tuple[str, ...] = eqx.field(static=True)
+
+    def __init__(
+        self,
+        model: PyTree,
+        weight_quants: Sequence[AbstractQuantizer | None],
+        input_quants: Sequence[AbstractQuantizer | None],
+        weight_paths: Sequence[str],
+        stacks: Sequence[tuple[int, ...]] | None = None,
+        matmuls: Sequence[str] | None = None,
+    ):
+        """**Arguments:** the fields, in order; by default `stacks` is `()` and `matmuls` `"int"` for every
+        weight."""
+        self.model = model
+        self.weight_quants = tuple(weight_quants)
+        self.input_quants = tuple(input_quants)
+        self.weight_paths = tuple(weight_paths)
+        n = len(self.weight_paths)
+        self.stacks = tuple(tuple(s) for s in stacks) if stacks is not None else ((),) * n
+        self.matmuls = tuple(matmuls) if matmuls is not None else ("int",) * n
+
+    def __check_init__(self):
+        counts = [len(self.weight_paths), len(self.weight_quants), len(self.input_quants), len(self.stacks),
+                  len(self.matmuls)]  # fmt: skip
+        if len(set(counts)) != 1:
+            raise ValueError(
+                "`weight_paths`, `weight_quants`, `input_quants`, `stacks` and `matmuls` must have one entry per "
+                f"traced weight, got {counts}."
+            )
+        for matmul in self.matmuls:
+            if matmul not in ("int", "float"):
+                raise ValueError(f"`matmuls` must hold 'int' or 'float', got {matmul!r}.")
+
+    def quantized_model(self) -> PyTree:
+        """`model` with each traced weight replaced by its quantized value: fake-quantized, or dequantized from its
+        stored codes."""
+        return self._quantized()[0]
+
+    def _integer(self, i: int) -> bool:
+        """Whether the products of traced weight `i` may compute on integers."""
+        stored = _stored(self.model, self.weight_paths[i])
+        return self.matmuls[i] == "int" and integer_weight(stored if stored is not None else self.weight_quants[i])
+
+    def _quantized(self) -> tuple[PyTree, dict[str, Codes]]:
+        """`quantized_model()`, and the codes of the traced weights whose products may compute on integers."""
+        index = {path: i for i, path in enumerate(self.weight_paths)}
+        codes: dict[str, Codes] = {}
+
+        def replace(key_path, leaf):
+            path = path_string(key_path)
+            i = index.get(path)
+            if i is None:
+                return leaf
+            integer = self._integer(i)
+            if isinstance(leaf, QuantizedArray):
+                if integer:
+                    codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), _full_scale(leaf), None)
+                return leaf.dequantize()
+            quantizer = self.weight_quants[i]
+            if quantizer is None:
+                return leaf
+            if not integer:
+                return quantizer(leaf)
+            value, array, nan = quantizer.fake_quant_and_array(leaf)  # pyright: ignore[reportAttributeAccessIssue]
+            codes[path] = Codes(array.values.reshape(leaf.shape), _full_scale(array), nan.reshape(leaf.shape))
+            return value
+
+        is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+        return jax.tree_util.tree_map_with_path(replace, self.model, is_leaf=is_stored), codes
+
+    def _format(self, i: int) -> IntFormat:
+        stored = _stored(self.model, self.weight_paths[i])
+        fmt = (stored if stored is not None else self.weight_quants[i]).format  # pyright: ignore[reportOptionalMemberAccess]
+        assert isinstance(fmt, IntFormat)
+        return fmt
+
+    def float_model(self) -> PyTree:
+        """`model` with its traced weights as float arrays again: the float leaves, or the stored codes
+        dequantized."""
+        index = set(self.weight_paths)
+        is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+        dequantized = lambda p, x: x.dequantize() if is_stored(x) and path_string(p) in index else x  # noqa: E731
+        return jax.tree_util.tree_map_with_path(dequantized, self.model, is_leaf=is_stored)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """`model(*args, **kwargs)` with the traced weights and their products' inputs quantized."""
+        index = {path: i for i, path in enumerate(self.weight_paths)}
+        model, codes = self._quantized()
+        traced = _trace(lambda inputs: inputs[0](*inputs[1], **inputs[2]), (model, args, kwargs))
+        owner: dict[int, int] = {}  # program input -> traced weight
+        views: list[_View | None] = []
+        held: list[Codes | None] = []
+        for i, (key_path, leaf) in enumerate(zip(traced.paths, traced.leaves, strict=True)):
+            path = path_string(key_path[1:]) if key_path[0].idx == 0 else None
+            k = index.get(path) if path is not None else None
+            views.append(None if k is None else _leaf_view(leaf, i))
+            held.append(codes.get(path) if path is not None else None)
+            if k is not None:
+                owner[i] = k
+        quantizers = {leaf: (self.input_quants[k], len(self.stacks[k])) for leaf, k in owner.items()}
+        integer = {leaf: _bound(self._format(k)) for leaf, k in owner.items() if self._integer(k)}
+        closed = traced.jaxpr
+        outs = evaluate(closed.jaxpr, closed.consts, traced.leaves, views, held, Inputs(quantizers, integer))
+        out_dynamic, out_static = traced.out
+        return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_dynamic), outs), out_static)
+
+
+def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
+    """`traced` with some of its fields replaced, the others as they are."""
+    fields = dict(model=traced.model, weight_quants=traced.weight_quants, input_quants=traced.input_quants,
+                  weight_paths=traced.weight_paths, stacks=traced.stacks, matmuls=traced.matmuls)  # fmt: skip
+    return QuantTraced(**(fields | changes))
+
+
+def _stored(model: PyTree, path: str) -> QuantizedArray | None:
+    """The stored array at `path` of `model`, if the leaf there is one."""
+    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    for key_path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stored)[0]:
+        if is_stored(leaf) and path_string(key_path) == path:
+            return leaf
+    return None
+
+
+def _full_scale(array: QuantizedArray) -> Any:
+    """The float32 scales of an integer array (one per tensor or channel) broadcast to its shape."""
+    return jnp.broadcast_to(array.scale, array.view_shape).reshape(array.shape)
+
+
+def trace_call(example: object) -> Callable[[PyTree], Any]:
+    """The call `f(model)` that `quantize`'s `example` describes: a tuple of positional arguments, or a function."""
+    if callable(example):
+        return example  # pyright: ignore[reportReturnType]
+    if isinstance(example, tuple):
+        return lambda model: model(*example)
+    raise TypeError(
+        f"`example` must be a tuple of arguments for one call `model(*example)`, or a function f(model) that calls "
+        f"the model, got {example!r}."
+    )

@@ -1,0 +1,545 @@
+"""Products found by tracing (`quantize(..., example=)`, `eqx_quant.nn.QuantTraced`): models that write their
+products with bare arrays, custom classes and `jnp.einsum`, against hand-quantized twins built from the public
+quantizers along the axes each product implies; the workflow (gradients, calibrate, gptq, convert, save/load,
+summary) on them, and the errors."""
+
+import functools
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import eqx_quant
+from eqx_quant import DynamicFakeQuant
+
+from .helpers import assert_bitwise_equal, np_absmax_scale
+
+
+RNG = np.random.default_rng(0)
+X8 = DynamicFakeQuant(8)  # the recipes' inputs: int8, one scale per tensor per call
+identity = lambda v: v  # noqa: E731
+
+
+def _normal(*shape, scale=1.0):
+    return jnp.asarray(RNG.standard_normal(shape).astype(np.float32) * np.float32(scale))
+
+
+# Each model quantizes the activation operand of each of its products with `xq` (identity by default), so that its
+# hand-quantized twin is the model with its weights replaced by `DynamicFakeQuant(8, axis=channels)` of them, called
+# with `xq=X8`. The channel axes are written by hand here: what the library must find.
+
+
+class BareMLP(eqx.Module):
+    w_in: jax.Array  # (out, in), used as `W @ x`
+    w_mid: jax.Array  # (out, in), used as `x @ W.T`
+    w_out: jax.Array  # (in, out), used as `jnp.dot(x, W)`
+
+    def __call__(self, x, xq=identity):
+        h = jax.nn.relu(self.w_in @ xq(x))
+        h = jax.nn.relu(xq(h) @ self.w_mid.T)
+        return jnp.dot(xq(h), self.w_out)
+
+
+BARE_MLP = BareMLP(_normal(16, 8), _normal(16, 16, scale=0.3), _normal(16, 4, scale=0.3))
+BARE_MLP_CHANNELS = {"w_in": (0,), "w_mid": (0,), "w_out": (1,)}
+
+
+class Dense(eqx.Module):
+    """A custom linear class, as interatomic-potential packages write it: weights `(in, out)`."""
+
+    weights: jax.Array
+    bias: jax.Array
+
+    def __call__(self, x, xq):
+        return jnp.dot(xq(x), self.weights) + self.bias
+
+
+class Potential(eqx.Module):
+    layers: list
+
+    def __call__(self, x, xq=identity):
+        for layer in self.layers[:-1]:
+            x = jax.nn.silu(layer(x, xq))
+        return self.layers[-1](x, xq)
+
+
+POTENTIAL = Potential([Dense(_normal(8, 12), _normal(12)), Dense(_normal(12, 3, scale=0.3), _normal(3))])
+POTENTIAL_CHANNELS = {"layers.0.weights": (1,), "layers.1.weights": (1,)}
+
+
+class Heads(eqx.Module):
+    """Projections `(heads, d, e)` and their output `(heads, e, d)` with `jnp.einsum`."""
+
+    wq: jax.Array
+    wo: jax.Array
+
+    def __call__(self, x, xq=identity):  # x: (tokens, d)
+        q = jnp.tanh(jnp.einsum("td,hde->the", xq(x), self.wq))
+        return jnp.einsum("the,hed->td", xq(q), self.wo)  # sums over heads and e: one scale per output feature
+
+
+HEADS = Heads(_normal(2, 8, 4), _normal(2, 4, 8, scale=0.3))
+HEADS_CHANNELS = {"wq": (0, 2), "wo": (2,)}
+
+
+class Stack(eqx.Module):
+    """Raw stacked weights `(layers, out, in)` run with `lax.scan`: one set of scales per layer."""
+
+    w: jax.Array
+
+    def __call__(self, x, xq=identity):
+        step = lambda h, w: (jnp.tanh(w @ xq(h)), None)  # noqa: E731
+        return jax.lax.scan(step, x, self.w)[0]
+
+
+STACK = Stack(_normal(3, 8, 8, scale=0.4) * jnp.arange(1.0, 4.0)[:, None, None])
+STACK_CHANNELS = {"w": (0, 1)}
+
+
+class GNN(eqx.Module):
+    """Message passing with `.at[].add`, as graph-network packages write it."""
+
+    w_self: jax.Array
+    w_msg: jax.Array
+
+    def __call__(self, h, senders, receivers, xq=identity):  # h: (nodes, d)
+        messages = xq(h[senders]) @ self.w_msg.T
+        pooled = jnp.zeros_like(h).at[receivers].add(messages)
+        return jax.nn.relu(xq(h) @ self.w_self.T + pooled)
+
+
+GNN_MODEL = GNN(_normal(6, 6, scale=0.5), _normal(6, 6, scale=0.5))
+GNN_CHANNELS = {"w_self": (0,), "w_msg": (0,)}
+SENDERS, RECEIVERS = jnp.array([0, 1, 2, 3, 4]), jnp.array([1, 2, 3, 4, 0])
+
+
+class Conv(eqx.Module):
+    kernel: jax.Array  # (out, in, 3, 3)
+
+    def __call__(self, x, xq=identity):  # x: (in, height, width)
+        return jax.lax.conv_general_dilated(xq(x)[None], self.kernel, (1, 1), "SAME")[0]
+
+
+CONV = Conv(_normal(4, 3, 3, 3, scale=0.3))
+CONV_CHANNELS = {"kernel": (0,)}
+
+
+@jax.custom_jvp
+def _custom_product(w, h):
+    return w @ h
+
+
+@_custom_product.defjvp
+def _custom_product_jvp(primals, tangents):
+    (w, h), (dw, dh) = primals, tangents
+    return w @ h, dw @ h + w @ dh
+
+
+class Wrapped(eqx.Module):
+    """Products inside `jit`, `checkpoint`, `cond` and a custom-derivative function."""
+
+    a: jax.Array
+    b: jax.Array
+    c: jax.Array
+    d: jax.Array
+
+    def __call__(self, x, xq=identity):
+        h = jax.jit(lambda w, v: w @ xq(v))(self.a, x)
+        h = jax.checkpoint(lambda v: jnp.tanh(self.b @ xq(v)))(h)
+        h = jax.lax.cond(h[0] > 0, lambda v: self.c @ xq(v), lambda v: -(self.c @ xq(v)), h)
+        return _custom_product(self.d, xq(h))
+
+
+WRAPPED = Wrapped(*(_normal(6, 6, scale=0.5) for _ in range(4)))
+WRAPPED_CHANNELS = {name: (0,) for name in "abcd"}
+
+CASES = {
+    "bare_mlp": (BARE_MLP, BARE_MLP_CHANNELS, (_normal(8),)),
+    "custom_class": (POTENTIAL, POTENTIAL_CHANNELS, (_normal(8),)),
+    "einsum_heads": (HEADS, HEADS_CHANNELS, (_normal(5, 8),)),
+    "scan_stack": (STACK, STACK_CHANNELS, (_normal(8),)),
+    "message_passing": (GNN_MODEL, GNN_CHANNELS, (_normal(5, 6), SENDERS, RECEIVERS)),
+    "conv": (CONV, CONV_CHANNELS, (_normal(3, 6, 6),)),
+    "wrapped": (WRAPPED, WRAPPED_CHANNELS, (_normal(6),)),
+}
+
+
+def _leaf(model, path):
+    return {jax.tree_util.keystr(p, simple=True, separator="."): x for p, x in jax.tree_util.tree_leaves_with_path(
+        model)}[path]  # fmt: skip
+
+
+def _twin(model, channels):
+    """The hand-quantized twin: each traced weight fake-quantized per index of its channel axes."""
+    for path, axes in channels.items():
+        where = functools.partial(_leaf, path=path)
+        model = eqx.tree_at(where, model, DynamicFakeQuant(8, axis=axes)(where(model)))
+    return model
+
+
+_call = eqx.filter_jit(lambda model, args, kwargs: model(*args, **kwargs))
+
+
+@eqx.filter_jit
+def _call_twin(model, channels, args):
+    """The twin called under `jit` with its weights quantized inside the program, as the traced model quantizes
+    them: a float product is summed in an order that XLA chooses per program (the parity page), so a twin whose
+    weights were constants of the program may round its last bit otherwise."""
+    return _twin(model, channels)(*args, xq=X8)
+
+
+@functools.cache
+def _quantized(name):
+    model, _, args = CASES[name]
+    return eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=args)
+
+
+_SLOW = {"custom_class", "einsum_heads", "message_passing", "wrapped"}  # the other cases cover each path quickly
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=pytest.mark.slow) if name in _SLOW else name for name in CASES]
+)
+def test_forward_is_the_hand_quantized_model(name):
+    model, channels, args = CASES[name]
+    quantized = _quantized(name)
+    assert isinstance(quantized, eqx_quant.nn.QuantTraced)
+    assert set(quantized.weight_paths) == set(channels)
+    for path, quantizer in zip(quantized.weight_paths, quantized.weight_quants, strict=True):
+        assert quantizer.layout.axes == channels[path], path
+    expected = _call_twin(model, channels, args)
+    got = _call(quantized, args, {})
+    if name == "conv":  # a float product of the quantized operands, as the twin's
+        assert_bitwise_equal(got, expected)
+        assert_bitwise_equal(quantized(*args), _twin(model, channels)(*args, xq=X8))  # and eagerly
+    else:  # integer products: the float twin's values, to its rounding; eager and compiled alike, bit for bit
+        np.testing.assert_allclose(np.asarray(got), np.asarray(expected), rtol=2e-6, atol=2e-6)
+        assert_bitwise_equal(quantized(*args), got)
+    # The float model differs: the test would fail if nothing were quantized.
+    assert np.max(np.abs(np.asarray(_call(model, args, {})) - np.asarray(expected))) > 1e-4
+
+
+def _np_levels(x, axes):
+    """NumPy twin of int8 symmetric quantization, one scale per index of `axes` (all others reduced)."""
+    x = np.asarray(x, np.float32)
+    reduced = tuple(a for a in range(x.ndim) if a not in axes)
+    scale = np_absmax_scale(np.max(np.abs(x), axis=reduced, keepdims=True), 127)
+    return np.clip(np.round(x * (np.float32(1) / scale)), -128, 127).astype(np.int64), scale
+
+
+class One(eqx.Module):
+    """One product of a weight with an input, written as `equation` (input first) for `jnp.einsum`."""
+
+    w: jax.Array
+    equation: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        return jnp.einsum(self.equation, x, self.w)
+
+
+ONE = {
+    "Wx": (One(_normal(6, 8), "i,oi->o"), (0,), _normal(8)),
+    "xW_in_out": (One(_normal(8, 6), "ti,io->to"), (1,), _normal(3, 8)),
+    "heads": (One(_normal(2, 8, 4), "td,hde->the"), (0, 2), _normal(3, 8)),
+    "out_heads": (One(_normal(2, 4, 8), "the,hed->td"), (2,), _normal(3, 2, 4)),
+    "batched_stack": (One(_normal(3, 5, 4), "li,loi->lo"), (0, 1), _normal(3, 4)),
+}
+
+
+@pytest.mark.parametrize("name", list(ONE))
+def test_integer_product_against_numpy(name):
+    model, channels, x = ONE[name]
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    w_levels, w_scale = _np_levels(model.w, channels)
+    x_levels, x_scale = _np_levels(x, ())
+    acc = np.einsum(model.equation, x_levels, w_levels)  # int64: exact
+    # One rounding: the exact integer sum (exact in float32 here) times the product of the two scales, the weight's
+    # taken per output channel and laid along the output's axes.
+    out_labels = model.equation.split("->")[1]
+    w_labels = model.equation.split("->")[0].split(",")[1]
+    w_free = np.broadcast_to(w_scale, model.w.shape)[
+        tuple(slice(None) if label in out_labels else 0 for label in w_labels)]  # fmt: skip
+    kept = "".join(label for label in w_labels if label in out_labels)
+    ordered = "".join(sorted(kept, key=out_labels.index))
+    w_out = np.einsum(f"{kept}->{ordered}", w_free)[tuple(slice(None) if c in kept else None for c in out_labels)]
+    expected = acc.astype(np.float32) * (np.float32(x_scale.reshape(())) * w_out.astype(np.float32))
+    assert_bitwise_equal(_call(quantized, (x,), {}), expected.astype(np.float32))
+    assert_bitwise_equal(quantized(x), expected.astype(np.float32))
+    assert_bitwise_equal(_call(eqx_quant.convert(quantized), (x,), {}), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("name", ["bare_mlp", "scan_stack", "message_passing"])
+def test_converted_matches_fake_quant_bit_for_bit(name):
+    quantized = _quantized(name)
+    args = CASES[name][2]
+    converted = eqx_quant.convert(quantized)
+    for path in quantized.weight_paths:
+        stored = _leaf_node(converted.model, path)
+        assert isinstance(stored, eqx_quant.QuantizedArray) and stored.values.dtype == jnp.int8
+    assert_bitwise_equal(_call(converted, args, {}), _call(quantized, args, {}))
+    assert_bitwise_equal(converted(*args), quantized(*args))
+
+
+def _leaf_node(model, path):
+    is_stored = lambda x: isinstance(x, eqx_quant.QuantizedArray)  # noqa: E731
+    leaves = jax.tree_util.tree_leaves_with_path(model, is_leaf=is_stored)
+    return {jax.tree_util.keystr(p, simple=True, separator="."): x for p, x in leaves}[path]
+
+
+def test_factories_receive_the_traced_product():
+    seen = {}
+
+    def factory(path, product):
+        seen[path] = product
+        return DynamicFakeQuant(8)
+
+    model, _, args = CASES["einsum_heads"]
+    eqx_quant.quantize(model, [eqx_quant.Rule(".*", weight=factory, input=None)], example=args)
+    wq, wo = seen["wq"], seen["wo"]
+    assert isinstance(wq, eqx_quant.TracedProduct)
+    assert (wq.contracted, wq.channels, wq.input_shape, wq.input_contracted) == ((1,), (0, 2), (5, 8), (1,))
+    assert (wo.contracted, wo.channels, wo.input_shape, set(wo.input_contracted)) == ((0, 1), (2,), (5, 2, 4), {1, 2})
+    assert wq.primitive == "dot_general" and wq.stack == () and wq.weight is model.wq
+    seen.clear()
+    eqx_quant.quantize(STACK, [eqx_quant.Rule(".*", weight=factory)], example=CASES["scan_stack"][2])
+    assert seen["w"].stack == (3,) and seen["w"].contracted == (2,)
+    seen.clear()
+    eqx_quant.quantize(CONV, [eqx_quant.Rule(".*", weight=factory)], example=CASES["conv"][2])
+    assert seen["kernel"].primitive == "conv_general_dilated" and seen["kernel"].contracted == (1, 2, 3)
+
+
+def test_groups_run_along_the_contracted_axis():
+    # `x @ W` with W (in=64, out=8): groups of 32 run down the columns, along axis 0.
+    w = _normal(64, 8, scale=0.2)
+    model = Dense(w, jnp.zeros(8))
+    x = _normal(64)
+    call = lambda m: m(x, identity)  # noqa: E731
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w4a16_g32")["rules"], example=call)
+    (quantizer,) = quantized.weight_quants
+    assert quantizer.layout.group_size == 32 and quantizer.layout.group_axis == 0
+    expected = jnp.dot(x, DynamicFakeQuant(4, group_size=32, group_axis=0)(w))
+    assert_bitwise_equal(quantized(x, identity), expected)
+    converted = eqx_quant.convert(quantized)
+    assert converted.model.weights.packed_bits == 4
+    assert_bitwise_equal(converted(x, identity), expected)
+
+
+def test_a_layer_and_a_bare_weight_in_one_model():
+    class Mixed(eqx.Module):
+        linear: eqx.nn.Linear
+        w: jax.Array
+
+        def __call__(self, x, xq=identity):
+            return self.w @ xq(jax.nn.relu(self.linear(x)))
+
+    model = Mixed(eqx.nn.Linear(8, 8, key=jax.random.key(0)), _normal(4, 8))
+    x = _normal(8)
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    assert quantized.weight_paths == ("w",)  # the layer's weight is the layer's, quantized as a layer
+    assert isinstance(quantized.model.linear, eqx_quant.nn.QuantLinear)
+    twin = eqx.filter_jit(
+        lambda m, x: eqx_quant.quantize(_twin(m, {"w": (0,)}), eqx_quant.recipe("w8a8")["rules"])(x, xq=X8)
+    )
+    np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(twin(model, x)), rtol=2e-6, atol=2e-6)
+    rows = {row.path: row for row in eqx_quant.summary(quantized).rows}
+    assert rows["model.w"].kind == "traced" and rows["model.linear"].kind == "QuantLinear"
+    assert rows["model.w"].float_bytes == 4 * 8 * 4 and rows["model.w"].stored_bytes == 4 * 8 + 4 * 4
+    assert eqx_quant.float_model(quantized) is not None
+    restored = eqx_quant.float_model(quantized)
+    assert type(restored) is Mixed and restored.w is model.w and type(restored.linear) is eqx.nn.Linear
+
+
+def test_vmap_outside_gives_each_example_its_own_input_scale():
+    quantized = _quantized("bare_mlp")
+    x = jnp.stack([_normal(8), 100 * _normal(8)])
+    batched = _call(eqx.filter_vmap(quantized), (x,), {})
+    for i in range(2):
+        assert_bitwise_equal(batched[i], _call(quantized, (x[i],), {}))
+
+
+def test_gradients_are_those_of_the_hand_quantized_model():
+    model, channels, args = CASES["scan_stack"]
+    quantized = _quantized("scan_stack")
+    grads = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(m(x) ** 2)))(quantized, *args)
+
+    def twin_loss(m, x):
+        return jnp.sum(_twin(m, channels)(x, xq=X8) ** 2)
+
+    expected = eqx.filter_jit(eqx.filter_grad(twin_loss))(model, *args)
+    # The same straight-through gradients; the forward values (integer products here, float in the twin) differ in
+    # their last bits, and the derivatives of `tanh` with them.
+    np.testing.assert_allclose(np.asarray(grads.model.w), np.asarray(expected.w), rtol=1e-4, atol=1e-6)
+    assert np.any(np.asarray(grads.model.w) != 0)
+
+
+@pytest.mark.slow
+def test_quantization_aware_training_with_optax():
+    model, _, _ = CASES["bare_mlp"]
+    x = _normal(64, 8)
+    y = jnp.sin(x[:, :4])
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x[0],))
+    optimizer = optax.sgd(0.1)
+    state = optimizer.init(eqx.filter(quantized, eqx.is_inexact_array))
+
+    @eqx.filter_jit
+    def step(m, state):
+        loss, grads = eqx.filter_value_and_grad(lambda m: jnp.mean((jax.vmap(m)(x) - y) ** 2))(m)
+        updates, state = optimizer.update(grads, state, m)
+        return eqx.apply_updates(m, updates), state, loss
+
+    losses = []
+    for _ in range(30):
+        quantized, state, loss = step(quantized, state)
+        losses.append(float(loss))
+    assert losses[-1] < 0.5 * losses[0]
+
+
+@pytest.mark.slow
+def test_calibrate_gives_each_product_and_each_layer_of_a_stack_its_input_scale():
+    model, channels, _ = CASES["scan_stack"]
+    data = [_normal(4, 8), _normal(4, 8, scale=3.0)]
+    calibrated = eqx_quant.calibrate(_quantized("scan_stack"), data)
+    (quantizer,) = calibrated.input_quants
+    assert isinstance(quantizer, eqx_quant.LearnedFakeQuant) and quantizer.scale.shape == (3,)
+    # By hand: the inputs each layer's product sees (weights quantized, inputs float), their max |x| per layer.
+    twin = _twin(model, channels)
+    tops = np.zeros(3, np.float32)
+    for batch in data:
+        h = batch
+        for layer in range(3):
+            tops[layer] = max(tops[layer], float(jnp.max(jnp.abs(h))))
+            h = jnp.tanh(h @ twin.w[layer].T)
+    np.testing.assert_array_equal(np.asarray(quantizer.scale), np_absmax_scale(tops, 127))
+    # The calibrated model applies layer k's scale to layer k's input, and converts bit for bit.
+    x = data[1][0]
+    h = x
+    for layer in range(3):
+        h = jnp.tanh(twin.w[layer] @ eqx_quant.FakeQuant(float(quantizer.scale[layer]), -128, 127)(h))
+    np.testing.assert_allclose(np.asarray(_call(calibrated, (x,), {})), np.asarray(h), rtol=1e-6, atol=1e-6)
+    assert_bitwise_equal(_call(eqx_quant.convert(calibrated), (x,), {}), _call(calibrated, (x,), {}))
+
+
+def test_calibrate_reaches_a_weight_used_by_two_products():
+    class Tied(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.w.T @ jnp.tanh(self.w @ x)  # the same weight, summed over its axis 1 then its axis 0
+
+    with pytest.raises(ValueError, match="two products that sum over different axes"):
+        eqx_quant.quantize(Tied(_normal(4, 4)), example=(_normal(4),))
+
+
+def _gptq_inputs(model, channels, data):
+    """By hand: the inputs of each product of BARE_MLP in the one-pass model (weights round to nearest, inputs
+    float), as rows."""
+    twin = _twin(model, channels)
+    xs = jnp.concatenate(data)
+    h1 = jax.nn.relu(xs @ twin.w_in.T)
+    h2 = jax.nn.relu(h1 @ twin.w_mid.T)
+    return {"w_in": xs, "w_mid": h1, "w_out": h2}
+
+
+@pytest.mark.slow
+def test_gptq_one_pass_is_gptq_quantize_on_each_product():
+    model, channels, _ = CASES["bare_mlp"]
+    data = [_normal(16, 8), _normal(16, 8)]
+    solved = eqx_quant.gptq(_quantized("bare_mlp"), data, sequential=False)
+    inputs = _gptq_inputs(model, channels, data)
+    for path, transpose in (("w_in", False), ("w_mid", False), ("w_out", True)):
+        x = np.asarray(inputs[path], np.float64)
+        hessian = jnp.asarray(x.T @ x, jnp.float32)
+        weight = getattr(model, path)
+        levels, scales = eqx_quant.gptq_quantize(weight.T if transpose else weight, hessian, -128, 127)
+        expected = np.asarray(scales, np.float32) * np.asarray(levels, np.float32)
+        got = np.asarray(_leaf(solved.model, path))
+        np.testing.assert_allclose(got.T if transpose else got, expected, rtol=1e-5, atol=1e-6)
+        quantizer = solved.weight_quants[solved.weight_paths.index(path)]
+        assert isinstance(quantizer, eqx_quant.FakeQuant)
+        # The fixed quantizer reproduces GPTQ's levels exactly.
+        assert_bitwise_equal(quantizer(_leaf(solved.model, path)), _leaf(solved.model, path))
+    x = data[0][0]
+    assert_bitwise_equal(_call(eqx_quant.convert(solved), (x,), {}), _call(solved, (x,), {}))
+
+
+@pytest.mark.slow
+def test_sequential_gptq_and_autoround_reduce_the_output_error():
+    w1 = _normal(32, 64, scale=0.15)
+    w2 = _normal(16, 64, scale=0.12)
+
+    class Mlp(eqx.Module):
+        w1: jax.Array
+        w2: jax.Array
+
+        def __call__(self, x):
+            return jnp.tanh(x @ self.w1) @ self.w2.T
+
+    model = Mlp(w1, w2)
+    xs = _normal(256, 32) @ _normal(32, 32, scale=0.5)
+    rules = eqx_quant.recipe("w4a16_g32")["rules"]
+    quantized = eqx_quant.quantize(model, rules, example=(xs[0],))
+    reference = jax.vmap(model)(xs)
+    error = lambda m: float(jnp.mean((_call(jax.vmap(m), (xs,), {}) - reference) ** 2))  # noqa: E731
+    rtn = error(quantized)
+    batches = [xs[:128], xs[128:]]
+    assert error(eqx_quant.gptq(quantized, batches)) < 0.6 * rtn
+    assert error(eqx_quant.autoround(quantized, batches, steps=40)) < rtn
+
+
+def test_save_and_load_into_the_float_skeleton(tmp_path):
+    quantized = eqx_quant.calibrate(_quantized("scan_stack"), [_normal(4, 8)])
+    converted = eqx_quant.convert(quantized)
+    path = tmp_path / "traced.eqx"
+    eqx_quant.save(path, converted)
+    skeleton = eqx.filter_eval_shape(lambda: STACK)
+    loaded = eqx_quant.load(path, skeleton)
+    assert isinstance(loaded, eqx_quant.nn.QuantTraced) and loaded.stacks == ((3,),)
+    x = _normal(8)
+    assert_bitwise_equal(_call(loaded, (x,), {}), _call(converted, (x,), {}))
+    eqx_quant.save(path, quantized)  # not converted: the float weights and the quantizers
+    assert_bitwise_equal(_call(eqx_quant.load(path, STACK), (x,), {}), _call(quantized, (x,), {}))
+
+
+def test_learned_scales_train_as_weight_scales():
+    model, _, args = CASES["bare_mlp"]
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8", learned=True)["rules"], example=args)
+    quantizers = quantized.weight_quants
+    assert all(isinstance(q, eqx_quant.LearnedFakeQuant) for q in quantizers)
+    assert [q.scale.shape for q in quantizers] == [(16,), (16,), (4,)]
+    params, _ = eqx.partition(quantized, eqx_quant.trainable(quantized, weights=False))
+    assert [leaf.shape for leaf in jax.tree.leaves(params)] == [(16,), (16,), (4,)]
+    # Initialised as round to nearest does: the same outputs as the dynamic quantizers.
+    assert_bitwise_equal(_call(quantized, args, {}), _call(_quantized("bare_mlp"), args, {}))
+
+
+def test_errors():
+    model, _, args = CASES["bare_mlp"]
+    with pytest.raises(ValueError, match="reaches none of the layers.*'w_in'"):
+        eqx_quant.quantize(model, [eqx_quant.Rule("w_typo")], example=args)
+    with pytest.raises(ValueError, match="no eqx.nn.Linear.*with `example=`"):
+        eqx_quant.quantize(model)
+    with pytest.raises(ValueError, match="sets `backward`"):
+        eqx_quant.quantize(model, [eqx_quant.Rule(".*", backward=eqx_quant.UnquantizedBackward())], example=args)
+    static = eqx_quant.FakeQuant((0.1,) * 16, -128, 127, axis=0)
+    with pytest.raises(ValueError, match="'w_out'.*does not follow that product"):
+        eqx_quant.quantize(model, [eqx_quant.Rule("w_out", weight=static)], example=args)
+    with pytest.raises(ValueError, match="QuantTraced already"):
+        eqx_quant.quantize(_quantized("bare_mlp"), example=args)
+    with pytest.raises(ValueError, match="no eqx_quant.nn.Einsum"):
+        eqx_quant.quantize(HEADS, eqx_quant.recipe("w8a8_attn")["rules"], example=CASES["einsum_heads"][2])
+
+    class Loop(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jax.lax.while_loop(lambda h: jnp.sum(h) < 10.0, lambda h: self.w @ h + 1.0, x)
+
+    with pytest.raises(ValueError, match="'w'.*while_loop"):
+        eqx_quant.quantize(Loop(_normal(4, 4)), example=(_normal(4),))
+    with pytest.raises(ValueError, match="`model` has no QuantLinear layer \\(nor traced weight\\)"):
+        eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]], where=lambda path, w: False)
+    with pytest.raises(ValueError, match="(?s)'model.kernel'.*single weight axis"):
+        eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])
