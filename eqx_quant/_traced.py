@@ -592,7 +592,14 @@ class QuantTraced(eqx.Module):
     `eqx.filter_jit`; at every call eagerly) and run again with each quantized weight leaf replaced by its
     fake-quantized value (or, after [`eqx_quant.convert`][], the dequantized stored codes, bit for bit the same) and
     the activation operand of each of its products replaced by that operand's quantized value. Everything else in
-    the program runs as traced. The product is the float product of the quantized operands.
+    the program runs as traced. Where both operands are on symmetric integer grids with float32 scales that are
+    constant along the contraction (a weight per tensor or per output channel, an input per tensor), and `matmuls`
+    says `"int"`, a `dot_general` is computed on the integers: an int32 `dot_general` of the two operands' levels,
+    rescaled once per output element by the product of their scales (NaN where a contracted slice of either operand
+    holds one), exact, so that eager and compiled calls and the converted model give the same bits; its derivatives
+    are those of the float product of the fake-quantized operands. Other products (weights in tiles, float formats,
+    convolutions) are the float product of the quantized operands, the weight computed before the product (see
+    [Parity](../concepts/parity.md#fallbacks)).
 
     **Fields:**
 
@@ -668,14 +675,15 @@ class QuantTraced(eqx.Module):
                 return leaf
             integer = self._integer(i)
             if isinstance(leaf, QuantizedArray):
-                if integer:
-                    codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), _full_scale(leaf), None)
+                if not integer:
+                    return materialised(leaf.dequantize())
+                codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), _full_scale(leaf), None)
                 return leaf.dequantize()
             quantizer = self.weight_quants[i]
             if quantizer is None:
                 return leaf
             if not integer:
-                return quantizer(leaf)
+                return materialised(quantizer(leaf))
             value, array, nan = quantizer.fake_quant_and_array(leaf)  # pyright: ignore[reportAttributeAccessIssue]
             codes[path] = Codes(array.values.reshape(leaf.shape), _full_scale(array), nan.reshape(leaf.shape))
             return value
@@ -725,6 +733,23 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
     fields = dict(model=traced.model, weight_quants=traced.weight_quants, input_quants=traced.input_quants,
                   weight_paths=traced.weight_paths, stacks=traced.stacks, matmuls=traced.matmuls)  # fmt: skip
     return QuantTraced(**(fields | changes))
+
+
+def materialised(weight: Any) -> Any:
+    """`weight`, computed before the products that read it: through a conditional whose two branches return it.
+
+    XLA fuses the computation of an operand into a product that it emits itself (on CPU, a matrix-vector product)
+    and may then sum the product in another order than a library routine would. Whether it fuses depends on how the
+    operand is computed: a fake-quantized weight and the same weight dequantized from stored codes are computed
+    differently, and their float products then differed in the last bit. XLA does not fuse across a conditional, so
+    behind one both read a computed weight and sum alike. (The predicate is read from the weight, so that it is one
+    conditional whatever `jax.vmap` maps over the inputs.) The integer products need none of this: their sums are
+    exact.
+    """
+    first_is_nan = jnp.isnan(weight.reshape(-1)[0]) if weight.size else jnp.bool_(False)
+    return jax.lax.cond(
+        first_is_nan, lambda w: jnp.where(jnp.isnan(w), jnp.nan, w).astype(w.dtype), lambda w: w, weight
+    )
 
 
 def _stored(model: PyTree, path: str) -> QuantizedArray | None:

@@ -283,6 +283,27 @@ def test_converted_matches_fake_quant_bit_for_bit(name):
     assert_bitwise_equal(converted(*args), quantized(*args))
 
 
+class Transposed(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w.T
+
+
+@pytest.mark.parametrize("recipe", ["w4a16_g32", "fp8"])
+def test_float_products_convert_bit_for_bit(recipe):
+    # A matrix-vector product of a transposed weight on the float path, which XLA on CPU sums differently when the
+    # weight's computation is fused into it: without `materialised`, the fake-quant and converted models differed in
+    # the last bit here.
+    model, x = Transposed(_normal(64, 64)), _normal(64)
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe(recipe)["rules"], example=(x,))
+    converted = eqx_quant.convert(quantized)
+    assert_bitwise_equal(_call(converted, (x,), {}), _call(quantized, (x,), {}))
+    weight, inputs = quantized.weight_quants[0](model.w), quantized.input_quants[0]
+    expected = (x if inputs is None else inputs(x)) @ weight.T  # FP8 inputs too for "fp8"
+    np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
 def _leaf_node(model, path):
     is_stored = lambda x: isinstance(x, eqx_quant.QuantizedArray)  # noqa: E731
     leaves = jax.tree_util.tree_leaves_with_path(model, is_leaf=is_stored)
