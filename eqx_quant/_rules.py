@@ -455,8 +455,11 @@ def quantize(
     Scales follow the product: one per output channel means one per index of the axes it does not sum over, tiles run
     along the axis it sums over. A quantizer module written for layers keeps its meaning (`axis=0`: per output
     channel; `group_size=g`: tiles along the contraction). The input of a traced weight's products is quantized at
-    each product with the rule's `input` quantizer; those products compute in floating point on the quantized
-    operands (`matmul` does not apply; a `backward` of the rule is an error there).
+    each product with the rule's `input` quantizer; such a product computes on the integers where both operands are
+    on symmetric integer grids with scales constant along the contraction (and `matmul="int"`), else in floating point
+    on the quantized operands (a `backward` of the rule is an error there). With a `products` rule, the products of
+    two activations that the call computes (`jnp.einsum` attention) are quantized too: they are named `products.0`,
+    `products.1`, ... in the order the program computes them.
 
     **Arguments:**
 
@@ -548,7 +551,7 @@ def quantize(
     layers = nodes(model, layer_types)
     attentions = nodes(model, (eqx.nn.MultiheadAttention, QuantMultiheadAttention)) if wants_products else []
     einsums = nodes(model, (Einsum, QuantEinsum)) if wants_products else []
-    traced = _traced_weights(model, example)
+    traced, activations = _traced_products(model, example)
     if not (layers or attentions or einsums or traced):
         found = " nor, tracing `example`, a product of one of its arrays" if example is not None else ""
         raise ValueError(
@@ -569,11 +572,12 @@ def quantize(
     products_of += [(path, m, path.rpartition(".")[0] if path.rpartition(".")[0] in attention_paths else None)
                     for path, m in einsums if isinstance(m, Einsum)]  # fmt: skip
     if products is not None or (rules is not None and wants_products):
-        if not attentions and not einsums:
+        if not attentions and not einsums and not activations:
+            found = "nor, tracing `example`, a product of two activations" if example is not None else (
+                "and products written with `jnp.einsum` or `@` are found only with `example=`")  # fmt: skip
             raise ValueError(
                 "The configuration gives products quantizers, but `model` has no eqx_quant.nn.Einsum nor "
-                "eqx.nn.MultiheadAttention: products written with `jnp.einsum` or `@` are not found. Write them with "
-                "eqx_quant.nn.Einsum."
+                f"eqx.nn.MultiheadAttention, {found}."
             )
     reached = [path for path, layer in done if reaches(path, layer)]
     if reached:
@@ -605,7 +609,13 @@ def quantize(
                     "float product of their quantized operands. Leave it out of that rule."
                 )
             decisions[path] = decision
+    if wants_products:
+        for product in activations:
+            decision = decide(product.path, product, True)
+            if decision is not None and decision.products is not None:
+                decisions[product.path] = decision
     paths = [path for path, _ in layers] + [path for path, _, _ in products_of] + list(traced)
+    paths += [product.path for product in activations] if wants_products else []
     check(paths)
     if not decisions:
         raise ValueError("The configuration reaches none of the layers" + _candidates_message(paths))
@@ -639,29 +649,34 @@ def quantize(
         )  # fmt: skip
 
     chosen = [(path, decisions[path]) for path in traced if path in decisions]
+    pairs = [(k, decisions[p.path].products) for k, p in enumerate(activations) if p.path in decisions]
     model = map_nodes(model, layer_types, wrap)
     if wants_products:
         model = _wrap_products(model, decisions)
-    if not chosen:
+    if not chosen and not pairs:
         return model
     weights = tuple(None if d.weight is None else weight_layout(d.weight, traced[path]) for path, d in chosen)
     inputs = tuple(d.input for _, d in chosen)
     stacks = tuple(traced[path].stack for path, _ in chosen)
     matmuls = tuple(d.matmul for _, d in chosen)
-    return QuantTraced(model, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls)
+    quantizers = tuple(q if isinstance(q, tuple) else (q, q) for _, q in pairs)
+    return QuantTraced(model, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls, quantizers,
+                       tuple(k for k, _ in pairs))  # fmt: skip
 
 
-def _traced_weights(model: PyTree, example: object) -> dict[str, TracedProduct]:
-    """The traced weights of `model` (outside its layers) called as `example` says, by path: each weight's first
-    product, after checking that its other products sum over the same axes of it."""
+def _traced_products(model: PyTree, example: object) -> tuple[dict[str, TracedProduct], list[TracedProduct]]:
+    """The traced weights of `model` (outside its layers) called as `example` says, by path (each weight's first
+    product, after checking that its other products sum over the same axes of it), and its products of two
+    activations."""
     if example is None:
-        return {}
+        return {}, []
     call = trace_call(example)
     skipped = FLOAT_LAYERS + (AbstractQuantLayer, Einsum, QuantEinsum, eqx.nn.MultiheadAttention,
                               QuantMultiheadAttention)  # fmt: skip
     excluded = [path for path, _ in nodes(model, skipped)]
     found: dict[str, TracedProduct] = {}
-    for product in find_products(model, call, excluded):
+    weights, activations = find_products(model, call, excluded)
+    for product in weights:
         first = found.setdefault(product.path, product)
         if first.stack != product.stack:  # stepped through in one product and not in another: one set of inputs
             found[product.path] = first = dataclasses.replace(first, stack=())
@@ -671,7 +686,7 @@ def _traced_weights(model: PyTree, example: object) -> dict[str, TracedProduct]:
                 f"{first.describe()}; and {product.describe()}. One quantized leaf has one scale layout; leave it out "
                 "of the rules (or write one of the products with a copy of the weight)."
             )
-    return found
+    return found, activations
 
 
 def _wrap_products(model: PyTree, decisions: dict[str, _Decision]) -> PyTree:

@@ -400,7 +400,10 @@ def _rebuilt_traced(like: PyTree, records: list, quantizer: Callable, tensors: d
     model = jax.tree_util.tree_map_with_path(empty, like)
     weights = tuple(quantizer(f"weight_quants.{i}", ()) for i in range(len(paths)))
     inputs = tuple(quantizer(f"input_quants.{i}", stack) for i, stack in enumerate(stacks))
-    return QuantTraced(model, weights, inputs, paths, stacks, matmuls)
+    indices = tuple(record["product_indices"])
+    pairs = tuple((quantizer(f"product_quants.{j}.0", ()), quantizer(f"product_quants.{j}.1", ()))
+                  for j in range(len(indices)))  # fmt: skip
+    return QuantTraced(model, weights, inputs, paths, stacks, matmuls, pairs, indices)
 
 
 def _empty_transform(kind: str | None, shape: tuple[int, ...]) -> AbstractInputTransform | None:

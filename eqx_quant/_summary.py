@@ -152,9 +152,9 @@ def _layer_row(path: str, layer: Any) -> SummaryRow:
 def summary(model: PyTree) -> Summary:
     """A table of the layers of a model (float, quantized or converted): for each `Linear`, `Conv` and `Embedding`
     (and each quantized product of activations, and each traced weight of an [`eqx_quant.nn.QuantTraced`][], kind
-    `traced`), its path, kind, weight and input quantizers, the weight's bits per
-    element, and the weight's bytes in float and as a converted model stores it (codes, scales and zero points), with
-    the totals.
+    `traced`, and its quantized products of two activations, kind `traced product`), its path, kind, weight and
+    input quantizers, the weight's bits per element, and the weight's bytes in float and as a converted model stores
+    it (codes, scales and zero points), with the totals.
 
     It reads only the model's structure and the shapes of its arrays (the stored sizes of a fake-quantized model are
     worked out without quantizing anything), so it is cheap for any model.
@@ -214,4 +214,8 @@ def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
         stored = eqx.filter_eval_shape(lambda q, w: q.quantize_array(w), quantizer, weight)
         rows.append(SummaryRow(name, "traced", describe_quantizer(quantizer), inputs, quantizer.format.bits,
                                float_bytes, _nbytes(stored)))  # fmt: skip
+    for k, (lhs, rhs) in zip(traced.product_indices, traced.product_quants, strict=True):
+        name = ".".join(p for p in (path, f"products.{k}") if p)
+        operands = f"{describe_quantizer(lhs)} x {describe_quantizer(rhs)}"
+        rows.append(SummaryRow(name, "traced product", "-", operands, None, None, None))
     return rows

@@ -39,6 +39,7 @@ class _View(NamedTuple):
     leaf: int
     axes: tuple[tuple[int, ...], ...]
     sliced: int | None = 0
+    layer: bool = False  # a view of a leaf of a layer that `quantize` wraps as a layer: its products are the layer's
 
 
 class TracedProduct(eqx.Module):
@@ -56,6 +57,10 @@ class TracedProduct(eqx.Module):
     - `primitive`: `"dot_general"` or `"conv_general_dilated"`.
     - `stack`: the lengths of the weight's leading axes that `jax.lax.scan`s step through before the product (a
         stack of layers, one layer per step), `()` if none.
+
+    A product of two activations (named `products.k`, for a rule's `products`) is described alike, with `weight`
+    `None`: `input_shape` and `input_contracted` describe its left operand, `contracted` the right operand's
+    contracted axes.
     """
 
     path: str = eqx.field(static=True)
@@ -89,6 +94,17 @@ class _Use(NamedTuple):
     primitive: str
     loop: bool  # inside a while loop
     sliced: int | None  # the weight's leading axes sliced off by scans (see `_View`)
+    eqn: Any = None
+    outer: tuple[int, ...] = ()  # the ids of the equations that hold this one (a scan, a jit, ...)
+
+
+class _Where(NamedTuple):
+    """Where in the program an equation is: inside a while loop, inside one of eqx_quant's own modules (whose products
+    are theirs), inside which equations."""
+
+    loop: bool = False
+    scoped: bool = False
+    outer: tuple[int, ...] = ()
 
 
 _PRODUCTS = ("dot_general", "conv_general_dilated")
@@ -157,10 +173,19 @@ def _sub_jaxprs(eqn: Any) -> list[Any]:
     return []
 
 
-def _product(eqn: Any, views: list[_View | None], loop: bool) -> _Use | None:
-    """The weight use of a product equation whose one operand is a view of a leaf and the other is not."""
+def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
+    """The use of a product equation: of a weight, if one operand is a view of a leaf and the other is not; of two
+    activations (`leaf` -1), if neither is and the equation is a `dot_general` outside eqx_quant's own modules."""
     lhs, rhs = views[0], views[1]
-    if (lhs is None) == (rhs is None):
+    if (lhs is not None and lhs.layer) or (rhs is not None and rhs.layer):
+        return None
+    if lhs is None and rhs is None:
+        if eqn.primitive.name != "dot_general" or where.scoped:
+            return None
+        (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
+        shape = tuple(eqn.invars[0].aval.shape)
+        return _Use(-1, tuple(contract_r), shape, tuple(contract_l), "dot_general", where.loop, None, eqn, where.outer)
+    if lhs is not None and rhs is not None:
         return None
     if eqn.primitive.name == "dot_general":
         (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
@@ -185,7 +210,8 @@ def _product(eqn: Any, views: list[_View | None], loop: bool) -> _Use | None:
             f"{sorted(free & set(contracted))} of the weight it reads, after a reshape): no scale layout follows it."
         )
     input_shape = tuple(eqn.invars[1 - weight_side].aval.shape)
-    return _Use(view.leaf, contracted, input_shape, tuple(input_dims), eqn.primitive.name, loop, view.sliced)
+    return _Use(view.leaf, contracted, input_shape, tuple(input_dims), eqn.primitive.name, where.loop, view.sliced, eqn,
+                where.outer)  # fmt: skip
 
 
 def _slice(view: _View | None) -> _View | None:
@@ -202,54 +228,51 @@ def _scan_views(eqn: Any, views: list[_View | None]) -> list[_View | None]:
     return [*views[:consts], *([None] * carry), *map(_slice, views[consts + carry :])]
 
 
-def walk(jaxpr: Any, views: Sequence[_View | None], uses: list[_Use], loop: bool = False) -> list[_View | None]:
-    """Propagates leaf views through `jaxpr`, appending every weight product to `uses`; returns the outputs' views."""
+def walk(jaxpr: Any, views: Sequence[_View | None], uses: list[_Use], where: _Where = _Where()) -> list[_View | None]:
+    """Propagates leaf views through `jaxpr`, appending every product to `uses`; returns the outputs' views."""
     env: dict[Any, _View | None] = dict(zip(jaxpr.invars, views, strict=True))
     read = lambda v: None if isinstance(v, jcore.Literal) else env.get(v)  # noqa: E731
     for eqn in jaxpr.eqns:
         ins = [read(v) for v in eqn.invars]
-        outs = eqn_views(eqn, ins, uses, loop)
+        outs = eqn_views(eqn, ins, uses, where)
         env.update(zip(eqn.outvars, outs, strict=True))
     return [read(v) for v in jaxpr.outvars]
 
 
-def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], loop: bool = False) -> list[_View | None]:
-    """The views of an equation's outputs, appending the weight products it computes (itself or inside) to `uses`."""
+def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], where: _Where = _Where()) -> list[_View | None]:
+    """The views of an equation's outputs, appending the products it computes (itself or inside) to `uses`."""
     name = eqn.primitive.name
     nothing = [None] * len(eqn.outvars)
+    where = where._replace(scoped=where.scoped or "eqx_quant." in str(eqn.source_info.name_stack))
     if name in _PRODUCTS:
-        use = _product(eqn, ins, loop)
+        use = _product(eqn, ins, where)
         if use is not None:
             uses.append(use)
         return nothing
+    inner = where._replace(outer=(*where.outer, id(eqn)))
     if name == "scan":
-        walk(eqn.params["jaxpr"].jaxpr, _scan_views(eqn, ins), uses, loop)
+        walk(eqn.params["jaxpr"].jaxpr, _scan_views(eqn, ins), uses, inner)
         return nothing
     if name == "cond":
         for branch in eqn.params["branches"]:
-            walk(branch.jaxpr, ins[1:], uses, loop)
+            walk(branch.jaxpr, ins[1:], uses, inner)
         return nothing
     if name == "while":
         cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         carry = [None] * (len(ins) - cond_n - body_n)
-        walk(eqn.params["body_jaxpr"].jaxpr, [*ins[cond_n : cond_n + body_n], *carry], uses, True)
-        walk(eqn.params["cond_jaxpr"].jaxpr, [*ins[:cond_n], *carry], uses, True)
+        looped = inner._replace(loop=True)
+        walk(eqn.params["body_jaxpr"].jaxpr, [*ins[cond_n : cond_n + body_n], *carry], uses, looped)
+        walk(eqn.params["cond_jaxpr"].jaxpr, [*ins[:cond_n], *carry], uses, looped)
         return nothing
     subs = _sub_jaxprs(eqn)
     if subs:
         sub = subs[0].jaxpr
         if name in _CALLS or len(sub.invars) == len(ins):
-            return walk(sub, ins[-len(sub.invars) :] if sub.invars else [], uses, loop)[: len(eqn.outvars)]
+            return walk(sub, ins[-len(sub.invars) :] if sub.invars else [], uses, inner)[: len(eqn.outvars)]
         return nothing
     if len(eqn.outvars) == 1:
         return [_view_after(eqn, ins)]
     return nothing
-
-
-def _uses_inside(eqn: Any, ins: list[_View | None]) -> bool:
-    uses: list[_Use] = []
-    eqn_views(eqn, ins, uses)
-    return bool(uses)
 
 
 class Codes(NamedTuple):
@@ -264,10 +287,14 @@ class Codes(NamedTuple):
 
 class Inputs(NamedTuple):
     """For each leaf (by program input), the input quantizer of its products and the stack axes its arrays carry;
-    and for the leaves whose products may compute on integers, the largest magnitude of their levels."""
+    for the leaves whose products may compute on integers, the largest magnitude of their levels; the quantizers of
+    the products of two activations to quantize (by the id of their equation), and the ids of the equations that
+    hold them."""
 
     quantizers: dict[int, tuple[Any, int]]
     integer: dict[int, int]
+    products: dict[int, tuple[Any, Any]]
+    holders: frozenset[int]
 
 
 _CODES_SAME = frozenset({"copy", "copy_p", "reduce_precision", "optimization_barrier"})
@@ -309,7 +336,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequ
         )
         out_views = eqn_views(eqn, in_views, [])
         out_codes: list[Codes | None] = [None] * len(eqn.outvars)
-        if _uses_inside(eqn, in_views):
+        if _holds_products(eqn, in_views, inputs):
             outs = _evaluate_with_products(eqn, ins, in_views, in_codes, inputs)
         else:
             outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
@@ -339,7 +366,11 @@ def _evaluate_with_products(eqn: Any, ins: list[Any], views: list[_View | None],
         stepped = {
             v.leaf: eqx.partition(quantizers[v.leaf][0], eqx.is_array)
             for v, inner in zip(views[n_consts + n_carry :], body_views[n_consts + n_carry :], strict=True)
-            if v is not None and inner is not None and inner.sliced is not None and quantizers[v.leaf][1] > 0
+            if v is not None
+            and not v.layer
+            and inner is not None
+            and inner.sliced is not None
+            and quantizers[v.leaf][1] > 0
         }
         arrays = {leaf: dynamic for leaf, (dynamic, _) in stepped.items()}
         const_codes, xs_codes = codes[:n_consts], codes[n_consts + n_carry :]
@@ -381,11 +412,43 @@ def _evaluate_with_products(eqn: Any, ins: list[Any], views: list[_View | None],
     return run(args, arg_codes)[: len(eqn.outvars)]
 
 
+def _holds_products(eqn: Any, views: list[_View | None], inputs: Inputs) -> bool:
+    """Whether an equation is (or holds) a product to quantize."""
+    if id(eqn) in inputs.products or id(eqn) in inputs.holders:
+        return True
+    uses: list[_Use] = []
+    eqn_views(eqn, views, uses)
+    return any(use.leaf >= 0 for use in uses)
+
+
+def _activation_product(eqn: Any, ins: list[Any], quantizers: tuple[Any, Any]) -> Any:
+    """A product of two activations with its operands quantized: on the integers where both are on symmetric integer
+    grids with one scale per tensor and the int32 sums are exact, else the float product."""
+    lhs, rhs = ins
+    lq, rq = quantizers
+    (contract_l, _), _ = eqn.params["dimension_numbers"]
+    length = math.prod(lhs.shape[a] for a in contract_l)
+    integer = all(integer_weight(q) and q.layout.is_per_tensor() for q in quantizers)  # pyright: ignore
+    if integer and length * _bound(lq.format) * _bound(rq.format) <= INT32_MAX:  # pyright: ignore
+        fl, tl, nl = lq.fake_quant_and_array(lhs)  # pyright: ignore[reportAttributeAccessIssue]
+        fr, tr, nr = rq.fake_quant_and_array(rhs)  # pyright: ignore[reportAttributeAccessIssue]
+        scale = jnp.broadcast_to(tr.scale.reshape(()), rhs.shape)
+        dims = eqn.params["dimension_numbers"]
+        y = _integer_dot(dims, 0, fl, fr, tl.values, tl.scale, nl, tr.values, scale, nr.reshape(rhs.shape))
+        return y.astype(eqn.outvars[0].aval.dtype)
+    lhs = lhs if lq is None else lq(lhs)
+    rhs = rhs if rq is None else rq(rhs)
+    return eqn.primitive.bind(lhs, rhs, **eqn.primitive.get_bind_params(eqn.params))
+
+
 def _product_value(eqn: Any, ins: list[Any], views: list[_View | None], codes: list[Codes | None],
                    inputs: Inputs) -> Any:  # fmt: skip
     """A product of a weight view with an activation: the activation quantized, then the integer product where both
-    operands are on integer grids with scales constant along the contraction, else the float product."""
-    use = _product(eqn, views, False)
+    operands are on integer grids with scales constant along the contraction, else the float product. Or a product
+    of two activations."""
+    if id(eqn) in inputs.products:
+        return _activation_product(eqn, ins, inputs.products[id(eqn)])
+    use = _product(eqn, views, _Where())
     assert use is not None
     side = 1 if views[0] is not None else 0  # the activation's
     quantizer = inputs.quantizers[use.leaf][0]
@@ -483,20 +546,18 @@ def _integer_dot_jvp(dims, side, primals, tangents):
     return y, dy.astype(y.dtype)
 
 
-def _float_candidates(model: PyTree, excluded: Sequence[str]) -> list[tuple[str, Any]]:
-    """The floating-point array leaves of `model`, by path, outside the subtrees at `excluded` paths."""
-    found = []
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(model)[0]:
-        path = path_string(key_path)
-        if any(path == p or path.startswith(p + ".") or p == "" for p in excluded):
-            continue
-        if eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 1:
-            found.append((path, leaf))
-    return found
+def _under(path: str, roots: Sequence[str]) -> bool:
+    """Whether `path` lies in the subtree at one of the paths `roots`."""
+    return any(root == "" or path == root or path.startswith(root + ".") for root in roots)
 
 
-def _leaf_view(leaf: Any, index: int) -> _View:
-    return _View(index, tuple((a,) for a in range(leaf.ndim)))
+def _candidate(leaf: Any) -> bool:
+    """Whether a leaf may be a traced weight: a floating-point array of rank 1 or more."""
+    return eqx.is_array(leaf) and jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.ndim >= 1
+
+
+def _leaf_view(leaf: Any, index: int, layer: bool = False) -> _View:
+    return _View(index, tuple((a,) for a in range(jnp.ndim(leaf))), layer=layer)
 
 
 class _Traced(NamedTuple):
@@ -522,19 +583,30 @@ def _trace(fn: Callable[..., Any], inputs: PyTree) -> _Traced:
     return _Traced(closed, leaves, [p for p, _ in with_paths], (out_dynamic, out_static))
 
 
-def find_products(model: PyTree, call: Callable[[PyTree], Any], excluded: Sequence[str]) -> list[TracedProduct]:
-    """The weight products of `call(model)` whose weight is a floating-point leaf outside the `excluded` subtrees,
-    in the order the program computes them. Raises `ValueError` for a product inside a `while_loop`."""
-    candidates = {path for path, _ in _float_candidates(model, excluded)}
+def find_products(
+    model: PyTree, call: Callable[[PyTree], Any], layers: Sequence[str]
+) -> tuple[list[TracedProduct], list[TracedProduct]]:
+    """The products of `call(model)` in the order the program computes them: those of a floating-point leaf outside
+    the subtrees at the `layers` paths (whose own products are theirs) with an activation, and the `dot_general`s of
+    two activations outside eqx_quant's modules (outside while loops), named `products.0`, `products.1`, ... (for
+    these, `weight` is `None`, `input_*` describe the left operand and `contracted` the right operand's contracted
+    axes). Raises `ValueError` for a weight product inside a `while_loop`."""
     traced = _trace(call, model)
     paths = [path_string(p) for p in traced.paths]
     views = [
-        _leaf_view(x, i) if p in candidates else None for i, (p, x) in enumerate(zip(paths, traced.leaves, strict=True))
+        _leaf_view(x, i, layer=_under(p, layers)) if _under(p, layers) or _candidate(x) else None
+        for i, (p, x) in enumerate(zip(paths, traced.leaves, strict=True))
     ]
     uses: list[_Use] = []
     walk(traced.jaxpr.jaxpr, views, uses)
-    products = []
+    weights, activations = [], []
     for use in uses:
+        if use.leaf < 0:
+            if not use.loop:
+                name = f"products.{len(activations)}"
+                activations.append(TracedProduct(name, None, use.contracted, use.input_shape, use.input_contracted,
+                                                 use.primitive))  # fmt: skip
+            continue
         path, leaf = paths[use.leaf], traced.leaves[use.leaf]
         if use.loop:
             raise ValueError(
@@ -543,10 +615,10 @@ def find_products(model: PyTree, call: Callable[[PyTree], Any], excluded: Sequen
                 "`jax.lax.scan` (or `jax.lax.fori_loop` with static bounds), or leave the weight out of the rules."
             )
         stack = tuple(leaf.shape[: use.sliced or 0])
-        products.append(
+        weights.append(
             TracedProduct(path, leaf, use.contracted, use.input_shape, use.input_contracted, use.primitive, stack)
         )
-    return products
+    return weights, activations
 
 
 def _follows(layout: Layout, product: TracedProduct) -> bool:
@@ -613,6 +685,12 @@ class QuantTraced(eqx.Module):
         weight, one layer's entries per step.
     - `matmuls`: for each traced weight, `"int"` for the integer product where the quantizers allow it, `"float"`
         for the float product of the quantized operands (static).
+    - `product_quants`: the quantizers `(lhs, rhs)` of the products of two activations that the configuration
+        reaches (`jnp.einsum` attention, say), each `None` for a float operand; such a product computes on the
+        integers where both are on symmetric integer grids with one scale per tensor (and its int32 sums are exact),
+        else as the float product of the quantized operands.
+    - `product_indices`: which products of two activations those are: `k` for `products.k`, the `k`-th `dot_general`
+        of two activations in the program's order (static; see [`eqx_quant.TracedProduct`][]).
     """
 
     model: PyTree
@@ -621,6 +699,8 @@ class QuantTraced(eqx.Module):
     weight_paths: tuple[str, ...] = eqx.field(static=True)
     stacks: tuple[tuple[int, ...], ...] = eqx.field(static=True)
     matmuls: tuple[str, ...] = eqx.field(static=True)
+    product_quants: tuple[tuple[AbstractQuantizer | None, AbstractQuantizer | None], ...]
+    product_indices: tuple[int, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -630,9 +710,11 @@ class QuantTraced(eqx.Module):
         weight_paths: Sequence[str],
         stacks: Sequence[tuple[int, ...]] | None = None,
         matmuls: Sequence[str] | None = None,
+        product_quants: Sequence[tuple[AbstractQuantizer | None, AbstractQuantizer | None]] = (),
+        product_indices: Sequence[int] = (),
     ):
         """**Arguments:** the fields, in order; by default `stacks` is `()` and `matmuls` `"int"` for every
-        weight."""
+        weight, and no product of two activations is quantized."""
         self.model = model
         self.weight_quants = tuple(weight_quants)
         self.input_quants = tuple(input_quants)
@@ -640,6 +722,8 @@ class QuantTraced(eqx.Module):
         n = len(self.weight_paths)
         self.stacks = tuple(tuple(s) for s in stacks) if stacks is not None else ((),) * n
         self.matmuls = tuple(matmuls) if matmuls is not None else ("int",) * n
+        self.product_quants = tuple(tuple(pair) for pair in product_quants)  # pyright: ignore[reportAttributeAccessIssue]
+        self.product_indices = tuple(product_indices)
 
     def __check_init__(self):
         counts = [len(self.weight_paths), len(self.weight_quants), len(self.input_quants), len(self.stacks),
@@ -652,6 +736,11 @@ class QuantTraced(eqx.Module):
         for matmul in self.matmuls:
             if matmul not in ("int", "float"):
                 raise ValueError(f"`matmuls` must hold 'int' or 'float', got {matmul!r}.")
+        if len(self.product_quants) != len(self.product_indices):
+            raise ValueError(
+                f"`product_quants` and `product_indices` must have one entry per product, got "
+                f"{len(self.product_quants)} and {len(self.product_indices)}."
+            )
 
     def quantized_model(self) -> PyTree:
         """`model` with each traced weight replaced by its quantized value: fake-quantized, or dequantized from its
@@ -697,6 +786,24 @@ class QuantTraced(eqx.Module):
         assert isinstance(fmt, IntFormat)
         return fmt
 
+    def _activation_products(self, jaxpr: Any, views: list[_View | None]) -> tuple[dict[int, tuple], frozenset[int]]:
+        """The quantizers of the products of two activations to quantize, by the id of their equation in `jaxpr`,
+        and the ids of the equations that hold them."""
+        if not self.product_indices:
+            return {}, frozenset()
+        uses: list[_Use] = []
+        walk(jaxpr, views, uses)
+        found = [use for use in uses if use.leaf < 0 and not use.loop]
+        chosen = dict(zip(self.product_indices, self.product_quants, strict=True))
+        if max(self.product_indices) >= len(found):
+            raise ValueError(
+                f"The model computes {len(found)} products of two activations in this call, but quantizers were "
+                f"given to products.{max(self.product_indices)}: the call does not follow the example's structure."
+            )
+        products = {id(use.eqn): chosen[k] for k, use in enumerate(found) if k in chosen}
+        holders = frozenset(h for k, use in enumerate(found) if k in chosen for h in use.outer)
+        return products, holders
+
     def float_model(self) -> PyTree:
         """`model` with its traced weights as float arrays again: the float leaves, or the stored codes
         dequantized."""
@@ -716,14 +823,18 @@ class QuantTraced(eqx.Module):
         for i, (key_path, leaf) in enumerate(zip(traced.paths, traced.leaves, strict=True)):
             path = path_string(key_path[1:]) if key_path[0].idx == 0 else None
             k = index.get(path) if path is not None else None
-            views.append(None if k is None else _leaf_view(leaf, i))
             held.append(codes.get(path) if path is not None else None)
             if k is not None:
                 owner[i] = k
+                views.append(_leaf_view(leaf, i))
+            else:  # the model's other arrays: their products are not products of two activations
+                views.append(_leaf_view(leaf, i, layer=True) if path is not None and _candidate(leaf) else None)
         quantizers = {leaf: (self.input_quants[k], len(self.stacks[k])) for leaf, k in owner.items()}
         integer = {leaf: _bound(self._format(k)) for leaf, k in owner.items() if self._integer(k)}
         closed = traced.jaxpr
-        outs = evaluate(closed.jaxpr, closed.consts, traced.leaves, views, held, Inputs(quantizers, integer))
+        products, holders = self._activation_products(closed.jaxpr, views)
+        inputs = Inputs(quantizers, integer, products, holders)
+        outs = evaluate(closed.jaxpr, closed.consts, traced.leaves, views, held, inputs)
         out_dynamic, out_static = traced.out
         return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_dynamic), outs), out_static)
 
@@ -731,7 +842,8 @@ class QuantTraced(eqx.Module):
 def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
     """`traced` with some of its fields replaced, the others as they are."""
     fields = dict(model=traced.model, weight_quants=traced.weight_quants, input_quants=traced.input_quants,
-                  weight_paths=traced.weight_paths, stacks=traced.stacks, matmuls=traced.matmuls)  # fmt: skip
+                  weight_paths=traced.weight_paths, stacks=traced.stacks, matmuls=traced.matmuls,
+                  product_quants=traced.product_quants, product_indices=traced.product_indices)  # fmt: skip
     return QuantTraced(**(fields | changes))
 
 

@@ -564,3 +564,112 @@ def test_errors():
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]], where=lambda path, w: False)
     with pytest.raises(ValueError, match="(?s)'model.kernel'.*single weight axis"):
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])
+
+
+class BareAttention(eqx.Module):
+    """Projections `(heads, d, e)` and attention's two products with `jnp.einsum`, as protein and vision packages
+    write them."""
+
+    wq: jax.Array
+    wk: jax.Array
+    wv: jax.Array
+    wo: jax.Array
+
+    def __call__(self, x):  # (tokens, d)
+        q, k, v = (jnp.einsum("td,hde->the", x, w) for w in (self.wq, self.wk, self.wv))
+        scores = jnp.einsum("the,she->hts", q, k) / jnp.sqrt(jnp.float32(q.shape[-1]))
+        mixed = jnp.einsum("hts,she->the", jax.nn.softmax(scores, axis=-1), v)
+        return jnp.einsum("the,hed->td", mixed, self.wo)
+
+
+ATTENTION = BareAttention(*(_normal(2, 8, 4, scale=0.4) for _ in range(3)), _normal(2, 4, 8, scale=0.4))
+
+
+@pytest.mark.slow
+def test_attention_products_written_with_einsum():
+    x = _normal(5, 8)
+    quantized = eqx_quant.quantize(ATTENTION, eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
+    assert quantized.product_indices == (0, 1) and quantized.weight_paths == ("wq", "wk", "wv", "wo")
+    assert all(pair == (X8, X8) for pair in quantized.product_quants)
+    rows = {row.path: row for row in eqx_quant.summary(quantized).rows}
+    assert rows["products.0"].kind == "traced product"
+
+    @eqx.filter_jit
+    def twin(m, x):  # every product's operands quantized by hand, weights per output channel
+        m = _twin(m, {"wq": (0, 2), "wk": (0, 2), "wv": (0, 2), "wo": (2,)})
+        q, k, v = (jnp.einsum("td,hde->the", X8(x), w) for w in (m.wq, m.wk, m.wv))
+        scores = jnp.einsum("the,she->hts", X8(q), X8(k)) / jnp.sqrt(jnp.float32(4))
+        mixed = jnp.einsum("hts,she->the", X8(jax.nn.softmax(scores, axis=-1)), X8(v))
+        return jnp.einsum("the,hed->td", X8(mixed), m.wo)
+
+    got = _call(quantized, (x,), {})
+    np.testing.assert_allclose(np.asarray(got), np.asarray(twin(ATTENTION, x)), rtol=1e-5, atol=1e-5)
+    assert_bitwise_equal(quantized(x), got)
+    assert_bitwise_equal(_call(eqx_quant.convert(quantized), (x,), {}), got)
+    # Without the products in the rules (`w8a8`), attention's products stay float: the outputs differ.
+    weights_only = eqx_quant.quantize(ATTENTION, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    assert weights_only.product_indices == ()
+    assert np.max(np.abs(np.asarray(_call(weights_only, (x,), {})) - np.asarray(got))) > 1e-4
+    # A rule reaching one product by name.
+    rules = [eqx_quant.Rule("products\\.1", weight=None, input=None, products=X8), eqx_quant.Rule(".*")]
+    assert eqx_quant.quantize(ATTENTION, rules, example=(x,)).product_indices == (1,)
+
+
+class BareDecoder(eqx.Module):
+    """A decoder written with bare arrays: a token table looked up and tied to the output head (`h @ table.T`),
+    RMS norms with gains, rotary attention with `jnp.einsum`, a SwiGLU MLP, residuals, the blocks' weights stacked
+    `(layers, ...)` and run with `jax.lax.scan`."""
+
+    table: jax.Array  # (vocab, d)
+    gains: jax.Array  # (layers, 2, d)
+    wqkv: jax.Array  # (layers, d, 3, heads, e)
+    wo: jax.Array  # (layers, heads, e, d)
+    w_up: jax.Array  # (layers, 2, d, f)
+    w_down: jax.Array  # (layers, f, d)
+
+    def __call__(self, tokens):
+        def norm(h, g):
+            return h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True) + 1e-6) * g[None, :]
+
+        def block(h, weights):
+            gains, wqkv, wo, w_up, w_down = weights
+            q, k, v = jnp.unstack(jnp.einsum("td,dche->cthe", norm(h, gains[0]), wqkv), axis=0)
+            t = h.shape[0]
+            scores = jnp.einsum("the,she->hts", rotary(q), rotary(k)) / jnp.sqrt(jnp.float32(q.shape[-1]))
+            scores = jnp.where(jnp.tril(jnp.ones((t, t), bool))[None], scores, -1e30)
+            h = h + jnp.einsum("hts,she,hed->td", jax.nn.softmax(scores, axis=-1), v, wo)
+            gate, up = jnp.unstack(jnp.einsum("td,gdf->gtf", norm(h, gains[1]), w_up), axis=0)
+            return h + (jax.nn.silu(gate) * up) @ w_down, None
+
+        h, _ = jax.lax.scan(block, self.table[tokens], (self.gains, self.wqkv, self.wo, self.w_up, self.w_down))
+        return h @ self.table.T
+
+
+def rotary(x):
+    t, _, d = x.shape
+    angles = jnp.arange(t, dtype=jnp.float32)[:, None] / (100.0 ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))[None]
+    cos, sin = jnp.cos(angles)[:, None, :], jnp.sin(angles)[:, None, :]
+    x1, x2 = x[..., ::2], x[..., 1::2]
+    return jnp.stack([x1 * cos - x2 * sin, x1 * sin + x2 * cos], axis=-1).reshape(x.shape)
+
+
+DECODER = BareDecoder(
+    _normal(11, 16), 1 + 0.1 * _normal(2, 2, 16), _normal(2, 16, 3, 2, 8, scale=0.25), _normal(2, 2, 8, 16, scale=0.2),
+    _normal(2, 2, 16, 32, scale=0.25), _normal(2, 32, 16, scale=0.18),
+)  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_bare_decoder_converts_bit_for_bit_dynamic_and_calibrated():
+    tokens = jnp.array([1, 4, 2, 9, 0, 3])
+    quantized = eqx_quant.quantize(DECODER, eqx_quant.recipe("w8a8_attn")["rules"], example=(tokens,))
+    # The three-operand einsum `hts,she,hed->td` is two products: the mix of two activations, then the output
+    # projection `wo`, a product of a weight. The token table is looked up and tied to the head: one traced weight.
+    assert quantized.weight_paths == ("wqkv", "wo", "w_up", "w_down", "table")
+    assert quantized.product_indices == (0, 1) and quantized.stacks == ((2,),) * 4 + ((),)
+    reference = DECODER(tokens)
+    for model in (quantized, eqx_quant.calibrate(quantized, [jnp.stack([tokens, tokens[::-1]])])):
+        got = _call(model, (tokens,), {})
+        assert float(jnp.max(jnp.abs(got - reference))) < 0.1 * float(jnp.max(jnp.abs(reference)))
+        assert_bitwise_equal(_call(eqx_quant.convert(model), (tokens,), {}), got)
+        assert_bitwise_equal(model(tokens), got)

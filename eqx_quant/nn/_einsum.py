@@ -60,7 +60,8 @@ class Einsum(eqx.Module):
 
     def __call__(self, a: Array, b: Array) -> Array:
         """`jnp.einsum(equation, a, b)`."""
-        return jnp.einsum(self.equation, a, b)
+        with jax.named_scope("eqx_quant.Einsum"):  # a product of this module's, not one that tracing may take
+            return jnp.einsum(self.equation, a, b)
 
 
 def _free_scale(tensor: QuantizedArray, labels: str, contracted: set[str]) -> tuple[Array, str]:
