@@ -434,7 +434,7 @@ def _activation_product(eqn: Any, ins: list[Any], quantizers: tuple[Any, Any]) -
         fr, tr, nr = rq.fake_quant_and_array(rhs)  # pyright: ignore[reportAttributeAccessIssue]
         scale = jnp.broadcast_to(tr.scale.reshape(()), rhs.shape)
         dims = eqn.params["dimension_numbers"]
-        y = _integer_dot(dims, 0, fl, fr, tl.values, tl.scale, nl, tr.values, scale, nr.reshape(rhs.shape))
+        y = _integer_dot(dims, 0, False, fl, fr, tl.values, tl.scale, nl, tr.values, scale, nr.reshape(rhs.shape))
         return y.astype(eqn.outvars[0].aval.dtype)
     lhs = lhs if lq is None else lq(lhs)
     rhs = rhs if rq is None else rq(rhs)
@@ -461,7 +461,7 @@ def _product_value(eqn: Any, ins: list[Any], views: list[_View | None], codes: l
             if _integer_input(quantizer, ins[side], use.input_contracted, inputs.integer[use.leaf]):
                 fx, tx, nx = quantizer.fake_quant_and_array(ins[side])  # pyright: ignore[reportAttributeAccessIssue]
                 dims = eqn.params["dimension_numbers"]
-                y = _integer_dot(dims, side, fx, ins[1 - side], tx.values, tx.scale, nx, *weight_codes)
+                y = _integer_dot(dims, side, True, fx, ins[1 - side], tx.values, tx.scale, nx, *weight_codes)
                 return y.astype(eqn.outvars[0].aval.dtype)
         ins[side] = quantizer(ins[side])
     return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
@@ -514,33 +514,39 @@ def _any(a: Any, axes: tuple[int, ...]) -> Any:
     return jnp.any(a, axis=axes) if axes else a
 
 
-def _integer_value(dims, side, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
-    """The product from the integers: an int32 `dot_general`, rescaled once per output element by the product of
-    the operands' scales; NaN where a contracted slice of either operand holds one, as in the float product."""
+def _integer_value(dims, side, weight_first, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
+    """The product from the integers: an int32 `dot_general`, rescaled per output element; NaN where a contracted
+    slice of either operand holds one, as in the float product.
+
+    With `weight_first` (a weight's product) the sums are multiplied by the weight's scale and then by the input's,
+    as [`eqx_quant.nn.QuantLinear`][] rescales them (so that a product of two scales below float32's smallest normal
+    never stands in for them, and a bare weight computes what the same weight in a linear layer computes); otherwise
+    (two activations) by the product of the two scales, as [`eqx_quant.nn.QuantEinsum`][] does."""
     lhs, rhs = (w_levels, x_levels) if side == 1 else (x_levels, w_levels)
     acc = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32)
     (lc, rc), (lb, rb) = dims
     free = [len([d for d in range(o.ndim) if d not in c and d not in b]) for o, c, b in ((lhs, lc, lb), (rhs, rc, rb))]
     w_side = 1 - side
-    scale = x_scale.reshape(()) * _arranged(w_scale, w_side, dims, free[side], _first)
+    w_arranged = _arranged(w_scale, w_side, dims, free[side], _first)
     nan = _arranged(x_nan, side, dims, free[w_side], _any)
     if w_nan is not None:
         nan = nan | _arranged(w_nan, w_side, dims, free[side], _any)
-    y = acc.astype(scale.dtype) * scale
+    y = acc.astype(w_arranged.dtype)
+    y = (y * w_arranged) * x_scale.reshape(()) if weight_first else y * (x_scale.reshape(()) * w_arranged)
     return opaque(jnp.where(nan, jnp.nan, y))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _integer_dot(dims, side, fx, fw, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
+def _integer_dot(dims, side, weight_first, fx, fw, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
     del fx, fw
-    return _integer_value(dims, side, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan)
+    return _integer_value(dims, side, weight_first, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan)
 
 
 @_integer_dot.defjvp
-def _integer_dot_jvp(dims, side, primals, tangents):
+def _integer_dot_jvp(dims, side, weight_first, primals, tangents):
     fx, fw = primals[:2]
     dfx, dfw = tangents[:2]
-    y = _integer_dot(dims, side, *primals)  # through the function itself, for a second derivative
+    y = _integer_dot(dims, side, weight_first, *primals)  # through the function itself, for a second derivative
     pair = lambda x, w: (w, x) if side == 1 else (x, w)  # noqa: E731
     dy = jax.lax.dot_general(*pair(dfx, fw), dims) + jax.lax.dot_general(*pair(fx, dfw), dims)
     return y, dy.astype(y.dtype)

@@ -256,8 +256,8 @@ def test_integer_product_against_numpy(name):
     w_levels, w_scale = _np_levels(model.w, channels)
     x_levels, x_scale = _np_levels(x, ())
     acc = np.einsum(model.equation, x_levels, w_levels)  # int64: exact
-    # One rounding: the exact integer sum (exact in float32 here) times the product of the two scales, the weight's
-    # taken per output channel and laid along the output's axes.
+    # The exact integer sum (exact in float32 here) times the weight's scale (per output channel, laid along the
+    # output's axes), then times the input's, as a linear layer rescales it.
     out_labels = model.equation.split("->")[1]
     w_labels = model.equation.split("->")[0].split(",")[1]
     w_free = np.broadcast_to(w_scale, model.w.shape)[
@@ -265,7 +265,7 @@ def test_integer_product_against_numpy(name):
     kept = "".join(label for label in w_labels if label in out_labels)
     ordered = "".join(sorted(kept, key=out_labels.index))
     w_out = np.einsum(f"{kept}->{ordered}", w_free)[tuple(slice(None) if c in kept else None for c in out_labels)]
-    expected = acc.astype(np.float32) * (np.float32(x_scale.reshape(())) * w_out.astype(np.float32))
+    expected = (acc.astype(np.float32) * w_out.astype(np.float32)) * np.float32(x_scale.reshape(()))
     assert_bitwise_equal(_call(quantized, (x,), {}), expected.astype(np.float32))
     assert_bitwise_equal(quantized(x), expected.astype(np.float32))
     assert_bitwise_equal(_call(eqx_quant.convert(quantized), (x,), {}), expected.astype(np.float32))
@@ -308,6 +308,27 @@ def _leaf_node(model, path):
     is_stored = lambda x: isinstance(x, eqx_quant.QuantizedArray)  # noqa: E731
     leaves = jax.tree_util.tree_leaves_with_path(model, is_leaf=is_stored)
     return {jax.tree_util.keystr(p, simple=True, separator="."): x for p, x in leaves}[path]
+
+
+def test_a_bare_weight_computes_what_a_linear_layer_computes():
+    linear = eqx.nn.Linear(32, 16, key=jax.random.key(0))
+
+    class Bare(eqx.Module):
+        weight: jax.Array
+        bias: jax.Array
+
+        def __call__(self, x):
+            return x @ self.weight.T + self.bias
+
+    bare, x = Bare(linear.weight, linear.bias), _normal(32)
+    for name in ("w8a8", "w8a16", "w4a8_g32"):
+        rules = eqx_quant.recipe(name)["rules"]
+        layer, traced = eqx_quant.quantize(linear, rules), eqx_quant.quantize(bare, rules, example=(x,))
+        if name == "w8a8":  # both on the integers, rescaled alike: the same bits
+            assert_bitwise_equal(_call(traced, (x,), {}), _call(layer, (x,), {}))
+        else:  # float products (the layer's grouped integer sums included), summed in another order
+            np.testing.assert_allclose(np.asarray(_call(traced, (x,), {})), np.asarray(_call(layer, (x,), {})),
+                                       rtol=1e-5, atol=1e-6)  # fmt: skip
 
 
 def test_factories_receive_the_traced_product():
