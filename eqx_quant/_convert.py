@@ -173,6 +173,8 @@ def convert(model: PyTree) -> PyTree:
         return ConvertedConv(skeleton, tensor, _frozen_input_quant(layer.input_quant))
 
     model = map_nodes(model, (AbstractQuantLayer,), to_int)
+    if not nodes(model, (QuantTraced,)):
+        return model  # rebuilt no further: its other nodes stay the very objects they were
     return map_nodes(model, (QuantTraced,), lambda path, traced: _convert_traced(traced))
 
 

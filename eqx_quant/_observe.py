@@ -213,6 +213,8 @@ def with_traced_inputs(model: PyTree, replace: Callable[[str, TracedInput], Any]
             inputs[target.index] = replace(name, target._replace(root=root))
         return replaced(traced, input_quants=inputs)
 
+    if not nodes(model, (QuantTraced,)):
+        return model  # rebuilt no further
     return map_nodes(model, (QuantTraced,), swap)
 
 

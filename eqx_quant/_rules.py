@@ -551,14 +551,6 @@ def quantize(
     layers = nodes(model, layer_types)
     attentions = nodes(model, (eqx.nn.MultiheadAttention, QuantMultiheadAttention)) if wants_products else []
     einsums = nodes(model, (Einsum, QuantEinsum)) if wants_products else []
-    traced, activations = _traced_products(model, example)
-    if not (layers or attentions or einsums or traced):
-        found = " nor, tracing `example`, a product of one of its arrays" if example is not None else ""
-        raise ValueError(
-            "`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer (nor, with `products`, an "
-            f"Einsum or MultiheadAttention{found}) to quantize. Products written with bare arrays (`x @ W.T`, "
-            "`jnp.einsum`) are found with `example=`."
-        )
     done = [(path, layer) for path, layer in layers if isinstance(layer, AbstractQuantLayer)]
     layers = [(path, layer) for path, layer in layers if not isinstance(layer, AbstractQuantLayer)]
     # The two products of an attention that is not wrapped yet, at the paths they take once it is.
@@ -571,23 +563,6 @@ def quantize(
     attention_paths = {path for path, _ in nodes(model, (QuantMultiheadAttention,))} if wants_products else set()
     products_of += [(path, m, path.rpartition(".")[0] if path.rpartition(".")[0] in attention_paths else None)
                     for path, m in einsums if isinstance(m, Einsum)]  # fmt: skip
-    if products is not None or (rules is not None and wants_products):
-        if not attentions and not einsums and not activations:
-            found = "nor, tracing `example`, a product of two activations" if example is not None else (
-                "and products written with `jnp.einsum` or `@` are found only with `example=`")  # fmt: skip
-            raise ValueError(
-                "The configuration gives products quantizers, but `model` has no eqx_quant.nn.Einsum nor "
-                f"eqx.nn.MultiheadAttention, {found}."
-            )
-    reached = [path for path, layer in done if reaches(path, layer)]
-    if reached:
-        warnings.warn(
-            f"The layers at {reached} are quantized already and keep their quantizers; to quantize them anew, "
-            "start from the float model (`eqx_quant.float_model(model)`).",
-            stacklevel=2,
-        )
-    if not (layers or products_of or traced):
-        return model  # every layer is quantized already
     decisions = {}
     for path, layer in layers:
         decision = decide(path, layer, False)
@@ -599,26 +574,6 @@ def quantize(
             decision = decide(attention, einsum, True)  # a product's own rule first, else its attention's
         if decision is not None and decision.products is not None:
             decisions[path] = decision
-    for path, product in traced.items():
-        decision = decide(path, product, False)
-        if decision is not None and (decision.weight is not None or decision.input is not None):
-            if decision.backward is not None:
-                raise ValueError(
-                    f"The rule reaching the traced weight {path!r} sets `backward`, which applies to "
-                    "eqx_quant.nn.QuantLinear and QuantConv layers only; traced products keep the gradient of the "
-                    "float product of their quantized operands. Leave it out of that rule."
-                )
-            decisions[path] = decision
-    if wants_products:
-        for product in activations:
-            decision = decide(product.path, product, True)
-            if decision is not None and decision.products is not None:
-                decisions[product.path] = decision
-    paths = [path for path, _ in layers] + [path for path, _, _ in products_of] + list(traced)
-    paths += [product.path for product in activations] if wants_products else []
-    check(paths)
-    if not decisions:
-        raise ValueError("The configuration reaches none of the layers" + _candidates_message(paths))
     if subclasses == "error":
         for path, layer in layers:
             if path in decisions and _overrides_call(layer):
@@ -648,45 +603,103 @@ def quantize(
             backward=decision.backward if integer else unquantized,
         )  # fmt: skip
 
+    # The layers are wrapped first and the products traced on the wrapped model, so that the products the wrapped
+    # layers compute are theirs (a quantized attention's, say), at quantize time as at every call.
+    wrapped = map_nodes(model, layer_types, wrap)
+    if wants_products:
+        wrapped = _wrap_products(wrapped, decisions)
+    traced, activations, problems = _traced_products(wrapped, example)
+    if not (layers or done or attentions or einsums or traced or activations or problems):
+        found = " nor, tracing `example`, a product of one of its arrays" if example is not None else ""
+        raise ValueError(
+            "`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer (nor, with `products`, an "
+            f"Einsum or MultiheadAttention{found}) to quantize. Products written with bare arrays (`x @ W.T`, "
+            "`jnp.einsum`) are found with `example=`."
+        )
+    if products is not None or (rules is not None and wants_products):
+        if not attentions and not einsums and not activations:
+            found = "nor, tracing `example`, a product of two activations" if example is not None else (
+                "and products written with `jnp.einsum` or `@` are found only with `example=`")  # fmt: skip
+            raise ValueError(
+                "The configuration gives products quantizers, but `model` has no eqx_quant.nn.Einsum nor "
+                f"eqx.nn.MultiheadAttention, {found}."
+            )
+    reached = [path for path, layer in done if reaches(path, layer)]
+    if reached:
+        warnings.warn(
+            f"The layers at {reached} are quantized already and keep their quantizers; to quantize them anew, "
+            "start from the float model (`eqx_quant.float_model(model)`).",
+            stacklevel=2,
+        )
+    if not (layers or products_of or traced or activations or problems):
+        return model  # every layer is quantized already
+    chosen_weight = lambda d: d is not None and (d.weight is not None or d.input is not None)  # noqa: E731
+    for path, (product, why) in problems.items():
+        if chosen_weight(decide(path, product, False)):
+            raise ValueError(why)
+    for path, product in traced.items():
+        decision = decide(path, product, False)
+        if chosen_weight(decision):
+            assert decision is not None
+            if decision.backward is not None:
+                raise ValueError(
+                    f"The rule reaching the traced weight {path!r} sets `backward`, which applies to "
+                    "eqx_quant.nn.QuantLinear and QuantConv layers only; traced products keep the gradient of the "
+                    "float product of their quantized operands. Leave it out of that rule."
+                )
+            decisions[path] = decision
+    if wants_products:
+        for product in activations:
+            decision = decide(product.path, product, True)
+            if decision is not None and decision.products is not None:
+                decisions[product.path] = decision
+    paths = [path for path, _ in layers] + [path for path, _, _ in products_of] + list(traced) + list(problems)
+    paths += [product.path for product in activations] if wants_products else []
+    check(paths)
+    if not decisions:
+        raise ValueError("The configuration reaches none of the layers" + _candidates_message(paths))
     chosen = [(path, decisions[path]) for path in traced if path in decisions]
     pairs = [(k, decisions[p.path].products) for k, p in enumerate(activations) if p.path in decisions]
-    model = map_nodes(model, layer_types, wrap)
-    if wants_products:
-        model = _wrap_products(model, decisions)
     if not chosen and not pairs:
-        return model
+        return wrapped
     weights = tuple(None if d.weight is None else weight_layout(d.weight, traced[path]) for path, d in chosen)
     inputs = tuple(d.input for _, d in chosen)
     stacks = tuple(traced[path].stack for path, _ in chosen)
     matmuls = tuple(d.matmul for _, d in chosen)
     quantizers = tuple(q if isinstance(q, tuple) else (q, q) for _, q in pairs)
-    return QuantTraced(model, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls, quantizers,
-                       tuple(k for k, _ in pairs))  # fmt: skip
+    return QuantTraced(wrapped, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls, quantizers,
+                       tuple(k for k, _ in pairs), len(activations))  # fmt: skip
 
 
-def _traced_products(model: PyTree, example: object) -> tuple[dict[str, TracedProduct], list[TracedProduct]]:
+def _traced_products(
+    model: PyTree, example: object
+) -> tuple[dict[str, TracedProduct], list[TracedProduct], dict[str, tuple[TracedProduct, str]]]:
     """The traced weights of `model` (outside its layers) called as `example` says, by path (each weight's first
-    product, after checking that its other products sum over the same axes of it), and its products of two
-    activations."""
+    product), its products of two activations, and the weights that cannot be quantized product by product (a
+    product inside a while loop, operations that are not views, products summing over different axes), with why."""
     if example is None:
-        return {}, []
+        return {}, [], {}
     call = trace_call(example)
     skipped = FLOAT_LAYERS + (AbstractQuantLayer, Einsum, QuantEinsum, eqx.nn.MultiheadAttention,
                               QuantMultiheadAttention)  # fmt: skip
     excluded = [path for path, _ in nodes(model, skipped)]
     found: dict[str, TracedProduct] = {}
-    weights, activations = find_products(model, call, excluded)
-    for product in weights:
+    traced = find_products(model, call, excluded)
+    problems = dict(traced.problems)
+    for product in traced.weights:
+        if product.path in problems:
+            continue
         first = found.setdefault(product.path, product)
         if first.stack != product.stack:  # stepped through in one product and not in another: one set of inputs
             found[product.path] = first = dataclasses.replace(first, stack=())
         if first.contracted != product.contracted:
-            raise ValueError(
+            problems[product.path] = (first, (
                 f"The weight {product.path!r} enters two products that sum over different axes of it: "
                 f"{first.describe()}; and {product.describe()}. One quantized leaf has one scale layout; leave it out "
-                "of the rules (or write one of the products with a copy of the weight)."
-            )
-    return found, activations
+                f"of the rules (a rule `Rule({product.path!r}, weight=None, input=None)` before the others keeps it "
+                "float), or write one of the products with a copy of the weight."
+            ))  # fmt: skip
+    return {path: p for path, p in found.items() if path not in problems}, traced.activations, problems
 
 
 def _wrap_products(model: PyTree, decisions: dict[str, _Decision]) -> PyTree:

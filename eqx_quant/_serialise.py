@@ -403,7 +403,7 @@ def _rebuilt_traced(like: PyTree, records: list, quantizer: Callable, tensors: d
     indices = tuple(record["product_indices"])
     pairs = tuple((quantizer(f"product_quants.{j}.0", ()), quantizer(f"product_quants.{j}.1", ()))
                   for j in range(len(indices)))  # fmt: skip
-    return QuantTraced(model, weights, inputs, paths, stacks, matmuls, pairs, indices)
+    return QuantTraced(model, weights, inputs, paths, stacks, matmuls, pairs, indices, record.get("product_count"))
 
 
 def _empty_transform(kind: str | None, shape: tuple[int, ...]) -> AbstractInputTransform | None:

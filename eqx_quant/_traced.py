@@ -34,10 +34,12 @@ class _View(NamedTuple):
     """A value that is a view of leaf `leaf`: `axes[i]` are the leaf axes that the value's axis `i` spans (none for
     an axis made by broadcasting, several where a reshape merged axes). `sliced` counts the leading leaf axes that
     enclosing `lax.scan`s have sliced off one after the other (the layers of a stack), `None` once a scan sliced
-    the leaf along another axis."""
+    the leaf along another axis or a slice shortened it. With `axes` `None`, the value is computed from the model's
+    arrays (and constants) alone, by operations that are not views (a concatenation, a gather, arithmetic): neither
+    a weight that tracing can lay scales out on nor an activation."""
 
     leaf: int
-    axes: tuple[tuple[int, ...], ...]
+    axes: tuple[tuple[int, ...], ...] | None
     sliced: int | None = 0
     layer: bool = False  # a view of a leaf of a layer that `quantize` wraps as a layer: its products are the layer's
 
@@ -108,8 +110,9 @@ class _Where(NamedTuple):
 
 
 _PRODUCTS = ("dot_general", "conv_general_dilated")
-_SAME = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision", "slice", "rev", "pad",
-                   "dynamic_slice", "optimization_barrier"})  # fmt: skip
+_SAME = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision", "optimization_barrier"})
+_SHORTENING = frozenset({"slice", "rev", "pad", "dynamic_slice"})  # the same axes, maybe shorter
+_INDEXING = frozenset({"gather", "dynamic_slice", "slice"})  # whatever the indices, part of the operand
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})  # fmt: skip
 
@@ -139,14 +142,30 @@ def _reshape_axes(src: _View, shape_in: tuple[int, ...], shape_out: tuple[int, .
     return src._replace(axes=tuple(axes))
 
 
+def _derived(eqn: Any, views: list[_View | None]) -> _View | None:
+    """The output of an operation that is not a view, if it is computed from the model's arrays and constants alone
+    (or indexes into one of them): a derived value, not an activation."""
+    operands = [v for v, var in zip(views, eqn.invars, strict=True) if not isinstance(var, jcore.Literal)]
+    if eqn.primitive.name in _INDEXING and views and views[0] is not None:
+        return _View(views[0].leaf, None)
+    if all(v is not None for v in operands):
+        leaf = next((v.leaf for v in operands if v is not None), -1)
+        return _View(leaf, None)
+    return None
+
+
 def _view_after(eqn: Any, views: list[_View | None]) -> _View | None:
-    """The view the output of a one-output structural operation is, if its first operand is one."""
+    """The view the output of a one-output structural operation is, if its first operand is one; else whether it is
+    derived from the model's arrays (`_derived`)."""
     src = views[0] if views else None
-    if src is None:
-        return None
+    if src is None or src.axes is None:
+        return _derived(eqn, views)
     name, params = eqn.primitive.name, eqn.params
     if name in _SAME:
         return src
+    if name in _SHORTENING:
+        shorter = tuple(eqn.outvars[0].aval.shape) != tuple(eqn.invars[0].aval.shape)
+        return src._replace(sliced=None) if shorter else src
     if name == "transpose":
         return src._replace(axes=tuple(src.axes[p] for p in params["permutation"]))
     if name == "squeeze":
@@ -161,7 +180,7 @@ def _view_after(eqn: Any, views: list[_View | None]) -> _View | None:
         return src._replace(axes=tuple(src.axes[where[k]] if k in where else () for k in range(len(params["shape"]))))
     if name == "reshape" and params.get("dimensions") is None:
         return _reshape_axes(src, tuple(eqn.invars[0].aval.shape), tuple(params["new_sizes"]))
-    return None
+    return _derived(eqn, views)
 
 
 def _sub_jaxprs(eqn: Any) -> list[Any]:
@@ -174,21 +193,28 @@ def _sub_jaxprs(eqn: Any) -> list[Any]:
 
 
 def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
-    """The use of a product equation: of a weight, if one operand is a view of a leaf and the other is not; of two
-    activations (`leaf` -1), if neither is and the equation is a `dot_general` outside eqx_quant's own modules."""
+    """The use of a product equation that sums over something: of a weight, if one operand is a view of a leaf and
+    the other an activation; of two activations (`leaf` -1), if both are and the equation is a `dot_general` outside
+    eqx_quant's own modules. A weight read through operations that are not views (`primitive` "unfollowed") is
+    reported, to be left in floating point."""
     lhs, rhs = views[0], views[1]
     if (lhs is not None and lhs.layer) or (rhs is not None and rhs.layer):
         return None
+    if eqn.primitive.name == "dot_general":
+        (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
+        if not contract_l:
+            return None  # an outer or elementwise product (a gain written with `einsum`): nothing is summed
     if lhs is None and rhs is None:
         if eqn.primitive.name != "dot_general" or where.scoped:
             return None
-        (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
         shape = tuple(eqn.invars[0].aval.shape)
         return _Use(-1, tuple(contract_r), shape, tuple(contract_l), "dot_general", where.loop, None, eqn, where.outer)
-    if lhs is not None and rhs is not None:
-        return None
+    derived = [v for v in (lhs, rhs) if v is not None and v.axes is None]
+    if derived or (lhs is not None and rhs is not None):
+        if len(derived) == 1 and (lhs is None or rhs is None) and derived[0].leaf >= 0:
+            return _Use(derived[0].leaf, (), (), (), "unfollowed", where.loop, None, eqn, where.outer)
+        return None  # products of two weights (or of values computed from them alone)
     if eqn.primitive.name == "dot_general":
-        (contract_l, contract_r), _ = eqn.params["dimension_numbers"]
         weight_side = 0 if lhs is not None else 1
         dims = (contract_l, contract_r)[weight_side]
         input_dims = (contract_l, contract_r)[1 - weight_side]
@@ -201,14 +227,11 @@ def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
         lhs_spec = eqn.params["dimension_numbers"][0]
         input_dims = tuple(lhs_spec[1:])
     view = views[weight_side]
-    assert view is not None
+    assert view is not None and view.axes is not None
     contracted = tuple(sorted({a for d in dims for a in view.axes[d]}))
     free = {a for d in range(len(view.axes)) if d not in dims for a in view.axes[d]}
-    if free & set(contracted):
-        raise ValueError(
-            f"A {eqn.primitive.name} sums over some of the elements of a weight axis and not over others (leaf axes "
-            f"{sorted(free & set(contracted))} of the weight it reads, after a reshape): no scale layout follows it."
-        )
+    if free & set(contracted):  # a reshape merged a summed and a kept axis: no scale layout follows the product
+        return _Use(view.leaf, (), (), (), "unfollowed", where.loop, None, eqn, where.outer)
     input_shape = tuple(eqn.invars[1 - weight_side].aval.shape)
     return _Use(view.leaf, contracted, input_shape, tuple(input_dims), eqn.primitive.name, where.loop, view.sliced, eqn,
                 where.outer)  # fmt: skip
@@ -216,8 +239,8 @@ def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
 
 def _slice(view: _View | None) -> _View | None:
     """The view of one step of a scan over `view`'s first axis."""
-    if view is None:
-        return None
+    if view is None or view.axes is None:
+        return view
     regular = view.sliced is not None and view.axes[0] == (view.sliced,)
     return view._replace(axes=view.axes[1:], sliced=view.sliced + 1 if regular else None)  # pyright: ignore
 
@@ -272,7 +295,10 @@ def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], where: _Where
         return nothing
     if len(eqn.outvars) == 1:
         return [_view_after(eqn, ins)]
-    return nothing
+    if name == "split" and ins[0] is not None and ins[0].axes is not None:  # pieces along one axis: the same axes
+        return [ins[0]._replace(sliced=None)] * len(eqn.outvars)
+    derived = _derived(eqn, ins)
+    return [derived] * len(eqn.outvars)
 
 
 class Codes(NamedTuple):
@@ -293,11 +319,11 @@ class Inputs(NamedTuple):
 
     quantizers: dict[int, tuple[Any, int]]
     integer: dict[int, int]
-    products: dict[int, tuple[Any, Any]]
-    holders: frozenset[int]
+    products: dict[tuple[int, ...], tuple[Any, Any]]
+    holders: frozenset[tuple[int, ...]]
 
 
-_CODES_SAME = frozenset({"copy", "copy_p", "reduce_precision", "optimization_barrier"})
+_CODES_SAME = frozenset({"copy", "copy_p", "optimization_barrier"})
 _CODES_MOVED = frozenset({"transpose", "squeeze", "expand_dims", "broadcast_in_dim", "reshape", "slice", "rev",
                           "dynamic_slice"})  # fmt: skip
 
@@ -318,7 +344,7 @@ def _codes_after(eqn: Any, codes: Codes | None, ins: list[Any]) -> Codes | None:
 
 
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequence[_View | None],
-             codes: Sequence[Codes | None], inputs: Inputs) -> list[Any]:  # fmt: skip
+             codes: Sequence[Codes | None], inputs: Inputs, chain: tuple[int, ...] = ()) -> list[Any]:  # fmt: skip
     """Runs `jaxpr` on `args`, quantizing with `inputs` the activation operand of every product of a leaf view (on
     integers, from the view's `codes`, where the formats allow it); everything else runs as traced."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
@@ -336,12 +362,13 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequ
         )
         out_views = eqn_views(eqn, in_views, [])
         out_codes: list[Codes | None] = [None] * len(eqn.outvars)
-        if _holds_products(eqn, in_views, inputs):
-            outs = _evaluate_with_products(eqn, ins, in_views, in_codes, inputs)
+        key = (*chain, id(eqn))  # an equation of a jaxpr that several calls share is one per call: by its chain
+        if _holds_products(eqn, key, in_views, inputs):
+            outs = _evaluate_with_products(eqn, key, ins, in_views, in_codes, inputs)
         else:
             outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
             outs = outs if eqn.primitive.multiple_results else [outs]
-            if out_views[0] is not None and len(outs) == 1:
+            if out_views[0] is not None and out_views[0].axes is not None and len(outs) == 1:
                 out_codes = [_codes_after(eqn, in_codes[0], ins)]
         env.update(zip(eqn.outvars, outs, strict=True))
         seen.update(zip(eqn.outvars, out_views, strict=True))
@@ -349,11 +376,12 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequ
     return [read(v) for v in jaxpr.outvars]
 
 
-def _evaluate_with_products(eqn: Any, ins: list[Any], views: list[_View | None], codes: list[Codes | None],
+def _evaluate_with_products(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_View | None],
+                            codes: list[Codes | None],
                             inputs: Inputs) -> list:  # fmt: skip
     name, params = eqn.primitive.name, eqn.params
     if name in _PRODUCTS:
-        return [_product_value(eqn, ins, views, codes, inputs)]
+        return [_product_value(eqn, key, ins, views, codes, inputs)]
     if name == "scan":
         body = params["jaxpr"]
         n_consts, n_carry = params["num_consts"], params["num_carry"]
@@ -382,7 +410,7 @@ def _evaluate_with_products(eqn: Any, ins: list[Any], views: list[_View | None],
                 inner[leaf] = (eqx.combine(layer[leaf], static), quantizers[leaf][1] - 1)
             body_codes = [*const_codes, *([None] * n_carry), *x_codes]
             outs = evaluate(body.jaxpr, body.consts, [*consts, *carry, *x], body_views, body_codes,
-                            inputs._replace(quantizers=inner))  # fmt: skip
+                            inputs._replace(quantizers=inner), key)  # fmt: skip
             return outs[:n_carry], outs[n_carry:]
 
         carry, ys = jax.lax.scan(step, init, (xs, xs_codes, arrays), length=params["length"],
@@ -390,7 +418,7 @@ def _evaluate_with_products(eqn: Any, ins: list[Any], views: list[_View | None],
         return [*carry, *ys]
     if name == "cond":
         branches = [
-            lambda ops, c, b=b: evaluate(b.jaxpr, b.consts, ops, views[1:], c, inputs) for b in params["branches"]
+            lambda ops, c, b=b: evaluate(b.jaxpr, b.consts, ops, views[1:], c, inputs, key) for b in params["branches"]
         ]
         return jax.lax.switch(ins[0], branches, ins[1:], codes[1:])
     if name == "while":
@@ -404,7 +432,7 @@ def _evaluate_with_products(eqn: Any, ins: list[Any], views: list[_View | None],
     sub = _sub_jaxprs(eqn)[0]
     n = len(sub.jaxpr.invars)
     args, arg_views, arg_codes = ins[len(ins) - n :], views[len(ins) - n :], codes[len(ins) - n :]
-    run = lambda a, c: evaluate(sub.jaxpr, sub.consts, a, arg_views, c, inputs)  # noqa: E731
+    run = lambda a, c: evaluate(sub.jaxpr, sub.consts, a, arg_views, c, inputs, key)  # noqa: E731
     if name in ("remat2", "checkpoint"):
         run = jax.checkpoint(run, prevent_cse=params["prevent_cse"], policy=params["policy"])
     # Calls (`jit`) run inline; a custom-derivative function whose body holds a quantized product runs its body, so
@@ -412,13 +440,13 @@ def _evaluate_with_products(eqn: Any, ins: list[Any], views: list[_View | None],
     return run(args, arg_codes)[: len(eqn.outvars)]
 
 
-def _holds_products(eqn: Any, views: list[_View | None], inputs: Inputs) -> bool:
+def _holds_products(eqn: Any, key: tuple[int, ...], views: list[_View | None], inputs: Inputs) -> bool:
     """Whether an equation is (or holds) a product to quantize."""
-    if id(eqn) in inputs.products or id(eqn) in inputs.holders:
+    if key in inputs.products or key in inputs.holders:
         return True
     uses: list[_Use] = []
     eqn_views(eqn, views, uses)
-    return any(use.leaf >= 0 for use in uses)
+    return any(use.leaf >= 0 and use.primitive != "unfollowed" for use in uses)
 
 
 def _activation_product(eqn: Any, ins: list[Any], quantizers: tuple[Any, Any]) -> Any:
@@ -441,13 +469,14 @@ def _activation_product(eqn: Any, ins: list[Any], quantizers: tuple[Any, Any]) -
     return eqn.primitive.bind(lhs, rhs, **eqn.primitive.get_bind_params(eqn.params))
 
 
-def _product_value(eqn: Any, ins: list[Any], views: list[_View | None], codes: list[Codes | None],
+def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_View | None],
+                   codes: list[Codes | None],
                    inputs: Inputs) -> Any:  # fmt: skip
     """A product of a weight view with an activation: the activation quantized, then the integer product where both
     operands are on integer grids with scales constant along the contraction, else the float product. Or a product
     of two activations."""
-    if id(eqn) in inputs.products:
-        return _activation_product(eqn, ins, inputs.products[id(eqn)])
+    if key in inputs.products:
+        return _activation_product(eqn, ins, inputs.products[key])
     use = _product(eqn, views, _Where())
     assert use is not None
     side = 1 if views[0] is not None else 0  # the activation's
@@ -514,6 +543,21 @@ def _any(a: Any, axes: tuple[int, ...]) -> Any:
     return jnp.any(a, axis=axes) if axes else a
 
 
+def _integer_sums(lhs: Any, rhs: Any, dims: Any) -> Any:
+    """The `dot_general` of two integer arrays with int32 accumulation (exact), as float32.
+
+    Each operand is first laid out as (batch, free, contracted) axes, as a linear layer's operands are: XLA's CPU
+    integer product takes its fast path for that form, which a transpose in front of it (a weight read as `W.T`) kept
+    it from (four times slower on the benchmark's MLP). The output's axes are in `dot_general`'s order either way."""
+    (lc, rc), (lb, rb) = dims
+    order = lambda a, c, b: (*b, *(d for d in range(a.ndim) if d not in c and d not in b), *c)  # noqa: E731
+    lhs, rhs = jnp.transpose(lhs, order(lhs, lc, lb)), jnp.transpose(rhs, order(rhs, rc, rb))
+    nb, nc = len(lb), len(lc)
+    dims = ((tuple(range(lhs.ndim - nc, lhs.ndim)), tuple(range(rhs.ndim - nc, rhs.ndim))),
+            (tuple(range(nb)), tuple(range(nb))))  # fmt: skip
+    return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
+
+
 def _integer_value(dims, side, weight_first, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
     """The product from the integers: an int32 `dot_general`, rescaled per output element; NaN where a contracted
     slice of either operand holds one, as in the float product.
@@ -523,8 +567,8 @@ def _integer_value(dims, side, weight_first, x_levels, x_scale, x_nan, w_levels,
     never stands in for them, and a bare weight computes what the same weight in a linear layer computes); otherwise
     (two activations) by the product of the two scales, as [`eqx_quant.nn.QuantEinsum`][] does."""
     lhs, rhs = (w_levels, x_levels) if side == 1 else (x_levels, w_levels)
-    acc = jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32)
     (lc, rc), (lb, rb) = dims
+    acc = _integer_sums(lhs, rhs, dims)
     free = [len([d for d in range(o.ndim) if d not in c and d not in b]) for o, c, b in ((lhs, lc, lb), (rhs, rc, rb))]
     w_side = 1 - side
     w_arranged = _arranged(w_scale, w_side, dims, free[side], _first)
@@ -589,14 +633,22 @@ def _trace(fn: Callable[..., Any], inputs: PyTree) -> _Traced:
     return _Traced(closed, leaves, [p for p, _ in with_paths], (out_dynamic, out_static))
 
 
-def find_products(
-    model: PyTree, call: Callable[[PyTree], Any], layers: Sequence[str]
-) -> tuple[list[TracedProduct], list[TracedProduct]]:
+class Found(NamedTuple):
+    """What tracing found: the products of weights (by program order), the products of two activations, and the
+    weights that cannot be quantized product by product, with why (for a rule that reaches them)."""
+
+    weights: list[TracedProduct]
+    activations: list[TracedProduct]
+    problems: dict[str, tuple[TracedProduct, str]]
+
+
+def find_products(model: PyTree, call: Callable[[PyTree], Any], layers: Sequence[str]) -> Found:
     """The products of `call(model)` in the order the program computes them: those of a floating-point leaf outside
     the subtrees at the `layers` paths (whose own products are theirs) with an activation, and the `dot_general`s of
     two activations outside eqx_quant's modules (outside while loops), named `products.0`, `products.1`, ... (for
     these, `weight` is `None`, `input_*` describe the left operand and `contracted` the right operand's contracted
-    axes). Raises `ValueError` for a weight product inside a `while_loop`."""
+    axes); and the weights whose products cannot be quantized one by one (inside a `while_loop`, or read through
+    operations that are not views)."""
     traced = _trace(call, model)
     paths = [path_string(p) for p in traced.paths]
     views = [
@@ -605,26 +657,34 @@ def find_products(
     ]
     uses: list[_Use] = []
     walk(traced.jaxpr.jaxpr, views, uses)
-    weights, activations = [], []
+    found = Found([], [], {})
     for use in uses:
         if use.leaf < 0:
             if not use.loop:
-                name = f"products.{len(activations)}"
-                activations.append(TracedProduct(name, None, use.contracted, use.input_shape, use.input_contracted,
-                                                 use.primitive))  # fmt: skip
+                name = f"products.{len(found.activations)}"
+                found.activations.append(TracedProduct(name, None, use.contracted, use.input_shape,
+                                                       use.input_contracted, use.primitive))  # fmt: skip
             continue
         path, leaf = paths[use.leaf], traced.leaves[use.leaf]
-        if use.loop:
-            raise ValueError(
+        stack = tuple(leaf.shape[: use.sliced or 0])
+        product = TracedProduct(path, leaf, use.contracted, use.input_shape, use.input_contracted, use.primitive, stack)
+        if use.primitive == "unfollowed":
+            found.problems.setdefault(path, (product, (
+                f"The weight {path!r} reaches a product through operations that are not views of it (a "
+                "concatenation, a gather, arithmetic, or a reshape that merges a summed axis with a kept one): no "
+                "scale layout follows the product from the leaf. Leave it out of the rules (a rule "
+                f"`Rule({path!r}, weight=None, input=None)` before the others keeps it float)."
+            )))  # fmt: skip
+        elif use.loop:
+            found.problems.setdefault(path, (product, (
                 f"The weight {path!r} enters a {use.primitive} inside a `jax.lax.while_loop`, whose trip count is "
                 "not known when tracing: it cannot be quantized product by product. Write the loop with "
-                "`jax.lax.scan` (or `jax.lax.fori_loop` with static bounds), or leave the weight out of the rules."
-            )
-        stack = tuple(leaf.shape[: use.sliced or 0])
-        weights.append(
-            TracedProduct(path, leaf, use.contracted, use.input_shape, use.input_contracted, use.primitive, stack)
-        )
-    return weights, activations
+                "`jax.lax.scan` (or `jax.lax.fori_loop` with static bounds), or leave the weight out of the rules (a "
+                f"rule `Rule({path!r}, weight=None, input=None)` before the others keeps it float)."
+            )))  # fmt: skip
+        else:
+            found.weights.append(product)
+    return found
 
 
 def _follows(layout: Layout, product: TracedProduct) -> bool:
@@ -644,6 +704,9 @@ def weight_layout(quantizer: AbstractQuantizer, product: TracedProduct) -> Abstr
     for layers (`axis=0` for one scale per output channel, tiles along the last axis, the contraction) with the same
     meaning here: one scale per index of the weight's channel axes, tiles along its contracted axis."""
     layout = getattr(quantizer, "layout", None)
+    if isinstance(quantizer, DynamicFakeQuant) and layout is not None and layout.is_per_tensor() and product.stack:
+        # One scale per tensor of a stack that a scan steps through: one per layer, as for stacked layers.
+        return dataclasses.replace(quantizer, layout=Layout(axes=tuple(range(len(product.stack)))))
     if layout is None or _follows(layout, product):
         return quantizer
     if isinstance(quantizer, DynamicFakeQuant) and not layout.stacked:
@@ -666,7 +729,8 @@ class QuantTraced(eqx.Module):
     [`eqx_quant.quantize`][] with `example=` for the products a model writes with its own array leaves (bare
     weight arrays, custom layer classes, `jnp.einsum`), which no `eqx.nn` layer wraps.
 
-    Calling it calls the model: the program of `model(*args, **kwargs)` is traced (once per compilation under
+    Calling it calls the model (its `__call__`: other methods of the model run unquantized on `model`): the program
+    of `model(*args, **kwargs)` is traced (once per compilation under
     `eqx.filter_jit`; at every call eagerly) and run again with each quantized weight leaf replaced by its
     fake-quantized value (or, after [`eqx_quant.convert`][], the dequantized stored codes, bit for bit the same) and
     the activation operand of each of its products replaced by that operand's quantized value. Everything else in
@@ -697,6 +761,9 @@ class QuantTraced(eqx.Module):
         else as the float product of the quantized operands.
     - `product_indices`: which products of two activations those are: `k` for `products.k`, the `k`-th `dot_general`
         of two activations in the program's order (static; see [`eqx_quant.TracedProduct`][]).
+    - `product_count`: how many products of two activations the example computed (static), or `None`: a call that
+        computes another number of them (another path through the model) is a `ValueError`, since `products.k`
+        would name other products.
     """
 
     model: PyTree
@@ -707,6 +774,7 @@ class QuantTraced(eqx.Module):
     matmuls: tuple[str, ...] = eqx.field(static=True)
     product_quants: tuple[tuple[AbstractQuantizer | None, AbstractQuantizer | None], ...]
     product_indices: tuple[int, ...] = eqx.field(static=True)
+    product_count: int | None = eqx.field(static=True)
 
     def __init__(
         self,
@@ -718,6 +786,7 @@ class QuantTraced(eqx.Module):
         matmuls: Sequence[str] | None = None,
         product_quants: Sequence[tuple[AbstractQuantizer | None, AbstractQuantizer | None]] = (),
         product_indices: Sequence[int] = (),
+        product_count: int | None = None,
     ):
         """**Arguments:** the fields, in order; by default `stacks` is `()` and `matmuls` `"int"` for every
         weight, and no product of two activations is quantized."""
@@ -730,6 +799,7 @@ class QuantTraced(eqx.Module):
         self.matmuls = tuple(matmuls) if matmuls is not None else ("int",) * n
         self.product_quants = tuple(tuple(pair) for pair in product_quants)  # pyright: ignore[reportAttributeAccessIssue]
         self.product_indices = tuple(product_indices)
+        self.product_count = product_count
 
     def __check_init__(self):
         counts = [len(self.weight_paths), len(self.weight_quants), len(self.input_quants), len(self.stacks),
@@ -792,22 +862,30 @@ class QuantTraced(eqx.Module):
         assert isinstance(fmt, IntFormat)
         return fmt
 
-    def _activation_products(self, jaxpr: Any, views: list[_View | None]) -> tuple[dict[int, tuple], frozenset[int]]:
-        """The quantizers of the products of two activations to quantize, by the id of their equation in `jaxpr`,
-        and the ids of the equations that hold them."""
+    def _activation_products(self, jaxpr: Any, views: list[_View | None]) -> tuple[dict, frozenset]:
+        """The quantizers of the products of two activations to quantize, by the chain of ids of their equation and
+        of the equations that hold it in `jaxpr`, and the chains of those holders."""
         if not self.product_indices:
             return {}, frozenset()
         uses: list[_Use] = []
         walk(jaxpr, views, uses)
         found = [use for use in uses if use.leaf < 0 and not use.loop]
+        if self.product_count is not None and len(found) != self.product_count:
+            raise ValueError(
+                f"This call computes {len(found)} products of two activations where the example computed "
+                f"{self.product_count}: the rules' `products.k` name them in the example's order, which this call "
+                "does not follow. Quantize with an example that takes the same path through the model."
+            )
         chosen = dict(zip(self.product_indices, self.product_quants, strict=True))
         if max(self.product_indices) >= len(found):
             raise ValueError(
                 f"The model computes {len(found)} products of two activations in this call, but quantizers were "
                 f"given to products.{max(self.product_indices)}: the call does not follow the example's structure."
             )
-        products = {id(use.eqn): chosen[k] for k, use in enumerate(found) if k in chosen}
-        holders = frozenset(h for k, use in enumerate(found) if k in chosen for h in use.outer)
+        products = {(*use.outer, id(use.eqn)): chosen[k] for k, use in enumerate(found) if k in chosen}
+        holders = frozenset(
+            use.outer[: i + 1] for k, use in enumerate(found) if k in chosen for i in range(len(use.outer))
+        )
         return products, holders
 
     def float_model(self) -> PyTree:
@@ -849,7 +927,8 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
     """`traced` with some of its fields replaced, the others as they are."""
     fields = dict(model=traced.model, weight_quants=traced.weight_quants, input_quants=traced.input_quants,
                   weight_paths=traced.weight_paths, stacks=traced.stacks, matmuls=traced.matmuls,
-                  product_quants=traced.product_quants, product_indices=traced.product_indices)  # fmt: skip
+                  product_quants=traced.product_quants, product_indices=traced.product_indices,
+                  product_count=traced.product_count)  # fmt: skip
     return QuantTraced(**(fields | changes))
 
 
@@ -889,7 +968,11 @@ def trace_call(example: object) -> Callable[[PyTree], Any]:
     if callable(example):
         return example  # pyright: ignore[reportReturnType]
     if isinstance(example, tuple):
-        return lambda model: model(*example)
+        # Shapes stand for arrays: tracing reads nothing but their shapes and dtypes.
+        concrete = jax.tree.map(
+            lambda a: jnp.zeros(a.shape, a.dtype) if isinstance(a, jax.ShapeDtypeStruct) else a, example
+        )
+        return lambda model: model(*concrete)
     raise TypeError(
         f"`example` must be a tuple of arguments for one call `model(*example)`, or a function f(model) that calls "
         f"the model, got {example!r}."

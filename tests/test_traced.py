@@ -389,7 +389,6 @@ def test_a_layer_and_a_bare_weight_in_one_model():
     rows = {row.path: row for row in eqx_quant.summary(quantized).rows}
     assert rows["model.w"].kind == "traced" and rows["model.linear"].kind == "QuantLinear"
     assert rows["model.w"].float_bytes == 4 * 8 * 4 and rows["model.w"].stored_bytes == 4 * 8 + 4 * 4
-    assert eqx_quant.float_model(quantized) is not None
     restored = eqx_quant.float_model(quantized)
     assert type(restored) is Mixed and restored.w is model.w and type(restored.linear) is eqx.nn.Linear
 
@@ -464,15 +463,21 @@ def test_calibrate_gives_each_product_and_each_layer_of_a_stack_its_input_scale(
     assert_bitwise_equal(_call(eqx_quant.convert(calibrated), (x,), {}), _call(calibrated, (x,), {}))
 
 
-def test_calibrate_reaches_a_weight_used_by_two_products():
+def test_a_weight_in_products_summing_over_different_axes():
     class Tied(eqx.Module):
         w: jax.Array
+        v: jax.Array
 
         def __call__(self, x):
-            return self.w.T @ jnp.tanh(self.w @ x)  # the same weight, summed over its axis 1 then its axis 0
+            return self.v @ (self.w.T @ jnp.tanh(self.w @ x))  # `w` summed over its axis 1, then over its axis 0
 
-    with pytest.raises(ValueError, match="two products that sum over different axes"):
-        eqx_quant.quantize(Tied(_normal(4, 4)), example=(_normal(4),))
+    model, x = Tied(_normal(4, 4), _normal(3, 4)), _normal(4)
+    with pytest.raises(ValueError, match="'w' enters two products that sum over different axes"):
+        eqx_quant.quantize(model, example=(x,))
+    # Left out of the rules, it stays float and the rest is quantized.
+    quantized = eqx_quant.quantize(model, [eqx_quant.Rule("w", weight=None, input=None), eqx_quant.Rule(".*")],
+                                   example=(x,))  # fmt: skip
+    assert quantized.weight_paths == ("v",)
 
 
 def _gptq_inputs(model, channels, data):
@@ -545,7 +550,7 @@ def test_save_and_load_into_the_float_skeleton(tmp_path):
     assert_bitwise_equal(_call(eqx_quant.load(path, STACK), (x,), {}), _call(quantized, (x,), {}))
 
 
-def test_learned_scales_train_as_weight_scales():
+def test_learned_scales_start_from_round_to_nearest_and_are_trainable_scales():
     model, _, args = CASES["bare_mlp"]
     quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8", learned=True)["rules"], example=args)
     quantizers = quantized.weight_quants
@@ -694,3 +699,138 @@ def test_a_bare_decoder_converts_bit_for_bit_dynamic_and_calibrated():
         assert float(jnp.max(jnp.abs(got - reference))) < 0.1 * float(jnp.max(jnp.abs(reference)))
         assert_bitwise_equal(_call(eqx_quant.convert(model), (tokens,), {}), got)
         assert_bitwise_equal(model(tokens), got)
+
+
+def test_products_that_sum_over_nothing_are_not_weight_products():
+    class Gained(eqx.Module):
+        gain: jax.Array
+        w: jax.Array
+
+        def __call__(self, x):  # x: (tokens, d)
+            return jnp.einsum("td,d->td", x, self.gain) @ self.w.T  # the gain: a `dot_general` summing over nothing
+
+    model, x = Gained(1 + _normal(8), _normal(4, 8)), _normal(3, 8)
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    assert quantized.weight_paths == ("w",)
+    with pytest.raises(ValueError, match="nor, tracing `example`, a product of two activations"):
+        eqx_quant.quantize(model, eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
+    expected = X8(x * model.gain[None, :]) @ DynamicFakeQuant(8, axis=0)(model.w).T
+    np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_weights_read_through_other_operations_than_views():
+    class Fused(eqx.Module):
+        wq: jax.Array
+        wk: jax.Array
+        w: jax.Array
+
+        def __call__(self, x):  # x: (tokens, d)
+            qk = x @ jnp.concatenate([self.wq, self.wk], axis=1)  # a concatenation: not a view of either weight
+            return qk @ self.w
+
+    model, x = Fused(_normal(8, 4), _normal(8, 4), _normal(8, 2)), _normal(3, 8)
+    with pytest.raises(ValueError, match="'wq' reaches a product through operations that are not views"):
+        eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    keep = [eqx_quant.Rule("w[qk]", weight=None, input=None)]
+    # The fused product is neither a weight's (it stays float) nor one of two activations.
+    with pytest.raises(ValueError, match="nor, tracing `example`, a product of two activations"):
+        eqx_quant.quantize(model, keep + eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
+    quantized = eqx_quant.quantize(model, keep + eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    assert quantized.weight_paths == ("w",)
+    qk = x @ jnp.concatenate([model.wq, model.wk], axis=1)
+    expected = X8(qk) @ DynamicFakeQuant(8, axis=1)(model.w)
+    np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_a_jit_helper_called_twice_keeps_each_calls_quantizers():
+    product = jax.jit(lambda a, b: jnp.einsum("td,sd->ts", a, b))  # one jaxpr, shared by both call sites
+
+    class Twice(eqx.Module):
+        def __call__(self, x):
+            return product(jnp.tanh(product(x, x)), x)
+
+    x = _normal(4, 4)
+    q4 = DynamicFakeQuant(4)
+    rules = [eqx_quant.Rule("products\\.0", products=X8), eqx_quant.Rule("products\\.1", products=q4)]
+    quantized = eqx_quant.quantize(Twice(), rules, example=(x,))
+    assert quantized.product_indices == (0, 1)
+    expected = jnp.einsum("td,sd->ts", q4(jnp.tanh(jnp.einsum("td,sd->ts", X8(x), X8(x)))), q4(x))
+    np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_multihead_attention_and_a_bare_weight():
+    class Block(eqx.Module):
+        attention: eqx.nn.MultiheadAttention
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.attention(x, x, x) @ self.w
+
+    block = Block(eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(0)), _normal(8, 4))
+    x = _normal(3, 8)
+    quantized = eqx_quant.quantize(block, eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
+    # The attention's products are its own, quantized as a layer's: no traced product of two activations.
+    assert isinstance(quantized.model.attention, eqx_quant.nn.QuantMultiheadAttention)
+    assert quantized.weight_paths == ("w",) and quantized.product_indices == ()
+    expected = X8(_call(quantized.model.attention, (x, x, x), {})) @ DynamicFakeQuant(8, axis=1)(block.w)
+    np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_in_a_while_loop_left_out_of_the_rules():
+    class Loop(eqx.Module):
+        w: jax.Array
+        v: jax.Array
+
+        def __call__(self, x):
+            h = jax.lax.while_loop(lambda h: jnp.sum(h * h) < 100.0, lambda h: 1.5 * (self.w @ h) + 0.1, x)
+            return self.v @ h
+
+    model, x = Loop(_normal(4, 4), _normal(2, 4)), _normal(4)
+    with pytest.raises(ValueError, match="'w' enters a dot_general inside a `jax.lax.while_loop`"):
+        eqx_quant.quantize(model, example=(x,))
+    rules = [eqx_quant.Rule("w", weight=None, input=None), eqx_quant.Rule(".*")]
+    quantized = eqx_quant.quantize(model, rules, example=(x,))
+    assert quantized.weight_paths == ("v",)
+    hidden = jax.lax.while_loop(lambda h: jnp.sum(h * h) < 100.0, lambda h: 1.5 * (model.w @ h) + 0.1, x)
+    expected = DynamicFakeQuant(8, axis=0)(model.v) @ X8(hidden)
+    np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_a_scan_over_part_of_a_stack():
+    class Part(eqx.Module):
+        w: jax.Array  # (3, d, d); the scan runs over its last two layers
+
+        def __call__(self, x):
+            return jax.lax.scan(lambda h, w: (jnp.tanh(w @ h), None), x, self.w[1:])[0]
+
+    model, x = Part(_normal(3, 8, 8, scale=0.4)), _normal(8)
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    assert quantized.stacks == ((),)  # no stack of input quantizers: one scale for both steps
+    calibrated = eqx_quant.calibrate(quantized, [_normal(4, 8)])
+    assert isinstance(calibrated.input_quants[0], eqx_quant.FakeQuant)
+    assert_bitwise_equal(_call(eqx_quant.convert(calibrated), (x,), {}), _call(calibrated, (x,), {}))
+
+
+def test_a_per_tensor_quantizer_on_a_scanned_stack_is_per_layer():
+    quantized = eqx_quant.quantize(STACK, weights=DynamicFakeQuant(8), example=CASES["scan_stack"][2])
+    assert quantized.weight_quants[0].layout.axes == (0,)  # one scale per layer of the stack
+
+
+def test_shapes_stand_for_arrays_in_the_example():
+    model, _, (x,) = CASES["bare_mlp"]
+    quantized = eqx_quant.quantize(model, example=(jax.ShapeDtypeStruct(x.shape, x.dtype),))
+    assert quantized.weight_paths == _quantized("bare_mlp").weight_paths
+
+
+def test_a_call_that_takes_another_path_than_the_example():
+    class Optional(eqx.Module):
+        def __call__(self, x, context=None):
+            if context is not None:  # a cross-attention first
+                x = jnp.einsum("ts,sd->td", jax.nn.softmax(jnp.einsum("td,sd->ts", x, context)), context)
+            return jnp.einsum("ts,sd->td", jax.nn.softmax(jnp.einsum("td,sd->ts", x, x)), x)
+
+    x = _normal(3, 4)
+    quantized = eqx_quant.quantize(Optional(), eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
+    assert quantized.product_indices == (0, 1)
+    with pytest.raises(ValueError, match="computes 4 products of two activations where the example computed 2"):
+        quantized(x, x)
