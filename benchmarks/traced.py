@@ -85,17 +85,15 @@ def main():
         same = bool(np.array_equal(a, b))
         eager_same = bool(np.array_equal(np.asarray(layers(x[0])), np.asarray(traced(x[0]))))
         gap = float(np.max(np.abs(a - b)) / np.max(np.abs(a)))
-        steps = interleaved_times(
-            {"float": lambda: _step(mlp, x, y), "layers": lambda: _step(layers, x, y),
-             "traced": lambda: _step(traced, x, y)},
-            args.rounds, args.repeats,
-        )  # fmt: skip
+        models = {"float": mlp, "layers": layers, "traced": traced}
+        calls = {k: (lambda m=m: _step(m, x, y)) for k, m in models.items()}
+        steps = interleaved_times(calls, args.rounds, args.repeats)
         step = {k: statistics.median(v) for k, v in steps.items()}
         compile_s = {k: _compile_seconds(m, x, y, args.rounds) for k, m in (("layers", layers), ("traced", traced))}
         converted = {"layers": eqx_quant.convert(layers), "traced": eqx_quant.convert(traced)}
         inference = {}
         for batch in (1, 256):
-            calls = {k: (lambda m=m: _forward(m, x[:batch])) for k, m in converted.items()}
+            calls = {k: (lambda m=m, b=batch: _forward(m, x[:b])) for k, m in converted.items()}
             inference[batch] = {k: statistics.median(v) for k, v in interleaved_times(calls, args.rounds, 20).items()}
         results[name] = {
             "outputs bit for bit (jit)": same,
@@ -116,8 +114,9 @@ def main():
         for batch, v in r["converted inference ms"].items():
             print(f"  converted inference, batch {batch}: layers {v['layers']:.3f} ms, traced {v['traced']:.3f} ms")
     out = pathlib.Path(__file__).parent / "results" / "traced.json"
-    out.write_text(json.dumps({"machine": f"{jax.default_backend()}, {jax.devices()[0].device_kind}",
-                               "command": "python benchmarks/traced.py", "results": results}, indent=2) + "\n")  # fmt: skip
+    machine = f"{jax.default_backend()}, {jax.devices()[0].device_kind}"
+    record = {"machine": machine, "command": "python benchmarks/traced.py", "results": results}
+    out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
 
 

@@ -15,7 +15,8 @@ from ._misc import FLOAT32_TINY, is_concrete, one_program
 from ._observe import layer_stack
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._rules import float_model
-from ._tree import map_nodes, nodes
+from ._traced import QuantTraced, replaced
+from ._tree import map_nodes, nodes, path_string
 from .nn._attention import QuantMultiheadAttention
 from .nn._einsum import QuantEinsum
 from .nn._layers import AbstractQuantLayer, per_layer
@@ -216,7 +217,8 @@ def learn_scales(model: PyTree) -> PyTree:
     is fixed ([`eqx_quant.FakeQuant`][]: the scales of [`eqx_quant.gptq`][], or of
     [`eqx_quant.FakeQuant.fit`][]) or dynamic ([`eqx_quant.DynamicFakeQuant`][]: round to nearest) becomes a
     [`eqx_quant.LearnedFakeQuant`][] holding the scales, and zero points, that it uses for the layer's current
-    weight, one set per layer of a stack (layers built with `eqx.filter_vmap`). The model's outputs are unchanged,
+    weight, one set per layer of a stack (layers built with `eqx.filter_vmap`); and so does every such quantizer of
+    a traced weight of an [`eqx_quant.nn.QuantTraced`][]. The model's outputs are unchanged,
     bit for bit; from there on, gradients train the weights and their scales together (choose what trains with
     [`eqx_quant.trainable`][]).
 
@@ -260,7 +262,12 @@ def learn_scales(model: PyTree) -> PyTree:
         if isinstance(layer.weight_quant, AbstractFakeQuantizer) and eqx.is_array(layer.layer.weight)
     ]
     chosen = {path for path, layer in layers if _is_learnable(layer.weight_quant)}
-    if not chosen and not any(isinstance(layer.weight_quant, LearnedFakeQuant) for _, layer in layers):
+    traced = [q for _, t in nodes(model, (QuantTraced,)) for q in t.weight_quants]
+    if (
+        not chosen
+        and not any(isinstance(layer.weight_quant, LearnedFakeQuant) for _, layer in layers)
+        and not any(_is_learnable(q) or isinstance(q, LearnedFakeQuant) for q in traced)
+    ):
         raise ValueError(
             "`model` has no weight quantizer with float32 scales to learn (a FakeQuant or DynamicFakeQuant onto an "
             "integer grid or a float element type); block formats keep their block scales."
@@ -279,7 +286,18 @@ def learn_scales(model: PyTree) -> PyTree:
         make = per_layer(functools.partial(_learned_like, layer.weight_quant), len(layer_stack(layer)))
         return eqx.tree_at(lambda l: l.weight_quant, layer, one_program(make)(layer.layer.weight))
 
-    return map_nodes(model, (AbstractQuantLayer,), learn)
+    def learn_traced(root: str, module: QuantTraced) -> QuantTraced:
+        # A traced weight's quantizer covers its whole leaf (a stack's layers are among its channels).
+        leaves = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(module.model)[0]}
+        weights = [
+            one_program(functools.partial(_learned_like, q))(leaves[path])
+            if _is_learnable(q) and path in leaves and eqx.is_array(leaves[path]) else q
+            for path, q in zip(module.weight_paths, module.weight_quants, strict=True)
+        ]  # fmt: skip
+        return replaced(module, weight_quants=weights)
+
+    model = map_nodes(model, (AbstractQuantLayer,), learn)
+    return map_nodes(model, (QuantTraced,), learn_traced) if traced else model
 
 
 def quantized_after(

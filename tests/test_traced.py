@@ -834,3 +834,15 @@ def test_a_call_that_takes_another_path_than_the_example():
     assert quantized.product_indices == (0, 1)
     with pytest.raises(ValueError, match="computes 4 products of two activations where the example computed 2"):
         quantized(x, x)
+
+
+def test_learn_scales_after_gptq_keeps_the_outputs():
+    model, _, args = CASES["scan_stack"]
+    solved = eqx_quant.gptq(_quantized("scan_stack"), [_normal(8, 8)], sequential=False)
+    learned = eqx_quant.learn_scales(solved)
+    (quantizer,) = learned.weight_quants
+    assert isinstance(quantizer, eqx_quant.LearnedFakeQuant) and quantizer.scale.shape == (3, 8)
+    np.testing.assert_array_equal(np.asarray(quantizer.scale), np.asarray(solved.weight_quants[0].scale, np.float32))
+    assert_bitwise_equal(_call(learned, args, {}), _call(solved, args, {}))
+    grads = eqx.filter_grad(lambda m: jnp.sum(m(*args) ** 2))(learned)
+    assert np.any(np.asarray(grads.weight_quants[0].scale) != 0)  # the scales train
