@@ -296,7 +296,7 @@ def _solve_layers(model, layers, batches, name, make_solve, sequential, batched,
 
 
 class _TracedTarget(NamedTuple):
-    """A traced weight that a weight solver quantizes: its name, where it lives, its grid and contracted axis."""
+    """A traced weight that a weight solver quantizes: its name, where it lives, its grid and contracted axes."""
 
     name: str  # `<root>.model.<path>`, as `traced_inputs` names it
     root: str
@@ -306,12 +306,13 @@ class _TracedTarget(NamedTuple):
     weight: Array
     fmt: Format
     group_size: int | None
-    axis: int  # the contracted axis of one layer's weight (after the stack's axes)
+    axes: tuple[int, ...]  # one layer's contracted axes (after the stack's), in the order the products pair them
 
 
 def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_TracedTarget]:
     """The traced weights of `model` with a weight quantizer (those `where(name, weight)` selects) that a weight
-    solver can take: symmetric, one scale per channel or per tile of the one axis their products sum over."""
+    solver can take: symmetric, one scale per channel (or per tile of the one axis their products sum over), and
+    products that pair the axes they sum over one to one with their input's."""
     targets = []
     found = [(root, traced, inner, target) for root, traced in nodes(model, (QuantTraced,))
              for inner, target in traced_inputs(traced)]  # fmt: skip
@@ -323,17 +324,20 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_T
         if quantizer is None or not eqx.is_array(weight) or (where is not None and not where(full, weight)):
             continue
         layout, ndim, depth = getattr(quantizer, "layout", None), weight.ndim, len(target.stack)
-        contracted: list[int] = []
+        contracted: set[int] = set()
         if layout is not None and layout.group_size is None and not layout.stacked:
-            contracted = [a for a in range(ndim) if a not in {x % ndim for x in layout.axes}]
+            contracted = {a for a in range(ndim) if a not in {x % ndim for x in layout.axes}}
         elif layout is not None and not layout.axes and not layout.stacked:
-            contracted = [layout.group_axis % ndim]
-        if not _symmetric(quantizer) or len(contracted) != 1 or contracted[0] < depth:
+            contracted = {layout.group_axis % ndim}
+        pairing = traced.pairings[target.index]
+        if pairing is None and len(contracted) == 1:
+            pairing = tuple(contracted)
+        if not _symmetric(quantizer) or pairing is None or set(pairing) != contracted or min(pairing) < depth:
             raise ValueError(
                 f"Traced weight {full!r} has weight quantizer {quantizer!r}; `{name}` needs a symmetric one "
                 "(DynamicFakeQuant, or a FakeQuant / LearnedFakeQuant with zero point 0) with one scale per channel "
-                "or per tile of the single weight axis its products sum over (a product summing over several axes, "
-                "a convolution's, is not solved). Exclude the weight with `where`."
+                "(or per tile of the single axis its products sum over), and products that pair the weight's summed "
+                "axes one to one with their input's (a convolution's do not). Exclude the weight with `where`."
             )
         fmt = quantizer.format  # pyright: ignore[reportAttributeAccessIssue]
         if depth and fmt.scale != "float32" and fmt.scale != "e8m0":
@@ -341,8 +345,9 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_T
                 f"Traced weight {full!r} is stepped through by `jax.lax.scan` and quantizes to {fmt.name}, whose "
                 f"scales a static quantizer of the whole stack cannot hold per layer. Exclude it with `where`."
             )
+        axes = tuple(a - depth for a in pairing)
         targets.append(_TracedTarget(full, target.root, target.index, path, target.stack, weight, fmt,
-                                     layout.group_size, contracted[0] - depth))  # fmt: skip
+                                     layout.group_size, axes))  # fmt: skip
     return targets
 
 
@@ -351,21 +356,23 @@ def _leaves(model: PyTree) -> dict[str, Any]:
     return {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stored)[0]}
 
 
-def _as_matrix(weight: Array, axis: int) -> Array:
-    """One layer's weight as GPTQ's `(rows, columns)`: the contracted axis last, the others flattened into rows."""
-    moved = jnp.moveaxis(weight, axis, -1)
-    return moved.reshape(-1, moved.shape[-1])
+def _as_matrix(weight: Array, axes: tuple[int, ...]) -> Array:
+    """One layer's weight as GPTQ's `(rows, columns)`: the contracted axes last, in the order the products pair them
+    with their input's (whose Gram matrix flattens them in that order), the others flattened into rows."""
+    moved = jnp.moveaxis(weight, axes, tuple(range(-len(axes), 0)))
+    return moved.reshape(-1, math.prod(weight.shape[a] for a in axes))
 
 
-def _from_matrix(solution: tuple, shape: tuple[int, ...], axis: int, group_size: int | None) -> tuple:
+def _from_matrix(solution: tuple, shape: tuple[int, ...], axes: tuple[int, ...], group_size: int | None) -> tuple:
     """A solver's `(weight, compact scales, tensor scale)` on `_as_matrix`'s matrix, in the layer weight's layout."""
     weight, compact, t = solution
-    others = tuple(n for i, n in enumerate(shape) if i != axis)
-    weight = jnp.moveaxis(weight.reshape(others + (shape[axis],)), -1, axis)
+    others = tuple(n for i, n in enumerate(shape) if i not in axes)
+    weight = weight.reshape(others + tuple(shape[a] for a in axes))
+    weight = jnp.moveaxis(weight, tuple(range(-len(axes), 0)), axes)
     if group_size is None:
         compact = compact.reshape(others)
-    else:
-        compact = jnp.moveaxis(compact.reshape(others + (compact.shape[-1],)), -1, axis)
+    else:  # one contracted axis, in tiles
+        compact = jnp.moveaxis(compact.reshape(others + (compact.shape[-1],)), -1, axes[0])
     return weight, compact, t
 
 
@@ -394,11 +401,11 @@ def _leaf_at(model: PyTree, path: str) -> Any:
 def _traced_solution(target: _TracedTarget, compact: Array, tensor_scale: Array | None) -> FakeQuant:
     """A fixed quantizer of the traced weight with the solver's scales: a static FakeQuant over the whole leaf (one
     scale per channel, a stack's layer axes among them, or per tile of the contracted axis)."""
-    axis = target.axis + len(target.stack)
+    summed = {a + len(target.stack) for a in target.axes}
     if target.group_size is None:
-        layout = Layout(axes=tuple(a for a in range(target.weight.ndim) if a != axis))
+        layout = Layout(axes=tuple(a for a in range(target.weight.ndim) if a not in summed))
     else:
-        layout = Layout(group_size=target.group_size, group_axis=axis)
+        layout = Layout(group_size=target.group_size, group_axis=min(summed))
     t = None if tensor_scale is None else float(tensor_scale)
     return FakeQuant(np.asarray(compact), format=target.fmt, tensor_scale=t, layout=layout)
 
@@ -424,8 +431,8 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
         for t in targets:
             for k in range(layers(t)):
                 hessian = jnp.asarray(grams[t.name][k]["gram"])
-                result = solve[t.name](_as_matrix(flat[t.name][k], t.axis), hessian)
-                parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axis, t.group_size)
+                result = solve[t.name](_as_matrix(flat[t.name][k], t.axes), hessian)
+                parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
     else:
         chosen = {(t.root, t.index) for t in targets}
 
@@ -451,8 +458,8 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
         for t, k in progress_bar(steps, progress, f"{name} (layers)"):
             grams = fold(current, observed([t]), batches, batched, "gram")
             check_called(observed([t]), grams)
-            result = solve[t.name](_as_matrix(flat[t.name][k], t.axis), jnp.asarray(grams[t.name][k]["gram"]))
-            parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axis, t.group_size)
+            result = solve[t.name](_as_matrix(flat[t.name][k], t.axes), jnp.asarray(grams[t.name][k]["gram"]))
+            parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
             flat[t.name] = flat[t.name].at[k].set(parts[t.name][k][0])
             traced = dict(nodes(current, (QuantTraced,)))[t.root]
             solved = traced.weight_quants[t.index]

@@ -667,8 +667,9 @@ def quantize(
     stacks = tuple(traced[path].stack for path, _ in chosen)
     matmuls = tuple(d.matmul for _, d in chosen)
     quantizers = tuple(q if isinstance(q, tuple) else (q, q) for _, q in pairs)
+    pairings = tuple(traced[path].pairing for path, _ in chosen)
     return QuantTraced(wrapped, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls, quantizers,
-                       tuple(k for k, _ in pairs), len(activations))  # fmt: skip
+                       tuple(k for k, _ in pairs), len(activations), pairings)  # fmt: skip
 
 
 def _traced_products(
@@ -692,6 +693,8 @@ def _traced_products(
         first = found.setdefault(product.path, product)
         if first.stack != product.stack:  # stepped through in one product and not in another: one set of inputs
             found[product.path] = first = dataclasses.replace(first, stack=())
+        if first.pairing != product.pairing:  # paired otherwise with another product's input: no one matrix
+            found[product.path] = first = dataclasses.replace(first, pairing=None)
         if first.contracted != product.contracted:
             problems[product.path] = (first, (
                 f"The weight {product.path!r} enters two products that sum over different axes of it: "

@@ -403,7 +403,9 @@ def _rebuilt_traced(like: PyTree, records: list, quantizer: Callable, tensors: d
     indices = tuple(record["product_indices"])
     pairs = tuple((quantizer(f"product_quants.{j}.0", ()), quantizer(f"product_quants.{j}.1", ()))
                   for j in range(len(indices)))  # fmt: skip
-    return QuantTraced(model, weights, inputs, paths, stacks, matmuls, pairs, indices, record.get("product_count"))
+    pairings = [None if p is None else tuple(p) for p in record["pairings"]]
+    return QuantTraced(model, weights, inputs, paths, stacks, matmuls, pairs, indices, record.get("product_count"),
+                       pairings)  # fmt: skip
 
 
 def _empty_transform(kind: str | None, shape: tuple[int, ...]) -> AbstractInputTransform | None:

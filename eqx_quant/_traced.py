@@ -59,6 +59,8 @@ class TracedProduct(eqx.Module):
     - `primitive`: `"dot_general"` or `"conv_general_dilated"`.
     - `stack`: the lengths of the weight's leading axes that `jax.lax.scan`s step through before the product (a
         stack of layers, one layer per step), `()` if none.
+    - `pairing`: the contracted axes of the weight in the order the product pairs them with `input_contracted`, or
+        `None` where that is not one axis to one axis (a reshape merged or split them; a convolution).
 
     A product of two activations (named `products.k`, for a rule's `products`) is described alike, with `weight`
     `None`: `input_shape` and `input_contracted` describe its left operand, `contracted` the right operand's
@@ -72,6 +74,7 @@ class TracedProduct(eqx.Module):
     input_contracted: tuple[int, ...] = eqx.field(static=True)
     primitive: str = eqx.field(static=True)
     stack: tuple[int, ...] = eqx.field(static=True, default=())
+    pairing: tuple[int, ...] | None = eqx.field(static=True, default=None)
 
     @property
     def channels(self) -> tuple[int, ...]:
@@ -98,6 +101,7 @@ class _Use(NamedTuple):
     sliced: int | None  # the weight's leading axes sliced off by scans (see `_View`)
     eqn: Any = None
     outer: tuple[int, ...] = ()  # the ids of the equations that hold this one (a scan, a jit, ...)
+    pairing: tuple[int, ...] | None = None  # the contracted leaf axes, paired in order with `input_contracted`
 
 
 class _Where(NamedTuple):
@@ -233,8 +237,12 @@ def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
     if free & set(contracted):  # a reshape merged a summed and a kept axis: no scale layout follows the product
         return _Use(view.leaf, (), (), (), "unfollowed", where.loop, None, eqn, where.outer)
     input_shape = tuple(eqn.invars[1 - weight_side].aval.shape)
+    pairing = None
+    if eqn.primitive.name == "dot_general" and all(len(view.axes[d]) == 1 for d in dims):
+        pairing = tuple(view.axes[d][0] for d in dims)
+        pairing = pairing if len(set(pairing)) == len(pairing) else None
     return _Use(view.leaf, contracted, input_shape, tuple(input_dims), eqn.primitive.name, where.loop, view.sliced, eqn,
-                where.outer)  # fmt: skip
+                where.outer, pairing)  # fmt: skip
 
 
 def _slice(view: _View | None) -> _View | None:
@@ -667,7 +675,8 @@ def find_products(model: PyTree, call: Callable[[PyTree], Any], layers: Sequence
             continue
         path, leaf = paths[use.leaf], traced.leaves[use.leaf]
         stack = tuple(leaf.shape[: use.sliced or 0])
-        product = TracedProduct(path, leaf, use.contracted, use.input_shape, use.input_contracted, use.primitive, stack)
+        product = TracedProduct(path, leaf, use.contracted, use.input_shape, use.input_contracted, use.primitive, stack,
+                                use.pairing)  # fmt: skip
         if use.primitive == "unfollowed":
             found.problems.setdefault(path, (product, (
                 f"The weight {path!r} reaches a product through operations that are not views of it (a "
@@ -764,6 +773,9 @@ class QuantTraced(eqx.Module):
     - `product_count`: how many products of two activations the example computed (static), or `None`: a call that
         computes another number of them (another path through the model) is a `ValueError`, since `products.k`
         would name other products.
+    - `pairings`: for each traced weight, its contracted axes in the order its products pair them with their input's
+        (see [`eqx_quant.TracedProduct`][]), or `None` (static): what [`eqx_quant.gptq`][] needs to lay the weight out
+        as a matrix.
     """
 
     model: PyTree
@@ -775,6 +787,7 @@ class QuantTraced(eqx.Module):
     product_quants: tuple[tuple[AbstractQuantizer | None, AbstractQuantizer | None], ...]
     product_indices: tuple[int, ...] = eqx.field(static=True)
     product_count: int | None = eqx.field(static=True)
+    pairings: tuple[tuple[int, ...] | None, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -787,6 +800,7 @@ class QuantTraced(eqx.Module):
         product_quants: Sequence[tuple[AbstractQuantizer | None, AbstractQuantizer | None]] = (),
         product_indices: Sequence[int] = (),
         product_count: int | None = None,
+        pairings: Sequence[tuple[int, ...] | None] | None = None,
     ):
         """**Arguments:** the fields, in order; by default `stacks` is `()` and `matmuls` `"int"` for every
         weight, and no product of two activations is quantized."""
@@ -800,14 +814,17 @@ class QuantTraced(eqx.Module):
         self.product_quants = tuple(tuple(pair) for pair in product_quants)  # pyright: ignore[reportAttributeAccessIssue]
         self.product_indices = tuple(product_indices)
         self.product_count = product_count
+        self.pairings = (
+            tuple(None if p is None else tuple(p) for p in pairings) if pairings is not None else (None,) * n
+        )
 
     def __check_init__(self):
         counts = [len(self.weight_paths), len(self.weight_quants), len(self.input_quants), len(self.stacks),
-                  len(self.matmuls)]  # fmt: skip
+                  len(self.matmuls), len(self.pairings)]  # fmt: skip
         if len(set(counts)) != 1:
             raise ValueError(
-                "`weight_paths`, `weight_quants`, `input_quants`, `stacks` and `matmuls` must have one entry per "
-                f"traced weight, got {counts}."
+                "`weight_paths`, `weight_quants`, `input_quants`, `stacks`, `matmuls` and `pairings` must have one "
+                f"entry per traced weight, got {counts}."
             )
         for matmul in self.matmuls:
             if matmul not in ("int", "float"):
@@ -928,7 +945,7 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
     fields = dict(model=traced.model, weight_quants=traced.weight_quants, input_quants=traced.input_quants,
                   weight_paths=traced.weight_paths, stacks=traced.stacks, matmuls=traced.matmuls,
                   product_quants=traced.product_quants, product_indices=traced.product_indices,
-                  product_count=traced.product_count)  # fmt: skip
+                  product_count=traced.product_count, pairings=traced.pairings)  # fmt: skip
     return QuantTraced(**(fields | changes))
 
 

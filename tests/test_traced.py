@@ -588,7 +588,7 @@ def test_errors():
         eqx_quant.quantize(Loop(_normal(4, 4)), example=(_normal(4),))
     with pytest.raises(ValueError, match="`model` has no QuantLinear layer \\(nor traced weight\\)"):
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]], where=lambda path, w: False)
-    with pytest.raises(ValueError, match="(?s)'model.kernel'.*single weight axis"):
+    with pytest.raises(ValueError, match="(?s)'model.kernel'.*one to one with their input's"):
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])
 
 
@@ -846,3 +846,32 @@ def test_learn_scales_after_gptq_keeps_the_outputs():
     assert_bitwise_equal(_call(learned, args, {}), _call(solved, args, {}))
     grads = eqx.filter_grad(lambda m: jnp.sum(m(*args) ** 2))(learned)
     assert np.any(np.asarray(grads.weight_quants[0].scale) != 0)  # the scales train
+
+
+@pytest.mark.slow
+def test_gptq_on_a_weight_whose_product_sums_over_two_of_its_axes():
+    seen = {}
+
+    def factory(path, product):
+        seen[path] = product
+        return eqx_quant.LayerQuantizer(8)(path, product)
+
+    batch = _normal(6, 5, 8)
+    quantized = eqx_quant.quantize(HEADS, [eqx_quant.Rule(".*", weight=factory, input=X8)], example=(batch[0],))
+    wo = seen["wo"]
+    assert wo.pairing is not None and set(wo.pairing) == {0, 1}  # `the,hed->td` sums over the output's h and e
+    solved = eqx_quant.gptq(quantized, [batch], sequential=False)
+    # By hand: the inputs `wo`'s product sees (wq round to nearest, inputs float), as rows over the summed axes in
+    # the order the product pairs them, and GPTQ on `wo` laid out as (d, h*e) in that order.
+    q = jnp.tanh(jnp.einsum("btd,hde->bthe", batch, DynamicFakeQuant(8, axis=(0, 2))(HEADS.wq)))
+    inputs = np.moveaxis(np.asarray(q, np.float64), [a + 1 for a in wo.input_contracted], [2, 3]).reshape(-1, 8)
+    hessian = jnp.asarray(inputs.T @ inputs, jnp.float32)
+    matrix = jnp.moveaxis(HEADS.wo, wo.pairing, (1, 2)).reshape(8, 8)  # (d, the summed axes in pairing order)
+    levels, scales = eqx_quant.gptq_quantize(matrix, hessian, -128, 127)
+    summed = tuple(HEADS.wo.shape[a] for a in wo.pairing)
+    expected = (np.asarray(scales, np.float32) * np.asarray(levels, np.float32)).reshape(8, *summed)
+    expected = np.moveaxis(expected, (1, 2), wo.pairing)
+    np.testing.assert_allclose(np.asarray(solved.model.wo), expected, rtol=1e-5, atol=1e-6)
+    quantizer = solved.weight_quants[solved.weight_paths.index("wo")]
+    assert isinstance(quantizer, eqx_quant.FakeQuant) and quantizer.layout.axes == (2,)
+    assert_bitwise_equal(quantizer(solved.model.wo), solved.model.wo)
