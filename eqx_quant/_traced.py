@@ -116,7 +116,7 @@ class _Where(NamedTuple):
 _PRODUCTS = ("dot_general", "conv_general_dilated")
 _SAME = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision", "optimization_barrier"})
 _SHORTENING = frozenset({"slice", "rev", "pad", "dynamic_slice"})  # the same axes, maybe shorter
-_INDEXING = frozenset({"gather", "dynamic_slice", "slice"})  # whatever the indices, part of the operand
+_INDEXING = frozenset({"gather", "dynamic_slice", "slice"})  # part of the operand, at the indices given
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})  # fmt: skip
 
@@ -151,9 +151,12 @@ def _derived(eqn: Any, views: list[_View | None]) -> _View | None:
     (or indexes into one of them): a derived value, not an activation."""
     operands = [v for v, var in zip(views, eqn.invars, strict=True) if not isinstance(var, jcore.Literal)]
     if eqn.primitive.name in _INDEXING and views and views[0] is not None:
-        return _View(views[0].leaf, None)
+        # Rows of an array picked by indices: derived from it if the indices are, an activation if they depend on
+        # the input (an embedding's lookup, and so also a mixture of experts' weights picked by its router).
+        indices = [v for v, var in zip(views[1:], eqn.invars[1:], strict=True) if not isinstance(var, jcore.Literal)]
+        return _View(views[0].leaf, None) if all(v is not None for v in indices) else None
     if all(v is not None for v in operands):
-        leaf = next((v.leaf for v in operands if v is not None), -1)
+        leaf = next((v.leaf for v in operands if v is not None and v.leaf >= 0), -1)
         return _View(leaf, None)
     return None
 

@@ -875,3 +875,29 @@ def test_gptq_on_a_weight_whose_product_sums_over_two_of_its_axes():
     quantizer = solved.weight_quants[solved.weight_paths.index("wo")]
     assert isinstance(quantizer, eqx_quant.FakeQuant) and quantizer.layout.axes == (2,)
     assert_bitwise_equal(quantizer(solved.model.wo), solved.model.wo)
+
+
+def test_rows_looked_up_by_the_input_are_activations():
+    class Lookup(eqx.Module):
+        table: jax.Array  # (vocab, d): looked up by the tokens, and tied to the output head
+        w: jax.Array
+        gain: jax.Array
+
+        def __call__(self, tokens):
+            h = self.table[tokens]
+            h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True)) * self.gain[None, :]
+            return jax.nn.relu(h @ self.w) @ self.table.T
+
+    model, tokens = Lookup(_normal(11, 8), _normal(8, 8, scale=0.4), 1 + 0.1 * _normal(8)), jnp.array([1, 5, 2])
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(tokens,))
+    assert quantized.weight_paths == ("w", "table")
+
+    @eqx.filter_jit
+    def twin(m, tokens):
+        table, w = DynamicFakeQuant(8, axis=0)(m.table), DynamicFakeQuant(8, axis=1)(m.w)
+        h = table[tokens]  # the table is quantized wherever it is read, its lookup included
+        h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True)) * m.gain[None, :]
+        return X8(jax.nn.relu(X8(h) @ w)) @ table.T
+
+    got = _call(quantized, (tokens,), {})
+    np.testing.assert_allclose(np.asarray(got), np.asarray(twin(model, tokens)), rtol=1e-5, atol=1e-5)
