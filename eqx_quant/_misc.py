@@ -265,3 +265,20 @@ def across_shards(axis_name: AxisName | None, maxima: tuple[Array, ...], minima:
         return tuple(jax.lax.pmax(a, axis_name) for a in maxima) + tuple(jax.lax.pmin(a, axis_name) for a in minima)
     except NameError as error:
         raise _unbound(axis_name, error) from error
+
+
+def computed_before(value: Array, anchor: Array) -> Array:
+    """`value`, computed before the operations that read it: returned by a conditional whose two branches both return
+    it.
+
+    XLA fuses cheap computations into the operations that consume them, and then may round those consumers otherwise
+    (it sums a reduction, or a matrix-vector product, in another order). A fake-quantized value and the same value
+    dequantized from stored codes are computed by different operations, which XLA fuses differently into what reads
+    them: the quantized and the converted model then differed in the last bit downstream of an embedding lookup, or
+    of a matrix-vector product with a transposed weight. XLA does not fuse across a conditional, so behind one both
+    models compute their consumers alike. The predicate is read from `anchor`, an array that `jax.vmap` does not map
+    (a layer's weight), so that it stays one conditional whatever `jax.vmap` maps over the inputs.
+    """
+    first = anchor.reshape(-1)[0] if anchor.size else jnp.zeros((), anchor.dtype)
+    same = lambda v: jnp.where(jnp.isnan(v), jnp.nan, v).astype(v.dtype)  # noqa: E731
+    return jax.lax.cond(first != first, same, lambda v: v, value)  # `first != first`: NaN; never for an integer

@@ -24,7 +24,7 @@ from jaxtyping import PyTree
 from ._format import IntFormat
 from ._int_ops import INT32_MAX, integer_grid, opaque
 from ._layout import Layout
-from ._misc import flat
+from ._misc import computed_before, flat
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant
 from ._tree import path_string
@@ -861,14 +861,14 @@ class QuantTraced(eqx.Module):
             integer = self._integer(i)
             if isinstance(leaf, QuantizedArray):
                 if not integer:
-                    return materialised(leaf.dequantize())
+                    return computed_before(leaf.dequantize(), leaf.scale)
                 codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), _full_scale(leaf), None)
                 return leaf.dequantize()
             quantizer = self.weight_quants[i]
             if quantizer is None:
                 return leaf
             if not integer:
-                return materialised(quantizer(leaf))
+                return computed_before(quantizer(leaf), leaf)
             value, array, nan = quantizer.fake_quant_and_array(leaf)  # pyright: ignore[reportAttributeAccessIssue]
             codes[path] = Codes(array.values.reshape(leaf.shape), _full_scale(array), nan.reshape(leaf.shape))
             return value
@@ -950,23 +950,6 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
                   product_quants=traced.product_quants, product_indices=traced.product_indices,
                   product_count=traced.product_count, pairings=traced.pairings)  # fmt: skip
     return QuantTraced(**(fields | changes))
-
-
-def materialised(weight: Any) -> Any:
-    """`weight`, computed before the products that read it: through a conditional whose two branches return it.
-
-    XLA fuses the computation of an operand into a product that it emits itself (on CPU, a matrix-vector product)
-    and may then sum the product in another order than a library routine would. Whether it fuses depends on how the
-    operand is computed: a fake-quantized weight and the same weight dequantized from stored codes are computed
-    differently, and their float products then differed in the last bit. XLA does not fuse across a conditional, so
-    behind one both read a computed weight and sum alike. (The predicate is read from the weight, so that it is one
-    conditional whatever `jax.vmap` maps over the inputs.) The integer products need none of this: their sums are
-    exact.
-    """
-    first_is_nan = jnp.isnan(weight.reshape(-1)[0]) if weight.size else jnp.bool_(False)
-    return jax.lax.cond(
-        first_is_nan, lambda w: jnp.where(jnp.isnan(w), jnp.nan, w).astype(w.dtype), lambda w: w, weight
-    )
 
 
 def _stored(model: PyTree, path: str) -> QuantizedArray | None:

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_grid, integer_product, plan
-from .._misc import one_program, read_through, whole_batch
+from .._misc import computed_before, one_program, read_through, whole_batch
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
 from ._layers import as_vector, check_input, check_transform, scalar_output
@@ -194,4 +194,5 @@ class ConvertedEmbedding(AbstractConvertedLayer):
         """Like `eqx.nn.Embedding.__call__`."""
         del key
         with jax.named_scope("eqx_quant.ConvertedEmbedding"):
-            return self.qweight.dequantize_row(x)
+            # Computed before what reads it, as the fake-quant embedding's row is (see `computed_before`).
+            return computed_before(self.qweight.dequantize_row(x), self.qweight.scale)

@@ -15,7 +15,7 @@ from .._backward import (
     straight_through,
 )
 from .._int_ops import LinearSpec, integer_forward, integer_grid, plan
-from .._misc import one_program, read_through
+from .._misc import computed_before, one_program, read_through
 from .._qarray import nan_levels
 from .._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._transforms import AbstractInputTransform
@@ -432,4 +432,6 @@ class QuantEmbedding(AbstractQuantLayer):
     def __call__(self, x: Int[ArrayLike, ""], *, key: PRNGKeyArray | None = None) -> Float[Array, " embedding_size"]:
         """Like `eqx.nn.Embedding.__call__`: the fake-quantized row `x` of the table."""
         with jax.named_scope("eqx_quant.QuantEmbedding"):
-            return self.quantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
+            row = self.quantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
+            # Computed before what reads it, as the converted embedding's row is (see `computed_before`).
+            return computed_before(row, self.layer.weight)
