@@ -412,7 +412,7 @@ def _traced_solution(target: _TracedTarget, compact: Array, tensor_scale: Array 
 
 def _solve_traced(model, targets, make_solve, sequential, batches, batched, progress, name) -> PyTree:
     """A weight solver on the traced weights `targets`: per weight (and per layer of a stack), its products' Gram
-    matrix over the axis they sum over, the solver on the weight as a matrix, and the solution put back with a fixed
+    matrix over the axes they sum over, the solver on the weight as a matrix, and the solution put back with a fixed
     quantizer of its scales. Sequential: in the order the program first uses them (the weights of one stack
     interleaved layer by layer), each on the outputs of those already solved."""
     batches = list(batches)
@@ -438,10 +438,11 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
 
         def bypass(root: str, traced: QuantTraced) -> QuantTraced:
             weights, inputs = list(traced.weight_quants), list(traced.input_quants)
+            leaves = _leaves(traced.model)
             for i in range(len(weights)):
                 if (root, i) in chosen:
                     stack = traced.stacks[i]
-                    ndim = _leaves(traced.model)[traced.weight_paths[i]].ndim
+                    ndim = leaves[traced.weight_paths[i]].ndim
                     weights[i] = _Solved(jnp.zeros(stack + (1,) * (ndim - len(stack)), bool), weights[i])  # pyright: ignore
                     inputs[i] = None
             return replaced(traced, weight_quants=weights, input_quants=inputs)
@@ -471,8 +472,7 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
         weight = jnp.stack([r[0] for r in results]).reshape(t.weight.shape)
         compact = jnp.stack([r[1] for r in results])
         compact = compact.reshape(t.stack + compact.shape[1:])
-        tensor = None if results[0][2] is None else results[0][2]
-        model = _with_traced(model, t, weight, _traced_solution(t, compact, tensor))
+        model = _with_traced(model, t, weight, _traced_solution(t, compact, results[0][2]))
     return model
 
 

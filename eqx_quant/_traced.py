@@ -121,7 +121,7 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkp
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})  # fmt: skip
 
 
-def _reshape_axes(src: _View, shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> _View | None:
+def _reshape_axes(src: _View, shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> _View:
     """The view after a reshape: axes that merge or split share their leaf axes; unit axes hold none."""
     kept_in = [i for i, n in enumerate(shape_in) if n != 1]
     kept_out = [j for j, n in enumerate(shape_out) if n != 1]
@@ -190,13 +190,14 @@ def _view_after(eqn: Any, views: list[_View | None]) -> _View | None:
     return _derived(eqn, views)
 
 
-def _sub_jaxprs(eqn: Any) -> list[Any]:
-    """The closed jaxprs a call-like equation runs, as `(jaxpr, consts)` pairs."""
+def _sub_jaxpr(eqn: Any) -> Any:
+    """The closed jaxpr that a call-like equation (`jit`, `checkpoint`, a custom derivative, a scan) runs, or
+    `None`."""
     for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
         if key in eqn.params:
             sub = eqn.params[key]
-            return [sub] if isinstance(sub, jcore.ClosedJaxpr) else [jcore.ClosedJaxpr(sub, ())]
-    return []
+            return sub if isinstance(sub, jcore.ClosedJaxpr) else jcore.ClosedJaxpr(sub, ())
+    return None
 
 
 def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
@@ -298,9 +299,9 @@ def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], where: _Where
         walk(eqn.params["body_jaxpr"].jaxpr, [*ins[cond_n : cond_n + body_n], *carry], uses, looped)
         walk(eqn.params["cond_jaxpr"].jaxpr, [*ins[:cond_n], *carry], uses, looped)
         return nothing
-    subs = _sub_jaxprs(eqn)
-    if subs:
-        sub = subs[0].jaxpr
+    closed = _sub_jaxpr(eqn)
+    if closed is not None:
+        sub = closed.jaxpr
         if name in _CALLS or len(sub.invars) == len(ins):
             return walk(sub, ins[-len(sub.invars) :] if sub.invars else [], uses, inner)[: len(eqn.outvars)]
         return nothing
@@ -325,8 +326,8 @@ class Codes(NamedTuple):
 class Inputs(NamedTuple):
     """For each leaf (by program input), the input quantizer of its products and the stack axes its arrays carry;
     for the leaves whose products may compute on integers, the largest magnitude of their levels; the quantizers of
-    the products of two activations to quantize (by the id of their equation), and the ids of the equations that
-    hold them."""
+    the products of two activations to quantize, and the equations that hold them, each by its chain of equation ids
+    (see `evaluate`)."""
 
     quantizers: dict[int, tuple[Any, int]]
     integer: dict[int, int]
@@ -371,10 +372,11 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequ
             [view(v) for v in eqn.invars],
             [code(v) for v in eqn.invars],
         )
-        out_views = eqn_views(eqn, in_views, [])
+        uses: list[_Use] = []
+        out_views = eqn_views(eqn, in_views, uses)
         out_codes: list[Codes | None] = [None] * len(eqn.outvars)
         key = (*chain, id(eqn))  # an equation of a jaxpr that several calls share is one per call: by its chain
-        if _holds_products(eqn, key, in_views, inputs):
+        if _holds_products(key, uses, inputs):
             outs = _evaluate_with_products(eqn, key, ins, in_views, in_codes, inputs)
         else:
             outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
@@ -432,15 +434,9 @@ def _evaluate_with_products(eqn: Any, key: tuple[int, ...], ins: list[Any], view
             lambda ops, c, b=b: evaluate(b.jaxpr, b.consts, ops, views[1:], c, inputs, key) for b in params["branches"]
         ]
         return jax.lax.switch(ins[0], branches, ins[1:], codes[1:])
-    if name == "while":
-        uses: list[_Use] = []
-        eqn_views(eqn, views, uses)
-        raise ValueError(
-            f"A {uses[0].primitive} of a weight runs inside a `jax.lax.while_loop` (leaf axes {uses[0].contracted} "
-            "summed): a loop whose trip count is not known when tracing cannot be quantized product by product. "
-            "Write the loop with `jax.lax.scan` or `jax.lax.fori_loop` with static bounds."
-        )
-    sub = _sub_jaxprs(eqn)[0]
+    # A while loop never holds one: `quantize` leaves its weights float and does not name its activation products.
+    assert name != "while"
+    sub = _sub_jaxpr(eqn)
     n = len(sub.jaxpr.invars)
     args, arg_views, arg_codes = ins[len(ins) - n :], views[len(ins) - n :], codes[len(ins) - n :]
     run = lambda a, c: evaluate(sub.jaxpr, sub.consts, a, arg_views, c, inputs, key)  # noqa: E731
@@ -451,12 +447,11 @@ def _evaluate_with_products(eqn: Any, key: tuple[int, ...], ins: list[Any], view
     return run(args, arg_codes)[: len(eqn.outvars)]
 
 
-def _holds_products(eqn: Any, key: tuple[int, ...], views: list[_View | None], inputs: Inputs) -> bool:
-    """Whether an equation is (or holds) a product to quantize."""
+def _holds_products(key: tuple[int, ...], uses: list[_Use], inputs: Inputs) -> bool:
+    """Whether the equation at `key`, whose products (its own or inside it) are `uses`, is or holds a product to
+    quantize."""
     if key in inputs.products or key in inputs.holders:
         return True
-    uses: list[_Use] = []
-    eqn_views(eqn, views, uses)
     return any(use.leaf >= 0 and use.primitive != "unfollowed" for use in uses)
 
 
@@ -467,7 +462,7 @@ def _activation_product(eqn: Any, ins: list[Any], quantizers: tuple[Any, Any]) -
     lq, rq = quantizers
     (contract_l, _), _ = eqn.params["dimension_numbers"]
     length = math.prod(lhs.shape[a] for a in contract_l)
-    integer = all(integer_weight(q) and q.layout.is_per_tensor() for q in quantizers)  # pyright: ignore
+    integer = all(_symmetric_integer(q) and q.layout.is_per_tensor() for q in quantizers)  # pyright: ignore
     if integer and length * _bound(lq.format) * _bound(rq.format) <= INT32_MAX:  # pyright: ignore
         fl, tl, nl = lq.fake_quant_and_array(lhs)  # pyright: ignore[reportAttributeAccessIssue]
         fr, tr, nr = rq.fake_quant_and_array(rhs)  # pyright: ignore[reportAttributeAccessIssue]
@@ -507,9 +502,9 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
     return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
 
 
-def integer_weight(quantizer: object) -> bool:
-    """Whether a traced weight's quantizer (or stored array) gives integer products their weight operand: a
-    symmetric integer grid with float32 scales, one per tensor or channel (no tiles)."""
+def _symmetric_integer(quantizer: object) -> bool:
+    """Whether a quantizer (or a stored array) gives an integer product an operand: a symmetric integer grid with
+    float32 scales, one per tensor or channel (no tiles)."""
     layout = getattr(quantizer, "layout", None)
     if not integer_grid(quantizer) or layout is None or layout.group_size is not None:
         return False
@@ -522,7 +517,7 @@ def integer_weight(quantizer: object) -> bool:
 def _integer_input(quantizer: object, x: Any, contracted: tuple[int, ...], weight_bound: int) -> bool:
     """Whether the activation quantizer gives an integer product its operand: a symmetric integer grid with one
     float32 scale per tensor, and a contraction whose int32 sums are exact."""
-    if not (integer_weight(quantizer) and quantizer.layout.is_per_tensor()):  # pyright: ignore
+    if not (_symmetric_integer(quantizer) and quantizer.layout.is_per_tensor()):  # pyright: ignore
         return False
     length = math.prod(x.shape[a] for a in contracted)
     return length * _bound(quantizer.format) * weight_bound <= INT32_MAX  # pyright: ignore[reportAttributeAccessIssue]
@@ -843,22 +838,23 @@ class QuantTraced(eqx.Module):
         stored codes."""
         return self._quantized()[0]
 
-    def _integer(self, i: int) -> bool:
-        """Whether the products of traced weight `i` may compute on integers."""
-        stored = _stored(self.model, self.weight_paths[i])
-        return self.matmuls[i] == "int" and integer_weight(stored if stored is not None else self.weight_quants[i])
-
-    def _quantized(self) -> tuple[PyTree, dict[str, Codes]]:
-        """`quantized_model()`, and the codes of the traced weights whose products may compute on integers."""
+    def _quantized(self) -> tuple[PyTree, dict[str, Codes], dict[str, int]]:
+        """`quantized_model()`; the codes of the traced weights whose products may compute on integers (a symmetric
+        integer grid per tensor or channel, stored or fake-quantized, and `matmuls` `"int"`), and the largest
+        magnitude of their levels."""
         index = {path: i for i, path in enumerate(self.weight_paths)}
         codes: dict[str, Codes] = {}
+        bounds: dict[str, int] = {}
 
         def replace(key_path, leaf):
             path = path_string(key_path)
             i = index.get(path)
             if i is None:
                 return leaf
-            integer = self._integer(i)
+            source = leaf if isinstance(leaf, QuantizedArray) else self.weight_quants[i]
+            integer = self.matmuls[i] == "int" and _symmetric_integer(source)
+            if integer:
+                bounds[path] = _bound(source.format)  # pyright: ignore[reportOptionalMemberAccess]
             if isinstance(leaf, QuantizedArray):
                 if not integer:
                     return computed_before(leaf.dequantize(), leaf.scale)
@@ -874,13 +870,7 @@ class QuantTraced(eqx.Module):
             return value
 
         is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
-        return jax.tree_util.tree_map_with_path(replace, self.model, is_leaf=is_stored), codes
-
-    def _format(self, i: int) -> IntFormat:
-        stored = _stored(self.model, self.weight_paths[i])
-        fmt = (stored if stored is not None else self.weight_quants[i]).format  # pyright: ignore[reportOptionalMemberAccess]
-        assert isinstance(fmt, IntFormat)
-        return fmt
+        return jax.tree_util.tree_map_with_path(replace, self.model, is_leaf=is_stored), codes, bounds
 
     def _activation_products(self, jaxpr: Any, views: list[_View | None]) -> tuple[dict, frozenset]:
         """The quantizers of the products of two activations to quantize, by the chain of ids of their equation and
@@ -919,9 +909,10 @@ class QuantTraced(eqx.Module):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """`model(*args, **kwargs)` with the traced weights and their products' inputs quantized."""
         index = {path: i for i, path in enumerate(self.weight_paths)}
-        model, codes = self._quantized()
+        model, codes, bounds = self._quantized()
         traced = _trace(lambda inputs: inputs[0](*inputs[1], **inputs[2]), (model, args, kwargs))
         owner: dict[int, int] = {}  # program input -> traced weight
+        integer: dict[int, int] = {}  # program input -> the largest magnitude of its levels, for integer products
         views: list[_View | None] = []
         held: list[Codes | None] = []
         for i, (key_path, leaf) in enumerate(zip(traced.paths, traced.leaves, strict=True)):
@@ -931,10 +922,11 @@ class QuantTraced(eqx.Module):
             if k is not None:
                 owner[i] = k
                 views.append(_leaf_view(leaf, i))
+                if path in bounds:
+                    integer[i] = bounds[path]
             else:  # the model's other arrays: their products are not products of two activations
                 views.append(_leaf_view(leaf, i, layer=True) if path is not None and _candidate(leaf) else None)
         quantizers = {leaf: (self.input_quants[k], len(self.stacks[k])) for leaf, k in owner.items()}
-        integer = {leaf: _bound(self._format(k)) for leaf, k in owner.items() if self._integer(k)}
         closed = traced.jaxpr
         products, holders = self._activation_products(closed.jaxpr, views)
         inputs = Inputs(quantizers, integer, products, holders)
@@ -950,15 +942,6 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
                   product_quants=traced.product_quants, product_indices=traced.product_indices,
                   product_count=traced.product_count, pairings=traced.pairings)  # fmt: skip
     return QuantTraced(**(fields | changes))
-
-
-def _stored(model: PyTree, path: str) -> QuantizedArray | None:
-    """The stored array at `path` of `model`, if the leaf there is one."""
-    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
-    for key_path, leaf in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stored)[0]:
-        if is_stored(leaf) and path_string(key_path) == path:
-            return leaf
-    return None
 
 
 def _full_scale(array: QuantizedArray) -> Any:
