@@ -1,6 +1,7 @@
 """The same MLP written with `eqx.nn.Linear` layers and with bare weight arrays, quantized by the layer path and by
 the traced path (`quantize(..., example=)`): their outputs compared bit for bit, their training step, compile time
-and converted inference timed side by side.
+and converted inference timed side by side, for `w8a8` and `w4a8_g32` on the integer products, and for `w4a8_g32`
+with `matmul="float"` (the float product of the quantized operands).
 
 Run with `python benchmarks/traced.py` (`--rounds`, `--repeats`). The MLP is 784-1024-1024-10 with ReLU, batch 256,
 softmax cross-entropy and SGD, as in `benchmarks/train_step.py`; the bare twin holds the same arrays and computes
@@ -11,6 +12,7 @@ caches, median over rounds); and the converted models' inference time at batch 1
 `benchmarks/results/traced.json`.
 """
 
+import dataclasses
 import json
 import pathlib
 import statistics
@@ -26,7 +28,8 @@ import eqx_quant
 
 
 WIDTHS = (784, 1024, 1024, 10)
-RECIPES = ("w8a8", "w4a8_g32")
+# (name, recipe, matmul): the integer products of each recipe, and the float product of the quantized operands
+ARMS = (("w8a8", "w8a8", "int"), ("w4a8_g32", "w4a8_g32", "int"), ("w4a8_g32 matmul=float", "w4a8_g32", "float"))
 
 
 class BareMLP(eqx.Module):
@@ -77,8 +80,8 @@ def main():
     x = jax.random.normal(keys[1], (256, WIDTHS[0]))
     y = jax.random.randint(keys[2], (256,), 0, WIDTHS[-1])
     results = {}
-    for name in RECIPES:
-        rules = eqx_quant.recipe(name)["rules"]
+    for name, recipe, matmul in ARMS:
+        rules = [dataclasses.replace(rule, matmul=matmul) for rule in eqx_quant.recipe(recipe)["rules"]]
         layers = eqx_quant.quantize(mlp, rules)
         traced = eqx_quant.quantize(bare, rules, example=(x[0],))
         a, b = np.asarray(_forward(layers, x)), np.asarray(_forward(traced, x))

@@ -169,8 +169,9 @@ def convert(model: PyTree) -> PyTree:
         if isinstance(layer, QuantEmbedding):
             return ConvertedEmbedding(skeleton, tensor)
         if isinstance(layer, QuantLinear):
-            return ConvertedLinear(skeleton, tensor, _frozen_input_quant(layer.input_quant), layer.input_transform)
-        return ConvertedConv(skeleton, tensor, _frozen_input_quant(layer.input_quant))
+            inputs = _frozen_input_quant(layer.input_quant)
+            return ConvertedLinear(skeleton, tensor, inputs, layer.input_transform, layer.matmul)
+        return ConvertedConv(skeleton, tensor, _frozen_input_quant(layer.input_quant), layer.matmul)
 
     model = map_nodes(model, (AbstractQuantLayer,), to_int)
     if not nodes(model, (QuantTraced,)):

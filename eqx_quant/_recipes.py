@@ -12,6 +12,7 @@ from ._format import (
     MX_BLOCK,
     NVFP4,
     NVFP4_BLOCK,
+    Format,
     IntFormat,
     float_format,
     int_format,
@@ -111,8 +112,13 @@ def recipe(
 
     Weights are symmetric. Dynamic activation scales are computed at every call from the input the layer sees: in a
     model that maps its layers over tokens with `jax.vmap`, as Equinox transformers do, that is one scale per token,
-    the standard activation scheme of LLM W8A8 and W4A8 inference. [`eqx_quant.calibrate`][] turns them into static
-    ones.
+    the standard activation scheme of LLM W8A8 and W4A8 inference. A product found by tracing (see
+    [Quantizing any model](../how-to/any-model.md)) sees all the tokens of a call at once (`x` of shape
+    `(tokens, features)` in `x @ W.T`, or the tokens of the model's own `jax.vmap`): its inputs get one scale per
+    token too, per index of the axes the product does not sum over ([`eqx_quant.LayerQuantizer`][] with
+    `per_token=True`), so that the model computes what it would with linear layers mapped over the tokens.
+    Convolutions have one scale per input tensor. [`eqx_quant.calibrate`][] turns dynamic scales into static ones,
+    one per tensor.
 
     **Arguments:**
 
@@ -175,6 +181,10 @@ def recipe(
             "nothing in them; leave one of the two out."
         )
 
+    def dynamic(fmt: Format) -> LayerQuantizer:
+        """The dynamic input quantizer of `fmt`, one scale per token."""
+        return LayerQuantizer(fmt, input=True, per_token=True)
+
     if name in _GGML_RECIPES:
         kept = [Rule(pattern, weight=LayerQuantizer(GGML_FORMATS["q8_0"], GGML_BLOCK), input=None)
                 for pattern in patterns]  # fmt: skip
@@ -188,7 +198,7 @@ def recipe(
         (weight_format, weight_block), (input_format, input_block) = _FLOAT_RECIPES[name]
         weight = LayerQuantizer(weight_format, weight_block, learned=learned)
         if input_block is None:
-            inputs = DynamicFakeQuant(input_format)
+            inputs = dynamic(input_format)
         else:
             inputs = LayerQuantizer(input_format, input_block, input=True)
         products = None
@@ -196,9 +206,9 @@ def recipe(
         bits, default_group, activation_bits, attention = _RECIPES[name]
         group = default_group if group_size is None else group_size
         weight = LayerQuantizer(int_format(bits), group, learned=learned)
-        inputs = None if activation_bits is None else DynamicFakeQuant(activation_bits)
+        inputs = None if activation_bits is None else dynamic(int_format(activation_bits))
         products = DynamicFakeQuant(8) if attention else None
-    kept = [Rule(pattern, weight=LayerQuantizer(int_format(8), learned=learned), input=DynamicFakeQuant(8))
+    kept = [Rule(pattern, weight=LayerQuantizer(int_format(8), learned=learned), input=dynamic(int_format(8)))
             for pattern in patterns]  # fmt: skip
     rule = Rule(".*", weight=weight, input=inputs, products=products)
     return {"rules": [dataclasses.replace(r, backward=backward) for r in (*kept, rule)]}

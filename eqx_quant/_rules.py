@@ -73,7 +73,11 @@ class LayerQuantizer:
         its blocks do not fit the weight stays float (the factory returns `None`, with a warning), and so do
         convolutions, by design.
     - Inputs (`input=True`): per tile along the contraction (block formats), else per tensor; where blocks do not
-        fit, `float8_e4m3fn` per tensor.
+        fit, `float8_e4m3fn` per tensor. With `per_token=True` (formats with float32 scales), one scale per token:
+        per index of the free axes of the product's input, the axes it does not sum over (for a traced product,
+        each row of `x` in `x @ W.T`; see [Quantizing any model](../how-to/any-model.md)). A linear layer sees one
+        token per call, so its input has one scale per tensor, which is one per token when the model maps the layer
+        over tokens with `jax.vmap`; a convolution's windows overlap, so its input keeps one scale per tensor.
     - `learned=True` makes a weight's quantizer a [`eqx_quant.LearnedFakeQuant`][] initialised from the weight by
         [`eqx_quant.LearnedFakeQuant.init_from`][] with `method="absmax"`: the scales round to nearest would use, so
         that training starts from the round-to-nearest model (stacked layers get one set of scales per layer); block
@@ -90,9 +94,19 @@ class LayerQuantizer:
     learned: bool = False
     input: bool = False
     method: Literal["absmax", "paretoq"] = "absmax"
+    per_token: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "format", as_format(self.format))  # a name or a number of bits too
+        if not isinstance(self.per_token, bool):
+            raise TypeError(f"`per_token` must be a bool, got per_token={self.per_token!r}.")
+        if self.per_token and not self.input:
+            raise ValueError("`per_token=True` lays out an input's scales; it needs input=True.")
+        if self.per_token and self.format.scale != "float32":  # pyright: ignore[reportAttributeAccessIssue]
+            raise ValueError(
+                f"`per_token=True` needs a format with float32 scales; {self.format.name} computes its scales per "  # pyright: ignore
+                "block along the contraction, already finer than per token."
+            )
         if self.method not in ("absmax", "paretoq"):
             raise ValueError(f"`method` must be 'absmax' or 'paretoq', got method={self.method!r}.")
         if self.method == "paretoq" and not (self.learned and paretoq_divisor(self.format) is not None):
@@ -159,6 +173,12 @@ class LayerQuantizer:
             if blocks:
                 fmt, blocks = _FP8, False
         tiles = dict(group_size=group, group_axis=axes[0]) if fits else {}
+        if self.input and self.per_token:
+            if product.primitive != "dot_general":
+                return DynamicFakeQuant(fmt)  # a convolution's windows overlap: per tensor
+            ndim = len(shape)  # free axes counted from the end, so that they hold for a batched call as well
+            free = tuple(a - ndim for a in range(ndim) if a not in axes)
+            return DynamicFakeQuant(fmt, axis=free or None)
         if self.input:
             return DynamicFakeQuant(fmt, **tiles) if blocks else DynamicFakeQuant(fmt)  # pyright: ignore
         layout = tiles or dict(axis=product.channels)
@@ -455,8 +475,10 @@ def quantize(
     Scales follow the product: one per output channel means one per index of the axes it does not sum over, tiles run
     along the axis it sums over. A quantizer module written for layers keeps its meaning (`axis=0`: per output
     channel; `group_size=g`: tiles along the contraction). The input of a traced weight's products is quantized at
-    each product with the rule's `input` quantizer; such a product computes on the integers where both operands are
-    on symmetric integer grids with scales constant along the contraction (and `matmul="int"`), else in floating point
+    each product with the rule's `input` quantizer (a factory such as the recipes' lays it out along the product: one
+    scale per token, per index of the axes the product does not sum over); such a product computes on the integers
+    where both operands are on symmetric integer grids, the input's scales constant along the contraction and the
+    weight's per tensor, channel or tile (and `matmul="int"`), as linear layers do, else in floating point
     on the quantized operands (a `backward` of the rule is an error there). With a `products` rule, the products of
     two activations that the call computes (`jnp.einsum` attention) are quantized too: they are named `products.0`,
     `products.1`, ... in the order the program computes them.
@@ -608,7 +630,7 @@ def quantize(
     wrapped = map_nodes(model, layer_types, wrap)
     if wants_products:
         wrapped = _wrap_products(wrapped, decisions)
-    traced, activations, problems = _traced_products(wrapped, example)
+    traced, activations, problems, operands = _traced_products(wrapped, example)
     if not (layers or done or attentions or einsums or traced or activations or problems):
         found = " nor, tracing `example`, a product of one of its arrays" if example is not None else ""
         raise ValueError(
@@ -664,6 +686,8 @@ def quantize(
         return wrapped
     weights = tuple(None if d.weight is None else weight_layout(d.weight, traced[path]) for path, d in chosen)
     inputs = tuple(d.input for _, d in chosen)
+    for (path, _), quantizer in zip(chosen, inputs, strict=True):
+        _check_fits(path, quantizer, operands[path])
     stacks = tuple(traced[path].stack for path, _ in chosen)
     matmuls = tuple(d.matmul for _, d in chosen)
     quantizers = tuple(q if isinstance(q, tuple) else (q, q) for _, q in pairs)
@@ -672,14 +696,34 @@ def quantize(
                        tuple(k for k, _ in pairs), len(activations), pairings)  # fmt: skip
 
 
-def _traced_products(
-    model: PyTree, example: object
-) -> tuple[dict[str, TracedProduct], list[TracedProduct], dict[str, tuple[TracedProduct, str]]]:
+def _check_fits(path: str, quantizer: object, operands: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:
+    """Raises a `ValueError` if the input quantizer of the traced weight at `path` does not fit the activation operand
+    of one of its products (`operands`: their shapes and summed axes)."""
+    layout = getattr(quantizer, "layout", None)
+    if layout is None:
+        return
+    for shape, contracted in operands:
+        try:
+            layout.view_shape(shape)
+        except ValueError as error:
+            raise ValueError(
+                f"The input quantizer of the traced weight {path!r} ({layout}) does not fit the input of one of its "
+                f"products (shape {shape}, summed over its axes {contracted}): {error} A weight whose products take "
+                "inputs of different ranks needs an input quantizer that fits them all, such as one scale per tensor: "
+                f"a rule `Rule({path!r}, input=eqx_quant.DynamicFakeQuant(8))` before the others."
+            ) from None
+
+
+def _traced_products(model: PyTree, example: object) -> tuple[
+    dict[str, TracedProduct], list[TracedProduct], dict[str, tuple[TracedProduct, str]],
+    dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
+]:  # fmt: skip
     """The traced weights of `model` (outside its layers) called as `example` says, by path (each weight's first
-    product), its products of two activations, and the weights that cannot be quantized product by product (a
-    product inside a while loop, operations that are not views, products summing over different axes), with why."""
+    product), its products of two activations, the weights that cannot be quantized product by product (a product
+    inside a while loop, operations that are not views, products summing over different axes) with why, and the
+    shapes and summed axes of the activation operands of each weight's products."""
     if example is None:
-        return {}, [], {}
+        return {}, [], {}, {}
     call = trace_call(example)
     skipped = FLOAT_LAYERS + (AbstractQuantLayer, Einsum, QuantEinsum, eqx.nn.MultiheadAttention,
                               QuantMultiheadAttention)  # fmt: skip
@@ -687,9 +731,11 @@ def _traced_products(
     found: dict[str, TracedProduct] = {}
     traced = find_products(model, call, excluded)
     problems = dict(traced.problems)
+    operands: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for product in traced.weights:
         if product.path in problems:
             continue
+        operands.setdefault(product.path, []).append((product.input_shape, product.input_contracted))
         first = found.setdefault(product.path, product)
         if first.stack != product.stack:  # stepped through in one product and not in another: one set of inputs
             found[product.path] = first = dataclasses.replace(first, stack=())
@@ -702,7 +748,7 @@ def _traced_products(
                 f"of the rules (a rule `Rule({product.path!r}, weight=None, input=None)` before the others keeps it "
                 "float), or write one of the products with a copy of the weight."
             ))  # fmt: skip
-    return {path: p for path, p in found.items() if path not in problems}, traced.activations, problems
+    return {path: p for path, p in found.items() if path not in problems}, traced.activations, problems, operands
 
 
 def _wrap_products(model: PyTree, decisions: dict[str, _Decision]) -> PyTree:

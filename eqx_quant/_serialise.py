@@ -348,9 +348,10 @@ def _rebuilt(
             skeleton = eqx.tree_at(lambda l: l.weight, node, None)
             if kind == "ConvertedEmbedding":
                 return ConvertedEmbedding(skeleton, qweight)
+            matmul = record.get("matmul", "int")  # files written before converted layers kept it: "int"
             if kind == "ConvertedLinear":
-                return ConvertedLinear(skeleton, qweight, inputs, transform)
-            return ConvertedConv(skeleton, qweight, inputs)
+                return ConvertedLinear(skeleton, qweight, inputs, transform, matmul)
+            return ConvertedConv(skeleton, qweight, inputs, matmul)
         weights = quantizer(f"{saved_path}.weight_quant", stack)
         if kind == "QuantEmbedding":
             return QuantEmbedding(node, weight_quant=weights)

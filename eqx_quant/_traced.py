@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 from jaxtyping import PyTree
 
 from ._format import IntFormat
-from ._int_ops import INT32_MAX, integer_grid, opaque
+from ._int_ops import INT32_MAX, integer_grid, opaque, sum_in_order
 from ._layout import Layout
 from ._misc import computed_before, flat
 from ._qarray import QuantizedArray
@@ -323,14 +323,24 @@ class Codes(NamedTuple):
     nan: Any
 
 
+class IntWeight(NamedTuple):
+    """What an integer product needs to know of a weight leaf on a symmetric integer grid: the largest magnitude of
+    its levels, and its tiles (`group` elements along leaf axis `axis`, of length `length`), if it has any."""
+
+    bound: int
+    group: int | None = None
+    axis: int | None = None
+    length: int | None = None
+
+
 class Inputs(NamedTuple):
     """For each leaf (by program input), the input quantizer of its products and the stack axes its arrays carry;
-    for the leaves whose products may compute on integers, the largest magnitude of their levels; the quantizers of
+    for the leaves whose products may compute on integers, their grid (`IntWeight`); the quantizers of
     the products of two activations to quantize, and the equations that hold them, each by its chain of equation ids
     (see `evaluate`)."""
 
     quantizers: dict[int, tuple[Any, int]]
-    integer: dict[int, int]
+    integer: dict[int, IntWeight]
     products: dict[tuple[int, ...], tuple[Any, Any]]
     holders: frozenset[tuple[int, ...]]
 
@@ -468,7 +478,8 @@ def _activation_product(eqn: Any, ins: list[Any], quantizers: tuple[Any, Any]) -
         fr, tr, nr = rq.fake_quant_and_array(rhs)  # pyright: ignore[reportAttributeAccessIssue]
         scale = jnp.broadcast_to(tr.scale.reshape(()), rhs.shape)
         dims = eqn.params["dimension_numbers"]
-        y = _integer_dot(dims, 0, False, fl, fr, tl.values, tl.scale, nl, tr.values, scale, nr.reshape(rhs.shape))
+        y = _integer_dot(dims, 0, False, None, fl, fr, tl.values, tl.scale, nl, tr.values, scale,
+                         nr.reshape(rhs.shape))  # fmt: skip
         return y.astype(eqn.outvars[0].aval.dtype)
     lhs = lhs if lq is None else lq(lhs)
     rhs = rhs if rq is None else rq(rhs)
@@ -491,22 +502,26 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
     if hasattr(quantizer, "product_input"):  # an observer that wants to know the contraction (GPTQ's Hessian)
         ins[side] = quantizer.product_input(ins[side], use.input_contracted)  # pyright: ignore
     elif quantizer is not None:
-        weight_codes = codes[1 - side]
-        if eqn.primitive.name == "dot_general" and use.leaf in inputs.integer and weight_codes is not None:
-            if _integer_input(quantizer, ins[side], use.input_contracted, inputs.integer[use.leaf]):
+        weight_codes, weight = codes[1 - side], inputs.integer.get(use.leaf)
+        if eqn.primitive.name == "dot_general" and weight is not None and weight_codes is not None:
+            dims = eqn.params["dimension_numbers"]
+            group = _group_along(weight, dims[0][1 - side], views[1 - side], eqn.invars[1 - side].aval.shape)
+            if group != 0 and _integer_input(quantizer, ins[side], use.input_contracted, weight.bound, group):
                 fx, tx, nx = quantizer.fake_quant_and_array(ins[side])  # pyright: ignore[reportAttributeAccessIssue]
-                dims = eqn.params["dimension_numbers"]
-                y = _integer_dot(dims, side, True, fx, ins[1 - side], tx.values, tx.scale, nx, *weight_codes)
+                x_scale = tx.scale if quantizer.layout.is_per_tensor() else _full_scale(tx)  # pyright: ignore
+                y = _integer_dot(dims, side, True, group, fx, ins[1 - side], tx.values, x_scale, nx, *weight_codes)
                 return y.astype(eqn.outvars[0].aval.dtype)
         ins[side] = quantizer(ins[side])
     return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
 
 
-def _symmetric_integer(quantizer: object) -> bool:
+def _symmetric_integer(quantizer: object, tiles: bool = False) -> bool:
     """Whether a quantizer (or a stored array) gives an integer product an operand: a symmetric integer grid with
-    float32 scales, one per tensor or channel (no tiles)."""
+    float32 scales, one per tensor or channel (or, with `tiles`, per tile along one axis)."""
     layout = getattr(quantizer, "layout", None)
-    if not integer_grid(quantizer) or layout is None or layout.group_size is not None:
+    if not integer_grid(quantizer) or layout is None or layout.stacked:
+        return False
+    if layout.group_size is not None and not (tiles and not layout.axes):
         return False
     zero_point = getattr(quantizer, "zero_point", None)
     if isinstance(quantizer, DynamicFakeQuant):
@@ -514,12 +529,30 @@ def _symmetric_integer(quantizer: object) -> bool:
     return zero_point is None or (not isinstance(zero_point, jax.Array) and not any(flat(zero_point)))
 
 
-def _integer_input(quantizer: object, x: Any, contracted: tuple[int, ...], weight_bound: int) -> bool:
-    """Whether the activation quantizer gives an integer product its operand: a symmetric integer grid with one
-    float32 scale per tensor, and a contraction whose int32 sums are exact."""
-    if not (_symmetric_integer(quantizer) and quantizer.layout.is_per_tensor()):  # pyright: ignore
+def _group_along(weight: IntWeight | None, contracted: Sequence[int], view: _View | None,
+                 shape: tuple[int, ...]) -> int | None:  # fmt: skip
+    """The tile size of an integer product's sums for a weight view (`None`: one sum over the whole contraction), or
+    0 where the weight's tiles do not run along the product's contraction as whole tiles (it then computes in float):
+    its one contracted axis must be the leaf's tiled axis, at its full length."""
+    if weight is None or weight.group is None:
+        return None
+    if view is None or view.axes is None or view.sliced is None or len(contracted) != 1:
+        return 0
+    (axis,) = contracted
+    return weight.group if view.axes[axis] == (weight.axis,) and shape[axis] == weight.length else 0
+
+
+def _integer_input(quantizer: object, x: Any, contracted: tuple[int, ...], weight_bound: int,
+                   group: int | None) -> bool:  # fmt: skip
+    """Whether the activation quantizer gives an integer product its operand: a symmetric integer grid with float32
+    scales constant along the contraction (one per tensor, or per index of free axes: per token), and sums (over
+    the contraction, or over each of the weight's tiles) that int32 holds exactly."""
+    if not _symmetric_integer(quantizer):
         return False
-    length = math.prod(x.shape[a] for a in contracted)
+    layout: Layout = quantizer.layout  # pyright: ignore[reportAttributeAccessIssue]
+    if set(a % x.ndim for a in layout.axes) & set(contracted):
+        return False
+    length = group or math.prod(x.shape[a] for a in contracted)
     return length * _bound(quantizer.format) * weight_bound <= INT32_MAX  # pyright: ignore[reportAttributeAccessIssue]
 
 
@@ -549,54 +582,84 @@ def _any(a: Any, axes: tuple[int, ...]) -> Any:
     return jnp.any(a, axis=axes) if axes else a
 
 
-def _integer_sums(lhs: Any, rhs: Any, dims: Any) -> Any:
-    """The `dot_general` of two integer arrays with int32 accumulation (exact), as float32.
+def _canonical(a: Any, contracted: Sequence[int], batch: Sequence[int]) -> Any:
+    """An operand of `dot_general` laid out as (batch, free, contracted) axes."""
+    free = (d for d in range(a.ndim) if d not in contracted and d not in batch)
+    return jnp.transpose(a, (*batch, *free, *contracted))
+
+
+def _integer_sums(lhs: Any, rhs: Any, dims: Any, group: int | None) -> Any:
+    """The `dot_general` of two integer arrays with int32 accumulation (exact), as float32; with `group`, one sum per
+    tile of `group` elements along the (one) contraction, the tiles along a new leading axis.
 
     Each operand is first laid out as (batch, free, contracted) axes, as a linear layer's operands are: XLA's CPU
     integer product takes its fast path for that form, which a transpose in front of it (a weight read as `W.T`) kept
     it from (four times slower on the benchmark's MLP). The output's axes are in `dot_general`'s order either way."""
     (lc, rc), (lb, rb) = dims
-    order = lambda a, c, b: (*b, *(d for d in range(a.ndim) if d not in c and d not in b), *c)  # noqa: E731
-    lhs, rhs = jnp.transpose(lhs, order(lhs, lc, lb)), jnp.transpose(rhs, order(rhs, rc, rb))
+    lhs, rhs = _canonical(lhs, lc, lb), _canonical(rhs, rc, rb)
     nb, nc = len(lb), len(lc)
-    dims = ((tuple(range(lhs.ndim - nc, lhs.ndim)), tuple(range(rhs.ndim - nc, rhs.ndim))),
-            (tuple(range(nb)), tuple(range(nb))))  # fmt: skip
+    if group is None:
+        dims = ((tuple(range(lhs.ndim - nc, lhs.ndim)), tuple(range(rhs.ndim - nc, rhs.ndim))),
+                (tuple(range(nb)), tuple(range(nb))))  # fmt: skip
+    else:  # the tiles as a batch axis, first: (tiles, batch, free, free)
+        tiled = lambda a: a.reshape(a.shape[:-1] + (a.shape[-1] // group, group))  # noqa: E731
+        lhs, rhs = tiled(lhs), tiled(rhs)
+        dims = (((lhs.ndim - 1,), (rhs.ndim - 1,)), ((lhs.ndim - 2, *range(nb)), (rhs.ndim - 2, *range(nb))))
     return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
 
 
-def _integer_value(dims, side, weight_first, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
+def _tile_scales(w_scale: Any, side: int, dims: Any, other_free: int, group: int) -> Any:
+    """A weight's scales (broadcast to its shape, constant within each tile of its one contracted axis) with one
+    entry per tile and non-contracted index, laid out as `_integer_sums`' tiled sums: (tiles, batch, free, free)."""
+    (lc, rc), (lb, rb) = dims
+    contract, batch = (lc, lb) if side == 0 else (rc, rb)
+    a = _canonical(w_scale, contract, batch)
+    a = jnp.moveaxis(a.reshape(a.shape[:-1] + (a.shape[-1] // group, group))[..., 0], -1, 0)
+    n, units = len(batch) + 1, (1,) * other_free
+    return a.reshape(a.shape + units) if side == 0 else a.reshape(a.shape[:n] + units + a.shape[n:])
+
+
+def _integer_value(dims, side, weight_first, group, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
     """The product from the integers: an int32 `dot_general`, rescaled per output element; NaN where a contracted
     slice of either operand holds one, as in the float product.
 
     With `weight_first` (a weight's product) the sums are multiplied by the weight's scale and then by the input's,
     as [`eqx_quant.nn.QuantLinear`][] rescales them (so that a product of two scales below float32's smallest normal
     never stands in for them, and a bare weight computes what the same weight in a linear layer computes); otherwise
-    (two activations) by the product of the two scales, as [`eqx_quant.nn.QuantEinsum`][] does."""
+    (two activations) by the product of the two scales, as [`eqx_quant.nn.QuantEinsum`][] does. A weight in tiles
+    along the contraction (`group`) has one int32 sum per tile, each multiplied by its tile's scale and rounded, the
+    tiles' terms added in float32 in order (`sum_in_order`) and then multiplied by the input's scale, as a linear
+    layer sums its groups. The
+    input's scale is one per tensor, or (broadcast to its shape) constant along the contraction."""
     lhs, rhs = (w_levels, x_levels) if side == 1 else (x_levels, w_levels)
     (lc, rc), (lb, rb) = dims
-    acc = _integer_sums(lhs, rhs, dims)
     free = [len([d for d in range(o.ndim) if d not in c and d not in b]) for o, c, b in ((lhs, lc, lb), (rhs, rc, rb))]
     w_side = 1 - side
-    w_arranged = _arranged(w_scale, w_side, dims, free[side], _first)
     nan = _arranged(x_nan, side, dims, free[w_side], _any)
     if w_nan is not None:
         nan = nan | _arranged(w_nan, w_side, dims, free[side], _any)
-    y = acc.astype(w_arranged.dtype)
-    y = (y * w_arranged) * x_scale.reshape(()) if weight_first else y * (x_scale.reshape(()) * w_arranged)
+    x_arranged = x_scale.reshape(()) if x_scale.size == 1 else _arranged(x_scale, side, dims, free[w_side], _first)
+    if group is not None:
+        terms = _integer_sums(lhs, rhs, dims, group) * _tile_scales(w_scale, w_side, dims, free[side], group)
+        y = sum_in_order(opaque(terms)) * x_arranged
+        return opaque(jnp.where(nan, jnp.nan, y))
+    w_arranged = _arranged(w_scale, w_side, dims, free[side], _first)
+    y = _integer_sums(lhs, rhs, dims, None).astype(w_arranged.dtype)
+    y = (y * w_arranged) * x_arranged if weight_first else y * (x_arranged * w_arranged)
     return opaque(jnp.where(nan, jnp.nan, y))
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2))
-def _integer_dot(dims, side, weight_first, fx, fw, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))
+def _integer_dot(dims, side, weight_first, group, fx, fw, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan):
     del fx, fw
-    return _integer_value(dims, side, weight_first, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan)
+    return _integer_value(dims, side, weight_first, group, x_levels, x_scale, x_nan, w_levels, w_scale, w_nan)
 
 
 @_integer_dot.defjvp
-def _integer_dot_jvp(dims, side, weight_first, primals, tangents):
+def _integer_dot_jvp(dims, side, weight_first, group, primals, tangents):
     fx, fw = primals[:2]
     dfx, dfw = tangents[:2]
-    y = _integer_dot(dims, side, weight_first, *primals)  # through the function itself, for a second derivative
+    y = _integer_dot(dims, side, weight_first, group, *primals)  # through the function itself, for a second derivative
     pair = lambda x, w: (w, x) if side == 1 else (x, w)  # noqa: E731
     dy = jax.lax.dot_general(*pair(dfx, fw), dims) + jax.lax.dot_general(*pair(fx, dfw), dims)
     return y, dy.astype(y.dtype)
@@ -741,13 +804,14 @@ class QuantTraced(eqx.Module):
     `eqx.filter_jit`; at every call eagerly) and run again with each quantized weight leaf replaced by its
     fake-quantized value (or, after [`eqx_quant.convert`][], the dequantized stored codes, bit for bit the same) and
     the activation operand of each of its products replaced by that operand's quantized value. Everything else in
-    the program runs as traced. Where both operands are on symmetric integer grids with float32 scales that are
-    constant along the contraction (a weight per tensor or per output channel, an input per tensor), and `matmuls`
-    says `"int"`, a `dot_general` is computed on the integers: an int32 `dot_general` of the two operands' levels,
-    rescaled once per output element by the product of their scales (NaN where a contracted slice of either operand
-    holds one), exact, so that eager and compiled calls and the converted model give the same bits; its derivatives
-    are those of the float product of the fake-quantized operands. Other products (weights in tiles, float formats,
-    convolutions) are the float product of the quantized operands, the weight computed before the product (see
+    the program runs as traced. Where both operands are on symmetric integer grids with float32 scales, the input's
+    constant along the contraction (per tensor or per token) and the weight's per tensor, per output channel or in
+    tiles along its one summed axis, and `matmuls` says `"int"`, a `dot_general` is computed on the integers: an int32
+    `dot_general` of the two operands' levels (one per tile), rescaled as [`eqx_quant.nn.QuantLinear`][] rescales
+    (NaN where a contracted slice of either operand holds one), so that eager and compiled calls and the converted
+    model give the same bits, and the same as a quantized linear layer; its derivatives are those of the float
+    product of the fake-quantized operands. Other products (weight-only, float formats, convolutions) are the float
+    product of the quantized operands, the weight computed before the product (see
     [Parity](../concepts/parity.md#fallbacks)).
 
     **Fields:**
@@ -838,13 +902,13 @@ class QuantTraced(eqx.Module):
         stored codes."""
         return self._quantized()[0]
 
-    def _quantized(self) -> tuple[PyTree, dict[str, Codes], dict[str, int]]:
+    def _quantized(self) -> tuple[PyTree, dict[str, Codes], dict[str, IntWeight]]:
         """`quantized_model()`; the codes of the traced weights whose products may compute on integers (a symmetric
-        integer grid per tensor or channel, stored or fake-quantized, and `matmuls` `"int"`), and the largest
-        magnitude of their levels."""
+        integer grid per tensor, channel or tile, stored or fake-quantized, and `matmuls` `"int"`), and their
+        grids."""
         index = {path: i for i, path in enumerate(self.weight_paths)}
         codes: dict[str, Codes] = {}
-        bounds: dict[str, int] = {}
+        bounds: dict[str, IntWeight] = {}
 
         def replace(key_path, leaf):
             path = path_string(key_path)
@@ -852,14 +916,19 @@ class QuantTraced(eqx.Module):
             if i is None:
                 return leaf
             source = leaf if isinstance(leaf, QuantizedArray) else self.weight_quants[i]
-            integer = self.matmuls[i] == "int" and _symmetric_integer(source)
+            integer = self.matmuls[i] == "int" and _symmetric_integer(source, tiles=True)
             if integer:
-                bounds[path] = _bound(source.format)  # pyright: ignore[reportOptionalMemberAccess]
+                layout: Layout = source.layout  # pyright: ignore[reportOptionalMemberAccess]
+                axis = layout.tile_axis(leaf.shape)
+                length = None if axis is None else leaf.shape[axis]
+                bounds[path] = IntWeight(_bound(source.format), layout.group_size, axis, length)  # pyright: ignore
+            # The value passes a conditional in every case: a product that computes in float reads it (one without
+            # an integer input, or after a cast), and XLA would fuse its computation into that product and sum it
+            # in an order that differs between the fake-quant and the converted model.
             if isinstance(leaf, QuantizedArray):
-                if not integer:
-                    return computed_before(leaf.dequantize(), leaf.scale)
-                codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), _full_scale(leaf), None)
-                return leaf.dequantize()
+                if integer:
+                    codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), _full_scale(leaf), None)
+                return computed_before(leaf.dequantize(), leaf.scale)
             quantizer = self.weight_quants[i]
             if quantizer is None:
                 return leaf
@@ -867,7 +936,7 @@ class QuantTraced(eqx.Module):
                 return computed_before(quantizer(leaf), leaf)
             value, array, nan = quantizer.fake_quant_and_array(leaf)  # pyright: ignore[reportAttributeAccessIssue]
             codes[path] = Codes(array.values.reshape(leaf.shape), _full_scale(array), nan.reshape(leaf.shape))
-            return value
+            return computed_before(value, leaf)
 
         is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
         return jax.tree_util.tree_map_with_path(replace, self.model, is_leaf=is_stored), codes, bounds
@@ -912,7 +981,7 @@ class QuantTraced(eqx.Module):
         model, codes, bounds = self._quantized()
         traced = _trace(lambda inputs: inputs[0](*inputs[1], **inputs[2]), (model, args, kwargs))
         owner: dict[int, int] = {}  # program input -> traced weight
-        integer: dict[int, int] = {}  # program input -> the largest magnitude of its levels, for integer products
+        integer: dict[int, IntWeight] = {}  # program input -> its grid, for integer products
         views: list[_View | None] = []
         held: list[Codes | None] = []
         for i, (key_path, leaf) in enumerate(zip(traced.paths, traced.leaves, strict=True)):
@@ -945,7 +1014,7 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
 
 
 def _full_scale(array: QuantizedArray) -> Any:
-    """The float32 scales of an integer array (one per tensor or channel) broadcast to its shape."""
+    """The float32 scales of an integer array broadcast to its shape."""
     return jnp.broadcast_to(array.scale, array.view_shape).reshape(array.shape)
 
 

@@ -969,6 +969,7 @@ def test_integer_forward_keeps_no_copies_of_the_operands_for_the_backward():
         allowed = float_res.get((dtype, shape), 0) + (1 if dtype == "float32" and shape in weight_shapes else 0)
         assert n <= allowed, (dtype, shape, n, float_res)
 
+
 class _LookupThenNorm(eqx.Module):
     embedding: eqx.nn.Embedding
     norm: eqx.nn.LayerNorm
@@ -991,3 +992,27 @@ def test_an_embedding_read_by_a_norm_converts_bit_for_bit_under_jit(seed):
     quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"])
     call = eqx.filter_jit(lambda m, t: m(t))
     assert_bitwise_equal(call(eqx_quant.convert(quantized), tokens), call(quantized, tokens))
+
+
+@pytest.mark.slow
+def test_layers_with_float_products_keep_them_when_converted(tmp_path):
+    # `matmul="float"` asks for the float product of the fake-quantized operands; the converted layers computed the
+    # integer one (grouped int4 sums, per-channel int8 convolutions) and differed from the quantized model.
+    keys = jax.random.split(jax.random.key(0), 4)
+    model = eqx.nn.Sequential([eqx.nn.Conv1d(4, 8, 3, key=keys[0]), eqx.nn.Lambda(jnp.ravel),
+                               eqx.nn.Linear(8 * 32, 64, key=keys[1]), eqx.nn.Linear(64, 5, key=keys[2])])  # fmt: skip
+    x = jax.random.normal(keys[3], (6, 4, 34))
+    call = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    for matmul in ("int", "float"):
+        rules = [eqx_quant.Rule("layers.0", weight=eqx_quant.LayerQuantizer(8), matmul=matmul),
+                 eqx_quant.Rule(".*", weight=eqx_quant.LayerQuantizer(4, 32), matmul=matmul)]  # fmt: skip
+        quantized = eqx_quant.quantize(model, rules)
+        converted = eqx_quant.convert(quantized)
+        assert [converted.layers[i].matmul for i in (0, 2, 3)] == [matmul] * 3
+        assert_bitwise_equal(call(converted, x), call(quantized, x))
+        integer_products = str(eqx.filter_make_jaxpr(call)(converted, x)[0]).count("preferred_element_type=int32")
+        assert integer_products == (3 if matmul == "int" else 0)
+        eqx_quant.save(tmp_path / f"{matmul}.eqx", converted)
+        loaded = eqx_quant.load(tmp_path / f"{matmul}.eqx", like=converted)
+        assert [loaded.layers[i].matmul for i in (0, 2, 3)] == [matmul] * 3
+        assert_bitwise_equal(call(loaded, x), call(quantized, x))

@@ -9,7 +9,7 @@ import pytest
 import eqx_quant
 from eqx_quant._int_ops import int_matvec
 
-from .helpers import assert_bitwise_equal, init
+from .helpers import assert_bitwise_equal, init, np_absmax_scale
 
 
 RNG = np.random.default_rng(0)
@@ -94,3 +94,36 @@ def test_weight_only_layers_dequantize_one_weight_at_a_time(name):
     assert_bitwise_equal(*shared)
     loss = lambda model, x: jnp.sum(jnp.sin(jax.vmap(model)(x)))  # noqa: E731
     assert_bitwise_equal(jax.grad(loss, argnums=1)(converted, xs[::2]), jax.grad(loss, argnums=1)(fake, xs[::2]))
+
+
+def _np_symmetric(x, qmax, axis):
+    """NumPy twin of symmetric integer quantization with one scale per slice reduced over `axis`."""
+    scale = np_absmax_scale(np.max(np.abs(x), axis=axis, keepdims=True), qmax)
+    return np.clip(np.round(x * (np.float32(1) / scale)), -qmax - 1, qmax), scale
+
+
+@pytest.mark.slow
+def test_grouped_sums_add_the_groups_in_order_eagerly_and_compiled():
+    # W4A8 in groups of 32 over 1024 inputs, three examples under `jax.vmap`: XLA's CPU backend summed the 32 groups'
+    # terms in another order when the sum was compiled with the products than eagerly (with 3 and 16 outputs, as with
+    # 1 and 10, the two differed in the last bit). The groups are now added one after another: NumPy's float32 sum
+    # in order, eagerly and compiled.
+    rules = eqx_quant.recipe("w4a8_g32")["rules"]
+    x = RNG.standard_normal((3, 1024)).astype(np.float32)
+    x_levels, x_scale = _np_symmetric(x, 127, axis=1)
+    for out in (3, 16):
+        layer = eqx_quant.quantize(eqx.nn.Linear(1024, out, use_bias=False, key=jax.random.key(out)), rules)
+        w_levels, w_scale = _np_symmetric(np.asarray(layer.layer.weight).reshape(out, 32, 32), 7, axis=2)
+        sums = np.einsum("bgk,ogk->gbo", x_levels.reshape(3, 32, 32), w_levels)  # exact integers
+        terms = sums.astype(np.float32) * w_scale[:, :, 0].T[:, None, :]
+        total = terms[0]
+        for term in terms[1:]:
+            total = total + term  # float32, in the groups' order
+        expected = total * x_scale
+        assert_bitwise_equal(jax.vmap(layer)(jnp.asarray(x)), expected)
+        assert_bitwise_equal(_mapped(layer, jnp.asarray(x)), expected)
+
+
+@eqx.filter_jit
+def _mapped(layer, x):
+    return jax.vmap(layer)(x)

@@ -3,6 +3,7 @@ products with bare arrays, custom classes and `jnp.einsum`, against hand-quantiz
 quantizers along the axes each product implies; the workflow (gradients, calibrate, gptq, convert, save/load,
 summary) on them, and the errors."""
 
+import dataclasses
 import functools
 
 import equinox as eqx
@@ -19,7 +20,9 @@ from .helpers import assert_bitwise_equal, np_absmax_scale
 
 
 RNG = np.random.default_rng(0)
-X8 = DynamicFakeQuant(8)  # the recipes' inputs: int8, one scale per tensor per call
+X8 = DynamicFakeQuant(8)  # int8 inputs, one scale per tensor per call
+XT = DynamicFakeQuant(8, axis=0)  # the recipes' inputs of a product of activations (tokens, ...): per token
+W8 = eqx_quant.LayerQuantizer(8)  # the w8a8 recipe's weights: int8 per output channel
 identity = lambda v: v  # noqa: E731
 
 
@@ -191,10 +194,13 @@ def _call_twin(model, channels, args):
     return _twin(model, channels)(*args, xq=X8)
 
 
+PER_TENSOR = [eqx_quant.Rule(".*", weight=W8, input=X8)]  # `w8a8` with the inputs' quantizer as it is: per tensor
+
+
 @functools.cache
 def _quantized(name):
     model, _, args = CASES[name]
-    return eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=args)
+    return eqx_quant.quantize(model, PER_TENSOR, example=args)
 
 
 _SLOW = {"custom_class", "einsum_heads", "message_passing", "wrapped"}  # the other cases cover each path quickly
@@ -222,12 +228,22 @@ def test_forward_is_the_hand_quantized_model(name):
     assert np.max(np.abs(np.asarray(_call(model, args, {})) - np.asarray(expected))) > 1e-4
 
 
-def _np_levels(x, axes):
-    """NumPy twin of int8 symmetric quantization, one scale per index of `axes` (all others reduced)."""
+def _np_levels(x, axes, bits=8):
+    """NumPy twin of symmetric integer quantization, one scale per index of `axes` (all others reduced)."""
     x = np.asarray(x, np.float32)
+    qmax = 2 ** (bits - 1) - 1
     reduced = tuple(a for a in range(x.ndim) if a not in axes)
-    scale = np_absmax_scale(np.max(np.abs(x), axis=reduced, keepdims=True), 127)
-    return np.clip(np.round(x * (np.float32(1) / scale)), -128, 127).astype(np.int64), scale
+    scale = np_absmax_scale(np.max(np.abs(x), axis=reduced, keepdims=True), qmax)
+    return np.clip(np.round(x * (np.float32(1) / scale)), -qmax - 1, qmax).astype(np.int64), scale
+
+
+def _along_output(scale, shape, labels, out_labels):
+    """A scale constant along an operand's contracted labels (broadcast to the operand's `shape`), laid along the
+    output's labels: its free labels in the output's order, unit axes for the other operand's."""
+    free = np.broadcast_to(scale, shape)[tuple(slice(None) if label in out_labels else 0 for label in labels)]
+    kept = "".join(label for label in labels if label in out_labels)
+    ordered = "".join(sorted(kept, key=out_labels.index))
+    return np.einsum(f"{kept}->{ordered}", free)[tuple(slice(None) if c in kept else None for c in out_labels)]
 
 
 class One(eqx.Module):
@@ -249,26 +265,53 @@ ONE = {
 }
 
 
+@pytest.mark.parametrize("per_token", [False, True])
 @pytest.mark.parametrize("name", list(ONE))
-def test_integer_product_against_numpy(name):
+def test_integer_product_against_numpy(name, per_token):
     model, channels, x = ONE[name]
-    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    # The recipe's inputs are per token; a rule's quantizer `X8` is applied as it is: one scale per tensor.
+    rules = eqx_quant.recipe("w8a8")["rules"] if per_token else PER_TENSOR
+    quantized = eqx_quant.quantize(model, rules, example=(x,))
+    operands, out_labels = model.equation.split("->")
+    labels_x, labels_w = operands.split(",")
+    tokens = tuple(i for i, label in enumerate(labels_x) if label in out_labels) if per_token else ()
     w_levels, w_scale = _np_levels(model.w, channels)
-    x_levels, x_scale = _np_levels(x, ())
+    x_levels, x_scale = _np_levels(x, tokens)  # per token: one scale per index of the input's free axes
     acc = np.einsum(model.equation, x_levels, w_levels)  # int64: exact
     # The exact integer sum (exact in float32 here) times the weight's scale (per output channel, laid along the
     # output's axes), then times the input's, as a linear layer rescales it.
-    out_labels = model.equation.split("->")[1]
-    w_labels = model.equation.split("->")[0].split(",")[1]
-    w_free = np.broadcast_to(w_scale, model.w.shape)[
-        tuple(slice(None) if label in out_labels else 0 for label in w_labels)]  # fmt: skip
-    kept = "".join(label for label in w_labels if label in out_labels)
-    ordered = "".join(sorted(kept, key=out_labels.index))
-    w_out = np.einsum(f"{kept}->{ordered}", w_free)[tuple(slice(None) if c in kept else None for c in out_labels)]
-    expected = (acc.astype(np.float32) * w_out.astype(np.float32)) * np.float32(x_scale.reshape(()))
-    assert_bitwise_equal(_call(quantized, (x,), {}), expected.astype(np.float32))
-    assert_bitwise_equal(quantized(x), expected.astype(np.float32))
-    assert_bitwise_equal(_call(eqx_quant.convert(quantized), (x,), {}), expected.astype(np.float32))
+    w_out = _along_output(w_scale, model.w.shape, labels_w, out_labels)
+    x_out = _along_output(x_scale, x.shape, labels_x, out_labels)
+    expected = ((acc.astype(np.float32) * w_out.astype(np.float32)) * x_out.astype(np.float32)).astype(np.float32)
+    assert_bitwise_equal(_call(quantized, (x,), {}), expected)
+    assert_bitwise_equal(quantized(x), expected)
+    assert_bitwise_equal(_call(eqx_quant.convert(quantized), (x,), {}), expected)
+    if tokens:  # the per-tensor result differs: the test would fail if the scales were not per token
+        per_tensor = eqx_quant.quantize(model, PER_TENSOR, example=(x,))
+        assert np.any(np.asarray(_call(per_tensor, (x,), {})) != expected)
+
+
+def test_grouped_integer_product_against_numpy():
+    # `jnp.dot(x, W)` with W (in=64, out=6), int4 in groups of 32 down its columns, int8 inputs per token: one int32
+    # sum per group, times the group's scale and rounded, the groups' terms added in order, times the token's scale.
+    w, x = _normal(64, 6, scale=0.2), _normal(3, 64)
+    model = One(w, "ti,io->to")
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w4a8_g32")["rules"], example=(x,))
+    w_levels, w_scale = _np_levels(w.reshape(2, 32, 6), (0, 2), bits=4)
+    x_levels, x_scale = _np_levels(x, (0,))
+    acc = np.einsum("tgk,gko->gto", x_levels.reshape(3, 2, 32), w_levels)  # one exact sum per group
+    terms = (acc.astype(np.float32) * w_scale.reshape(2, 1, 6)).astype(np.float32)
+    expected = ((terms[0] + terms[1]) * x_scale).astype(np.float32)
+    assert_bitwise_equal(_call(quantized, (x,), {}), expected)
+    assert_bitwise_equal(quantized(x), expected)
+    converted = eqx_quant.convert(quantized)
+    assert converted.model.w.packed_bits == 4
+    assert_bitwise_equal(_call(converted, (x,), {}), expected)
+    # `matmul="float"` keeps the float product of the fake-quantized operands: other sums, other bits.
+    rules = [dataclasses.replace(r, matmul="float") for r in eqx_quant.recipe("w4a8_g32")["rules"]]
+    floated = eqx_quant.quantize(model, rules, example=(x,))
+    fake = DynamicFakeQuant(8, axis=0)(x) @ DynamicFakeQuant(4, group_size=32, group_axis=0)(w)
+    np.testing.assert_allclose(np.asarray(_call(floated, (x,), {})), np.asarray(fake), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("name", ["bare_mlp", "scan_stack", "message_passing"])
@@ -290,7 +333,7 @@ class Transposed(eqx.Module):
         return x @ self.w.T
 
 
-@pytest.mark.parametrize("recipe", ["w4a16_g32", "fp8"])
+@pytest.mark.parametrize("recipe", ["w4a16_g32", "w8a16", "fp8"])
 def test_float_products_convert_bit_for_bit(recipe):
     # A matrix-vector product of a transposed weight on the float path, which XLA on CPU sums differently when the
     # weight's computation is fused into it: without `materialised`, the fake-quant and converted models differed in
@@ -318,17 +361,23 @@ def test_a_bare_weight_computes_what_a_linear_layer_computes():
         bias: jax.Array
 
         def __call__(self, x):
-            return x @ self.weight.T + self.bias
+            y = x @ self.weight.T
+            return y + jnp.broadcast_to(self.bias, y.shape)
 
-    bare, x = Bare(linear.weight, linear.bias), _normal(32)
+    bare, x, tokens = Bare(linear.weight, linear.bias), _normal(32), _normal(4, 32)
     for name in ("w8a8", "w8a16", "w4a8_g32"):
         rules = eqx_quant.recipe(name)["rules"]
         layer, traced = eqx_quant.quantize(linear, rules), eqx_quant.quantize(bare, rules, example=(x,))
-        if name == "w8a8":  # both on the integers, rescaled alike: the same bits
+        if name != "w8a16":  # both on the integers (per channel, or per group summed alike): the same bits
             assert_bitwise_equal(_call(traced, (x,), {}), _call(layer, (x,), {}))
-        else:  # float products (the layer's grouped integer sums included), summed in another order
+        else:  # float products, summed in another order
             np.testing.assert_allclose(np.asarray(_call(traced, (x,), {})), np.asarray(_call(layer, (x,), {})),
                                        rtol=1e-5, atol=1e-6)  # fmt: skip
+            continue
+        # All the tokens at once, `x @ W.T` of shape (tokens, features), with one input scale per token: what the
+        # layer mapped over the tokens computes.
+        per_token = eqx_quant.quantize(bare, rules, example=(tokens,))
+        assert_bitwise_equal(_call(per_token, (tokens,), {}), _call(jax.vmap(layer), (tokens,), {}))
 
 
 def test_factories_receive_the_traced_product():
@@ -592,6 +641,51 @@ def test_errors():
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])
 
 
+def test_per_token_inputs():
+    # Tokens mapped with the model's own `jax.vmap` reach the product as one operand (tokens, features); the recipe's
+    # inputs are per token, which is what a linear layer mapped over the tokens gives. A rule's quantizer, applied as
+    # it is, gives one scale for all of them.
+    class Mapped(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jax.vmap(lambda token: self.w @ token)(x)
+
+    linear = eqx.nn.Linear(8, 6, use_bias=False, key=jax.random.key(1))
+    model, tokens = Mapped(linear.weight), _normal(4, 8) * jnp.arange(1.0, 5.0)[:, None]
+    layer = jax.vmap(eqx_quant.quantize(linear, eqx_quant.recipe("w8a8")["rules"]))
+    per_token = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(tokens,))
+    per_tensor = eqx_quant.quantize(model, PER_TENSOR, example=(tokens,))
+    assert per_token.input_quants[0].layout.axes == (-2,) and per_tensor.input_quants[0].layout.is_per_tensor()
+    assert_bitwise_equal(_call(per_token, (tokens,), {}), _call(layer, (tokens,), {}))
+    assert np.any(np.asarray(_call(per_tensor, (tokens,), {})) != np.asarray(_call(layer, (tokens,), {})))
+    # A linear layer sees one token per call: its inputs stay per tensor. Calibration gives one static scale per
+    # tensor, from all the tokens.
+    assert eqx_quant.quantize(linear, eqx_quant.recipe("w8a8")["rules"]).input_quant == X8
+    calibrated = eqx_quant.calibrate(per_token, [tokens[None]])
+    scale = np_absmax_scale(np.max(np.abs(np.asarray(tokens))), 127)
+    assert isinstance(calibrated.input_quants[0], eqx_quant.FakeQuant)
+    assert_bitwise_equal(np.float32(calibrated.input_quants[0].scale), scale)
+
+    # A weight applied to all the tokens and to one vector: no one per-token layout fits both inputs.
+    class Two(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jnp.sum(x @ self.w.T, axis=0) + self.w @ x[0]
+
+    with pytest.raises(ValueError, match="(?s)traced weight 'w'.*shape \\(8,\\).*Rule\\('w', input="):
+        eqx_quant.quantize(Two(linear.weight), eqx_quant.recipe("w8a8")["rules"], example=(tokens,))
+    two = eqx_quant.quantize(Two(linear.weight), [eqx_quant.Rule("w", input=X8)], example=(tokens,))
+    assert two.input_quants == (X8,)
+    # A convolution's windows overlap: one scale per tensor.
+    assert eqx_quant.quantize(CONV, eqx_quant.recipe("w8a8")["rules"], example=CASES["conv"][2]).input_quants[0] == X8
+    with pytest.raises(ValueError, match="needs input=True"):
+        eqx_quant.LayerQuantizer(8, per_token=True)
+    with pytest.raises(ValueError, match="float32 scales; mxfp8_e4m3"):
+        eqx_quant.LayerQuantizer("mxfp8_e4m3", 32, input=True, per_token=True)
+
+
 class BareAttention(eqx.Module):
     """Projections `(heads, d, e)` and attention's two products with `jnp.einsum`, as protein and vision packages
     write them."""
@@ -623,10 +717,10 @@ def test_attention_products_written_with_einsum():
     @eqx.filter_jit
     def twin(m, x):  # every product's operands quantized by hand, weights per output channel
         m = _twin(m, {"wq": (0, 2), "wk": (0, 2), "wv": (0, 2), "wo": (2,)})
-        q, k, v = (jnp.einsum("td,hde->the", X8(x), w) for w in (m.wq, m.wk, m.wv))
+        q, k, v = (jnp.einsum("td,hde->the", XT(x), w) for w in (m.wq, m.wk, m.wv))
         scores = jnp.einsum("the,she->hts", X8(q), X8(k)) / jnp.sqrt(jnp.float32(4))
         mixed = jnp.einsum("hts,she->the", X8(jax.nn.softmax(scores, axis=-1)), X8(v))
-        return jnp.einsum("the,hed->td", X8(mixed), m.wo)
+        return jnp.einsum("the,hed->td", XT(mixed), m.wo)
 
     got = _call(quantized, (x,), {})
     np.testing.assert_allclose(np.asarray(got), np.asarray(twin(ATTENTION, x)), rtol=1e-5, atol=1e-5)
@@ -714,7 +808,7 @@ def test_products_that_sum_over_nothing_are_not_weight_products():
     assert quantized.weight_paths == ("w",)
     with pytest.raises(ValueError, match="nor, tracing `example`, a product of two activations"):
         eqx_quant.quantize(model, eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
-    expected = X8(x * model.gain[None, :]) @ DynamicFakeQuant(8, axis=0)(model.w).T
+    expected = XT(x * model.gain[None, :]) @ DynamicFakeQuant(8, axis=0)(model.w).T
     np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -738,7 +832,7 @@ def test_weights_read_through_other_operations_than_views():
     quantized = eqx_quant.quantize(model, keep + eqx_quant.recipe("w8a8")["rules"], example=(x,))
     assert quantized.weight_paths == ("w",)
     qk = x @ jnp.concatenate([model.wq, model.wk], axis=1)
-    expected = X8(qk) @ DynamicFakeQuant(8, axis=1)(model.w)
+    expected = XT(qk) @ DynamicFakeQuant(8, axis=1)(model.w)
     np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -772,7 +866,7 @@ def test_multihead_attention_and_a_bare_weight():
     # The attention's products are its own, quantized as a layer's: no traced product of two activations.
     assert isinstance(quantized.model.attention, eqx_quant.nn.QuantMultiheadAttention)
     assert quantized.weight_paths == ("w",) and quantized.product_indices == ()
-    expected = X8(_call(quantized.model.attention, (x, x, x), {})) @ DynamicFakeQuant(8, axis=1)(block.w)
+    expected = XT(_call(quantized.model.attention, (x, x, x), {})) @ DynamicFakeQuant(8, axis=1)(block.w)
     np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
@@ -897,7 +991,7 @@ def test_rows_looked_up_by_the_input_are_activations():
         table, w = DynamicFakeQuant(8, axis=0)(m.table), DynamicFakeQuant(8, axis=1)(m.w)
         h = table[tokens]  # the table is quantized wherever it is read, its lookup included
         h = h * jax.lax.rsqrt(jnp.mean(h * h, axis=-1, keepdims=True)) * m.gain[None, :]
-        return X8(jax.nn.relu(X8(h) @ w)) @ table.T
+        return XT(jax.nn.relu(XT(h) @ w)) @ table.T
 
     got = _call(quantized, (tokens,), {})
     np.testing.assert_allclose(np.asarray(got), np.asarray(twin(model, tokens)), rtol=1e-5, atol=1e-5)

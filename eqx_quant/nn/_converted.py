@@ -1,4 +1,4 @@
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -9,7 +9,7 @@ from .._int_ops import integer_grid, integer_product, plan
 from .._misc import computed_before, one_program, read_through, whole_batch
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
-from ._layers import as_vector, check_input, check_transform, scalar_output
+from ._layers import as_vector, check_input, check_matmul, check_transform, scalar_output
 from ._transforms import AbstractInputTransform
 
 
@@ -19,7 +19,8 @@ def converted_forward(layer: "AbstractConvertedLayer", x: Array, key: PRNGKeyArr
     the same decision as the quantized layer's allows it, else the float layer on the dequantized weight."""
     float_layer = layer.layer
     vector = as_vector(float_layer, x)
-    if not (integer_grid(layer.input_quant) and integer_grid(layer.qweight)):
+    integer = layer.matmul == "int"  # pyright: ignore[reportAttributeAccessIssue]
+    if not (integer and integer_grid(layer.input_quant) and integer_grid(layer.qweight)):
         return layer._float_path(x, key)
     x_int, x_nan = layer.input_quant.quantize_with_mask(vector)  # pyright: ignore[reportOptionalMemberAccess]
     spec = plan(float_layer, layer.qweight.shape, layer.qweight, x_int)
@@ -127,7 +128,8 @@ class ConvertedLinear(AbstractConvertedLayer):
     the sum and adds the bias, `y = (acc * scale_w) * scale_x + bias`: the same computation as
     [`eqx_quant.nn.QuantLinear`][]'s integer forward, bit for bit. A weight with one scale per
     group along the contraction runs on integers too (each group's int32 sum scaled by its group's scale). Otherwise
-    (per-channel inputs, say) it runs the dequantized weight in floating point, as the quantized layer does. An
+    (per-channel inputs, say, or `matmul="float"`) it runs the dequantized weight in floating point, as the quantized
+    layer does. An
     `input_transform` (from [`eqx_quant.smoothquant`][], [`eqx_quant.awq`][] or [`eqx_quant.rotate`][]) is applied to
     the input first, as the quantized layer applies it; the stored weight is the transformed one.
 
@@ -141,9 +143,11 @@ class ConvertedLinear(AbstractConvertedLayer):
     qweight: QuantizedArray
     input_quant: AbstractQuantizer | None
     input_transform: AbstractInputTransform | None = None
+    matmul: Literal["int", "float"] = eqx.field(static=True, default="int")  # the quantized layer's
 
     def __check_init__(self):
         check_transform(self.layer, self.input_transform)
+        check_matmul(self.matmul)
 
     def __call__(self, x: Float[Array, "*in"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*out"]:
         """Like `eqx.nn.Linear.__call__` (after the input transform of the quantized layer, if it has one)."""
@@ -161,13 +165,17 @@ class ConvertedConv(AbstractConvertedLayer):
     weight scales and a contraction `K = in_channels / groups * prod(kernel_size)` within the int32 bound of
     [`eqx_quant.nn.ConvertedLinear`][], a call runs `jax.lax.conv_general_dilated` on the integers minus their zero
     points (so that padding stays real zero) with `preferred_element_type=jnp.int32`, rescales the sums and adds the
-    bias: the computation of [`eqx_quant.nn.QuantConv`][]'s integer forward. Otherwise it runs the dequantized weight
-    in floating point.
+    bias: the computation of [`eqx_quant.nn.QuantConv`][]'s integer forward. Otherwise (or with `matmul="float"`) it
+    runs the dequantized weight in floating point.
     """
 
     layer: eqx.nn.Conv
     qweight: QuantizedArray
     input_quant: AbstractQuantizer | None
+    matmul: Literal["int", "float"] = eqx.field(static=True, default="int")  # the quantized layer's
+
+    def __check_init__(self):
+        check_matmul(self.matmul)
 
     def __call__(
         self, x: Float[Array, "in_channels *spatial"], *, key: PRNGKeyArray | None = None

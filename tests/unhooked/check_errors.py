@@ -76,6 +76,8 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.LearnedFakeQuant.init_from(x, 2, method="ternary")),
         (ValueError, "`method` must be 'absmax' or 'paretoq', got method='lsq'.",
          lambda: eqx_quant.LayerQuantizer(eqx_quant.int_format(4), learned=True, method="lsq")),
+        (TypeError, "`per_token` must be a bool, got per_token='yes'.",
+         lambda: eqx_quant.LayerQuantizer(8, input=True, per_token="yes")),
         (TypeError, "`n_steps` must be an int, got n_steps=2.0.",
          lambda: eqx_quant.quantized_after(2.0, 0, lambda m: 0.0, eqx_quant.quantize(mlp))),
         (TypeError, "`step` must be an integer scalar, got step=1.5.",
