@@ -176,8 +176,8 @@ class LayerQuantizer:
         if self.input and self.per_token:
             if product.primitive != "dot_general":
                 return DynamicFakeQuant(fmt)  # a convolution's windows overlap: per tensor
-            ndim = len(shape)  # free axes counted from the end, so that they hold for a batched call as well
-            free = tuple(a - ndim for a in range(ndim) if a not in axes)
+            # The example's tokens; `QuantTraced` lays the scales out again along each call's (`per_token`).
+            free = tuple(a for a in range(len(shape)) if a not in axes)
             return DynamicFakeQuant(fmt, axis=free or None)
         if self.input:
             return DynamicFakeQuant(fmt, **tiles) if blocks else DynamicFakeQuant(fmt)  # pyright: ignore
@@ -339,6 +339,15 @@ class _Decision:
     products: Any
     backward: QuantizedBackward | UnquantizedBackward | None
     matmul: str
+    per_token: bool = False  # the input made by a `LayerQuantizer` with `per_token=True`
+
+
+def _per_token(spec: object, path: str, match: str) -> bool:
+    """Whether the input spec that reaches `path` is a `LayerQuantizer` with `per_token=True` (through a mapping)."""
+    if isinstance(spec, Mapping):
+        value = next((v for pattern, v in spec.items() if _matches(pattern, path, match)), None)
+        return _per_token(value, path, match)
+    return isinstance(spec, LayerQuantizer) and spec.per_token
 
 
 def _legacy_rules(
@@ -370,7 +379,7 @@ def _legacy_rules(
         weight = _resolve("weights", weights, path, layer, match, used)
         inputs = None if isinstance(layer, eqx.nn.Embedding) else _resolve("activations", activations, path, layer,
                                                                           match, used)  # fmt: skip
-        return _Decision(weight, inputs, None, backward, matmul)
+        return _Decision(weight, inputs, None, backward, matmul, _per_token(activations, path, match))
 
     def check(paths: list[str]) -> None:
         if where is not None and isinstance(where, str) and not any(_matches(where, p, match) for p in paths):
@@ -402,7 +411,7 @@ def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable, Callable]:
             weight = _resolve("weight", rule.weight, path, layer, "full", _Used())
             inputs = None if isinstance(layer, eqx.nn.Embedding) else _resolve("input", rule.input, path, layer,
                                                                               "full", _Used())  # fmt: skip
-            return _Decision(weight, inputs, None, rule.backward, rule.matmul)
+            return _Decision(weight, inputs, None, rule.backward, rule.matmul, _per_token(rule.input, path, "full"))
         return None
 
     def check(paths: list[str]) -> None:
@@ -686,14 +695,16 @@ def quantize(
         return wrapped
     weights = tuple(None if d.weight is None else weight_layout(d.weight, traced[path]) for path, d in chosen)
     inputs = tuple(d.input for _, d in chosen)
-    for (path, _), quantizer in zip(chosen, inputs, strict=True):
-        _check_fits(path, quantizer, operands[path])
+    for path, decision in chosen:
+        if not decision.per_token:  # per-token inputs are laid out at each product
+            _check_fits(path, decision.input, operands[path])
     stacks = tuple(traced[path].stack for path, _ in chosen)
     matmuls = tuple(d.matmul for _, d in chosen)
     quantizers = tuple(q if isinstance(q, tuple) else (q, q) for _, q in pairs)
     pairings = tuple(traced[path].pairing for path, _ in chosen)
+    per_token = tuple(d.per_token for _, d in chosen)
     return QuantTraced(wrapped, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls, quantizers,
-                       tuple(k for k, _ in pairs), len(activations), pairings)  # fmt: skip
+                       tuple(k for k, _ in pairs), len(activations), pairings, per_token)  # fmt: skip
 
 
 def _check_fits(path: str, quantizer: object, operands: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:

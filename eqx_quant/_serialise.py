@@ -405,8 +405,9 @@ def _rebuilt_traced(like: PyTree, records: list, quantizer: Callable, tensors: d
     pairs = tuple((quantizer(f"product_quants.{j}.0", ()), quantizer(f"product_quants.{j}.1", ()))
                   for j in range(len(indices)))  # fmt: skip
     pairings = [None if p is None else tuple(p) for p in record["pairings"]]
+    per_token = record.get("per_token")  # files written before it: inputs as they are
     return QuantTraced(model, weights, inputs, paths, stacks, matmuls, pairs, indices, record.get("product_count"),
-                       pairings)  # fmt: skip
+                       pairings, per_token)  # fmt: skip
 
 
 def _empty_transform(kind: str | None, shape: tuple[int, ...]) -> AbstractInputTransform | None:

@@ -340,6 +340,7 @@ class Inputs(NamedTuple):
     (see `evaluate`)."""
 
     quantizers: dict[int, tuple[Any, int]]
+    tokens: frozenset[int]
     integer: dict[int, IntWeight]
     products: dict[tuple[int, ...], tuple[Any, Any]]
     holders: frozenset[tuple[int, ...]]
@@ -498,6 +499,9 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
     assert use is not None
     side = 1 if views[0] is not None else 0  # the activation's
     quantizer = inputs.quantizers[use.leaf][0]
+    if use.leaf in inputs.tokens and isinstance(quantizer, DynamicFakeQuant) and use.primitive == "dot_general":
+        free = tuple(a for a in range(ins[side].ndim) if a not in use.input_contracted)  # this call's tokens
+        quantizer = dataclasses.replace(quantizer, layout=Layout(axes=free))
     ins = list(ins)
     if hasattr(quantizer, "product_input"):  # an observer that wants to know the contraction (GPTQ's Hessian)
         ins[side] = quantizer.product_input(ins[side], use.input_contracted)  # pyright: ignore
@@ -533,10 +537,11 @@ def _group_along(weight: IntWeight | None, contracted: Sequence[int], view: _Vie
                  shape: tuple[int, ...]) -> int | None:  # fmt: skip
     """The tile size of an integer product's sums for a weight view (`None`: one sum over the whole contraction), or
     0 where the weight's tiles do not run along the product's contraction as whole tiles (it then computes in float):
-    its one contracted axis must be the leaf's tiled axis, at its full length."""
+    its one contracted axis must be the leaf's tiled axis, at its full length (slices of other axes keep whole
+    tiles)."""
     if weight is None or weight.group is None:
         return None
-    if view is None or view.axes is None or view.sliced is None or len(contracted) != 1:
+    if view is None or view.axes is None or len(contracted) != 1:
         return 0
     (axis,) = contracted
     return weight.group if view.axes[axis] == (weight.axis,) and shape[axis] == weight.length else 0
@@ -838,6 +843,11 @@ class QuantTraced(eqx.Module):
     - `pairings`: for each traced weight, its contracted axes in the order its products pair them with their input's
         (see [`eqx_quant.TracedProduct`][]), or `None` (static): what [`eqx_quant.gptq`][] needs to lay the weight out
         as a matrix.
+    - `per_token`: for each traced weight, whether a [`eqx_quant.DynamicFakeQuant`][] input quantizer of its
+        products has one scale per token (static): per index of the axes of each product's activation operand that
+        the product does not sum over, whatever the rank of the call's inputs (as
+        [`eqx_quant.LayerQuantizer`][]`(..., per_token=True)` asks); its own layout is then only the first product's
+        of the example. Convolutions keep the quantizer as it is.
     """
 
     model: PyTree
@@ -850,6 +860,7 @@ class QuantTraced(eqx.Module):
     product_indices: tuple[int, ...] = eqx.field(static=True)
     product_count: int | None = eqx.field(static=True)
     pairings: tuple[tuple[int, ...] | None, ...] = eqx.field(static=True)
+    per_token: tuple[bool, ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -863,9 +874,10 @@ class QuantTraced(eqx.Module):
         product_indices: Sequence[int] = (),
         product_count: int | None = None,
         pairings: Sequence[tuple[int, ...] | None] | None = None,
+        per_token: Sequence[bool] | None = None,
     ):
-        """**Arguments:** the fields, in order; by default `stacks` is `()` and `matmuls` `"int"` for every
-        weight, and no product of two activations is quantized."""
+        """**Arguments:** the fields, in order; by default `stacks` is `()`, `matmuls` `"int"` and `per_token` `False`
+        for every weight, and no product of two activations is quantized."""
         self.model = model
         self.weight_quants = tuple(weight_quants)
         self.input_quants = tuple(input_quants)
@@ -879,14 +891,15 @@ class QuantTraced(eqx.Module):
         self.pairings = (
             tuple(None if p is None else tuple(p) for p in pairings) if pairings is not None else (None,) * n
         )
+        self.per_token = tuple(bool(t) for t in per_token) if per_token is not None else (False,) * n
 
     def __check_init__(self):
         counts = [len(self.weight_paths), len(self.weight_quants), len(self.input_quants), len(self.stacks),
-                  len(self.matmuls), len(self.pairings)]  # fmt: skip
+                  len(self.matmuls), len(self.pairings), len(self.per_token)]  # fmt: skip
         if len(set(counts)) != 1:
             raise ValueError(
-                "`weight_paths`, `weight_quants`, `input_quants`, `stacks`, `matmuls` and `pairings` must have one "
-                f"entry per traced weight, got {counts}."
+                "`weight_paths`, `weight_quants`, `input_quants`, `stacks`, `matmuls`, `pairings` and `per_token` must "
+                f"have one entry per traced weight, got {counts}."
             )
         for matmul in self.matmuls:
             if matmul not in ("int", "float"):
@@ -998,7 +1011,8 @@ class QuantTraced(eqx.Module):
         quantizers = {leaf: (self.input_quants[k], len(self.stacks[k])) for leaf, k in owner.items()}
         closed = traced.jaxpr
         products, holders = self._activation_products(closed.jaxpr, views)
-        inputs = Inputs(quantizers, integer, products, holders)
+        tokens = frozenset(leaf for leaf, k in owner.items() if self.per_token[k])
+        inputs = Inputs(quantizers, tokens, integer, products, holders)
         outs = evaluate(closed.jaxpr, closed.consts, traced.leaves, views, held, inputs)
         out_dynamic, out_static = traced.out
         return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_dynamic), outs), out_static)
@@ -1009,7 +1023,8 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
     fields = dict(model=traced.model, weight_quants=traced.weight_quants, input_quants=traced.input_quants,
                   weight_paths=traced.weight_paths, stacks=traced.stacks, matmuls=traced.matmuls,
                   product_quants=traced.product_quants, product_indices=traced.product_indices,
-                  product_count=traced.product_count, pairings=traced.pairings)  # fmt: skip
+                  product_count=traced.product_count, pairings=traced.pairings,
+                  per_token=traced.per_token)  # fmt: skip
     return QuantTraced(**(fields | changes))
 
 

@@ -380,6 +380,26 @@ def test_a_bare_weight_computes_what_a_linear_layer_computes():
         assert_bitwise_equal(_call(per_token, (tokens,), {}), _call(jax.vmap(layer), (tokens,), {}))
 
 
+@pytest.mark.slow
+def test_layers_of_a_stack_indexed_outside_a_scan_compute_on_the_integers():
+    # `x @ Ws[i].T` slices the stack along an axis the product does not sum over: whole tiles, the grouped integer
+    # product, as linear layers holding the slices compute it.
+    class Indexed(eqx.Module):
+        ws: jax.Array  # (2, out, in)
+
+        def __call__(self, x):
+            return x @ self.ws[0].T, x @ self.ws[1, :3].T
+
+    ws, x = _normal(2, 5, 64, scale=0.2), _normal(3, 64)
+    rules = eqx_quant.recipe("w4a8_g32")["rules"]
+    quantized = eqx_quant.quantize(Indexed(ws), rules, example=(x,))
+    got = _call(quantized, (x,), {})
+    for out, w in zip(got, (ws[0], ws[1, :3]), strict=True):
+        linear = eqx_quant.quantize(eqx.nn.Linear(64, w.shape[0], use_bias=False, key=jax.random.key(0)), rules)
+        linear = eqx.tree_at(lambda l: l.layer.weight, linear, w)
+        assert_bitwise_equal(out, _call(jax.vmap(linear), (x,), {}))
+
+
 def test_factories_receive_the_traced_product():
     seen = {}
 
@@ -641,7 +661,7 @@ def test_errors():
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])
 
 
-def test_per_token_inputs():
+def test_per_token_inputs(tmp_path):
     # Tokens mapped with the model's own `jax.vmap` reach the product as one operand (tokens, features); the recipe's
     # inputs are per token, which is what a linear layer mapped over the tokens gives. A rule's quantizer, applied as
     # it is, gives one scale for all of them.
@@ -653,31 +673,45 @@ def test_per_token_inputs():
 
     linear = eqx.nn.Linear(8, 6, use_bias=False, key=jax.random.key(1))
     model, tokens = Mapped(linear.weight), _normal(4, 8) * jnp.arange(1.0, 5.0)[:, None]
-    layer = jax.vmap(eqx_quant.quantize(linear, eqx_quant.recipe("w8a8")["rules"]))
+    quantized_linear = eqx_quant.quantize(linear, eqx_quant.recipe("w8a8")["rules"])
+    layer = jax.vmap(quantized_linear)
     per_token = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(tokens,))
     per_tensor = eqx_quant.quantize(model, PER_TENSOR, example=(tokens,))
-    assert per_token.input_quants[0].layout.axes == (-2,) and per_tensor.input_quants[0].layout.is_per_tensor()
+    assert per_token.per_token == (True,) and per_token.input_quants[0].layout.axes == (0,)
+    assert per_tensor.per_token == (False,) and per_tensor.input_quants[0].layout.is_per_tensor()
     assert_bitwise_equal(_call(per_token, (tokens,), {}), _call(layer, (tokens,), {}))
     assert np.any(np.asarray(_call(per_tensor, (tokens,), {})) != np.asarray(_call(layer, (tokens,), {})))
     # A linear layer sees one token per call: its inputs stay per tensor. Calibration gives one static scale per
     # tensor, from all the tokens.
-    assert eqx_quant.quantize(linear, eqx_quant.recipe("w8a8")["rules"]).input_quant == X8
+    assert quantized_linear.input_quant == X8
     calibrated = eqx_quant.calibrate(per_token, [tokens[None]])
     scale = np_absmax_scale(np.max(np.abs(np.asarray(tokens))), 127)
     assert isinstance(calibrated.input_quants[0], eqx_quant.FakeQuant)
     assert_bitwise_equal(np.float32(calibrated.input_quants[0].scale), scale)
+    # The tokens are those of each call, whatever its rank: `x @ W.T` quantized with an example of 4 tokens, called
+    # with one token (as when decoding), and with a batch of sequences, as the layer mapped over them; and a weight
+    # applied both to all the tokens and to one vector.
+    quantized = eqx_quant.quantize(Transposed(linear.weight), eqx_quant.recipe("w8a8")["rules"], example=(tokens,))
+    assert_bitwise_equal(_call(quantized, (tokens[1],), {}), _call(quantized_linear, (tokens[1],), {}))
+    sequences = jnp.stack([tokens, -2 * tokens[::-1]])
+    assert_bitwise_equal(_call(quantized, (sequences,), {}), _call(jax.vmap(layer), (sequences,), {}))
 
-    # A weight applied to all the tokens and to one vector: no one per-token layout fits both inputs.
     class Two(eqx.Module):
         w: jax.Array
 
         def __call__(self, x):
-            return jnp.sum(x @ self.w.T, axis=0) + self.w @ x[0]
+            return x @ self.w.T, self.w @ x[0]
 
+    two = eqx_quant.quantize(Two(linear.weight), eqx_quant.recipe("w8a8")["rules"], example=(tokens,))
+    all_tokens, first = _call(two, (tokens,), {})
+    assert_bitwise_equal(all_tokens, _call(layer, (tokens,), {}))
+    assert_bitwise_equal(first, _call(quantized_linear, (tokens[0],), {}))
+    eqx_quant.save(tmp_path / "two.eqx", two)
+    assert eqx_quant.load(tmp_path / "two.eqx", Two(linear.weight)).per_token == (True,)
+    # A rule's quantizer is applied as it is, and must fit every product's input.
     with pytest.raises(ValueError, match="(?s)traced weight 'w'.*shape \\(8,\\).*Rule\\('w', input="):
-        eqx_quant.quantize(Two(linear.weight), eqx_quant.recipe("w8a8")["rules"], example=(tokens,))
-    two = eqx_quant.quantize(Two(linear.weight), [eqx_quant.Rule("w", input=X8)], example=(tokens,))
-    assert two.input_quants == (X8,)
+        eqx_quant.quantize(Two(linear.weight), [eqx_quant.Rule("w", input=DynamicFakeQuant(8, axis=1))],
+                           example=(tokens,))  # fmt: skip
     # A convolution's windows overlap: one scale per tensor.
     assert eqx_quant.quantize(CONV, eqx_quant.recipe("w8a8")["rules"], example=CASES["conv"][2]).input_quants[0] == X8
     with pytest.raises(ValueError, match="needs input=True"):
