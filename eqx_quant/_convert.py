@@ -3,7 +3,7 @@
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import equinox as eqx
 import jax
@@ -78,7 +78,7 @@ def _weight_quantization(depth: int) -> Callable[[Any, Any], Any]:
     return eqx.filter_jit(per_layer(lambda quantizer, weight: quantizer.quantize_array(weight), depth))
 
 
-def convert(model: PyTree) -> PyTree:
+def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> PyTree:
     """Converts a fake-quantized model into one that stores its weights quantized.
 
     Every [`eqx_quant.nn.QuantLinear`][], [`eqx_quant.nn.QuantConv`][] and [`eqx_quant.nn.QuantEmbedding`][] becomes
@@ -95,7 +95,8 @@ def convert(model: PyTree) -> PyTree:
     one scale for the whole input (static, or a per-tensor dynamic one) and whose integer weight has one scale per
     tensor, per output channel or (linear layers) per group along the contraction then compute on integers (see
     [`eqx_quant.nn.ConvertedLinear`][]); the others (float formats among them) on the dequantized weight, which is
-    bit for bit the fake-quantized one. A layer without a weight quantizer becomes
+    bit for bit the fake-quantized one; so do the layers quantized with `matmul="float"`, unless `matmul` says
+    otherwise. A layer without a weight quantizer becomes
     its float layer, or, if its input is quantized, stays as it is (the quantized input shapes the output). All
     other leaves are kept as they are (shardings included).
 
@@ -110,10 +111,14 @@ def convert(model: PyTree) -> PyTree:
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][] (trained or calibrated).
+    - `matmul`: `None` (default) keeps each layer's (and traced weight's) `matmul`; `"int"` makes every converted
+        product compute on the integers where the formats allow it, as if quantized with `matmul="int"` (a model
+        trained with the float product, deployed on integers: its outputs then differ from the fake-quant model's
+        by rounding); `"float"` makes them all compute the float product of the quantized operands.
 
     **Returns:**
 
-    The converted model. Its outputs equal the fake-quant model's bit for bit (see
+    The converted model. With `matmul=None`, its outputs equal the fake-quant model's bit for bit (see
     [Parity with integer inference](../concepts/parity.md)).
 
     **Raises:**
@@ -140,6 +145,8 @@ def convert(model: PyTree) -> PyTree:
         ```
     """
 
+    if matmul not in (None, "int", "float"):
+        raise ValueError(f"`matmul` must be None, 'int' or 'float', got matmul={matmul!r}.")
     if not nodes(model, (AbstractQuantLayer, QuantTraced)):
         raise ValueError(
             "`model` has no quantized layer to convert (an eqx_quant.nn.QuantLinear, QuantConv, QuantEmbedding or "
@@ -170,13 +177,13 @@ def convert(model: PyTree) -> PyTree:
             return ConvertedEmbedding(skeleton, tensor)
         if isinstance(layer, QuantLinear):
             inputs = _frozen_input_quant(layer.input_quant)
-            return ConvertedLinear(skeleton, tensor, inputs, layer.input_transform, layer.matmul)
-        return ConvertedConv(skeleton, tensor, _frozen_input_quant(layer.input_quant), layer.matmul)
+            return ConvertedLinear(skeleton, tensor, inputs, layer.input_transform, matmul or layer.matmul)
+        return ConvertedConv(skeleton, tensor, _frozen_input_quant(layer.input_quant), matmul or layer.matmul)
 
     model = map_nodes(model, (AbstractQuantLayer,), to_int)
     if not nodes(model, (QuantTraced,)):
         return model  # rebuilt no further: its other nodes stay the very objects they were
-    return map_nodes(model, (QuantTraced,), lambda path, traced: _convert_traced(traced))
+    return map_nodes(model, (QuantTraced,), lambda path, traced: _convert_traced(traced, matmul))
 
 
 def _check_finite_weight(what: str, weight: Any) -> None:
@@ -189,8 +196,9 @@ def _check_finite_weight(what: str, weight: Any) -> None:
         )
 
 
-def _convert_traced(traced: QuantTraced) -> QuantTraced:
-    """The traced weights stored as their codes (the leaf becomes a QuantizedArray), the input quantizers frozen."""
+def _convert_traced(traced: QuantTraced, matmul: str | None) -> QuantTraced:
+    """The traced weights stored as their codes (the leaf becomes a QuantizedArray), the input quantizers frozen,
+    `matmuls` all `matmul` unless it is `None`."""
     index = {path: i for i, path in enumerate(traced.weight_paths)}
     for path, quantizer in zip(traced.weight_paths, traced.weight_quants, strict=True):
         if quantizer is not None and not isinstance(quantizer, AbstractFakeQuantizer):
@@ -210,4 +218,5 @@ def _convert_traced(traced: QuantTraced) -> QuantTraced:
     is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
     model = jax.tree_util.tree_map_with_path(store, traced.model, is_leaf=is_stored)
     inputs = tuple(_frozen_input_quant(q) for q in traced.input_quants)
-    return replaced(traced, model=model, input_quants=inputs)
+    matmuls = traced.matmuls if matmul is None else (matmul,) * len(traced.matmuls)
+    return replaced(traced, model=model, input_quants=inputs, matmuls=matmuls)

@@ -1016,3 +1016,7 @@ def test_layers_with_float_products_keep_them_when_converted(tmp_path):
         loaded = eqx_quant.load(tmp_path / f"{matmul}.eqx", like=converted)
         assert [loaded.layers[i].matmul for i in (0, 2, 3)] == [matmul] * 3
         assert_bitwise_equal(call(loaded, x), call(quantized, x))
+        if matmul == "float":  # deployed on the integers instead: what the `matmul="int"` model computes
+            on_integers = eqx_quant.convert(quantized, matmul="int")
+            assert_bitwise_equal(call(on_integers, x), call(int_model, x))
+        int_model = quantized

@@ -76,6 +76,8 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.LearnedFakeQuant.init_from(x, 2, method="ternary")),
         (ValueError, "`method` must be 'absmax' or 'paretoq', got method='lsq'.",
          lambda: eqx_quant.LayerQuantizer(eqx_quant.int_format(4), learned=True, method="lsq")),
+        (ValueError, "`matmul` must be None, 'int' or 'float', got matmul='fast'.",
+         lambda: eqx_quant.convert(eqx_quant.quantize(mlp), matmul="fast")),
         (TypeError, "`per_token` must be a bool, got per_token='yes'.",
          lambda: eqx_quant.LayerQuantizer(8, input=True, per_token="yes")),
         (TypeError, "`n_steps` must be an int, got n_steps=2.0.",
