@@ -8,7 +8,7 @@ integers, so that the two agree bit for bit.
 
 import functools
 import math
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -245,13 +245,51 @@ def _grouped_sum(group: int, w: Array, x: Array, w_scale: Array) -> Array:
     Each group's product is an exact int32 sum; it is scaled by its group's weight scale, and the scaled sums are
     added in float32 in the groups' order (`sum_in_order`), each product rounded before it is added. Under `jit`,
     XLA would fuse a product feeding the sum into a fused multiply-add, which rounds once where the eager computation
-    rounds twice; `opaque` stands between them, so that eager and compiled calls give the same bits.
+    rounds twice; `opaque` stands between them, so that eager and compiled calls give the same bits. The sums are
+    computed for the whole batch of a `jax.vmap` at once (`whole_batch`), with the groups leading: mapped as it is,
+    the product's batch axis came out in front of the groups', and moving the products (groups x batch x outputs)
+    there and back cost as much as computing them.
     """
-    out, groups = w.shape[0], w.shape[1]
-    x = x.reshape(groups, group)
-    dims = (((1,), (2,)), ((0,), (1,)))  # contract within a group; groups along the batch axis
-    acc = jax.lax.dot_general(x, w, dims, preferred_element_type=jnp.int32)  # (groups, out)
-    return sum_in_order(opaque(acc.astype(jnp.float32) * w_scale.reshape(out, groups).T))
+    del group  # the shape of `w`: (out, groups, group)
+    return _grouped_sums((w, w_scale), x)
+
+
+def _grouped_sums_of(weight: tuple[Array, Array], x: Array) -> Array:
+    """`_grouped_sum` for `x` with leading batch axes: `(*batch, in)` to `(*batch, out)`."""
+    w, w_scale = weight
+    out, groups, group = w.shape
+    batch = x.shape[:-1]
+    xs = jnp.moveaxis(x.reshape(-1, groups, group), 1, 0)  # (groups, examples, group)
+    dims = (((2,), (2,)), ((0,), (0,)))  # contract within a group; groups along the batch axis
+    acc = group_sums(xs, jnp.moveaxis(w, 1, 0), dims, group)  # (groups, examples, out)
+    terms = opaque(acc * jnp.moveaxis(w_scale.reshape(out, groups), 1, 0)[:, None, :])
+    return sum_in_order(terms).reshape(batch + (out,))
+
+
+_grouped_sums = whole_batch(_grouped_sums_of, batched_output=True)
+
+
+def group_sums(lhs: Array, rhs: Array, dims: Any, length: int) -> Array:
+    """The `dot_general` of two integer arrays whose sums run over `length` elements (the tiles of a grouped
+    product), as float32: exact either way.
+
+    With 8-bit integers and tiles of at most 1024, every partial sum is an integer within `2**24`, which float32
+    holds exactly, so a float32 product at `Precision.HIGHEST` gives the int32 one bit for bit, summed in any order.
+    On CPU that product is used: XLA's CPU integer product of many short tiles (a batch of products each summing
+    32 elements) is half as fast again as its float one. Other platforms keep the int32 product."""
+
+    def integer(lhs, rhs):
+        return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
+
+    def exact_float(lhs, rhs):
+        f32 = jnp.float32
+        return jax.lax.dot_general(lhs.astype(f32), rhs.astype(f32), dims, precision=jax.lax.Precision.HIGHEST,
+                                   preferred_element_type=f32)  # fmt: skip
+
+    bound = (jnp.iinfo(lhs.dtype).max + 1) * (jnp.iinfo(rhs.dtype).max + 1)  # the largest |product| of two levels
+    if length * bound > FLOAT32_EXACT:
+        return integer(lhs, rhs)
+    return jax.lax.platform_dependent(lhs, rhs, cpu=exact_float, default=integer)
 
 
 @jax.jit  # one call when run eagerly, not one per term

@@ -64,26 +64,27 @@ def one_program(function: _Function) -> _Function:
     return call  # pyright: ignore[reportReturnType]
 
 
-def whole_batch(fn: Callable[[Array, Array], Array], *, batched_output: bool) -> Callable[[Array, Array], Array]:
+def whole_batch(fn: Callable[[Any, Array], Array], *, batched_output: bool) -> Callable[[Any, Array], Array]:
     """`fn(w, x)`, a function of a weight and an input with any number of leading batch axes, which sees the whole
     batch of a `jax.vmap` (a `jax.custom_batching.custom_vmap`).
 
     Mapped over `x` alone, it is called again with the mapped axis in front of `x` (and so on for each enclosing
     `jax.vmap`), so that `fn` can choose its formulation by the batch it runs for; its result is mapped too if
     `batched_output`, else it is one result for the whole batch. Mapped over `w` (one weight per example: an
-    ensemble), `fn` is mapped as it is.
+    ensemble), `fn` is mapped as it is. `w` may be a PyTree of arrays (a weight and its scales).
     """
 
     @jax.custom_batching.custom_vmap
-    def call(w: Array, x: Array) -> Array:
+    def call(w: Any, x: Array) -> Array:
         return fn(w, x)
 
     @call.def_vmap
-    def rule(axis_size: int, in_batched: list[bool], w: Array, x: Array) -> tuple[Array, bool]:
+    def rule(axis_size: int, in_batched: list[Any], w: Any, x: Array) -> tuple[Array, bool]:
         del axis_size
         w_batched, x_batched = in_batched
-        if w_batched:
-            return jax.vmap(fn, in_axes=(0, 0 if x_batched else None))(w, x), True
+        if any(jax.tree.leaves(w_batched)):
+            w_axes = jax.tree.map(lambda batched: 0 if batched else None, w_batched)
+            return jax.vmap(fn, in_axes=(w_axes, 0 if x_batched else None))(w, x), True
         return call(w, x), x_batched and batched_output
 
     return call

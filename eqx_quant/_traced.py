@@ -22,9 +22,9 @@ from jax.extend import core as jcore
 from jaxtyping import PyTree
 
 from ._format import IntFormat
-from ._int_ops import INT32_MAX, integer_grid, opaque, sum_in_order
+from ._int_ops import INT32_MAX, group_sums, integer_grid, opaque, sum_in_order
 from ._layout import Layout
-from ._misc import computed_before, flat
+from ._misc import computed_before, flat, whole_batch
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant
 from ._tree import path_string
@@ -606,11 +606,12 @@ def _integer_sums(lhs: Any, rhs: Any, dims: Any, group: int | None) -> Any:
     if group is None:
         dims = ((tuple(range(lhs.ndim - nc, lhs.ndim)), tuple(range(rhs.ndim - nc, rhs.ndim))),
                 (tuple(range(nb)), tuple(range(nb))))  # fmt: skip
-    else:  # the tiles as a batch axis, first: (tiles, batch, free, free)
-        tiled = lambda a: a.reshape(a.shape[:-1] + (a.shape[-1] // group, group))  # noqa: E731
-        lhs, rhs = tiled(lhs), tiled(rhs)
-        dims = (((lhs.ndim - 1,), (rhs.ndim - 1,)), ((lhs.ndim - 2, *range(nb)), (rhs.ndim - 2, *range(nb))))
-    return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
+        return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
+    # The tiles as a batch axis, first: (tiles, batch, free, free).
+    tiled = lambda a: a.reshape(a.shape[:-1] + (a.shape[-1] // group, group))  # noqa: E731
+    lhs, rhs = tiled(lhs), tiled(rhs)
+    dims = (((lhs.ndim - 1,), (rhs.ndim - 1,)), ((lhs.ndim - 2, *range(nb)), (rhs.ndim - 2, *range(nb))))
+    return group_sums(lhs, rhs, dims, group)
 
 
 def _tile_scales(w_scale: Any, side: int, dims: Any, other_free: int, group: int) -> Any:
@@ -634,8 +635,8 @@ def _integer_value(dims, side, weight_first, group, x_levels, x_scale, x_nan, w_
     (two activations) by the product of the two scales, as [`eqx_quant.nn.QuantEinsum`][] does. A weight in tiles
     along the contraction (`group`) has one int32 sum per tile, each multiplied by its tile's scale and rounded, the
     tiles' terms added in float32 in order (`sum_in_order`) and then multiplied by the input's scale, as a linear
-    layer sums its groups. The
-    input's scale is one per tensor, or (broadcast to its shape) constant along the contraction."""
+    layer sums its groups (for the whole batch of a `jax.vmap` at once, see `_tiled_sums`). The input's scale is one
+    per tensor, or (broadcast to its shape) constant along the contraction."""
     lhs, rhs = (w_levels, x_levels) if side == 1 else (x_levels, w_levels)
     (lc, rc), (lb, rb) = dims
     free = [len([d for d in range(o.ndim) if d not in c and d not in b]) for o, c, b in ((lhs, lc, lb), (rhs, rc, rb))]
@@ -645,13 +646,35 @@ def _integer_value(dims, side, weight_first, group, x_levels, x_scale, x_nan, w_
         nan = nan | _arranged(w_nan, w_side, dims, free[side], _any)
     x_arranged = x_scale.reshape(()) if x_scale.size == 1 else _arranged(x_scale, side, dims, free[w_side], _first)
     if group is not None:
-        terms = _integer_sums(lhs, rhs, dims, group) * _tile_scales(w_scale, w_side, dims, free[side], group)
-        y = sum_in_order(opaque(terms)) * x_arranged
+        y = _tiled_sums(dims, side, group, x_levels.ndim)((w_levels, w_scale), x_levels) * x_arranged
         return opaque(jnp.where(nan, jnp.nan, y))
     w_arranged = _arranged(w_scale, w_side, dims, free[side], _first)
     y = _integer_sums(lhs, rhs, dims, None).astype(w_arranged.dtype)
     y = (y * w_arranged) * x_arranged if weight_first else y * (x_arranged * w_arranged)
     return opaque(jnp.where(nan, jnp.nan, y))
+
+
+@functools.cache
+def _tiled_sums(dims: Any, side: int, group: int, x_ndim: int) -> Callable[[Any, Any], Any]:
+    """The tiles' scaled int32 sums of a weight in tiles, added in order: `f((w_levels, w_scale), x_levels)`, which
+    sees the whole batch of a `jax.vmap` around it (`whole_batch`): the batch's axes join the input's free axes, so
+    that the sums (tiles x batch x outputs) are computed tiles first and never moved; only the result is."""
+
+    def sums(weight: Any, x: Any) -> Any:
+        w_levels, w_scale = weight
+        extra = x.ndim - x_ndim  # leading axes of the batch
+        (lc, rc), (lb, rb) = dims
+        shift = lambda axes: tuple(a + extra for a in axes)  # noqa: E731
+        mapped = ((shift(lc), rc), (shift(lb), rb)) if side == 0 else ((lc, shift(rc)), (lb, shift(rb)))
+        lhs, rhs = (w_levels, x) if side == 1 else (x, w_levels)
+        (mlc, mrc), (mlb, mrb) = mapped
+        free = [o.ndim - len(c) - len(b) for o, c, b in ((lhs, mlc, mlb), (rhs, mrc, mrb))]
+        terms = _integer_sums(lhs, rhs, mapped, group) * _tile_scales(w_scale, 1 - side, mapped, free[side], group)
+        y = sum_in_order(opaque(terms))  # (batch, left free, right free), the mapped axes first among the input's
+        first = len(lb) + (0 if side == 0 else free[0])
+        return jnp.moveaxis(y, tuple(range(first, first + extra)), tuple(range(extra)))
+
+    return whole_batch(sums, batched_output=True)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1, 2, 3))

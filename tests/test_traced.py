@@ -307,6 +307,9 @@ def test_grouped_integer_product_against_numpy():
     converted = eqx_quant.convert(quantized)
     assert converted.model.w.packed_bits == 4
     assert_bitwise_equal(_call(converted, (x,), {}), expected)
+    # Mapped from outside over two sequences, the second twice the first (scales twice as large, the same levels).
+    mapped = _call(jax.vmap(converted), (jnp.stack([x, 2 * x]),), {})
+    assert_bitwise_equal(mapped, np.stack([expected, 2 * expected]))
     # `matmul="float"` keeps the float product of the fake-quantized operands: other sums, other bits.
     rules = [dataclasses.replace(r, matmul="float") for r in eqx_quant.recipe("w4a8_g32")["rules"]]
     floated = eqx_quant.quantize(model, rules, example=(x,))
