@@ -16,6 +16,7 @@ from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
 from ._traced import QuantTraced, replaced
 from ._tree import map_nodes, nodes, path_string
 from .nn._converted import ConvertedConv, ConvertedEmbedding, ConvertedLinear
+from .nn._einsum import QuantEinsum
 from .nn._layers import AbstractQuantLayer, QuantEmbedding, QuantLinear, per_layer, stack_depth
 
 
@@ -111,10 +112,12 @@ def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> 
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][] (trained or calibrated).
-    - `matmul`: `None` (default) keeps each layer's (and traced weight's) `matmul`; `"int"` makes every converted
-        product compute on the integers where the formats allow it, as if quantized with `matmul="int"` (a model
-        trained with the float product, deployed on integers: its outputs then differ from the fake-quant model's
-        by rounding); `"float"` makes them all compute the float product of the quantized operands.
+    - `matmul`: `None` (default) keeps each layer's (traced weight's, [`eqx_quant.nn.QuantEinsum`][]'s) `matmul`;
+        `"int"` makes every converted product compute on the integers where the formats allow it, as if quantized
+        with `matmul="int"` (a model trained with the float product, deployed on integers: its outputs then differ
+        from the fake-quant model's by rounding); `"float"` makes them all compute the float product of the
+        quantized operands. (The products of two activations found by tracing have no `matmul`: they compute on the
+        integers where the formats allow it, either way.)
 
     **Returns:**
 
@@ -181,6 +184,9 @@ def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> 
         return ConvertedConv(skeleton, tensor, _frozen_input_quant(layer.input_quant), matmul or layer.matmul)
 
     model = map_nodes(model, (AbstractQuantLayer,), to_int)
+    if matmul is not None and nodes(model, (QuantEinsum,)):
+        model = map_nodes(model, (QuantEinsum,), lambda path, e: QuantEinsum(
+            e.einsum, lhs_quant=e.lhs_quant, rhs_quant=e.rhs_quant, matmul=matmul))  # fmt: skip
     if not nodes(model, (QuantTraced,)):
         return model  # rebuilt no further: its other nodes stay the very objects they were
     return map_nodes(model, (QuantTraced,), lambda path, traced: _convert_traced(traced, matmul))

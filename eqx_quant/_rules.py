@@ -339,15 +339,6 @@ class _Decision:
     products: Any
     backward: QuantizedBackward | UnquantizedBackward | None
     matmul: str
-    per_token: bool = False  # the input made by a `LayerQuantizer` with `per_token=True`
-
-
-def _per_token(spec: object, path: str, match: str) -> bool:
-    """Whether the input spec that reaches `path` is a `LayerQuantizer` with `per_token=True` (through a mapping)."""
-    if isinstance(spec, Mapping):
-        value = next((v for pattern, v in spec.items() if _matches(pattern, path, match)), None)
-        return _per_token(value, path, match)
-    return isinstance(spec, LayerQuantizer) and spec.per_token
 
 
 def _legacy_rules(
@@ -379,7 +370,7 @@ def _legacy_rules(
         weight = _resolve("weights", weights, path, layer, match, used)
         inputs = None if isinstance(layer, eqx.nn.Embedding) else _resolve("activations", activations, path, layer,
                                                                           match, used)  # fmt: skip
-        return _Decision(weight, inputs, None, backward, matmul, _per_token(activations, path, match))
+        return _Decision(weight, inputs, None, backward, matmul)
 
     def check(paths: list[str]) -> None:
         if where is not None and isinstance(where, str) and not any(_matches(where, p, match) for p in paths):
@@ -411,7 +402,7 @@ def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable, Callable]:
             weight = _resolve("weight", rule.weight, path, layer, "full", _Used())
             inputs = None if isinstance(layer, eqx.nn.Embedding) else _resolve("input", rule.input, path, layer,
                                                                               "full", _Used())  # fmt: skip
-            return _Decision(weight, inputs, None, rule.backward, rule.matmul, _per_token(rule.input, path, "full"))
+            return _Decision(weight, inputs, None, rule.backward, rule.matmul)
         return None
 
     def check(paths: list[str]) -> None:
@@ -695,16 +686,29 @@ def quantize(
         return wrapped
     weights = tuple(None if d.weight is None else weight_layout(d.weight, traced[path]) for path, d in chosen)
     inputs = tuple(d.input for _, d in chosen)
-    for path, decision in chosen:
-        if not decision.per_token:  # per-token inputs are laid out at each product
+    per_token = tuple(_per_token(d.input, traced[path]) for path, d in chosen)
+    for (path, decision), tokens in zip(chosen, per_token, strict=True):
+        if not tokens:  # per-token inputs are laid out at each product
             _check_fits(path, decision.input, operands[path])
     stacks = tuple(traced[path].stack for path, _ in chosen)
     matmuls = tuple(d.matmul for _, d in chosen)
     quantizers = tuple(q if isinstance(q, tuple) else (q, q) for _, q in pairs)
     pairings = tuple(traced[path].pairing for path, _ in chosen)
-    per_token = tuple(d.per_token for _, d in chosen)
     return QuantTraced(wrapped, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls, quantizers,
                        tuple(k for k, _ in pairs), len(activations), pairings, per_token)  # fmt: skip
+
+
+def _per_token(quantizer: object, product: TracedProduct) -> bool:
+    """Whether an input quantizer has one dynamic scale per token of its (first) product: per index of the axes of
+    the activation operand that the product does not sum over, as `LayerQuantizer(..., per_token=True)` makes it
+    (directly or inside a factory). `QuantTraced` then lays its scales out along each call's tokens."""
+    if not isinstance(quantizer, DynamicFakeQuant) or product.primitive != "dot_general":
+        return False
+    layout, ndim = quantizer.layout, len(product.input_shape)
+    free = tuple(a for a in range(ndim) if a not in product.input_contracted)
+    if layout.group_size is not None or layout.stacked or not free or any(not -ndim <= a < ndim for a in layout.axes):
+        return False
+    return tuple(sorted(a % ndim for a in layout.axes)) == free
 
 
 def _check_fits(path: str, quantizer: object, operands: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:

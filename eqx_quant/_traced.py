@@ -866,11 +866,12 @@ class QuantTraced(eqx.Module):
     - `pairings`: for each traced weight, its contracted axes in the order its products pair them with their input's
         (see [`eqx_quant.TracedProduct`][]), or `None` (static): what [`eqx_quant.gptq`][] needs to lay the weight out
         as a matrix.
-    - `per_token`: for each traced weight, whether a [`eqx_quant.DynamicFakeQuant`][] input quantizer of its
+    - `per_token`: for each traced weight, whether the [`eqx_quant.DynamicFakeQuant`][] input quantizer of its
         products has one scale per token (static): per index of the axes of each product's activation operand that
-        the product does not sum over, whatever the rank of the call's inputs (as
-        [`eqx_quant.LayerQuantizer`][]`(..., per_token=True)` asks); its own layout is then only the first product's
-        of the example. Convolutions keep the quantizer as it is.
+        the product does not sum over, whatever the rank of the call's inputs. `quantize` sets it where the input
+        quantizer has one scale per index of exactly those axes of the example's first product (as
+        [`eqx_quant.LayerQuantizer`][]`(..., per_token=True)` makes it); its own layout is then that product's.
+        Convolutions keep the quantizer as it is.
     """
 
     model: PyTree

@@ -1,6 +1,7 @@
 """Integer conversion: `convert`, the integer layers, 4-bit packing, the integer forward of the quantized layers,
 `save` / `load` and the safetensors export."""
 
+import dataclasses
 import json
 import re
 import struct
@@ -1020,3 +1021,17 @@ def test_layers_with_float_products_keep_them_when_converted(tmp_path):
             on_integers = eqx_quant.convert(quantized, matmul="int")
             assert_bitwise_equal(call(on_integers, x), call(int_model, x))
         int_model = quantized
+
+
+@pytest.mark.slow
+def test_convert_with_matmul_reaches_the_products_of_two_activations():
+    attention = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (6, 16))
+    rules = eqx_quant.recipe("w8a8_attn")["rules"]
+    on_integers = eqx_quant.quantize(attention, rules)
+    in_float = eqx_quant.quantize(attention, [dataclasses.replace(rule, matmul="float") for rule in rules])
+    call = eqx.filter_jit(lambda m, x: m(x, x, x))
+    for model, other, matmul in ((in_float, on_integers, "int"), (on_integers, in_float, "float")):
+        converted = eqx_quant.convert(model, matmul=matmul)
+        assert [converted.scores.matmul, converted.values.matmul] == [matmul] * 2
+        assert_bitwise_equal(call(converted, x), call(other, x))

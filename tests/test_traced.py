@@ -711,6 +711,15 @@ def test_per_token_inputs(tmp_path):
     assert_bitwise_equal(first, _call(quantized_linear, (tokens[0],), {}))
     eqx_quant.save(tmp_path / "two.eqx", two)
     assert eqx_quant.load(tmp_path / "two.eqx", Two(linear.weight)).per_token == (True,)
+    # A factory around the per-token quantizer, or a rule's quantizer with one scale per token of the example's
+    # product, is taken as per token too.
+    wrapped = [eqx_quant.Rule(".*", weight=W8, input=lambda path, product: eqx_quant.LayerQuantizer(
+        8, input=True, per_token=True)(path, product))]  # fmt: skip
+    rows = [eqx_quant.Rule(".*", weight=W8, input=DynamicFakeQuant(8, axis=0))]
+    for rules in (wrapped, rows):
+        quantized = eqx_quant.quantize(Transposed(linear.weight), rules, example=(tokens,))
+        assert quantized.per_token == (True,)
+        assert_bitwise_equal(_call(quantized, (tokens[1],), {}), _call(quantized_linear, (tokens[1],), {}))
     # A rule's quantizer is applied as it is, and must fit every product's input.
     with pytest.raises(ValueError, match="(?s)traced weight 'w'.*shape \\(8,\\).*Rule\\('w', input="):
         eqx_quant.quantize(Two(linear.weight), [eqx_quant.Rule("w", input=DynamicFakeQuant(8, axis=1))],
