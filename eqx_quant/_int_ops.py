@@ -192,7 +192,7 @@ def int_linear(
     w_scale = _tag_nan(w_scale, None if w_nan is None else _rows(w_nan))
     x_scale = _tag_nan(x_scale, None if x_nan is None else jnp.any(x_nan))
     if spec.group is not None:
-        return _rescale(_grouped_sum(spec.group, w, x, w_scale), None, x_scale, bias)
+        return _rescale(_grouped_sum((w, w_scale), x), None, x_scale, bias)
     k = x.shape[0]
     if k <= spec.chunk:
         acc = int_matvec(w, x)
@@ -239,8 +239,9 @@ def _rows(nan: Array) -> Array:
     return jnp.any(nan, axis=tuple(range(1, nan.ndim)))
 
 
-def _grouped_sum(group: int, w: Array, x: Array, w_scale: Array) -> Array:
-    """`sum_j scale_w[:, j] * (w[:, j] @ x[j])` over the groups `j` of the contraction, in the units of `x`.
+def _grouped_sum_of(weight: tuple[Array, Array], x: Array) -> Array:
+    """`sum_j scale_w[:, j] * (w[:, j] @ x[j])` over the groups `j` of the contraction, in the units of `x`, for
+    `weight = (w, scale_w)` with `w` of shape `(out, groups, group)` and `x` of shape `(*batch, in)`.
 
     Each group's product is an exact int32 sum; it is scaled by its group's weight scale, and the scaled sums are
     added in float32 in the groups' order (`sum_in_order`), each product rounded before it is added. Under `jit`,
@@ -250,12 +251,6 @@ def _grouped_sum(group: int, w: Array, x: Array, w_scale: Array) -> Array:
     the product's batch axis came out in front of the groups', and moving the products (groups x batch x outputs)
     there and back cost as much as computing them.
     """
-    del group  # the shape of `w`: (out, groups, group)
-    return _grouped_sums((w, w_scale), x)
-
-
-def _grouped_sums_of(weight: tuple[Array, Array], x: Array) -> Array:
-    """`_grouped_sum` for `x` with leading batch axes: `(*batch, in)` to `(*batch, out)`."""
     w, w_scale = weight
     out, groups, group = w.shape
     batch = x.shape[:-1]
@@ -266,7 +261,7 @@ def _grouped_sums_of(weight: tuple[Array, Array], x: Array) -> Array:
     return sum_in_order(terms).reshape(batch + (out,))
 
 
-_grouped_sums = whole_batch(_grouped_sums_of, batched_output=True)
+_grouped_sum = whole_batch(_grouped_sum_of, batched_output=True)
 
 
 def group_sums(lhs: Array, rhs: Array, dims: Any, length: int) -> Array:

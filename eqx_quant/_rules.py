@@ -177,8 +177,7 @@ class LayerQuantizer:
             if product.primitive != "dot_general":
                 return DynamicFakeQuant(fmt)  # a convolution's windows overlap: per tensor
             # The example's tokens; `QuantTraced` lays the scales out again along each call's (`per_token`).
-            free = tuple(a for a in range(len(shape)) if a not in axes)
-            return DynamicFakeQuant(fmt, axis=free or None)
+            return DynamicFakeQuant(fmt, axis=product.input_free or None)
         if self.input:
             return DynamicFakeQuant(fmt, **tiles) if blocks else DynamicFakeQuant(fmt)  # pyright: ignore
         layout = tiles or dict(axis=product.channels)
@@ -704,11 +703,10 @@ def _per_token(quantizer: object, product: TracedProduct) -> bool:
     (directly or inside a factory). `QuantTraced` then lays its scales out along each call's tokens."""
     if not isinstance(quantizer, DynamicFakeQuant) or product.primitive != "dot_general":
         return False
-    layout, ndim = quantizer.layout, len(product.input_shape)
-    free = tuple(a for a in range(ndim) if a not in product.input_contracted)
-    if layout.group_size is not None or layout.stacked or not free or any(not -ndim <= a < ndim for a in layout.axes):
+    layout, ndim, tokens = quantizer.layout, len(product.input_shape), product.input_free
+    if layout.group_size is not None or layout.stacked or not tokens or any(not -ndim <= a < ndim for a in layout.axes):
         return False
-    return tuple(sorted(a % ndim for a in layout.axes)) == free
+    return tuple(sorted(a % ndim for a in layout.axes)) == tokens
 
 
 def _check_fits(path: str, quantizer: object, operands: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> None:

@@ -77,6 +77,12 @@ class TracedProduct(eqx.Module):
     pairing: tuple[int, ...] | None = eqx.field(static=True, default=None)
 
     @property
+    def input_free(self) -> tuple[int, ...]:
+        """The activation operand's axes that the product does not sum over: one scale per index along them is one
+        per token."""
+        return free_axes(len(self.input_shape), self.input_contracted)
+
+    @property
     def channels(self) -> tuple[int, ...]:
         """The weight's axes that the product does not sum over: one scale per index along them is one per output
         channel."""
@@ -89,6 +95,11 @@ class TracedProduct(eqx.Module):
             f"{self.primitive}: weight {self.path!r} ({shape}) summed over its axes {self.contracted}, input "
             f"{self.input_shape} over {self.input_contracted}"
         )
+
+
+def free_axes(ndim: int, contracted: Sequence[int]) -> tuple[int, ...]:
+    """The axes of an operand of rank `ndim` that a product does not sum over."""
+    return tuple(a for a in range(ndim) if a not in contracted)
 
 
 class _Use(NamedTuple):
@@ -334,8 +345,9 @@ class IntWeight(NamedTuple):
 
 
 class Inputs(NamedTuple):
-    """For each leaf (by program input), the input quantizer of its products and the stack axes its arrays carry;
-    for the leaves whose products may compute on integers, their grid (`IntWeight`); the quantizers of
+    """For each leaf (by program input), the input quantizer of its products and the stack axes its arrays carry; the
+    leaves whose input quantizers are per token (laid out at each product); for the leaves whose products may compute
+    on integers, their grid (`IntWeight`); the quantizers of
     the products of two activations to quantize, and the equations that hold them, each by its chain of equation ids
     (see `evaluate`)."""
 
@@ -500,8 +512,8 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
     side = 1 if views[0] is not None else 0  # the activation's
     quantizer = inputs.quantizers[use.leaf][0]
     if use.leaf in inputs.tokens and isinstance(quantizer, DynamicFakeQuant) and use.primitive == "dot_general":
-        free = tuple(a for a in range(ins[side].ndim) if a not in use.input_contracted)  # this call's tokens
-        quantizer = dataclasses.replace(quantizer, layout=Layout(axes=free))
+        tokens = free_axes(ins[side].ndim, use.input_contracted)  # this call's
+        quantizer = dataclasses.replace(quantizer, layout=Layout(axes=tokens))
     ins = list(ins)
     if hasattr(quantizer, "product_input"):  # an observer that wants to know the contraction (GPTQ's Hessian)
         ins[side] = quantizer.product_input(ins[side], use.input_contracted)  # pyright: ignore

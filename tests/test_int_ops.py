@@ -127,3 +127,19 @@ def test_grouped_sums_add_the_groups_in_order_eagerly_and_compiled():
 @eqx.filter_jit
 def _mapped(layer, x):
     return jax.vmap(layer)(x)
+
+
+def test_grouped_sums_with_one_weight_per_example():
+    # Mapped over the weight and its scales too (an ensemble), the grouped sums are those of each member alone.
+    members = [eqx_quant.quantize(eqx.nn.Linear(64, 4, use_bias=False, key=jax.random.key(i)),
+                                  eqx_quant.recipe("w4a8_g32")["rules"]) for i in range(2)]  # fmt: skip
+    x = jnp.asarray(RNG.standard_normal((2, 64)).astype(np.float32))
+    stacked = jax.tree.map(lambda *a: jnp.stack(a) if eqx.is_array(a[0]) else a[0], *members)
+    together = _mapped_ensemble(stacked, x)
+    for i, member in enumerate(members):
+        assert_bitwise_equal(together[i], _mapped(member, x[i : i + 1])[0])
+
+
+@eqx.filter_jit
+def _mapped_ensemble(layers, x):
+    return eqx.filter_vmap(lambda layer, x: layer(x))(layers, x)

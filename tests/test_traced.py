@@ -416,6 +416,7 @@ def test_factories_receive_the_traced_product():
     assert isinstance(wq, eqx_quant.TracedProduct)
     assert (wq.contracted, wq.channels, wq.input_shape, wq.input_contracted) == ((1,), (0, 2), (5, 8), (1,))
     assert (wo.contracted, wo.channels, wo.input_shape, set(wo.input_contracted)) == ((0, 1), (2,), (5, 2, 4), {1, 2})
+    assert wq.input_free == wo.input_free == (0,)  # the tokens
     assert wq.primitive == "dot_general" and wq.stack == () and wq.weight is model.wq
     seen.clear()
     eqx_quant.quantize(STACK, [eqx_quant.Rule(".*", weight=factory)], example=CASES["scan_stack"][2])

@@ -19,7 +19,7 @@ def converted_forward(layer: "AbstractConvertedLayer", x: Array, key: PRNGKeyArr
     the same decision as the quantized layer's allows it, else the float layer on the dequantized weight."""
     float_layer = layer.layer
     vector = as_vector(float_layer, x)
-    integer = layer.matmul == "int"  # pyright: ignore[reportAttributeAccessIssue]
+    integer = layer.matmul == "int"  # pyright: ignore[reportAttributeAccessIssue]  # linear and conv layers have it
     if not (integer and integer_grid(layer.input_quant) and integer_grid(layer.qweight)):
         return layer._float_path(x, key)
     x_int, x_nan = layer.input_quant.quantize_with_mask(vector)  # pyright: ignore[reportOptionalMemberAccess]
