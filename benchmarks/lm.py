@@ -135,10 +135,10 @@ class Preset:
 INT_RECIPES = ("w8a8", "w8a8_attn", "w4a8_g32", "w4a4_g32", "w4a16_g32", "w3a16_g32", "w2a16_g32")
 FULL_RECIPES = (*INT_RECIPES, "w2a16_stretched", "ternary", "fp8", "mxfp4", "nvfp4", "q8_0", "q4_0")
 METHODS = ("rtn", "gptq", "qat", "ptq_qat", "qad")
-FLOAT_RECIPES = ("fp8", "mxfp4", "nvfp4")  # low-precision float formats: round-to-nearest and QAT rows only
-# Without a GPTQ row: the float formats, and the GGML formats with signed block scales, which `gptq` cannot hold for
-# the stacked blocks of this model.
-NO_GPTQ = (*FLOAT_RECIPES, "q4_0", "q5_0")
+FLOAT_RECIPES = ("fp8", "mxfp4", "nvfp4")  # low-precision float formats
+# Without a GPTQ row: the GGML formats with signed block scales, which `gptq` cannot hold for the stacked blocks of
+# this model.
+NO_GPTQ = ("q4_0", "q5_0")
 # The tied embedding (the model's input layer and its output head) stays at 8 bits per row in every recipe, as the
 # first and last layers usually do.
 KEEP = ("embed",)
@@ -545,8 +545,8 @@ QAT_METHODS = ("qat", "ptq_qat", "qad")
 PTQ_METHODS = (
     "rtn", "gptq", "gptq_one_pass", "smoothquant", "awq", "awq_gptq", "rotate", "rotate_gptq", "autoround",
 )  # fmt: skip
-# The PTQ algorithms of `PTQ_ARMS` (besides `rtn` and `gptq`) run on the integer recipes only; `smoothquant` only where
-# the inputs are quantized.
+# The PTQ algorithms of `PTQ_ARMS` (besides `rtn` and `gptq`) run on the integer and float recipes only;
+# `smoothquant` only where the inputs are quantized.
 PTQ_ARMS = PTQ_METHODS[2:]
 
 
@@ -669,7 +669,8 @@ def run(
     - `recipes`: the recipes of the quantized rows (default: the preset's).
     - `methods`: the methods of every recipe, among `ARMS` (default `METHODS`): `"rtn"`, `"gptq"`, `"qat"`, ... (not
         `"gptq"` for the recipes of `NO_GPTQ`, which this benchmark measures by round-to-nearest and QAT only; the
-        PTQ algorithms of `PTQ_ARMS` on the integer recipes only, `"smoothquant"` where inputs are quantized).
+        PTQ algorithms of `PTQ_ARMS` on the integer and float recipes only, `"smoothquant"` where inputs are
+        quantized).
         Each row is the fake-quantized model's validation bits per character, its converted (integer) model's, and
         the size of the converted model's file.
     - `progress`: whether to show progress bars (on stderr).
@@ -737,7 +738,8 @@ def run(
         for method in methods:
             if method in ("gptq", "ptq_qat") and recipe in NO_GPTQ:
                 continue
-            if method in PTQ_ARMS and (recipe not in INT_RECIPES or (method == "smoothquant" and "a16" in recipe)):
+            ptq_recipe = recipe in INT_RECIPES or recipe in FLOAT_RECIPES
+            if method in PTQ_ARMS and (not ptq_recipe or (method == "smoothquant" and "a16" in recipe)):
                 continue
             start = time.perf_counter()
             if method == "ptq_qat" and "gptq" in built:  # its seconds are then its fine-tuning's

@@ -82,9 +82,12 @@ def _first(path: str, layer: eqx.Module) -> bool:
     return path == "layers.0"
 
 
+ALPHAS = tuple(i / 10 for i in range(11))  # SmoothQuant's candidates when each layer searches its own
+
 TRANSFORMS: dict[str, Callable[[Any, list, int], Any]] = {
     "smoothquant": lambda m, batches, seed: eqx_quant.smoothquant(m, batches, alpha=0.5),
     "smoothquant_0.75": lambda m, batches, seed: eqx_quant.smoothquant(m, batches, alpha=0.75),
+    "smoothquant_search": lambda m, batches, seed: eqx_quant.smoothquant(m, batches, alpha=ALPHAS),
     "awq": lambda m, batches, seed: eqx_quant.awq(m, batches),
     "rotate": lambda m, batches, seed: eqx_quant.rotate(m, key=jax.random.key(seed), where=_hidden),
     # SmoothQuant on the first layer (which sees the outlier features), rotations on the hidden ones
@@ -115,11 +118,13 @@ CONFIGS = (
     Config("W8A8 RTN", 8),
     Config("W8A8 SmoothQuant 0.5", 8, "smoothquant"),
     Config("W8A8 SmoothQuant 0.75", 8, "smoothquant_0.75"),
+    Config("W8A8 SmoothQuant, alpha per layer", 8, "smoothquant_search"),
     Config("W8A8 AWQ", 8, "awq"),
     Config("W4A8 RTN", 4),
     Config("W4A8 GPTQ", 4, gptq=True),
     Config("W4A8 GPTQ act_order", 4, gptq=True, act_order=True),
     Config("W4A8 SmoothQuant 0.5 + GPTQ", 4, "smoothquant", gptq=True),
+    Config("W4A8 SmoothQuant, alpha per layer + GPTQ", 4, "smoothquant_search", gptq=True),
     Config("W4A8 AWQ + GPTQ", 4, "awq", gptq=True),
     Config("W4A8 rotate(hidden) + GPTQ", 4, "rotate", gptq=True),
     # The best of a few combinations tried on the full preset (not one of the targets' rows)
@@ -283,12 +288,12 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], Callable[[float, float], bool]]] 
     ),
     "smoothquant_w8a8": (
         "SmoothQuant W8A8 within 0.5 points or 0.5% rel. error",
-        ("W8A8 SmoothQuant 0.5", "W8A8 SmoothQuant 0.75"),
+        ("W8A8 SmoothQuant 0.5", "W8A8 SmoothQuant 0.75", "W8A8 SmoothQuant, alpha per layer"),
         lambda drop, rel_error: drop <= 0.5 or rel_error <= 0.005,
     ),
     "w4a8_smoothquant_or_awq_gptq": (
         "W4A8 SmoothQuant or AWQ + GPTQ within 2 points",
-        ("W4A8 SmoothQuant 0.5 + GPTQ", "W4A8 AWQ + GPTQ"),
+        ("W4A8 SmoothQuant 0.5 + GPTQ", "W4A8 SmoothQuant, alpha per layer + GPTQ", "W4A8 AWQ + GPTQ"),
         lambda drop, rel_error: drop <= 2.0,
     ),
 }

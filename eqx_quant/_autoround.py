@@ -9,52 +9,104 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
-from ._format import Format, IntFormat
+from ._format import FloatFormat, Format, IntFormat, apply_scale, effective_scale, exponent, pow2, reciprocal
 from ._gptq_model import solve_weights
 from ._misc import FLOAT32_TINY, check_int, check_real
+from ._scales import block_absmax, block_scale, e8m0_scale, ggml_scale, tensor_scale_of
 
 
-def _check_format(path: str, fmt: Format) -> None:
-    if not isinstance(fmt, IntFormat) or fmt.scale != "float32":
-        raise ValueError(
-            f"Layer {path!r} quantizes its weight to {fmt.name}; `autoround` learns the rounding of integer grids "
-            "with float32 scales. Use `gptq` for float and block formats, or exclude the layer with `where`."
-        )
+def _exact(smooth: Array, value: Array) -> Array:
+    """`value` in the forward pass, with the derivatives of `smooth` (a straight-through estimate): `smooth -
+    smooth` is exactly 0, so the value is `value`'s to the bit."""
+    return smooth - jax.lax.stop_gradient(smooth) + jax.lax.stop_gradient(value)
 
 
-@functools.partial(jax.jit, static_argnames=("qmin", "qmax", "group_size", "steps"))
+def offset_levels(fmt: Format, v: Array, offset: Array) -> Array:
+    """The grid points of `v` (a weight over its scale) rounded after moving it by `offset ∈ [-1/2, 1/2]` steps of
+    the grid around it, saturated at the grid's ends: `offset = 0` is the format's own rounding to nearest, and any
+    offset picks one of the two grid points next to `v`. On an integer grid the step is 1; on a float grid it is
+    the spacing of the binade of `|v|` (`2**(max(e, emin) - nmant)`), so that `v` just above a power of two cannot
+    be moved to a point of the finer binade below."""
+    if not isinstance(fmt, FloatFormat):
+        return fmt.levels(v + offset, None)
+    v = jnp.clip(v, -fmt.bound, fmt.bound)
+    k = jnp.maximum(exponent(jnp.abs(v)), fmt.emin) - fmt.nmant
+    return fmt.levels(jnp.round(v * pow2(-k, v.dtype) + offset) * pow2(k, v.dtype), None)
+
+
+def _unsaturated(fmt: Format) -> tuple[float, float]:
+    """The range of `v + offset` whose rounding does not saturate (where gradients pass): half a step beyond the
+    grid's ends (the format's limits, but for integer grids rounding halves to even, whose limits are the ends, and
+    float grids, whose limits are their largest values)."""
+    if isinstance(fmt, FloatFormat):
+        half = 2.0 ** (fmt.emax - fmt.nmant - 1)
+        return -fmt.bound - half, fmt.bound + half
+    if isinstance(fmt, IntFormat) and fmt.rounding == "half_even" and fmt.window == "levels":
+        return fmt.qmin - 0.5, fmt.qmax + 0.5
+    return fmt.limits(None, 0)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "group_size", "steps"))
 def autoround_solve(
     weight: Float[Array, "out n"],
     hessian: Float[Array, "n n"],
     learning_rate: Float[Array, ""],
     *,
-    qmin: int,
-    qmax: int,
+    fmt: Format,
     group_size: int | None,
     steps: int,
-) -> tuple[Array, Array, None]:
-    """AutoRound on one layer: `W̃ = s * clip(round(W / s + V), qmin, qmax)` with `s = α max|w| / qmax` per row or
-    group, `V ∈ [-1/2, 1/2]` per weight and `α ∈ [1/2, 1]` per row or group, trained for `steps` steps of signed
-    gradient descent (the learning rate decaying linearly to 0, the rounding's gradient passed straight through) on
-    the output error `tr((W̃ - W) H (W̃ - W)ᵀ)`; the parameters of least error seen are kept (`V = 0, α = 1`, round
-    to nearest, among them). Returns `(W̃, s, None)`, `s` of shape `(out,)` or `(out, groups)`."""
+) -> tuple[Array, Array, Array | None]:
+    """AutoRound on one layer: `W̃ = s(α) * q(W / s(α), V)`, the levels `q` of [`offset_levels`][] with an offset
+    `V ∈ [-1/2, 1/2]` per weight, the scales `s(α)` those of the format for the row's or group's largest magnitude
+    times `α ∈ [1/2, 1]` (per row or group); `V` and `α` trained for `steps` steps of signed gradient descent (the
+    learning rate decaying linearly to 0, the rounding's gradient passed straight through where it does not
+    saturate, the block formats' scale rules as if `s` were `α` times the unclipped scale) on the output error
+    `tr((W̃ - W) H (W̃ - W)ᵀ)`; the parameters of least error seen are kept (`V = 0, α = 1`, round to nearest,
+    among them). NVFP4's tensor scale is that of the original weight. Returns `(W̃, s, tensor scale)`, `s` of
+    shape `(out,)` or `(out, groups)` as the format holds it (MX: powers of two; NVFP4: the block scales)."""
     out, n = weight.shape
     g = n if group_size is None else group_size
     w = weight.astype(jnp.float32).reshape(out, n // g, g)
     hessian = hessian.astype(jnp.float32)
-    top = jnp.max(jnp.abs(w), axis=-1, keepdims=True)
+    top = block_absmax(w, 2)[0]
+    t = tensor_scale_of(top, fmt) if fmt.scale == "e4m3" else None
 
-    def scale(alpha):
-        return jnp.maximum(alpha * top / qmax, FLOAT32_TINY)
+    def format_scale(alpha):  # the format's scale of groups whose largest magnitude is `alpha * top`
+        clipped = alpha * top
+        if fmt.scale == "float32":
+            return jnp.maximum(clipped / fmt.bound, FLOAT32_TINY)
+        if fmt.scale == "e8m0":
+            return e8m0_scale(clipped, fmt)
+        if fmt.scale == "e4m3":
+            assert t is not None
+            return block_scale(clipped, t, fmt)
+        assert isinstance(fmt, IntFormat)
+        return ggml_scale(alpha * w, clipped, 2, fmt)
 
-    def levels(params, straight_through):
+    unclipped = effective_scale(format_scale(jnp.ones_like(top)), t)
+    low, high = _unsaturated(fmt)
+
+    def quantized(params, straight_through=True):
         offset, alpha = params
-        y = w / scale(alpha) + offset
-        rounded = y + jax.lax.stop_gradient(jnp.round(y) - y) if straight_through else jnp.round(y)
-        return jnp.clip(rounded, qmin, qmax)
+        s = format_scale(alpha)
+        v = w * reciprocal(fmt, s, t, 3)
+        q = offset_levels(fmt, v, offset)
+        value = apply_scale(fmt, q, s, t)
+        if not straight_through:
+            return value, s
+        # The derivatives of `s_α * clip(w / s_α + V * step)`, `s_α = α * unclipped` (on float32 scales the scale
+        # itself), the step that of `offset_levels` and the clip passing gradients inside the grid's limits.
+        s_alpha = s if fmt.scale == "float32" else _exact(alpha * unclipped, effective_scale(s, t))
+        step = 1.0
+        if isinstance(fmt, FloatFormat):
+            k = jnp.maximum(exponent(jnp.abs(jnp.clip(v, -fmt.bound, fmt.bound))), fmt.emin) - fmt.nmant
+            step = pow2(k, v.dtype)
+        u = _exact(w / jnp.where(s_alpha != 0, s_alpha, 1.0), v) + offset * step
+        inside = (u >= low) & (u <= high)
+        return _exact(s_alpha * _exact(jnp.where(inside, u, jax.lax.stop_gradient(u)), q), value), s
 
-    def loss(params, straight_through=True):
-        d = (levels(params, straight_through) * scale(params[1]) - w).reshape(out, n)
+    def loss(params):
+        d = (quantized(params)[0] - w).reshape(out, n)
         return jnp.sum(jnp.matmul(d, hessian, precision=jax.lax.Precision.HIGHEST) * d)
 
     def step(carry, i):
@@ -70,9 +122,9 @@ def autoround_solve(
     start = (jnp.zeros_like(w), jnp.ones_like(top))
     (last, best, best_loss), _ = jax.lax.scan(step, (start, start, jnp.inf), jnp.arange(steps, dtype=jnp.float32))
     best = jax.tree.map(lambda p, b: jnp.where(loss(last) < best_loss, p, b), last, best)
-    s = scale(best[1])
-    new_weight = (levels(best, straight_through=False) * s).reshape(out, n).astype(weight.dtype)
-    return new_weight, s[:, 0, 0] if group_size is None else s[..., 0], None
+    new_weight, s = quantized(best, straight_through=False)
+    s = s[:, 0, 0] if group_size is None else s[..., 0]
+    return new_weight.reshape(out, n).astype(weight.dtype), s, t
 
 
 def autoround(
@@ -91,27 +143,35 @@ def autoround(
 
     Each chosen [`eqx_quant.nn.QuantLinear`][]'s weight becomes
 
-    $$\tilde W = s \cdot \mathrm{clip}\big(\lfloor W / s + V \rceil, q_{\min}, q_{\max}\big), \qquad
-    s = \alpha \max|w| / q_{\max},$$
+    $$\tilde W = s_\alpha \cdot q\big(W / s_\alpha + V \cdot \delta\big),$$
 
     with a rounding offset `V ∈ [-1/2, 1/2]` per weight and a clipping factor `α ∈ [1/2, 1]` per output row or group
-    (the weight quantizer's layout), trained from round to nearest (`V = 0`, `α = 1`) for `steps` steps of signed
-    gradient descent, `θ ← clip(θ - η_t sign(∇θ))` with `η_t` decaying linearly from `learning_rate` (by default
-    `1 / steps`) to 0, rounding's gradient passed straight through. The loss is the layer's output error over all of
-    the calibration data, `tr((W̃ - W) H (W̃ - W)ᵀ)` with `H = Σ x xᵀ` (GPTQ's Hessian), so each step is exact and
-    costs one product with `H`; the parameters of least loss seen are kept, round to nearest among them, so no layer
-    ends worse than round to nearest on that loss. AutoRound trains a transformer block at a time on its output;
-    this trains each linear layer on its own output, and `sequential=True` (the default) collects each layer's `H` on
-    the outputs of the layers already rounded, in call order, as [`eqx_quant.gptq`][] does.
+    (the weight quantizer's layout). `q` rounds to the nearest point of the weight quantizer's grid (its format's own
+    rounding, saturating at the ends) and `δ` is the grid's step around `W / s_α`: 1 on an integer grid, the spacing
+    of the binade on a float grid (FP8, FP6, FP4), so that every offset chooses between the two grid points next to
+    `W / s_α`. `s_α` is the format's scale for a largest magnitude of `α max|w|`: `α max|w| / bound` for float32
+    scales, the power of two of an MX block, NVFP4's `float8_e4m3fn` block scale under the tensor scale of the
+    original weight, GGML's `d`.
 
-    The layer then holds `W̃` and a fixed weight quantizer with the scales `s` (a static [`eqx_quant.FakeQuant`][], or
-    for a stack of layers a [`eqx_quant.LearnedFakeQuant`][] with one set per layer), which computes exactly with the
-    learned integers; [`eqx_quant.convert`][] stores them.
+    `V` and `α` are trained from round to nearest (`V = 0`, `α = 1`) for `steps` steps of signed gradient descent,
+    `θ ← clip(θ - η_t sign(∇θ))` with `η_t` decaying linearly from `learning_rate` (by default `1 / steps`) to 0,
+    rounding's gradient passed straight through (and, for the block formats, whose scales move in steps, the
+    scale's as if it were `α` times the unclipped one). The loss is the layer's output error over all of the
+    calibration data, `tr((W̃ - W) H (W̃ - W)ᵀ)` with `H = Σ x xᵀ` (GPTQ's Hessian), so each step is exact and costs
+    one product with `H`; the parameters of least loss seen are kept, round to nearest among them, so no layer ends
+    worse than round to nearest on that loss. AutoRound trains a transformer block at a time on its output; this
+    trains each linear layer on its own output, and `sequential=True` (the default) collects each layer's `H` on the
+    outputs of the layers already rounded, in call order, as [`eqx_quant.gptq`][] does.
+
+    The layer then holds `W̃` and a fixed weight quantizer with the scales `s_α` (a static [`eqx_quant.FakeQuant`][],
+    or for a stack of layers a [`eqx_quant.LearnedFakeQuant`][] with one set per layer), which computes exactly with
+    the learned grid points; [`eqx_quant.convert`][] stores them.
 
     **Arguments:**
 
-    - `model`: a model from [`eqx_quant.quantize`][] whose chosen weight quantizers are symmetric integer grids with
-        one scale per output row or per group of input columns (e.g. the `"w4a16_g32"` recipe).
+    - `model`: a model from [`eqx_quant.quantize`][] whose chosen weight quantizers are symmetric, with one scale per
+        output row or per group (or block) of input columns, in any format [`eqx_quant.gptq`][] takes: integer grids
+        (e.g. the `"w4a16_g32"` recipe), FP8, FP6 and FP4 with float32 scales, the MX formats, NVFP4, GGML's.
     - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][].
     - `steps`: the steps of signed gradient descent per layer.
     - `learning_rate`: the initial step size (default `1 / steps`).
@@ -123,8 +183,8 @@ def autoround(
 
     **Raises:**
 
-    `ValueError`, naming the layer, for a weight quantizer that is not a symmetric integer grid per row or per group
-    (float and block formats: use `gptq`), or a layer never called on the batches; `ValueError` for `steps` < 1 or a
+    `ValueError`, naming the layer, for a weight quantizer that is not symmetric per row or per group, an integer
+    grid without 0 and positive levels, or a layer never called on the batches; `ValueError` for `steps` < 1 or a
     `learning_rate` that is not positive and finite.
     """
     steps = check_int("steps", steps)
@@ -135,9 +195,8 @@ def autoround(
         raise ValueError(f"`learning_rate` must be positive and finite, got learning_rate={learning_rate!r}.")
 
     def make(fmt: Format, group_size: int | None) -> Callable:
-        assert isinstance(fmt, IntFormat)
         return lambda weight, hessian: autoround_solve(
-            weight, hessian, jnp.float32(rate), qmin=fmt.qmin, qmax=fmt.qmax, group_size=group_size, steps=steps
+            weight, hessian, jnp.float32(rate), fmt=fmt, group_size=group_size, steps=steps
         )
 
-    return solve_weights(model, batches, "autoround", make, sequential, batched, where, progress, _check_format)
+    return solve_weights(model, batches, "autoround", make, sequential, batched, where, progress)

@@ -153,8 +153,11 @@ def calibrate(
     totals = fold(model, targets, batches, batched, "stats", progress=progress)
     _check_finite(totals)
     if two_passes:
-        tops = {path: np.array([record["absmax"] for record in records]) for path, records in totals.items()}
         observed = [(path, layer) for path, layer in targets if path in totals]
+        tops = {
+            path: jnp.asarray([record["absmax"] for record in totals[path]], jnp.float32).reshape(layer_stack(layer))
+            for path, layer in observed
+        }
         counts = fold(model, observed, batches, batched, "hist", tops, num_bins, progress, "calibrate (histograms)")
 
     def fit(t: dict[str, np.ndarray], hist: np.ndarray | None, fmt: Format) -> tuple[float, int]:

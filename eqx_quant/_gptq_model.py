@@ -34,9 +34,10 @@ def _symmetric(quantizer: object) -> bool:
     return symmetric and (not isinstance(fmt, IntFormat) or fmt.qmin <= 0 < fmt.qmax)
 
 
-def _gptq_grid(path: str, quantizer: object) -> tuple[Format, int | None]:
-    """`(format, group_size)` of a weight quantizer that GPTQ can stand in for, or a `ValueError` naming the
-    layer: symmetric, with one scale per output row (`axis=0`) or per group (or block) of input columns."""
+def _gptq_grid(path: str, quantizer: object, name: str) -> tuple[Format, int | None]:
+    """`(format, group_size)` of a weight quantizer that GPTQ (or another weight solver, `name`) can stand in for,
+    or a `ValueError` naming the layer: symmetric, with one scale per output row (`axis=0`) or per group (or block)
+    of input columns."""
     layout = getattr(quantizer, "layout", None)
     fmt = getattr(quantizer, "format", None)
     per_row = layout is not None and layout.axes in ((0,), (-2,)) and layout.group_size is None
@@ -45,8 +46,8 @@ def _gptq_grid(path: str, quantizer: object) -> tuple[Format, int | None]:
     )
     if not _symmetric(quantizer) or not (per_row or per_group):
         raise ValueError(
-            f"Layer {path!r} has weight quantizer {quantizer!r}; GPTQ needs a symmetric one (DynamicFakeQuant, or a "
-            "FakeQuant / LearnedFakeQuant with zero point 0) with one scale per output row (axis=0) or per group "
+            f"Layer {path!r} has weight quantizer {quantizer!r}; `{name}` needs a symmetric one (DynamicFakeQuant, "
+            "or a FakeQuant / LearnedFakeQuant with zero point 0) with one scale per output row (axis=0) or per group "
             "or block of input columns (group_size), on a grid holding 0 and positive levels. Exclude the layer with "
             "`where`."
         )
@@ -229,12 +230,10 @@ def solve_weights(
     batched: bool,
     where: Callable[[str, eqx.Module], bool] | None,
     progress: bool,
-    check: Callable[[str, Format], None] | None = None,
 ) -> PyTree:
     """The model wiring of a weight solver (GPTQ's, AutoRound's): the chosen layers, their Hessians (sequentially or
     from one pass), `make_solve(fmt, group_size)(weight, hessian) -> (weight, compact scales, tensor scale)` on each
-    layer (of a stack), and the layers made to hold the solution with a fixed quantizer of its scales. `check(path,
-    fmt)` may refuse a layer's format."""
+    layer (of a stack), and the layers made to hold the solution with a fixed quantizer of its scales."""
     if not isinstance(sequential, bool):
         raise TypeError(f"`sequential` must be a bool, got sequential={sequential!r}.")
     check_where(where)
@@ -251,24 +250,19 @@ def solve_weights(
         raise ValueError(
             f"`model` has no QuantLinear layer (nor traced weight) with a weight quantizer to quantize with `{name}`."
         )
-    for t in traced:
-        if check is not None:
-            check(t.name, t.fmt)
     if traced:
         batches = list(batches)  # read by both
         if layers:
-            model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, check)
+            model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
         return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
-    return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, check)
+    return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
 
 
-def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, check) -> PyTree:
+def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress) -> PyTree:
     """`solve_weights` on the chosen QuantLinear layers."""
-    grids = {path: _gptq_grid(path, layer.weight_quant) for path, layer in layers}
+    grids = {path: _gptq_grid(path, layer.weight_quant, name) for path, layer in layers}
     for path, layer in layers:
         fmt = grids[path][0]
-        if check is not None:
-            check(path, fmt)
         if layer_stack(layer) and fmt.scale_rule == "signed_max":
             raise ValueError(
                 f"Layer {path!r} is stacked (built with `eqx.filter_vmap`) and quantizes its weight to {fmt.name}, "

@@ -46,11 +46,11 @@ class _Recording:
 _active: list[_Recording] = []  # the recording of the calibration step in progress; empty outside of one
 _HOST_FOLDS = {
     "absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add, "nonfinite": np.add,
-    "finite": np.add, "channel_absmax": np.maximum, "channel_abssum": np.add, "count": np.add,
+    "finite": np.add, "channel_absmax": np.maximum, "channel_abssum": np.add, "count": np.add, "errors": np.add,
 }  # fmt: skip
 _REDUCTIONS = {
     "absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum, "nonfinite": jnp.sum,
-    "finite": jnp.sum, "channel_absmax": jnp.max, "channel_abssum": jnp.sum, "count": jnp.sum,
+    "finite": jnp.sum, "channel_absmax": jnp.max, "channel_abssum": jnp.sum, "count": jnp.sum, "errors": jnp.sum,
 }  # fmt: skip
 
 
@@ -135,17 +135,22 @@ def _channels(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
 _STATISTICS = {"stats": _tensor_stats, "hist": _histogram, "gram": _gram, "channels": _channels}
 
 
+Statistic = str | Callable[[Array, Any, int], dict[str, Array]]
+
+
 class _Observer(AbstractQuantizer):
     """Stands in for an input quantizer during calibration: passes `x` through and reports a statistic of it.
 
-    `index` is the layer's position in its stack and `top` the histogram range of that layer: arrays with the stack's
-    shape, so that a `jax.lax.scan` over stacked layers hands each step its own.
+    `statistic` is a name of `_STATISTICS` or a function `f(x, data, num_bins) -> record` (whose entries are named
+    in `_REDUCTIONS`). `index` is the layer's position in its stack and `data` what the statistic needs of that layer
+    (the histogram range of `"hist"`): arrays with the stack's shape in front, so that a `jax.lax.scan` over stacked
+    layers hands each step its own.
     """
 
     index: Array
-    top: Array | None
+    data: Any
     path: str = eqx.field(static=True)
-    statistic: str = eqx.field(static=True)
+    statistic: Statistic = eqx.field(static=True)
     num_bins: int = eqx.field(static=True)
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
@@ -155,7 +160,8 @@ class _Observer(AbstractQuantizer):
                 f"The stacked layer {self.path!r} was called on the whole stack at once; `calibrate` observes stacked "
                 "layers called one layer at a time (inside `jax.lax.scan`, or a `jax.vmap` over the layers)."
             )
-        record = _STATISTICS[self.statistic](x, self.top, self.num_bins)
+        compute = _STATISTICS[self.statistic] if isinstance(self.statistic, str) else self.statistic
+        record = compute(x, self.data, self.num_bins)
         _tap_for(self.path)(self.index, record)
         return x
 
@@ -232,19 +238,18 @@ def layer_stack(layer: AbstractQuantLayer | TracedInput) -> tuple[int, ...]:
 def observe(
     model: PyTree,
     targets: list[tuple[str, AbstractQuantLayer | TracedInput]],
-    statistic: str,
-    tops=None,
+    statistic: Statistic,
+    data: dict[str, Any] | None = None,
     num_bins: int = 0,
 ) -> PyTree:
     """`model` with the input quantizer of each target layer (or traced weight) replaced by an observer of
-    `statistic`."""
+    `statistic`, holding `data[path]` (arrays with the layer's stack shape in front)."""
     chosen = dict(targets)
 
     def observer(path: str, layer: AbstractQuantLayer | TracedInput) -> _Observer:
         stack = layer_stack(layer)
         index = jnp.arange(math.prod(stack), dtype=jnp.int32).reshape(stack)
-        top = None if tops is None else jnp.asarray(tops[path], jnp.float32).reshape(stack)
-        return _Observer(index, top, path, statistic, num_bins)
+        return _Observer(index, None if data is None else data[path], path, statistic, num_bins)
 
     def swap(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
         if path not in chosen:
@@ -280,11 +285,11 @@ def check_called(targets: list[tuple[str, Any]], found: dict[str, Any]) -> None:
 
 
 def fold(
-    model, targets, batches, batched, statistic, tops=None, num_bins=0, progress=False, description="calibrate"
+    model, targets, batches, batched, statistic, data=None, num_bins=0, progress=False, description="calibrate"
 ) -> dict[str, list[dict[str, Any]]]:
     """Runs the observed model over all batches: per target layer, the statistics folded over every call, one
     record per layer of its stack (in stack order, flattened)."""
-    observed = observe(model, targets, statistic, tops, num_bins)
+    observed = observe(model, targets, statistic, data, num_bins)
     recording = _Recording()
     seen = False
     for batch in progress_bar(batches, progress, description):

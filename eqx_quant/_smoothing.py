@@ -3,7 +3,7 @@ randomized Hadamard rotations. Each gives a layer an input transform `T` and the
 same float function and quantize better."""
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import equinox as eqx
 import jax
@@ -11,9 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
-from ._misc import check_int, check_real, check_where
+from ._misc import FLOAT32_TINY, check_int, check_real, check_where
 from ._observe import check_called, fold, layer_stack, progress_bar
-from ._quantizers import DynamicFakeQuant
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
+from ._scales import absmax_scale, finite_or
 from ._tree import map_nodes, nodes
 from .nn._layers import QuantLinear
 from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput, absorbed, hadamard_order
@@ -109,7 +110,7 @@ def smoothquant(
     model: PyTree,
     batches: Iterable[PyTree],
     *,
-    alpha: float = 0.5,
+    alpha: float | Sequence[float] = 0.5,
     batched: bool = False,
     where: Where = None,
     progress: bool = False,
@@ -126,6 +127,16 @@ def smoothquant(
     [`eqx_quant.nn.ScaleInput`][] applied before its input quantizer) and its weight's columns by `s`. The float
     function is unchanged up to rounding; the input's channels are evened out, at the weight's expense.
 
+    **Searching `α` per layer.** Given several values of `alpha`, each layer (and each layer of a stack) takes the
+    one whose quantized layer is closest to the float layer on the calibration data: the least `Σ ‖Q_w(W s) Q_x(x /
+    s) - W x‖²` over the layer's inputs `x`, with the layer's weight quantizer on the smoothed weight and its input
+    quantizer on the smoothed input, calibrated as [`eqx_quant.calibrate`][] calibrates it by default (one static
+    scale per tensor, the largest smoothed magnitude over the data; block-scaled inputs stay dynamic). That is a
+    second pass over `batches`, evaluating every candidate at once (memory: a quantized copy of each layer's weight
+    per candidate); each layer is measured on the inputs of the unsmoothed model before it, and ties go to the
+    first candidate given. SmoothQuant's paper searches one `α` for the whole model on its end task; here each
+    layer's own output is the measure.
+
     The factor is a per-channel product the layer computes on its input (in the fake-quant model and the converted one
     alike, so they agree bit for bit), not folded into a preceding normalisation: each layer gets its own `s`, from
     its own weight. Run it on the model from [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and
@@ -134,9 +145,10 @@ def smoothquant(
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
-    - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][].
+    - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][] (read
+        twice, into a list first, when `alpha` holds several values).
     - `alpha`: the migration strength in `[0, 1]`: 0 leaves the input as it is up to the weight's scale, 1 divides
-        every input channel by its maximum.
+        every input channel by its maximum. A sequence of such values is searched per layer (above).
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with an input
         quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
@@ -149,23 +161,105 @@ def smoothquant(
 
     `ValueError`, naming the layer, if no layer is chosen, a chosen layer has no input quantizer, is inside an
     `eqx.nn.Shared`, already has an input transform or holds a fitted quantizer (static, learned: the order above),
-    or is never called on the batches; `ValueError` for `alpha` outside `[0, 1]`.
+    or is never called on the batches; `ValueError` for an `alpha` outside `[0, 1]` or an empty sequence of them;
+    `TypeError` for an `alpha` that is not a real number or a sequence of them.
     """
-    alpha = check_real("alpha", alpha)
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"`alpha` must be in [0, 1], got alpha={alpha}.")
+    alphas = _check_alphas(alpha)
     _check_flags(batched=batched, progress=progress)
     targets = _targets(model, where, lambda l: l.input_quant is not None, "smoothquant", "with an input quantizer")
+    if len(alphas) > 1:
+        batches = list(batches)  # read twice
     found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
+    factors, x_maxes = {}, {}
+    for path, layer in targets:
+        x_maxes[path] = _stacked(found[path], "channel_absmax", layer_stack(layer))
+        w_max = np.max(np.abs(np.asarray(layer.layer.weight, np.float64)), axis=-2)
+        factors[path] = [smoothquant_factors(x_maxes[path].astype(np.float64), w_max, a) for a in alphas]
+    chosen = {path: factors[path][0] for path, _ in targets}
+    if len(alphas) > 1:
+        data = {path: _candidates(layer, factors[path], x_maxes[path]) for path, layer in targets}
+        errors = fold(model, targets, batches, batched, _smoothing_errors, data, 0, progress, "smoothquant (alpha)")
+        check_called(targets, errors)
+        for path, layer in targets:
+            stack = layer_stack(layer)
+            best = np.argmin(_stacked(errors[path], "errors", stack), axis=-1)  # the first of equal errors
+            options = np.stack(factors[path], axis=len(stack))  # (*stack, candidates, n)
+            chosen[path] = np.take_along_axis(options, best[..., None, None], axis=len(stack))[..., 0, :]
     done = {}
     for path, layer in targets:
-        weight = layer.layer.weight
-        x_max = _stacked(found[path], "channel_absmax", layer_stack(layer)).astype(np.float64)
-        w_max = np.max(np.abs(np.asarray(weight, np.float64)), axis=-2)
-        s = smoothquant_factors(x_max, w_max, alpha)
-        transform = ScaleInput(jnp.asarray(1 / s, jnp.float32))
-        done[path] = _with_transform(layer, transform, transform.absorb(weight))
+        transform = ScaleInput(jnp.asarray(1 / chosen[path], jnp.float32))
+        done[path] = _with_transform(layer, transform, transform.absorb(layer.layer.weight))
     return _replace(model, done)
+
+
+def _check_alphas(alpha: object) -> tuple[float, ...]:
+    """`alpha` (one value or a sequence of them) as a tuple of floats in `[0, 1]`, or a clear error."""
+    if isinstance(alpha, (str, bytes)) or not isinstance(alpha, Sequence | np.ndarray):
+        alphas = (check_real("alpha", alpha),)
+    else:
+        alphas = tuple(check_real("alpha", a) for a in np.asarray(alpha, dtype=object).ravel())
+        if not alphas:
+            raise ValueError(f"`alpha` must be a value or a non-empty sequence of values, got alpha={alpha!r}.")
+    for a in alphas:
+        if not 0 <= a <= 1:
+            raise ValueError(f"`alpha` must be in [0, 1], got alpha={alpha!r}.")
+    return alphas
+
+
+class _Candidates(eqx.Module):
+    """What the observer of a layer needs to measure SmoothQuant's candidates (arrays with the layer's stack shape in
+    front): the float weight, each candidate's input multiplier `1 / s` and quantized smoothed weight, and its static
+    input scale (or `None`: the layer's dynamic input quantizer, kept as it is)."""
+
+    weight: Array  # (*stack, out, n)
+    multipliers: Array  # (*stack, candidates, n)
+    weights: Array  # (*stack, candidates, out, n)
+    input_scales: Array | None  # (*stack, candidates)
+    input_quant: AbstractQuantizer
+
+
+def _candidates(layer: QuantLinear, factors: list[np.ndarray], x_max: np.ndarray) -> _Candidates:
+    stack = layer_stack(layer)
+    weight_quant, input_quant = layer.weight_quant, layer.input_quant
+    assert input_quant is not None
+    quantize_weight = (lambda w: w) if weight_quant is None else weight_quant
+    for _ in stack:
+        quantize_weight = jax.vmap(quantize_weight)
+    multipliers, weights, scales = [], [], []
+    fmt = input_quant.format  # pyright: ignore[reportAttributeAccessIssue]
+    for s in factors:
+        transform = ScaleInput(jnp.asarray(1 / s, jnp.float32))
+        multipliers.append(transform.multiplier)
+        weights.append(quantize_weight(transform.absorb(layer.layer.weight)).astype(jnp.float32))
+        # The largest smoothed magnitude is that of the channels' largest, `x * m` rounding monotonically.
+        scales.append(absmax_scale(jnp.max(jnp.asarray(x_max, jnp.float32) * transform.multiplier, axis=-1), fmt))
+    axis = len(stack)
+    return _Candidates(
+        jnp.asarray(layer.layer.weight, jnp.float32),
+        jnp.stack(multipliers, axis),
+        jnp.stack(weights, axis),
+        jnp.stack(scales, axis) if fmt.scale == "float32" else None,
+        input_quant,
+    )
+
+
+def _smoothing_errors(x: Array, data: _Candidates, num_bins: int) -> dict[str, Array]:
+    """The observer's statistic for `smoothquant`'s search: per candidate, `‖Q_w(W s) Q_x(x / s) - W x‖²` of one
+    input vector (non-finite entries as 0)."""
+    del num_bins
+    x = finite_or(jax.lax.stop_gradient(x).astype(jnp.float32), 0.0)
+    highest = jax.lax.Precision.HIGHEST
+    reference = jnp.matmul(data.weight, x, precision=highest)
+    fmt = data.input_quant.format  # pyright: ignore[reportAttributeAccessIssue]
+
+    def error(multiplier, weight, scale):
+        quantize = data.input_quant
+        if scale is not None:
+            quantize = LearnedFakeQuant(scale, format=fmt, min_scale=FLOAT32_TINY)
+        d = jnp.matmul(weight, quantize(ScaleInput(multiplier)(x)), precision=highest) - reference
+        return jnp.sum(d * d)
+
+    return {"errors": jax.vmap(error)(data.multipliers, data.weights, data.input_scales)}
 
 
 def smoothquant_factors(x_max: np.ndarray, w_max: np.ndarray, alpha: float) -> np.ndarray:

@@ -261,6 +261,72 @@ def test_smoothquant_where_transforms_only_the_chosen_layer():
     assert smoothed.layers[1].input_transform.multiplier.shape == (32,)
 
 
+ALPHAS = (0.2, 0.4, 0.6, 0.8)
+
+
+def _w8a8_error_twin(x, weight, multiplier) -> float:
+    """NumPy twin of the error `smoothquant` measures for a candidate: `Σ ‖Q_w(W s) Q_x(x / s) - W x‖²` with int8
+    weights per row and int8 inputs per tensor, their scales `max|·| / 127` (the calibrated static input scale:
+    over all of `x`), in float64 after float32 quantization."""
+    f32 = np.float32
+    x, weight, multiplier = np.asarray(x, f32), np.asarray(weight, f32), np.asarray(multiplier, f32)
+    smoothed_w = weight / multiplier
+    w_scale = np_absmax_scale(np.abs(smoothed_w).max(axis=1, keepdims=True), 127)
+    w_q = w_scale * np.round(smoothed_w * (f32(1) / w_scale))
+    xm = x * multiplier
+    x_scale = np_absmax_scale(np.abs(xm).max(), 127)
+    x_q = x_scale * np.round(xm * (f32(1) / x_scale))
+    d = x_q.astype(np.float64) @ w_q.astype(np.float64).T - x.astype(np.float64) @ weight.astype(np.float64).T
+    return float(np.sum(d * d))
+
+
+@pytest.mark.slow
+def test_smoothquant_searches_alpha_per_layer_as_the_numpy_twin():
+    """With several `alpha`s, the first layer takes the one of least error of its quantized output on the
+    calibration data, as the NumPy twin measures it (its inputs are the data itself); every layer's multiplier is
+    one candidate's, and here the second layer chooses another than the first."""
+    searched = eqx_quant.smoothquant(Q8, SMOOTH_BATCHES, alpha=ALPHAS)
+    weight = MLP.layers[0].weight
+    errors = [_w8a8_error_twin(X_SMOOTH, weight, _smoothed(a).layers[0].input_transform.multiplier) for a in ALPHAS]
+    best, second = np.sort(errors)[:2]
+    assert best < 0.99 * second  # no near tie that float32 sums could flip
+    chosen = ALPHAS[int(np.argmin(errors))]
+    multiplier = searched.layers[0].input_transform.multiplier
+    assert_bitwise_equal(multiplier, _smoothed(chosen).layers[0].input_transform.multiplier)
+    assert_bitwise_equal(searched.layers[0].layer.weight, _smoothed(chosen).layers[0].layer.weight)
+    picks = []
+    for i in (0, 1):
+        got = searched.layers[i].input_transform.multiplier
+        picks.append([a for a in ALPHAS if np.array_equal(got, _smoothed(a).layers[i].input_transform.multiplier)])
+    assert picks[0] == [chosen] and len(picks[1]) == 1 and picks[1] != picks[0]
+
+
+@pytest.mark.slow
+def test_smoothquant_search_on_a_stack_equals_the_same_layers_unstacked():
+    """A scanned stack searches each of its layers apart: the stack's multipliers are those that the same two layers,
+    written as separate layers called in turn, get from the same search."""
+
+    class TwoLayers(eqx.Module):
+        first: eqx.nn.Linear
+        second: eqx.nn.Linear
+
+        def __call__(self, x):
+            return jax.nn.gelu(self.second(jax.nn.gelu(self.first(x))))
+
+    stack = init(lambda k: LinearStack(64, 2, k), 3)
+    blocks = stack.blocks
+    linear = eqx.nn.Linear(64, 64, key=jax.random.key(0))
+    layers = [eqx.tree_at(lambda l: (l.weight, l.bias), linear, (blocks.weight[i], blocks.bias[i])) for i in (0, 1)]
+    unstacked = TwoLayers(*layers)
+    batches = [X_SMOOTH[:16], X_SMOOTH[16:]]
+    searched = eqx_quant.smoothquant(_w8a8(stack), batches, alpha=ALPHAS)
+    apart = eqx_quant.smoothquant(_w8a8(unstacked), batches, alpha=ALPHAS)
+    got = np.asarray(searched.blocks.input_transform.multiplier)
+    assert got.shape == (2, 64)
+    assert_bitwise_equal(got[0], apart.first.input_transform.multiplier)
+    assert_bitwise_equal(got[1], apart.second.input_transform.multiplier)
+
+
 class _HalfUsed(eqx.Module):
     used: eqx.nn.Linear
     unused: eqx.nn.Linear
@@ -274,6 +340,10 @@ def test_smoothquant_errors():
     smoothed twice, one already calibrated (the message names `calibrate`), a layer never called."""
     with pytest.raises(ValueError, match="alpha"):
         eqx_quant.smoothquant(Q8, SMOOTH_BATCHES, alpha=1.5)
+    with pytest.raises(ValueError, match=r"`alpha` must be in \[0, 1\], got alpha=\[0.5, -0.1\]"):
+        eqx_quant.smoothquant(Q8, SMOOTH_BATCHES, alpha=[0.5, -0.1])
+    with pytest.raises(ValueError, match="non-empty sequence"):
+        eqx_quant.smoothquant(Q8, SMOOTH_BATCHES, alpha=[])
     with pytest.raises(ValueError, match="where"):
         eqx_quant.smoothquant(Q8, SMOOTH_BATCHES, where=lambda path, layer: False)
     with pytest.raises(ValueError, match=r"'layers\.1' already has the input transform ScaleInput"):

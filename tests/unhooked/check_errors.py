@@ -86,6 +86,8 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.quantized_after(2, 1.5, lambda m: 0.0, eqx_quant.quantize(mlp))),
         (TypeError, "`alpha` must be a real number, got '0.5' of type str.",
          lambda: eqx_quant.smoothquant(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], alpha="0.5")),
+        (TypeError, "`alpha` must be a real number, got 'high' of type str.",
+         lambda: eqx_quant.smoothquant(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], alpha=[0.5, "high"])),
         (TypeError, "`batched` must be a bool, got batched=1.",
          lambda: eqx_quant.smoothquant(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], batched=1)),
         (TypeError, "`grid` must be an int, got 2.5 of type float.",
