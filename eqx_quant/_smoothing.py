@@ -11,11 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, PyTree
 
+from ._fold import Fold, find_folds, scale_leaves
 from ._misc import FLOAT32_TINY, check_int, check_real, check_where
-from ._observe import check_called, fold, layer_stack, progress_bar
+from ._observe import check_called, fold as fold_statistics, layer_stack, progress_bar
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_or
-from ._tree import map_nodes, nodes
+from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear
 from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput, absorbed, hadamard_order
 
@@ -90,7 +91,7 @@ def _stacked(records: list[dict[str, np.ndarray]], name: str, stack: tuple[int, 
 
 
 def _statistics(model, targets, batches, batched, statistic, progress, what) -> dict[str, list]:
-    found = fold(model, targets, batches, batched, statistic, progress=progress, description=what)
+    found = fold_statistics(model, targets, batches, batched, statistic, progress=progress, description=what)
     check_called(targets, found)
     return found
 
@@ -111,6 +112,7 @@ def smoothquant(
     batches: Iterable[PyTree],
     *,
     alpha: float | Sequence[float] = 0.5,
+    fold: bool = True,
     batched: bool = False,
     where: Where = None,
     progress: bool = False,
@@ -137,18 +139,27 @@ def smoothquant(
     first candidate given. SmoothQuant's paper searches one `α` for the whole model on its end task; here each
     layer's own output is the measure.
 
-    The factor is a per-channel product the layer computes on its input (in the fake-quant model and the converted one
-    alike, so they agree bit for bit), not folded into a preceding normalisation: each layer gets its own `s`, from
-    its own weight. Run it on the model from [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and
-    [`eqx_quant.gptq`][], whose scales and Hessians then see the smoothed operands.
+    **Where `1 / s` goes.** With `fold=True` (the default), layers whose input is a normalisation's output `a * γ`
+    or `a * γ + β` (`γ`, `β` arrays of the model with one entry per channel, per layer of a stack:
+    `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`, or a model's own normalisation written that way) that nothing but the chosen
+    layers reads get it folded into `γ` and `β`: the layers reading it (the query, key and value projections after
+    one norm, say) share one `s`, from the largest magnitudes of all their weights' columns, and compute as plain
+    layers (which the exporters take). This is found by tracing the model on the first batch. Every other layer
+    computes `x * (1 / s)` on its input (an [`eqx_quant.nn.ScaleInput`][], with its own `s` from its own weight).
+    Either way the fake-quant and converted models agree bit for bit. Run it on the model from
+    [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][], whose scales and Hessians
+    then see the smoothed operands.
 
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
     - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][] (read
-        twice, into a list first, when `alpha` holds several values).
+        into a list first when `alpha` holds several values or `fold` is true).
     - `alpha`: the migration strength in `[0, 1]`: 0 leaves the input as it is up to the weight's scale, 1 divides
-        every input channel by its maximum. A sequence of such values is searched per layer (above).
+        every input channel by its maximum. A sequence of such values is searched per layer (above; a group of
+        layers folded into one normalisation searches one value, on the sum of its layers' errors).
+    - `fold`: fold `1 / s` into preceding normalisations where the model allows it (above), or give every layer
+        its own multiplier.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with an input
         quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
@@ -165,31 +176,61 @@ def smoothquant(
     `TypeError` for an `alpha` that is not a real number or a sequence of them.
     """
     alphas = _check_alphas(alpha)
-    _check_flags(batched=batched, progress=progress)
+    _check_flags(batched=batched, progress=progress, fold=fold)
     targets = _targets(model, where, lambda l: l.input_quant is not None, "smoothquant", "with an input quantizer")
-    if len(alphas) > 1:
-        batches = list(batches)  # read twice
+    if len(alphas) > 1 or fold:
+        batches = list(batches)  # read twice, or traced on its first batch
     found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
+    layers = dict(targets)
+    groups = _fold_groups(model, layers, batches[0], batched) if fold else []  # pyright: ignore[reportIndexIssue]
+    group_of = {path: g.layers for g in groups for path in g.layers}
     factors, x_maxes = {}, {}
     for path, layer in targets:
         x_maxes[path] = _stacked(found[path], "channel_absmax", layer_stack(layer))
-        w_max = np.max(np.abs(np.asarray(layer.layer.weight, np.float64)), axis=-2)
-        factors[path] = [smoothquant_factors(x_maxes[path].astype(np.float64), w_max, a) for a in alphas]
+    for path, _ in targets:
+        members = group_of.get(path, (path,))  # a folded group shares its factors: its layers share their input
+        x_max = np.max([x_maxes[p] for p in members], axis=0).astype(np.float64)
+        w_max = np.max([np.max(np.abs(np.asarray(layers[p].layer.weight, np.float64)), axis=-2) for p in members], 0)
+        factors[path] = [smoothquant_factors(x_max, w_max, a) for a in alphas]
     chosen = {path: factors[path][0] for path, _ in targets}
     if len(alphas) > 1:
         data = {path: _candidates(layer, factors[path], x_maxes[path]) for path, layer in targets}
-        errors = fold(model, targets, batches, batched, _smoothing_errors, data, 0, progress, "smoothquant (alpha)")
+        errors = fold_statistics(
+            model, targets, batches, batched, _smoothing_errors, data, 0, progress, "smoothquant (alpha)"
+        )
         check_called(targets, errors)
         for path, layer in targets:
             stack = layer_stack(layer)
-            best = np.argmin(_stacked(errors[path], "errors", stack), axis=-1)  # the first of equal errors
+            total = sum(_stacked(errors[p], "errors", stack) for p in group_of.get(path, (path,)))
+            best = np.argmin(total, axis=-1)  # the first of equal errors
             options = np.stack(factors[path], axis=len(stack))  # (*stack, candidates, n)
             chosen[path] = np.take_along_axis(options, best[..., None, None], axis=len(stack))[..., 0, :]
     done = {}
     for path, layer in targets:
         transform = ScaleInput(jnp.asarray(1 / chosen[path], jnp.float32))
-        done[path] = _with_transform(layer, transform, transform.absorb(layer.layer.weight))
-    return _replace(model, done)
+        weight = transform.absorb(layer.layer.weight)
+        if path in group_of:
+            done[path] = eqx.tree_at(lambda l: l.layer.weight, layer, weight)
+        else:
+            done[path] = _with_transform(layer, transform, weight)
+    leaf_factors = {}
+    for g in groups:
+        multiplier = jnp.asarray(1 / chosen[g.layers[0]], jnp.float32)
+        leaf_factors.update({p: multiplier for p in (g.gamma, g.beta) if p is not None})
+    return scale_leaves(_replace(model, done), leaf_factors)
+
+
+def _fold_groups(model: PyTree, layers: dict[str, QuantLinear], batch: PyTree, batched: bool) -> list[Fold]:
+    """The groups of `layers` whose factors fold into a preceding normalisation's `γ` (and `β`): those of
+    `find_folds` whose layers share their stack and input size, with `γ` of one entry per channel per layer."""
+    leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+    shapes = {path_string(p): leaf.shape for p, leaf in leaves if eqx.is_array(leaf)}
+    groups = []
+    for g in find_folds(model, list(layers), batch, batched):
+        stacks = {layer_stack(layers[p]) + (layers[p].layer.in_features,) for p in g.layers}
+        if len(stacks) == 1 and all(shapes.get(p) == next(iter(stacks)) for p in (g.gamma, g.beta) if p is not None):
+            groups.append(g)
+    return groups
 
 
 def _check_alphas(alpha: object) -> tuple[float, ...]:

@@ -17,7 +17,7 @@ from eqx_quant.nn import RotateInput, ScaleInput
 from eqx_quant.nn._transforms import hadamard_order, paley_hadamard, walsh_hadamard
 
 from .helpers import assert_bitwise_equal, init, np_absmax_scale
-from .models import DecoderLM, LinearStack
+from .models import DecoderLM, LinearStack, ViTBlock
 
 
 RNG = np.random.default_rng(0)
@@ -325,6 +325,112 @@ def test_smoothquant_search_on_a_stack_equals_the_same_layers_unstacked():
     assert got.shape == (2, 64)
     assert_bitwise_equal(got[0], apart.first.input_transform.multiplier)
     assert_bitwise_equal(got[1], apart.second.input_transform.multiplier)
+
+
+# --- folding into a preceding normalisation ---------------------------------------------------------------------
+
+# Tokens (batch, 5, 16) with an outlier channel, for the blocks that normalise before their layers.
+X_BLOCK = jnp.asarray(NORMAL[:20, :16].reshape(4, 5, 16) * np.where(np.arange(16) == 3, 30, 1).astype(np.float32))
+BLOCK = init(lambda k: ViTBlock(16, 2, k), 5)
+
+
+def _folded_twin(norm_out, weights, alpha):
+    """NumPy twin of the factor a group of layers reading one normalisation's output shares: `1 / s` with
+    `s_j = max|X_j|**alpha / max_layers max|W_j|**(1 - alpha)`."""
+    x_max = np.max(np.abs(np.asarray(norm_out, np.float64)).reshape(-1, norm_out.shape[-1]), axis=0)
+    w_max = np.max([np.max(np.abs(np.asarray(w, np.float64)), axis=0) for w in weights], axis=0)
+    return 1 / (x_max**alpha / w_max ** (1 - alpha))
+
+
+def test_smoothquant_folds_into_the_layer_norm_before_its_layers():
+    """A pre-LN block: the query, key and value projections (which read `norm1`'s output alone) share one factor,
+    the twin's, folded into `norm1`'s weight and bias; `fc1` folds into `norm2`; the attention's output projection and
+    `fc2` (whose inputs no normalisation makes) keep a multiplier; the float function is unchanged up to rounding,
+    and the calibrated and converted models agree bit for bit. With `fold=False` every layer keeps a multiplier."""
+    smoothed = eqx_quant.smoothquant(_w8a8(BLOCK), [X_BLOCK[:2], X_BLOCK[2:]])
+    attn, plain = smoothed.attn, BLOCK.attn
+    norm1_out = jax.vmap(jax.vmap(BLOCK.norm1))(X_BLOCK)
+    projections = ("query_proj", "key_proj", "value_proj")
+    m = _folded_twin(norm1_out, [getattr(plain, p).weight for p in projections], 0.5)
+    np.testing.assert_allclose(np.asarray(smoothed.norm1.weight), np.asarray(BLOCK.norm1.weight) * m, rtol=3e-6)
+    np.testing.assert_allclose(np.asarray(smoothed.norm1.bias), np.asarray(BLOCK.norm1.bias) * m, rtol=3e-6)
+    for p in projections:
+        assert getattr(attn, p).input_transform is None
+        np.testing.assert_allclose(
+            np.asarray(getattr(attn, p).layer.weight), np.asarray(getattr(plain, p).weight) / m, rtol=3e-6
+        )
+    # `norm2` reads the attention's output, computed with quantized weights while the statistics are taken: its
+    # factor is checked against `fc1`'s columns.
+    assert smoothed.fc1.input_transform is None
+    fc1_factor = np.asarray(smoothed.fc1.layer.weight, np.float64)[0] / np.asarray(BLOCK.fc1.weight)[0]
+    norm2_factor = np.asarray(smoothed.norm2.weight, np.float64) / np.asarray(BLOCK.norm2.weight)
+    np.testing.assert_allclose(norm2_factor * fc1_factor, 1.0, rtol=4e-6)
+    assert isinstance(attn.output_proj.input_transform, ScaleInput)
+    assert isinstance(smoothed.fc2.input_transform, ScaleInput)
+    float_out = np.asarray(_apply(BLOCK, X_BLOCK))
+    restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_BLOCK))
+    np.testing.assert_allclose(restored, float_out, rtol=1e-5, atol=1e-5)
+    fake = eqx_quant.calibrate(smoothed, [X_BLOCK])
+    _assert_converted_matches(fake, eqx_quant.convert(fake), X_BLOCK, eager=False)
+    unfolded = eqx_quant.smoothquant(_w8a8(BLOCK), [X_BLOCK[:2], X_BLOCK[2:]], fold=False)
+    assert_bitwise_equal(unfolded.norm1.weight, BLOCK.norm1.weight)
+    for layer in (*(getattr(unfolded.attn, p) for p in projections), unfolded.fc1):
+        assert isinstance(layer.input_transform, ScaleInput)
+
+
+class _NormAlsoSkips(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+
+    def __call__(self, h):
+        x = jax.vmap(self.norm)(h)
+        return jax.vmap(self.fc)(x) + x  # the normalised tokens are read by the layer and by the residual sum
+
+
+def test_smoothquant_does_not_fold_where_others_read_the_normalisation():
+    """Nothing is folded where the normalisation's output is read besides the chosen layers: by a residual sum, or
+    by layers that `where` leaves out (the key and value projections, when only the query projection is chosen)."""
+    model = init(lambda k: _NormAlsoSkips(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k)), 6)
+    smoothed = eqx_quant.smoothquant(_w8a8(model), [X_BLOCK])
+    assert isinstance(smoothed.fc.input_transform, ScaleInput)
+    assert_bitwise_equal(smoothed.norm.weight, model.norm.weight)
+    query = eqx_quant.smoothquant(_w8a8(BLOCK), [X_BLOCK], where=lambda path, layer: path == "attn.query_proj")
+    assert isinstance(query.attn.query_proj.input_transform, ScaleInput)
+    assert_bitwise_equal(query.norm1.weight, BLOCK.norm1.weight)
+
+
+@pytest.mark.slow
+def test_smoothquant_folds_into_a_stacked_model_norm_and_searches_per_group(tmp_path):
+    """A scanned decoder whose own RMSNorm multiplies by its weight last: `qkv` folds into `norm1` and `gate`, `up`
+    (one group: one factor) into `norm2`, per layer of the stack; with several `alpha`s the group chooses one;
+    the float function is unchanged up to rounding; converted == fake-quant bit for bit, and the file loads into
+    the float model's skeleton."""
+    lm = init(lambda k: DecoderLM(k), 7)
+    tokens = jnp.asarray(RNG.integers(0, 13, size=(4, 6)))
+    smoothed = eqx_quant.smoothquant(_w8a8(lm), [tokens[:2], tokens[2:]], alpha=[0.3, 0.6, 0.9])
+    blocks, plain = smoothed.blocks, lm.blocks
+
+    def factor(name):  # the factor a layer's columns were multiplied by, per layer of the stack
+        return np.asarray(getattr(blocks, name).layer.weight, np.float64) / np.asarray(getattr(plain, name).weight)
+
+    for name in ("qkv", "gate", "up"):
+        assert getattr(blocks, name).input_transform is None
+        column = factor(name)[:, :1, :]
+        np.testing.assert_allclose(factor(name), np.broadcast_to(column, factor(name).shape), rtol=2e-6)
+    np.testing.assert_allclose(factor("gate")[:, 0], factor("up")[:, 0], rtol=2e-6)
+    norm1 = np.asarray(blocks.norm1.weight, np.float64) / np.asarray(plain.norm1.weight)
+    np.testing.assert_allclose(norm1 * factor("qkv")[:, 0], 1.0, rtol=4e-6)
+    norm2 = np.asarray(blocks.norm2.weight, np.float64) / np.asarray(plain.norm2.weight)
+    np.testing.assert_allclose(norm2 * factor("up")[:, 0], 1.0, rtol=4e-6)
+    assert isinstance(blocks.out.input_transform, ScaleInput) and isinstance(blocks.down.input_transform, ScaleInput)
+    float_out = np.asarray(_apply(lm, tokens))
+    np.testing.assert_allclose(np.asarray(_apply(eqx_quant.float_model(smoothed), tokens)), float_out, atol=1e-4)
+    fake = eqx_quant.calibrate(smoothed, [tokens])
+    converted = eqx_quant.convert(fake)
+    _assert_converted_matches(fake, converted, tokens, eager=False)
+    eqx_quant.save(tmp_path / "lm.eqx", converted)
+    loaded = eqx_quant.load(tmp_path / "lm.eqx", eqx.filter_eval_shape(lambda: lm))
+    assert_bitwise_equal(_apply(loaded, tokens), _apply(converted, tokens))
 
 
 class _HalfUsed(eqx.Module):
