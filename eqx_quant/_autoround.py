@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, PyTree
 from ._format import FloatFormat, Format, IntFormat, apply_scale, effective_scale, exponent, pow2, reciprocal
 from ._gptq_model import solve_weights
 from ._misc import FLOAT32_TINY, check_int, check_real
-from ._scales import block_absmax, block_scale, e8m0_scale, ggml_scale, tensor_scale_of
+from ._scales import block_absmax, block_scale, e8m0_scale, finite_or, ggml_scale, tensor_scale_of
 
 
 def _exact(smooth: Array, value: Array) -> Array:
@@ -30,14 +30,20 @@ def offset_levels(fmt: Format, v: Array, offset: Array) -> Array:
     if not isinstance(fmt, FloatFormat):
         return fmt.levels(v + offset, None)
     v = jnp.clip(v, -fmt.bound, fmt.bound)
-    k = jnp.maximum(exponent(jnp.abs(v)), fmt.emin) - fmt.nmant
+    k = _binade_step(fmt, v)
     return fmt.levels(jnp.round(v * pow2(-k, v.dtype) + offset) * pow2(k, v.dtype), None)
 
 
+def _binade_step(fmt: FloatFormat, v: Array) -> Array:
+    """The exponent `k` of the grid's step `2**k` around `v` (within the grid's range): that of `|v|`'s binade, or of
+    the subnormals."""
+    return jnp.maximum(exponent(jnp.abs(v)), fmt.emin) - fmt.nmant
+
+
 def _unsaturated(fmt: Format) -> tuple[float, float]:
-    """The range of `v + offset` whose rounding does not saturate (where gradients pass): half a step beyond the
-    grid's ends (the format's limits, but for integer grids rounding halves to even, whose limits are the ends, and
-    float grids, whose limits are their largest values)."""
+    """Where gradients pass: the range of `v + offset` that rounds to a grid point without saturating, which reaches
+    half a step beyond the grid's ends. For most formats that is their `limits`; integer grids rounding halves to
+    even have their ends as limits, and float grids their largest values, so theirs are widened here."""
     if isinstance(fmt, FloatFormat):
         half = 2.0 ** (fmt.emax - fmt.nmant - 1)
         return -fmt.bound - half, fmt.bound + half
@@ -56,19 +62,21 @@ def autoround_solve(
     group_size: int | None,
     steps: int,
 ) -> tuple[Array, Array, Array | None]:
-    """AutoRound on one layer: `W̃ = s(α) * q(W / s(α), V)`, the levels `q` of [`offset_levels`][] with an offset
+    """AutoRound on one layer: `W̃ = s(α) * q(W / s(α), V)`, the levels `q` of `offset_levels` with an offset
     `V ∈ [-1/2, 1/2]` per weight, the scales `s(α)` those of the format for the row's or group's largest magnitude
     times `α ∈ [1/2, 1]` (per row or group); `V` and `α` trained for `steps` steps of signed gradient descent (the
     learning rate decaying linearly to 0, the rounding's gradient passed straight through where it does not
     saturate, the block formats' scale rules as if `s` were `α` times the unclipped scale) on the output error
     `tr((W̃ - W) H (W̃ - W)ᵀ)`; the parameters of least error seen are kept (`V = 0, α = 1`, round to nearest,
-    among them). NVFP4's tensor scale is that of the original weight. Returns `(W̃, s, tensor scale)`, `s` of
+    among them). NVFP4's tensor scale is that of the original weight. Scales come from the finite weights: a NaN
+    weight stays NaN and an infinite one saturates, and the layer's loss is then not finite, so round to nearest is
+    kept. Returns `(W̃, s, tensor scale)`, `s` of
     shape `(out,)` or `(out, groups)` as the format holds it (MX: powers of two; NVFP4: the block scales)."""
     out, n = weight.shape
     g = n if group_size is None else group_size
     w = weight.astype(jnp.float32).reshape(out, n // g, g)
     hessian = hessian.astype(jnp.float32)
-    top = block_absmax(w, 2)[0]
+    top = block_absmax(w, 2)[0]  # of the finite entries
     t = tensor_scale_of(top, fmt) if fmt.scale == "e4m3" else None
 
     def format_scale(alpha):  # the format's scale of groups whose largest magnitude is `alpha * top`
@@ -81,7 +89,7 @@ def autoround_solve(
             assert t is not None
             return block_scale(clipped, t, fmt)
         assert isinstance(fmt, IntFormat)
-        return ggml_scale(alpha * w, clipped, 2, fmt)
+        return ggml_scale(alpha * finite_or(w, 0.0), clipped, 2, fmt)
 
     unclipped = effective_scale(format_scale(jnp.ones_like(top)), t)
     low, high = _unsaturated(fmt)
@@ -99,8 +107,7 @@ def autoround_solve(
         s_alpha = s if fmt.scale == "float32" else _exact(alpha * unclipped, effective_scale(s, t))
         step = 1.0
         if isinstance(fmt, FloatFormat):
-            k = jnp.maximum(exponent(jnp.abs(jnp.clip(v, -fmt.bound, fmt.bound))), fmt.emin) - fmt.nmant
-            step = pow2(k, v.dtype)
+            step = pow2(_binade_step(fmt, jnp.clip(v, -fmt.bound, fmt.bound)), v.dtype)
         u = _exact(w / jnp.where(s_alpha != 0, s_alpha, 1.0), v) + offset * step
         inside = (u >= low) & (u <= high)
         return _exact(s_alpha * _exact(jnp.where(inside, u, jax.lax.stop_gradient(u)), q), value), s
@@ -123,6 +130,8 @@ def autoround_solve(
     (last, best, best_loss), _ = jax.lax.scan(step, (start, start, jnp.inf), jnp.arange(steps, dtype=jnp.float32))
     best = jax.tree.map(lambda p, b: jnp.where(loss(last) < best_loss, p, b), last, best)
     new_weight, s = quantized(best, straight_through=False)
+    if fmt.scale == "float16":  # GGML's `d` as it is stored and applied, so that a quantizer of it finds the levels
+        s = s.astype(jnp.float16).astype(s.dtype)
     s = s[:, 0, 0] if group_size is None else s[..., 0]
     return new_weight.reshape(out, n).astype(weight.dtype), s, t
 

@@ -21,14 +21,16 @@ _SCOPE = "eqx_quant.fold_mark"
 
 
 class _Mark(AbstractInputTransform):
-    """Marks a layer's input in the model's program (an identity that XLA keeps, inside a named scope): used only
-    to trace the model, never to run it."""
+    """Marks a layer's input in the model's program, with the layer's weight beside it (an identity that XLA keeps,
+    inside a named scope holding the layer's index): used only to trace the model, never to run it. The weight
+    tells which layer of a stack a call computes with."""
 
-    path: str = eqx.field(static=True)
+    weight: Array
+    index: int = eqx.field(static=True)
 
     def __call__(self, x: Array) -> Array:
-        with jax.named_scope(f"{_SCOPE}[{self.path}]"):
-            return jax.lax.optimization_barrier(x)
+        with jax.named_scope(f"{_SCOPE}[{self.index}]"):
+            return jax.lax.optimization_barrier((x, self.weight))[0]
 
     def absorb(self, weight: Array) -> Array:
         return weight
@@ -46,56 +48,67 @@ class Fold(NamedTuple):
 
 
 class _Origin(NamedTuple):
-    """A value that is a view of the model's leaf `path` (broadcast, cast; sliced by a scan), the leaf's last axis at
-    `axis` of the value."""
+    """A value that is a view of the model's leaf `path` (broadcast, cast; sliced by scans), the leaf's last axis at
+    `axis` of the value; `scans` the scan operations that sliced it (at their step's index), outermost first."""
 
     path: str
     axis: int
+    scans: tuple[int, ...] = ()
 
 
-def _marked_layer(eqn: Any) -> str | None:
-    """The layer whose input `eqn` marks, if it is a mark."""
+class _Call(NamedTuple):
+    """A marked call of a layer: its program, its input and the origin of its weight."""
+
+    jaxpr: Any
+    value: Any
+    weight: _Origin | None
+
+
+def _marked_layer(eqn: Any) -> int | None:
+    """The index of the layer whose input `eqn` marks, if it is a mark."""
     if eqn.primitive.name != "optimization_barrier":
         return None
     stack = str(eqn.source_info.name_stack)
     start = stack.rfind(f"{_SCOPE}[")
     if start < 0:
         return None
-    return stack[start + len(_SCOPE) + 1 : stack.index("]", start)]
+    start += len(_SCOPE) + 1
+    return int(stack[start : stack.index("]", start)])
 
 
 def _inner(eqn: Any) -> Iterator[tuple[Any, list]]:
-    """The sub-programs of `eqn`, each with the outer values its inputs take (None where a value is not one of
-    `eqn`'s operands as it is: a scan's carries)."""
+    """The sub-programs of `eqn`, each with, per input, the position of the operand of `eqn` it takes and whether a
+    scan slices it (None where no operand is taken as it is: a scan's carries)."""
     if eqn.primitive.name == "scan":
-        body = eqn.params["jaxpr"].jaxpr
         consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
-        outer: list = list(eqn.invars)
-        outer[consts : consts + carries] = [None] * carries
-        yield body, [("scan", v) if i >= consts + carries else v for i, v in enumerate(outer)]
+        operands: list = [(i, i >= consts + carries) for i in range(len(eqn.invars))]
+        operands[consts : consts + carries] = [None] * carries
+        yield eqn.params["jaxpr"].jaxpr, operands
         return
     if eqn.primitive.name == "cond":
         for branch in eqn.params["branches"]:
-            yield branch.jaxpr, list(eqn.invars[1:])
+            yield branch.jaxpr, [(i, False) for i in range(1, len(eqn.invars))]
         return
     if eqn.primitive.name == "while":
-        return  # not followed: a value read at every step of a loop
+        return  # not followed: its operands count as read
     for value in eqn.params.values():
         jaxpr = value.jaxpr if isinstance(value, jex.ClosedJaxpr) else value
         if isinstance(jaxpr, jex.Jaxpr) and len(jaxpr.invars) == len(eqn.invars):
-            yield jaxpr, list(eqn.invars)
+            yield jaxpr, [(i, False) for i in range(len(eqn.invars))]
 
 
 def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) -> list[Fold]:
     """The groups of `targets` (paths of `QuantLinear` layers of `model`) whose input is a normalisation's output
-    `a * γ (+ β)` that nothing else reads, with `γ` and `β` leaves of one entry per input channel (per layer of a
-    stack) used nowhere else, found in the program of one call on `batch` (as calibration calls the model)."""
-    chosen = set(targets)
+    `a * γ (+ β)` that nothing else reads, found in the program of one call on `batch` (as calibration calls the
+    model): every call of each layer of a group reads that value, `γ` and `β` are leaves of one entry per input
+    channel read by that operation alone, and in a scan they are sliced together with the layers' weights."""
+    index = {path: i for i, path in enumerate(targets)}
 
     def mark(path: str, layer: QuantLinear) -> QuantLinear:
-        if path not in chosen:
+        if path not in index:
             return layer
-        return eqx.tree_at(lambda l: l.input_transform, layer, _Mark(path), is_leaf=lambda x: x is None)
+        marked = _Mark(layer.layer.weight, index[path])
+        return eqx.tree_at(lambda l: l.input_transform, layer, marked, is_leaf=lambda x: x is None)
 
     dynamic, static = eqx.partition(map_nodes(model, (QuantLinear,), mark), eqx.is_array)
     paths = [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path(dynamic)[0]]
@@ -105,18 +118,23 @@ def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) 
         return m(b) if batched else jax.vmap(m)(b)
 
     closed = jax.make_jaxpr(call)(dynamic, batch)
-    origins = {v: _Origin(p, v.aval.ndim - 1) for v, p in zip(closed.jaxpr.invars, paths, strict=False)}
-    uses: dict[str, int] = {}  # per leaf: the operations (other than views) that read it
-    found: list[tuple[Any, Any, dict]] = []  # per program: (jaxpr, its marks by operand, its origins)
+    top = {v: _Origin(p, v.aval.ndim - 1) for v, p in zip(closed.jaxpr.invars, paths, strict=False)}
+    uses: dict[str, int] = {}  # per leaf: the reads of it (or of its views) other than views and sub-programs
+    calls: dict[int, list[_Call]] = {}
+    programs: list[tuple[Any, dict]] = []
+    scans = iter(range(1 << 62))  # a number per scan operation
+
+    def read(origin: _Origin | None) -> None:
+        if origin is not None:
+            uses[origin.path] = uses.get(origin.path, 0) + 1
 
     def walk(jaxpr: Any, origins: dict) -> None:
-        marks: dict = {}
         for eqn in jaxpr.eqns:
-            layer = _marked_layer(eqn)
-            if layer is not None:
-                marks.setdefault(eqn.invars[0], []).append(layer)
             viewed = [origins.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
-            name = eqn.primitive.name
+            name, layer = eqn.primitive.name, _marked_layer(eqn)
+            if layer is not None:
+                calls.setdefault(layer, []).append(_Call(jaxpr, eqn.invars[0], viewed[1]))
+                continue
             if name == "convert_element_type" and viewed[0] is not None:
                 origins[eqn.outvars[0]] = viewed[0]
                 continue
@@ -125,43 +143,60 @@ def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) 
                 origins[eqn.outvars[0]] = viewed[0]._replace(axis=axis)
                 continue
             subs = list(_inner(eqn))
-            for sub, outer in subs:
+            passed = set()
+            scan = next(scans) if name == "scan" else None
+            for sub, operands in subs:
                 inner = {}
-                for v, o in zip(sub.invars, outer, strict=True):
-                    sliced = isinstance(o, tuple)
-                    o = o[1] if sliced else o
-                    if isinstance(o, jex.Var) and o in origins and not (sliced and origins[o].axis == 0):
-                        inner[v] = origins[o]._replace(axis=origins[o].axis - sliced)
+                for v, operand in zip(sub.invars, operands, strict=True):
+                    if operand is None or viewed[operand[0]] is None:
+                        continue
+                    position, sliced = operand
+                    o = viewed[position]
+                    if sliced and o.axis == 0:
+                        continue  # the scan runs along the channels: not a per-channel view in the body
+                    if sliced:
+                        o = o._replace(axis=o.axis - 1, scans=(*o.scans, scan))
+                    inner[v] = o
+                    passed.add(position)
                 walk(sub, inner)
-            if not subs:
-                for origin in {o.path for o in viewed if o is not None}:
-                    uses[origin] = uses.get(origin, 0) + 1
-        found.append((jaxpr, marks, origins))
+            for position, o in enumerate(viewed):
+                if position not in passed:
+                    read(o)
+        for v in jaxpr.outvars:  # a value the program returns is read by its caller
+            read(origins.get(v) if isinstance(v, jex.Var) else None)
+        programs.append((jaxpr, origins))
 
-    walk(closed.jaxpr, origins)
+    walk(closed.jaxpr, top)
+    origins_of = {id(jaxpr): origins for jaxpr, origins in programs}
+    groups: dict[tuple[int, Any], list[str]] = {}
+    for i, layer_calls in calls.items():
+        inputs = {(id(c.jaxpr), c.value) for c in layer_calls}
+        if len(inputs) == 1:  # every call of the layer reads one value
+            groups.setdefault(next(iter(inputs)), []).append(targets[i])
     folds = []
-    for jaxpr, marks, origins in found:
-        producers = {v: e for e in jaxpr.eqns for v in e.outvars}
-        readers: dict = {}
-        for eqn in jaxpr.eqns:
-            for v in eqn.invars:
-                if isinstance(v, jex.Var):
-                    readers[v] = readers.get(v, 0) + 1
-        for v in jaxpr.outvars:
-            if isinstance(v, jex.Var):
-                readers[v] = readers.get(v, 0) + 1
-        for value, layers in marks.items():
-            if readers.get(value) != len(layers):
-                continue  # something besides the chosen layers reads it
-            fold = _affine(value, producers, readers, origins, uses)
-            if fold is not None:
-                folds.append(Fold(fold[0], fold[1], tuple(layers)))
+    for (program, value), layers in groups.items():
+        jaxpr = next(j for j, _ in programs if id(j) == program)
+        layer_calls = [c for layer in layers for c in calls[index[layer]]]
+        fold = _affine(jaxpr, value, len(layer_calls), origins_of[program], uses)
+        if fold is None:
+            continue
+        gamma_scans = origins_of[program][fold[2]].scans
+        if all(c.weight is not None and c.weight.scans == gamma_scans for c in layer_calls):
+            folds.append(Fold(fold[0], fold[1], tuple(layers)))
     return folds
 
 
-def _affine(value: Any, producers: dict, readers: dict, origins: dict, uses: dict) -> tuple[str, str | None] | None:
-    """`(γ, β)` if `value` is `a * γ + β` or `a * γ` (`β` None), each a per-channel view of a leaf read by that
-    operation alone, and the intermediate product read by the sum alone."""
+def _affine(jaxpr: Any, value: Any, marks: int, origins: dict, uses: dict) -> tuple[str, str | None, Any] | None:
+    """`(γ, β, γ's view)` if `value` is `a * γ + β` or `a * γ` (`β` None) in `jaxpr`, read by the `marks` marked
+    calls alone, each of `γ`, `β` a per-channel view of a leaf read by that operation alone, and the intermediate
+    product read by the sum alone."""
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    readers: dict = {}
+    for v in [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars):
+        if isinstance(v, jex.Var):
+            readers[v] = readers.get(v, 0) + 1
+    if readers.get(value) != marks:
+        return None  # something besides the chosen layers reads it
     last = value.aval.ndim - 1
 
     def per_channel(v: Any) -> str | None:
@@ -180,9 +215,11 @@ def _affine(value: Any, producers: dict, readers: dict, origins: dict, uses: dic
         eqn = producers.get(product)
     if eqn is None or eqn.primitive.name != "mul":
         return None
-    a, b = eqn.invars
-    gamma = per_channel(b) if per_channel(b) is not None else per_channel(a)
-    return None if gamma is None else (gamma, beta)
+    for g in eqn.invars:
+        gamma = per_channel(g)
+        if gamma is not None:
+            return gamma, beta, g
+    return None
 
 
 def scale_leaves(model: PyTree, factors: dict[str, Array]) -> PyTree:

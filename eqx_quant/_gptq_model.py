@@ -138,6 +138,8 @@ def _solve(weight: Array, hessian: Array, fmt: Format, group_size: int | None, a
     t = scales.tensor_scale
     new_weight = apply_scale(fmt, levels.astype(jnp.float32), repeated, t).astype(weight.dtype)
     compact = scales.scale[..., 0] if group_size is None else scales.scale
+    if fmt.scale == "float16":  # GGML's `d` as it is stored and applied, so that a quantizer of it finds the levels
+        compact = compact.astype(jnp.float16).astype(compact.dtype)
     return new_weight, compact, t
 
 

@@ -3,7 +3,8 @@ randomized Hadamard rotations. Each gives a layer an input transform `T` and the
 same float function and quantize better."""
 
 import math
-from collections.abc import Callable, Iterable, Sequence
+import numbers
+from collections.abc import Callable, Iterable
 
 import equinox as eqx
 import jax
@@ -111,7 +112,7 @@ def smoothquant(
     model: PyTree,
     batches: Iterable[PyTree],
     *,
-    alpha: float | Sequence[float] = 0.5,
+    alpha: float | Iterable[float] = 0.5,
     fold: bool = True,
     batched: bool = False,
     where: Where = None,
@@ -144,7 +145,10 @@ def smoothquant(
     `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`, or a model's own normalisation written that way) that nothing but the chosen
     layers reads get it folded into `γ` and `β`: the layers reading it (the query, key and value projections after
     one norm, say) share one `s`, from the largest magnitudes of all their weights' columns, and compute as plain
-    layers (which the exporters take). This is found by tracing the model on the first batch. Every other layer
+    layers (which the exporters take). This is found by tracing the model on the first batch, and only where it is
+    sure: every call of each of those layers reads that value, in the same program (not across a `jax.jit` or
+    `jax.checkpoint` around the layers alone), nothing else reads `γ`, `β` or the value, and in a scanned stack the
+    scan steps through `γ` and `β` with the layers' weights. Every other layer
     computes `x * (1 / s)` on its input (an [`eqx_quant.nn.ScaleInput`][], with its own `s` from its own weight).
     Either way the fake-quant and converted models agree bit for bit. Run it on the model from
     [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][], whose scales and Hessians
@@ -234,13 +238,24 @@ def _fold_groups(model: PyTree, layers: dict[str, QuantLinear], batch: PyTree, b
 
 
 def _check_alphas(alpha: object) -> tuple[float, ...]:
-    """`alpha` (one value or a sequence of them) as a tuple of floats in `[0, 1]`, or a clear error."""
-    if isinstance(alpha, (str, bytes)) or not isinstance(alpha, Sequence | np.ndarray):
-        alphas = (check_real("alpha", alpha),)
+    """`alpha` (a real number, or an iterable of them: a list, a tuple, a 1-D array) as a tuple of floats in
+    `[0, 1]`, or a clear error."""
+
+    def scalar(value: object) -> object:  # a 0-d array as the number it holds
+        return value.item() if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0 else value
+
+    if isinstance(alpha, (str, bytes, numbers.Real)) or scalar(alpha) is not alpha:
+        alphas = (check_real("alpha", scalar(alpha)),)
     else:
-        alphas = tuple(check_real("alpha", a) for a in np.asarray(alpha, dtype=object).ravel())
-        if not alphas:
+        try:
+            values = list(alpha)  # pyright: ignore[reportArgumentType]
+        except TypeError:
+            raise TypeError(
+                f"`alpha` must be a real number or a sequence of them, got {alpha!r} of type {type(alpha).__name__}."
+            ) from None
+        if not values:
             raise ValueError(f"`alpha` must be a value or a non-empty sequence of values, got alpha={alpha!r}.")
+        alphas = tuple(check_real("alpha", scalar(a)) for a in values)
     for a in alphas:
         if not 0 <= a <= 1:
             raise ValueError(f"`alpha` must be in [0, 1], got alpha={alpha!r}.")

@@ -12,6 +12,7 @@ import pytest
 
 import eqx_quant
 from eqx_quant._autoround import autoround_solve
+from eqx_quant._gptq_model import _solve as _gptq_solve
 
 from .helpers import assert_bitwise_equal, init
 from .models import LinearStack
@@ -39,7 +40,7 @@ H = X.T.astype(np.float64) @ X
 def numpy_grid(name: str) -> np.ndarray:
     """Every finite grid point of a format, ascending: the integers of an integer grid, or every finite value of
     the float element type (from `ml_dtypes`)."""
-    ints = {"int4": (-8, 7), "int3": (-4, 3), "int2": (-2, 1), "q4_0": (-8, 7)}
+    ints = {"int8": (-127, 127), "int4": (-8, 7), "int3": (-4, 3), "int2": (-2, 1), "q4_0": (-8, 7)}
     if name in ints:
         return np.arange(ints[name][0], ints[name][1] + 1, dtype=np.float64)
     element = {"mxfp4": "float4_e2m1fn", "nvfp4": "float4_e2m1fn", "mxfp8_e4m3": "float8_e4m3fn"}.get(name, name)
@@ -160,6 +161,47 @@ def test_learned_rounding_picks_a_neighbouring_grid_point_and_beats_round_to_nea
     # The correlated inputs leave room that rounding each weight alone misses (0.09-0.54 of the error here); NVFP4's
     # round to nearest starts lower, on its finer two-level scales, and keeps 0.81 of it.
     assert learned_error < (0.9 if name == "nvfp4" else 0.7) * nearest_error
+
+
+@pytest.mark.parametrize(("name", "group_size"), [("int4", 32), ("mxfp4", 32), ("nvfp4", 16), ("q8_0", 32)])
+def test_non_finite_weights_keep_round_to_nearest(name, group_size):
+    """A NaN and an infinite weight: the scales come from the finite weights, the NaN stays NaN, the infinity
+    saturates at the grid's end, the loss is not finite so round to nearest is kept, and a fixed quantizer of the
+    scales reproduces the weight (NaN included)."""
+    fmt = eqx_quant.format_named(name)
+    w = W.copy()
+    w[0, 3], w[1, 5] = np.nan, np.inf
+    solve = lambda rate, steps: autoround_solve(  # noqa: E731
+        jnp.asarray(w), jnp.asarray(H, jnp.float32), jnp.float32(rate), fmt=fmt, group_size=group_size, steps=steps
+    )
+    weight, scales, tensor = solve(1 / 50, 50)
+    assert_bitwise_equal(weight, solve(1e-12, 1)[0])
+    out = np.asarray(weight)
+    assert np.isnan(out[0, 3]) and np.isfinite(np.delete(out.ravel(), 3)).all()
+    s = np.asarray(scales)[1, 5 // group_size] * (1 if tensor is None else np.float32(tensor))
+    s = np.float32(s).astype(np.float16).astype(np.float32) if name == "q8_0" else np.float32(s)
+    assert out[1, 5] == np.float32(numpy_grid(name if name != "q8_0" else "int8")[-1] * s)
+    fixed = eqx_quant.FakeQuant(
+        np.asarray(scales), format=fmt, tensor_scale=None if tensor is None else float(tensor), group_size=group_size
+    )
+    assert_bitwise_equal(fixed(weight), weight)
+
+
+@pytest.mark.parametrize("name", ["q8_0", "q4_0"])
+def test_ggml_scales_are_returned_as_stored_so_small_blocks_round_trip(name):
+    """Blocks of weights near 1e-4, whose `d` is subnormal in float16: AutoRound and GPTQ return `d` rounded to
+    float16, as it is stored and applied, so that a fixed quantizer of it finds their levels again (with the float32
+    `d`, re-quantizing moved 57-90 of them by a level)."""
+    fmt = eqx_quant.format_named(name)
+    w = jnp.asarray(W * np.float32(1e-4))
+    a_weight, a_scales, _ = autoround_solve(
+        w, jnp.asarray(H, jnp.float32), jnp.float32(1 / 20), fmt=fmt, group_size=32, steps=20
+    )
+    g_weight, g_scales, _ = _gptq_solve(w, jnp.asarray(H, jnp.float32), fmt, 32, False, 0.01)
+    for weight, scales in ((a_weight, a_scales), (g_weight, g_scales)):
+        stored = np.asarray(scales)
+        np.testing.assert_array_equal(stored, stored.astype(np.float16).astype(np.float32))
+        assert_bitwise_equal(eqx_quant.FakeQuant(stored, format=fmt, group_size=32)(weight), weight)
 
 
 @pytest.mark.slow

@@ -294,6 +294,8 @@ def test_smoothquant_searches_alpha_per_layer_as_the_numpy_twin():
     multiplier = searched.layers[0].input_transform.multiplier
     assert_bitwise_equal(multiplier, _smoothed(chosen).layers[0].input_transform.multiplier)
     assert_bitwise_equal(searched.layers[0].layer.weight, _smoothed(chosen).layers[0].layer.weight)
+    as_array = eqx_quant.smoothquant(Q8, SMOOTH_BATCHES, alpha=np.asarray(ALPHAS))  # any iterable of values
+    assert_bitwise_equal(as_array.layers[0].input_transform.multiplier, multiplier)
     picks = []
     for i in (0, 1):
         got = searched.layers[i].input_transform.multiplier
@@ -387,13 +389,74 @@ class _NormAlsoSkips(eqx.Module):
         return jax.vmap(self.fc)(x) + x  # the normalised tokens are read by the layer and by the residual sum
 
 
-def test_smoothquant_does_not_fold_where_others_read_the_normalisation():
-    """Nothing is folded where the normalisation's output is read besides the chosen layers: by a residual sum, or
-    by layers that `where` leaves out (the key and value projections, when only the query projection is chosen)."""
-    model = init(lambda k: _NormAlsoSkips(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k)), 6)
+class _LayerAlsoOnRaw(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+
+    def __call__(self, h):
+        return jax.vmap(self.fc)(jax.vmap(self.norm)(h)) + jax.vmap(self.fc)(h)  # the layer also reads `h` itself
+
+
+class _GainTwice(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+
+    def __call__(self, h):
+        return jax.vmap(self.fc)(jax.vmap(self.norm)(h)) + self.norm.weight[None, :]  # the gain is read again
+
+
+class _MisalignedStack(eqx.Module):
+    norms: eqx.nn.LayerNorm
+    fcs: eqx.nn.Linear
+
+    def __call__(self, h):
+        norms, static_norms = eqx.partition(self.norms, eqx.is_array)
+        fcs, static_fcs = eqx.partition(self.fcs, eqx.is_array)
+        fcs = jax.tree.map(lambda a: jnp.roll(a, 1, axis=0), fcs)  # layer i computes after norm i + 1
+
+        def step(h, arrays):
+            norm, fc = eqx.combine(arrays[0], static_norms), eqx.combine(arrays[1], static_fcs)
+            return h + jax.vmap(fc)(jax.vmap(norm)(h)), None
+
+        return jax.lax.scan(step, h, (norms, fcs))[0]
+
+
+def _norms(depth):
+    return eqx.filter_vmap(lambda k: eqx.nn.LayerNorm(16))(jax.random.split(jax.random.key(0), depth))
+
+
+def _linears(depth):
+    return eqx.filter_vmap(lambda k: eqx.nn.Linear(16, 16, key=k))(jax.random.split(jax.random.key(1), depth))
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda k: _NormAlsoSkips(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k)),
+        lambda k: _LayerAlsoOnRaw(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k)),
+        lambda k: _GainTwice(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k)),
+        lambda k: _MisalignedStack(_norms(2), _linears(2)),
+    ],
+    ids=["output-read-twice", "layer-called-elsewhere", "gain-read-twice", "stack-misaligned"],
+)
+def test_smoothquant_does_not_fold_where_folding_would_change_the_model(make):
+    """Nothing is folded where that would change what the model computes: the normalisation's output read besides
+    the layer (a residual sum), the layer called on another input too, the gain read again, or a scan that pairs
+    each normalisation with another layer of the stack. The layer keeps its multiplier, the normalisation its
+    weight, and the float function is unchanged up to rounding."""
+    model = init(make, 6)
     smoothed = eqx_quant.smoothquant(_w8a8(model), [X_BLOCK])
-    assert isinstance(smoothed.fc.input_transform, ScaleInput)
-    assert_bitwise_equal(smoothed.norm.weight, model.norm.weight)
+    layer = smoothed.fcs if isinstance(model, _MisalignedStack) else smoothed.fc
+    norm = model.norms if isinstance(model, _MisalignedStack) else model.norm
+    assert isinstance(layer.input_transform, ScaleInput)
+    assert_bitwise_equal((smoothed.norms if isinstance(model, _MisalignedStack) else smoothed.norm).weight, norm.weight)
+    float_out = np.asarray(_apply(model, X_BLOCK))
+    restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_BLOCK))
+    np.testing.assert_allclose(restored, float_out, rtol=1e-5, atol=1e-5)
+
+
+def test_smoothquant_does_not_fold_into_layers_where_leaves_out():
+    """Only the query projection chosen: the key and value projections read `norm1`'s output too, so nothing folds."""
     query = eqx_quant.smoothquant(_w8a8(BLOCK), [X_BLOCK], where=lambda path, layer: path == "attn.query_proj")
     assert isinstance(query.attn.query_proj.input_transform, ScaleInput)
     assert_bitwise_equal(query.norm1.weight, BLOCK.norm1.weight)
