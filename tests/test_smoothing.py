@@ -344,6 +344,7 @@ def _folded_twin(norm_out, weights, alpha):
     return 1 / (x_max**alpha / w_max ** (1 - alpha))
 
 
+@pytest.mark.slow
 def test_smoothquant_folds_into_the_layer_norm_before_its_layers():
     """A pre-LN block: the query, key and value projections (which read `norm1`'s output alone) share one factor,
     the twin's, folded into `norm1`'s weight and bias; `fc1` folds into `norm2`; the attention's output projection and
@@ -455,6 +456,32 @@ def test_smoothquant_does_not_fold_where_folding_would_change_the_model(make):
     np.testing.assert_allclose(restored, float_out, rtol=1e-5, atol=1e-5)
 
 
+class _NormLinearBare(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+    head: jax.Array
+
+    def __call__(self, x):
+        return self.head @ self.fc(self.norm(x))
+
+
+@pytest.mark.slow
+def test_smoothquant_in_a_traced_model_keeps_multipliers():
+    """In a model quantized with `example=` (a `QuantTraced`), the layer after a norm keeps a multiplier (nothing
+    is folded there yet); the float function is unchanged up to rounding and converted == fake-quant."""
+    model = init(lambda k: _NormLinearBare(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k), jnp.ones((4, 16))), 8)
+    x = X_BLOCK.reshape(-1, 16)
+    quantized = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(x[0],))
+    smoothed = eqx_quant.smoothquant(quantized, [x])
+    assert isinstance(smoothed.model.fc.input_transform, ScaleInput)
+    assert_bitwise_equal(smoothed.model.norm.weight, model.norm.weight)
+    restored = np.asarray(_apply(eqx_quant.float_model(smoothed), x))
+    np.testing.assert_allclose(restored, np.asarray(_apply(model, x)), rtol=1e-5, atol=1e-5)
+    fake = eqx_quant.calibrate(smoothed, [x])
+    _assert_converted_matches(fake, eqx_quant.convert(fake), x, eager=False)
+
+
+@pytest.mark.slow
 def test_smoothquant_does_not_fold_into_layers_where_leaves_out():
     """Only the query projection chosen: the key and value projections read `norm1`'s output too, so nothing folds."""
     query = eqx_quant.smoothquant(_w8a8(BLOCK), [X_BLOCK], where=lambda path, layer: path == "attn.query_proj")
