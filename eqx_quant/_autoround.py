@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float, PyTree
 
 from ._format import FloatFormat, Format, IntFormat, apply_scale, effective_scale, exponent, pow2, reciprocal
-from ._gptq_model import solve_weights
+from ._gptq_model import as_stored, solve_weights
 from ._misc import FLOAT32_TINY, check_int, check_real
 from ._scales import block_absmax, block_scale, e8m0_scale, finite_or, ggml_scale, tensor_scale_of
 
@@ -130,9 +130,7 @@ def autoround_solve(
     (last, best, best_loss), _ = jax.lax.scan(step, (start, start, jnp.inf), jnp.arange(steps, dtype=jnp.float32))
     best = jax.tree.map(lambda p, b: jnp.where(loss(last) < best_loss, p, b), last, best)
     new_weight, s = quantized(best, straight_through=False)
-    if fmt.scale == "float16":  # GGML's `d` as it is stored and applied, so that a quantizer of it finds the levels
-        s = s.astype(jnp.float16).astype(s.dtype)
-    s = s[:, 0, 0] if group_size is None else s[..., 0]
+    s = as_stored(fmt, s[:, 0, 0] if group_size is None else s[..., 0])
     return new_weight.reshape(out, n).astype(weight.dtype), s, t
 
 

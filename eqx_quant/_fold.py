@@ -3,7 +3,9 @@ normalisation's output `a * γ` or `a * γ + β` (`γ`, `β` array leaves of the
 those layers only. Found on the model's program (its jaxpr), so that any normalisation written that way is found:
 `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm` and a model's own."""
 
-from collections.abc import Iterator
+import functools
+import itertools
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -20,17 +22,37 @@ from .nn._transforms import AbstractInputTransform
 _SCOPE = "eqx_quant.fold_mark"
 
 
+@functools.cache
+def _marker(index: int) -> Callable[[Array, Array], Array]:
+    """The mark of layer `index`: an identity of its input (kept by XLA, inside a named scope holding the index),
+    with the layer's weight beside it. Under `jax.vmap` it is marked again with the batch axes in front (JAX moves
+    them there for a `custom_vmap` rule), so that in the program the marked operand holds the layer's input channels
+    on its last axis, and is the value the model computed only where no axis had to move."""
+
+    @jax.custom_batching.custom_vmap
+    def mark(x: Array, weight: Array) -> Array:
+        with jax.named_scope(f"{_SCOPE}[{index}]"):
+            return jax.lax.optimization_barrier((x, weight))[0]
+
+    @mark.def_vmap
+    def rule(axis_size: int, in_batched: list, x: Array, weight: Array) -> tuple[Array, bool]:
+        x_batched, weight_batched = in_batched
+        x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        weight = weight if weight_batched else jnp.broadcast_to(weight, (axis_size, *weight.shape))
+        return mark(x, weight), True
+
+    return mark
+
+
 class _Mark(AbstractInputTransform):
-    """Marks a layer's input in the model's program, with the layer's weight beside it (an identity that XLA keeps,
-    inside a named scope holding the layer's index): used only to trace the model, never to run it. The weight
-    tells which layer of a stack a call computes with."""
+    """Marks a layer's input in the model's program, with the layer's weight (which tells which layer of a stack a
+    call computes with): used only to trace the model, never to run it."""
 
     weight: Array
     index: int = eqx.field(static=True)
 
     def __call__(self, x: Array) -> Array:
-        with jax.named_scope(f"{_SCOPE}[{self.index}]"):
-            return jax.lax.optimization_barrier((x, self.weight))[0]
+        return _marker(self.index)(x, self.weight)
 
     def absorb(self, weight: Array) -> Array:
         return weight
@@ -57,28 +79,42 @@ class _Origin(NamedTuple):
 
 
 class _Call(NamedTuple):
-    """A marked call of a layer: its program, its input and the origin of its weight."""
+    """A marked call of a layer: the walk of the program it is in, its input, and the origin of its weight."""
 
-    jaxpr: Any
+    walk: int
     value: Any
     weight: _Origin | None
 
 
 def _marked_layer(eqn: Any) -> int | None:
-    """The index of the layer whose input `eqn` marks, if it is a mark."""
-    if eqn.primitive.name != "optimization_barrier":
+    """The index of the layer whose input `eqn` marks, if it is a mark (the `custom_vmap` call around the named
+    barrier)."""
+    if eqn.primitive.name != "custom_vmap_call":
         return None
-    stack = str(eqn.source_info.name_stack)
-    start = stack.rfind(f"{_SCOPE}[")
-    if start < 0:
-        return None
-    start += len(_SCOPE) + 1
-    return int(stack[start : stack.index("]", start)])
+    for inner in eqn.params["call"].jaxpr.eqns:
+        stack = str(inner.source_info.name_stack)
+        start = stack.rfind(f"{_SCOPE}[")
+        if inner.primitive.name == "optimization_barrier" and start >= 0:
+            start += len(_SCOPE) + 1
+            return int(stack[start : stack.index("]", start)])
+    return None
 
 
-def _inner(eqn: Any) -> Iterator[tuple[Any, list]]:
+def _jaxprs(value: Any) -> Iterator[Any]:
+    """The programs in a parameter of an operation (itself, or in a tuple or list of them)."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _jaxprs(item)
+    elif isinstance(value, jex.ClosedJaxpr):
+        yield value.jaxpr
+    elif isinstance(value, jex.Jaxpr):
+        yield value
+
+
+def _inner(eqn: Any) -> Iterator[tuple[Any, list | None]]:
     """The sub-programs of `eqn`, each with, per input, the position of the operand of `eqn` it takes and whether a
-    scan slices it (None where no operand is taken as it is: a scan's carries)."""
+    scan slices it (None where no operand is taken as it is: a scan's carries); or with None where the operands are
+    not followed into it (a `while` loop's, and any program whose inputs are not the operands one for one)."""
     if eqn.primitive.name == "scan":
         consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
         operands: list = [(i, i >= consts + carries) for i in range(len(eqn.invars))]
@@ -89,19 +125,18 @@ def _inner(eqn: Any) -> Iterator[tuple[Any, list]]:
         for branch in eqn.params["branches"]:
             yield branch.jaxpr, [(i, False) for i in range(1, len(eqn.invars))]
         return
-    if eqn.primitive.name == "while":
-        return  # not followed: its operands count as read
     for value in eqn.params.values():
-        jaxpr = value.jaxpr if isinstance(value, jex.ClosedJaxpr) else value
-        if isinstance(jaxpr, jex.Jaxpr) and len(jaxpr.invars) == len(eqn.invars):
-            yield jaxpr, [(i, False) for i in range(len(eqn.invars))]
+        for jaxpr in _jaxprs(value):
+            followed = eqn.primitive.name != "while" and len(jaxpr.invars) == len(eqn.invars)
+            yield jaxpr, [(i, False) for i in range(len(eqn.invars))] if followed else None
 
 
 def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) -> list[Fold]:
     """The groups of `targets` (paths of `QuantLinear` layers of `model`) whose input is a normalisation's output
     `a * γ (+ β)` that nothing else reads, found in the program of one call on `batch` (as calibration calls the
-    model): every call of each layer of a group reads that value, `γ` and `β` are leaves of one entry per input
-    channel read by that operation alone, and in a scan they are sliced together with the layers' weights."""
+    model): every call of each layer of a group reads that value (with its input channels on the value's last axis),
+    `γ` and `β` are leaves of one entry per input channel read by that operation alone, and in a scan they are
+    sliced together with the layers' weights."""
     index = {path: i for i, path in enumerate(targets)}
 
     def mark(path: str, layer: QuantLinear) -> QuantLinear:
@@ -121,19 +156,21 @@ def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) 
     top = {v: _Origin(p, v.aval.ndim - 1) for v, p in zip(closed.jaxpr.invars, paths, strict=False)}
     uses: dict[str, int] = {}  # per leaf: the reads of it (or of its views) other than views and sub-programs
     calls: dict[int, list[_Call]] = {}
-    programs: list[tuple[Any, dict]] = []
-    scans = iter(range(1 << 62))  # a number per scan operation
+    walks: list[tuple[Any, dict]] = []  # each walk of a program (one may be walked at several call sites)
+    scans = itertools.count()  # a number per scan operation walked
 
     def read(origin: _Origin | None) -> None:
         if origin is not None:
             uses[origin.path] = uses.get(origin.path, 0) + 1
 
     def walk(jaxpr: Any, origins: dict) -> None:
+        number = len(walks)
+        walks.append((jaxpr, origins))
         for eqn in jaxpr.eqns:
             viewed = [origins.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
             name, layer = eqn.primitive.name, _marked_layer(eqn)
             if layer is not None:
-                calls.setdefault(layer, []).append(_Call(jaxpr, eqn.invars[0], viewed[1]))
+                calls.setdefault(layer, []).append(_Call(number, eqn.invars[0], viewed[1]))
                 continue
             if name == "convert_element_type" and viewed[0] is not None:
                 origins[eqn.outvars[0]] = viewed[0]
@@ -142,12 +179,11 @@ def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) 
                 axis = eqn.params["broadcast_dimensions"][viewed[0].axis]
                 origins[eqn.outvars[0]] = viewed[0]._replace(axis=axis)
                 continue
-            subs = list(_inner(eqn))
             passed = set()
             scan = next(scans) if name == "scan" else None
-            for sub, operands in subs:
+            for sub, operands in _inner(eqn):
                 inner = {}
-                for v, operand in zip(sub.invars, operands, strict=True):
+                for v, operand in zip(sub.invars, operands or [], strict=False):
                     if operand is None or viewed[operand[0]] is None:
                         continue
                     position, sliced = operand
@@ -164,32 +200,37 @@ def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) 
                     read(o)
         for v in jaxpr.outvars:  # a value the program returns is read by its caller
             read(origins.get(v) if isinstance(v, jex.Var) else None)
-        programs.append((jaxpr, origins))
 
     walk(closed.jaxpr, top)
-    origins_of = {id(jaxpr): origins for jaxpr, origins in programs}
     groups: dict[tuple[int, Any], list[str]] = {}
     for i, layer_calls in calls.items():
-        inputs = {(id(c.jaxpr), c.value) for c in layer_calls}
+        inputs = {(c.walk, c.value) for c in layer_calls}
         if len(inputs) == 1:  # every call of the layer reads one value
             groups.setdefault(next(iter(inputs)), []).append(targets[i])
     folds = []
-    for (program, value), layers in groups.items():
-        jaxpr = next(j for j, _ in programs if id(j) == program)
+    for (number, value), layers in groups.items():
+        jaxpr, origins = walks[number]
         layer_calls = [c for layer in layers for c in calls[index[layer]]]
-        fold = _affine(jaxpr, value, len(layer_calls), origins_of[program], uses)
-        if fold is None:
+        found = _affine(jaxpr, value, len(layer_calls), origins, uses)
+        if found is None:
             continue
-        gamma_scans = origins_of[program][fold[2]].scans
-        if all(c.weight is not None and c.weight.scans == gamma_scans for c in layer_calls):
-            folds.append(Fold(fold[0], fold[1], tuple(layers)))
+        if all(c.weight is not None and c.weight.scans == origins[found.view].scans for c in layer_calls):
+            folds.append(Fold(found.gamma, found.beta, tuple(layers)))
     return folds
 
 
-def _affine(jaxpr: Any, value: Any, marks: int, origins: dict, uses: dict) -> tuple[str, str | None, Any] | None:
-    """`(γ, β, γ's view)` if `value` is `a * γ + β` or `a * γ` (`β` None) in `jaxpr`, read by the `marks` marked
-    calls alone, each of `γ`, `β` a per-channel view of a leaf read by that operation alone, and the intermediate
-    product read by the sum alone."""
+class _Affine(NamedTuple):
+    """The leaves of `a * γ + β` (`beta` None for `a * γ`), and the view of `γ` that the product reads."""
+
+    gamma: str
+    beta: str | None
+    view: Any
+
+
+def _affine(jaxpr: Any, value: Any, marks: int, origins: dict, uses: dict) -> _Affine | None:
+    """`value` as `a * γ + β` or `a * γ` in `jaxpr`, if it is read by the `marks` marked calls alone, each of `γ`,
+    `β` a per-channel view of a leaf read by that operation alone, and the intermediate product read by the sum
+    alone."""
     producers = {v: e for e in jaxpr.eqns for v in e.outvars}
     readers: dict = {}
     for v in [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars):
@@ -218,7 +259,7 @@ def _affine(jaxpr: Any, value: Any, marks: int, origins: dict, uses: dict) -> tu
     for g in eqn.invars:
         gamma = per_channel(g)
         if gamma is not None:
-            return gamma, beta, g
+            return _Affine(gamma, beta, g)
     return None
 
 

@@ -138,9 +138,13 @@ def _solve(weight: Array, hessian: Array, fmt: Format, group_size: int | None, a
     t = scales.tensor_scale
     new_weight = apply_scale(fmt, levels.astype(jnp.float32), repeated, t).astype(weight.dtype)
     compact = scales.scale[..., 0] if group_size is None else scales.scale
-    if fmt.scale == "float16":  # GGML's `d` as it is stored and applied, so that a quantizer of it finds the levels
-        compact = compact.astype(jnp.float16).astype(compact.dtype)
-    return new_weight, compact, t
+    return new_weight, as_stored(fmt, compact), t
+
+
+def as_stored(fmt: Format, scales: Array) -> Array:
+    """A solver's scales as the format stores and applies them: GGML's `d` rounded to float16 (its levels were
+    found with the float32 `d`; with the rounded one, a quantizer finds them again), others as they are."""
+    return scales.astype(jnp.float16).astype(scales.dtype) if fmt.scale == "float16" else scales
 
 
 def _with_solution(layer: QuantLinear, fmt: Format, group_size: int | None, weight, compact, t) -> QuantLinear:

@@ -146,9 +146,10 @@ def smoothquant(
     layers reads get it folded into `γ` and `β`: the layers reading it (the query, key and value projections after
     one norm, say) share one `s`, from the largest magnitudes of all their weights' columns, and compute as plain
     layers (which the exporters take). This is found by tracing the model on the first batch, and only where it is
-    sure: every call of each of those layers reads that value, in the same program (not across a `jax.jit` or
-    `jax.checkpoint` around the layers alone), nothing else reads `γ`, `β` or the value, and in a scanned stack the
-    scan steps through `γ` and `β` with the layers' weights. Every other layer
+    sure: every call of each of those layers reads that value (with the layer's input channels on its last axis),
+    in the same program (not across a `jax.jit` or `jax.checkpoint` around the layers alone, nor in a program called
+    at two places, nor in a `while` loop), nothing else reads `γ`, `β` or the value, and in a scanned stack the scan
+    steps through `γ` and `β` with the layers' weights. Every other layer
     computes `x * (1 / s)` on its input (an [`eqx_quant.nn.ScaleInput`][], with its own `s` from its own weight).
     Either way the fake-quant and converted models agree bit for bit. Run it on the model from
     [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][], whose scales and Hessians

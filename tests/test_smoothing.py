@@ -334,6 +334,7 @@ def test_smoothquant_search_on_a_stack_equals_the_same_layers_unstacked():
 # Tokens (batch, 5, 16) with an outlier channel, for the blocks that normalise before their layers.
 X_BLOCK = jnp.asarray(NORMAL[:20, :16].reshape(4, 5, 16) * np.where(np.arange(16) == 3, 30, 1).astype(np.float32))
 BLOCK = init(lambda k: ViTBlock(16, 2, k), 5)
+X_SQUARE = jnp.asarray(NORMAL.reshape(8, 16, 16) * np.where(np.arange(16) == 3, 30, 1).astype(np.float32))
 
 
 def _folded_twin(norm_out, weights, alpha):
@@ -422,6 +423,39 @@ class _MisalignedStack(eqx.Module):
         return jax.lax.scan(step, h, (norms, fcs))[0]
 
 
+def _normalised(h, gain):
+    return (h - jnp.mean(h)) / jnp.sqrt(jnp.var(h) + 1e-5) * gain
+
+
+_gated_twice = jax.jit(lambda fc, gain, h: (lambda y: fc(y) + jnp.sum(y))(_normalised(h, gain)))
+
+
+class _JitTwice(eqx.Module):
+    g1: jax.Array
+    g2: jax.Array
+    fc: eqx.nn.Linear
+
+    def __call__(self, h):  # one compiled helper (one program) called with two gains
+        return jax.vmap(lambda t: _gated_twice(self.fc, self.g1, t) + _gated_twice(self.fc, self.g2, -t))(h)
+
+
+class _AgainInALoop(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+
+    def __call__(self, h):  # the layer runs again inside a loop of traced length
+        y = jax.vmap(self.fc)(jax.vmap(self.norm)(h))
+        return jax.lax.fori_loop(0, jnp.int32(2), lambda i, z: jnp.tanh(jax.vmap(self.fc)(z)), y)
+
+
+class _TokenMixer(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    fc: eqx.nn.Linear
+
+    def __call__(self, h):  # (tokens, channels), as many of each: normalised per token, mixed along the tokens
+        return jax.vmap(self.fc, in_axes=1, out_axes=1)(jax.vmap(self.norm)(h))
+
+
 def _norms(depth):
     return eqx.filter_vmap(lambda k: eqx.nn.LayerNorm(16))(jax.random.split(jax.random.key(0), depth))
 
@@ -437,22 +471,36 @@ def _linears(depth):
         lambda k: _LayerAlsoOnRaw(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k)),
         lambda k: _GainTwice(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k)),
         lambda k: _MisalignedStack(_norms(2), _linears(2)),
+        lambda k: _JitTwice(jnp.linspace(0.5, 2.0, 16), jnp.linspace(2.0, 0.5, 16), eqx.nn.Linear(16, 16, key=k)),
+        lambda k: _AgainInALoop(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k)),
+        lambda k: _TokenMixer(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k)),
     ],
-    ids=["output-read-twice", "layer-called-elsewhere", "gain-read-twice", "stack-misaligned"],
+    ids=[
+        "output-read-twice",
+        "layer-called-elsewhere",
+        "gain-read-twice",
+        "stack-misaligned",
+        "one-program-twice",
+        "again-in-a-loop",
+        "token-mixing",
+    ],  # fmt: skip
 )
 def test_smoothquant_does_not_fold_where_folding_would_change_the_model(make):
     """Nothing is folded where that would change what the model computes: the normalisation's output read besides
-    the layer (a residual sum), the layer called on another input too, the gain read again, or a scan that pairs
-    each normalisation with another layer of the stack. The layer keeps its multiplier, the normalisation its
-    weight, and the float function is unchanged up to rounding."""
+    the layer (a residual sum), the layer called on another input too, the gain read again, a scan that pairs each
+    normalisation with another layer of the stack, one compiled program called with two gains, the layer called
+    again inside a loop, or a layer mapped along the tokens of a normalised `(tokens, channels)` input. The layer
+    keeps its multiplier, the normalisations their weights, and the float function is unchanged up to rounding."""
     model = init(make, 6)
-    smoothed = eqx_quant.smoothquant(_w8a8(model), [X_BLOCK])
+    x = X_SQUARE if isinstance(model, _TokenMixer) else X_BLOCK
+    smoothed = eqx_quant.smoothquant(_w8a8(model), [x])
     layer = smoothed.fcs if isinstance(model, _MisalignedStack) else smoothed.fc
-    norm = model.norms if isinstance(model, _MisalignedStack) else model.norm
     assert isinstance(layer.input_transform, ScaleInput)
-    assert_bitwise_equal((smoothed.norms if isinstance(model, _MisalignedStack) else smoothed.norm).weight, norm.weight)
-    float_out = np.asarray(_apply(model, X_BLOCK))
-    restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_BLOCK))
+    gains = lambda m: [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(m) if "fc" not in str(path)]  # noqa: E731
+    for got, want in zip(gains(eqx_quant.float_model(smoothed)), gains(model), strict=True):
+        assert_bitwise_equal(got, want)
+    float_out = np.asarray(_apply(model, x))
+    restored = np.asarray(_apply(eqx_quant.float_model(smoothed), x))
     np.testing.assert_allclose(restored, float_out, rtol=1e-5, atol=1e-5)
 
 
@@ -466,15 +514,15 @@ class _NormLinearBare(eqx.Module):
 
 
 @pytest.mark.slow
-def test_smoothquant_in_a_traced_model_keeps_multipliers():
-    """In a model quantized with `example=` (a `QuantTraced`), the layer after a norm keeps a multiplier (nothing
-    is folded there yet); the float function is unchanged up to rounding and converted == fake-quant."""
+def test_smoothquant_folds_in_a_traced_model():
+    """In a model quantized with `example=` (a `QuantTraced`), the layer after a norm folds into it as in a model of
+    layers; the float function is unchanged up to rounding and converted == fake-quant."""
     model = init(lambda k: _NormLinearBare(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k), jnp.ones((4, 16))), 8)
     x = X_BLOCK.reshape(-1, 16)
     quantized = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(x[0],))
     smoothed = eqx_quant.smoothquant(quantized, [x])
-    assert isinstance(smoothed.model.fc.input_transform, ScaleInput)
-    assert_bitwise_equal(smoothed.model.norm.weight, model.norm.weight)
+    assert smoothed.model.fc.input_transform is None
+    assert not np.array_equal(smoothed.model.norm.weight, model.norm.weight)
     restored = np.asarray(_apply(eqx_quant.float_model(smoothed), x))
     np.testing.assert_allclose(restored, np.asarray(_apply(model, x)), rtol=1e-5, atol=1e-5)
     fake = eqx_quant.calibrate(smoothed, [x])
