@@ -250,12 +250,12 @@ def test_autoround_on_a_scanned_stack_and_its_storage(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stacked", [False, True])
-@pytest.mark.parametrize("name", ["mxfp4", "nvfp4"])
+@pytest.mark.parametrize(("name", "stacked"), [("mxfp4", False), ("nvfp4", True)])
 def test_autoround_on_block_formats_in_a_model(name, stacked, tmp_path):
-    """The block formats through the model workflow, with the format's recipe: an MLP, and a scanned stack (one
-    tensor scale and one set of block scales per layer); each layer's weight reproduced by its fixed quantizer, the
-    outputs closer to the float model's than round to nearest's, converted == fake-quant bit for bit, save/load."""
+    """The block formats through the model workflow, with the format's recipe: an MLP (MXFP4: static E8M0 block
+    scales), and a scanned stack (NVFP4: one tensor scale and one set of block scales per layer); each layer's weight
+    reproduced by its fixed quantizer, the outputs closer to the float model's than round to nearest's, converted ==
+    fake-quant bit for bit, save/load."""
     if stacked:
         model = init(lambda k: LinearStack(32, 2, k), 7)
     else:

@@ -538,11 +538,10 @@ def test_smoothquant_does_not_fold_into_layers_where_leaves_out():
 
 
 @pytest.mark.slow
-def test_smoothquant_folds_into_a_stacked_model_norm_and_searches_per_group(tmp_path):
+def test_smoothquant_folds_into_a_stacked_model_norm_and_searches_per_group():
     """A scanned decoder whose own RMSNorm multiplies by its weight last: `qkv` folds into `norm1` and `gate`, `up`
     (one group: one factor) into `norm2`, per layer of the stack; with several `alpha`s the group chooses one;
-    the float function is unchanged up to rounding; converted == fake-quant bit for bit, and the file loads into
-    the float model's skeleton."""
+    the float function is unchanged up to rounding; converted == fake-quant bit for bit."""
     lm = init(lambda k: DecoderLM(k), 7)
     tokens = jnp.asarray(RNG.integers(0, 13, size=(4, 6)))
     smoothed = eqx_quant.smoothquant(_w8a8(lm), [tokens[:2], tokens[2:]], alpha=[0.3, 0.6, 0.9])
@@ -564,11 +563,7 @@ def test_smoothquant_folds_into_a_stacked_model_norm_and_searches_per_group(tmp_
     float_out = np.asarray(_apply(lm, tokens))
     np.testing.assert_allclose(np.asarray(_apply(eqx_quant.float_model(smoothed), tokens)), float_out, atol=1e-4)
     fake = eqx_quant.calibrate(smoothed, [tokens])
-    converted = eqx_quant.convert(fake)
-    _assert_converted_matches(fake, converted, tokens, eager=False)
-    eqx_quant.save(tmp_path / "lm.eqx", converted)
-    loaded = eqx_quant.load(tmp_path / "lm.eqx", eqx.filter_eval_shape(lambda: lm))
-    assert_bitwise_equal(_apply(loaded, tokens), _apply(converted, tokens))
+    _assert_converted_matches(fake, eqx_quant.convert(fake), tokens, eager=False)
 
 
 class _HalfUsed(eqx.Module):
