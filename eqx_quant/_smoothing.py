@@ -189,30 +189,30 @@ def smoothquant(
     layers = dict(targets)
     groups = _fold_groups(model, layers, batches[0], batched) if fold else []  # pyright: ignore[reportIndexIssue]
     group_of = {path: g.layers for g in groups for path in g.layers}
-    factors, x_maxes = {}, {}
-    for path, layer in targets:
-        x_maxes[path] = _stacked(found[path], "channel_absmax", layer_stack(layer))
-    for path, _ in targets:
-        members = group_of.get(path, (path,))  # a folded group shares its factors: its layers share their input
-        x_max = np.max([x_maxes[p] for p in members], axis=0).astype(np.float64)
-        w_max = np.max([np.max(np.abs(np.asarray(layers[p].layer.weight, np.float64)), axis=-2) for p in members], 0)
-        factors[path] = [smoothquant_factors(x_max, w_max, a) for a in alphas]
-    chosen = {path: factors[path][0] for path, _ in targets}
+    # The units that share one factor: a folded group (its layers share their input), or a layer alone.
+    unit_of = {path: group_of.get(path, (path,)) for path, _ in targets}
+    units = list(dict.fromkeys(unit_of.values()))
+    x_maxes = {path: _stacked(found[path], "channel_absmax", layer_stack(layer)) for path, layer in targets}
+    factors = {}
+    for unit in units:
+        x_max = np.max([x_maxes[p] for p in unit], axis=0).astype(np.float64)
+        w_max = np.max([np.max(np.abs(np.asarray(layers[p].layer.weight, np.float64)), axis=-2) for p in unit], 0)
+        factors[unit] = [smoothquant_factors(x_max, w_max, a) for a in alphas]
+    chosen = {unit: options[0] for unit, options in factors.items()}
     if len(alphas) > 1:
-        data = {path: _candidates(layer, factors[path], x_maxes[path]) for path, layer in targets}
+        data = {path: _candidates(layer, factors[unit_of[path]], x_maxes[path]) for path, layer in targets}
         errors = fold_statistics(
             model, targets, batches, batched, _smoothing_errors, data, 0, progress, "smoothquant (alpha)"
         )
         check_called(targets, errors)
-        for path, layer in targets:
-            stack = layer_stack(layer)
-            total = sum(_stacked(errors[p], "errors", stack) for p in group_of.get(path, (path,)))
-            best = np.argmin(total, axis=-1)  # the first of equal errors
-            options = np.stack(factors[path], axis=len(stack))  # (*stack, candidates, n)
-            chosen[path] = np.take_along_axis(options, best[..., None, None], axis=len(stack))[..., 0, :]
+        for unit in units:
+            stack = layer_stack(layers[unit[0]])
+            best = np.argmin(sum(_stacked(errors[p], "errors", stack) for p in unit), axis=-1)  # the first of ties
+            options = np.stack(factors[unit], axis=len(stack))  # (*stack, candidates, n)
+            chosen[unit] = np.take_along_axis(options, best[..., None, None], axis=len(stack))[..., 0, :]
     done = {}
     for path, layer in targets:
-        transform = ScaleInput(jnp.asarray(1 / chosen[path], jnp.float32))
+        transform = ScaleInput(jnp.asarray(1 / chosen[unit_of[path]], jnp.float32))
         weight = transform.absorb(layer.layer.weight)
         if path in group_of:
             done[path] = eqx.tree_at(lambda l: l.layer.weight, layer, weight)
@@ -220,7 +220,7 @@ def smoothquant(
             done[path] = _with_transform(layer, transform, weight)
     leaf_factors = {}
     for g in groups:
-        multiplier = jnp.asarray(1 / chosen[g.layers[0]], jnp.float32)
+        multiplier = jnp.asarray(1 / chosen[g.layers], jnp.float32)
         leaf_factors.update({p: multiplier for p in (g.gamma, g.beta) if p is not None})
     return scale_leaves(_replace(model, done), leaf_factors)
 
