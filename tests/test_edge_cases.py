@@ -329,7 +329,7 @@ def _quantizer_cases(draw):
     return dtype, rows, cols, bits, signed, symmetric, granularity, log_scale, seed, with_nan
 
 
-@settings(max_examples=6, deadline=None, derandomize=True)
+@settings(max_examples=4, deadline=None, derandomize=True)
 @given(_quantizer_cases())
 @pytest.mark.slow
 def test_property_paths_agree_and_keep_finite_and_nan_data(case):

@@ -177,7 +177,7 @@ def test_dynamic_scale_and_gradient():
             assert tensor.layout.axes == (() if axis is None else (0,))
     # The largest magnitude keeps its gradient; the scale gets none (stop_gradient); infinities get 0.
     q = DynamicFloatFakeQuant("float8_e4m3fn", axis=0)
-    grad = np.asarray(jax.grad(lambda x_: jnp.sum(q(x_)))(jnp.asarray(x)))
+    grad = np.asarray(jax.jit(jax.grad(lambda x_: jnp.sum(q(x_))))(jnp.asarray(x)))
     np.testing.assert_array_equal(grad, np.where(np.isfinite(x), 1.0, 0.0))
     # A zero tensor: the smallest normal scale, exact zeros.
     zero = q.quantize(jnp.zeros((2, 4)))
@@ -325,9 +325,10 @@ def test_jit_vmap_and_stacked_tensors():
         if isinstance(q, eqx_quant.FakeQuant):
             continue
         pair = jnp.stack([x, -2 * x])
-        tensor = eqx.filter_vmap(q.quantize)(pair)
+        # Mapped under `jit`: mapped eagerly, each operation would compile on its own.
+        tensor = eqx.filter_jit(eqx.filter_vmap(q.quantize))(pair)
         assert tensor.stack_depth == 1 and tensor.shape == x.shape
-        mapped = jax.vmap(q)(pair)
+        mapped = eqx.filter_jit(jax.vmap(q))(pair)
         assert_same(tensor.dequantize(), mapped)
         assert_same(mapped[1], q(-2 * x))
     # vmap over rows of a per-tensor dynamic quantizer: one scale per row, as a loop over rows.
@@ -340,16 +341,17 @@ def test_jit_vmap_and_stacked_tensors():
 @pytest.mark.slow
 def test_gradients_straight_through():
     x = jnp.array([[0.1, -0.7, 3.0, 7.0], [1.0, 2.0, -13.0, 0.25]])
+    # Each gradient compiled as one program (eagerly, each of its operations would compile on its own).
     # FP4, scale 1: 7 and -13 saturate and pass nothing.
-    grad = jax.grad(lambda x_: jnp.sum(FloatFakeQuant("float4_e2m1fn", 1.0)(x_)))(x)
+    grad = jax.jit(jax.grad(lambda x_: jnp.sum(FloatFakeQuant("float4_e2m1fn", 1.0)(x_))))(x)
     np.testing.assert_array_equal(grad, [[1, 1, 1, 0], [1, 1, 0, 1]])
     # MX floor, blocks of 4: block 0 has X = 1 and 7 saturates; block 1 (amax 13) X = 2**(3 - 2) = 2: -13 / 2
     # saturates to -6 as well. rceil saturates nothing.
-    grad = jax.grad(lambda x_: jnp.sum(MXFakeQuant("mxfp4", block_size=4)(x_)))(x)
+    grad = jax.jit(jax.grad(lambda x_: jnp.sum(MXFakeQuant("mxfp4", block_size=4)(x_))))(x)
     np.testing.assert_array_equal(grad, [[1, 1, 1, 0], [1, 1, 0, 1]])
-    grad = jax.grad(lambda x_: jnp.sum(MXFakeQuant("mxfp4", block_size=4, scale_rule="rceil")(x_)))(x)
+    grad = jax.jit(jax.grad(lambda x_: jnp.sum(MXFakeQuant("mxfp4", block_size=4, scale_rule="rceil")(x_))))(x)
     np.testing.assert_array_equal(grad, np.ones((2, 4)))
-    grad = jax.grad(lambda x_: jnp.sum(NVFP4FakeQuant()(x_)))(jnp.linspace(-3.0, 3.0, 16))
+    grad = jax.jit(jax.grad(lambda x_: jnp.sum(NVFP4FakeQuant()(x_))))(jnp.linspace(-3.0, 3.0, 16))
     np.testing.assert_array_equal(grad, np.ones(16))
 
 
@@ -436,6 +438,12 @@ def _batched(model, x):
     return jax.vmap(model)(x)
 
 
+@eqx.filter_jit
+def _batched_pair(first, second, x):
+    """`_batched(first, x)` and `_batched(second, x)`, compiled as one program."""
+    return jax.vmap(first)(x), jax.vmap(second)(x)
+
+
 @pytest.mark.parametrize("conv", [False, True], ids=["mlp", "convnet"])
 @pytest.mark.slow
 def test_convert_bit_exact(conv):
@@ -464,7 +472,8 @@ def test_convert_bit_exact(conv):
             assert isinstance(layer.qweight, FloatQuantizedTensor)
             assert layer.qweight.format.name == {"fp8": "float8_e4m3fn", "mxfp4": "mxfp4", "nvfp4": "nvfp4"}[name]
             assert layer.qweight.values.dtype == jnp.uint8
-        assert_same(_batched(real, x), np.asarray(_batched(fake, x)))
+        got, want = _batched_pair(real, fake, x)
+        assert_same(got, np.asarray(want))
 
 
 @pytest.mark.slow

@@ -168,16 +168,20 @@ def test_jacfwd_equals_jacrev_through_every_quantizer(name):
     x = X[:2, :16] if "fp4" not in name and name != "q4_0" else X[:2]  # blocks of 16 or 32
     if name.startswith("learned"):
         quantizer = type(quantizer).init_from(x, quantizer.format, **_layout_kwargs(name))
-    forward = jax.jacfwd(lambda a: quantizer(a))(x)
-    reverse = jax.jacrev(lambda a: quantizer(a))(x)
+    forward, reverse = _both_jacobians(lambda a: quantizer(a), x)
     np.testing.assert_array_equal(forward, reverse)
     if name.startswith("learned"):
         params, static = eqx.partition(quantizer, eqx.is_inexact_array)
-        f = lambda p: eqx.combine(p, static)(x)  # noqa: E731
-        forward, reverse = jax.jacfwd(f)(params), jax.jacrev(f)(params)
+        forward, reverse = _both_jacobians(lambda p: eqx.combine(p, static)(x), params)
         for a, b in zip(jax.tree.leaves(forward), jax.tree.leaves(reverse), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
             assert np.any(a != 0)
+
+
+def _both_jacobians(f, x):
+    """`jax.jacfwd(f)(x)` and `jax.jacrev(f)(x)`, compiled together in one program (one compilation, not the
+    many small ones of eager dispatch)."""
+    return jax.jit(lambda a: (jax.jacfwd(f)(a), jax.jacrev(f)(a)))(x)
 
 
 def _layout_kwargs(name):
@@ -206,13 +210,16 @@ def test_forward_and_reverse_mode_agree_on_a_quantized_model(name, learned):
     def loss(p, x):
         return jnp.sum(jax.vmap(eqx.combine(p, static))(x) ** 2)
 
+    @jax.jit  # one compiled program for the four derivatives
+    def derivatives(p, t, x):
+        forward = jax.jvp(lambda q: loss(q, x), (p,), (t,))[1]
+        f = lambda a: jax.vmap(eqx.combine(p, static))(a)  # noqa: E731
+        return forward, jax.grad(loss)(p, x), jax.jacfwd(f)(x), jax.jacrev(f)(x)
+
     tangent = jax.tree.map(lambda a: jnp.asarray(RNG.standard_normal(a.shape).astype(a.dtype)), params)
-    _, forward = eqx.filter_jit(lambda p, t: jax.jvp(lambda q: loss(q, BATCH), (p,), (t,)))(params, tangent)
-    grads = eqx.filter_jit(jax.grad(loss))(params, BATCH)
+    forward, grads, jac_fwd, jac_rev = derivatives(params, tangent, BATCH)
     reverse = sum(jnp.vdot(a, b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(tangent), strict=True))
     np.testing.assert_allclose(forward, reverse, rtol=2e-5)
-    jac_fwd = jax.jacfwd(lambda x: jax.vmap(model)(x))(BATCH)
-    jac_rev = jax.jacrev(lambda x: jax.vmap(model)(x))(BATCH)
     np.testing.assert_allclose(jac_fwd, jac_rev, rtol=1e-5, atol=1e-6)
     assert np.any(np.asarray(jac_fwd) != 0)
 
@@ -230,20 +237,21 @@ def _ste(a, scale, qmin, qmax):
 def test_hessian_of_an_integer_model_is_that_of_the_straight_through_surrogate():
     """Second derivatives through the integer forward (both layers' weights and the input, their cross terms
     included) equal those of the surrogate written with plain JAX."""
-    w_scales = [jnp.asarray(RNG.uniform(0.01, 0.03, (n, 1)).astype(np.float32)) for n in (32, 32, 4)]
+    mlp = eqx.nn.MLP(8, 4, 8, 2, activation=jax.nn.gelu, key=jax.random.key(0))  # small: Hessians grow as n**2
+    w_scales = [jnp.asarray(RNG.uniform(0.01, 0.03, (n, 1)).astype(np.float32)) for n in (8, 8, 4)]
     scales = iter(w_scales)
     model = eqx_quant.quantize(
-        MLP,
+        mlp,
         weights=lambda path, layer: eqx_quant.FakeQuant(next(scales)[:, 0], -128, 127, axis=0),
         activations=eqx_quant.FakeQuant(0.05, -128, 127),
     )
-    x = BATCH[0]
+    x = BATCH[0, :8]
     jaxpr = str(jax.make_jaxpr(model)(x))
     assert jaxpr.count("custom_vmap_call") == 3 and "preferred_element_type=int32" in jaxpr  # three integer products
 
     def surrogate(weights, x):
         h = x
-        for i, (w, layer) in enumerate(zip(weights, MLP.layers, strict=True)):
+        for i, (w, layer) in enumerate(zip(weights, mlp.layers, strict=True)):
             h = _ste(w, w_scales[i], -128, 127) @ _ste(h, 0.05, -128, 127) + layer.bias
             h = jax.nn.gelu(h) if i < 2 else h
         return jnp.sum(h**2)
@@ -252,13 +260,16 @@ def test_hessian_of_an_integer_model_is_that_of_the_straight_through_surrogate()
         m = eqx.tree_at(lambda m: [layer.layer.weight for layer in m.layers], model, weights)
         return jnp.sum(m(x) ** 2)
 
-    weights = [layer.weight for layer in MLP.layers]
-    for argnums in (0, 1):
-        want = jax.hessian(surrogate, argnums)(weights, x)
-        got = jax.hessian(quantized, argnums)(weights, x)
+    weights = [layer.weight for layer in mlp.layers]
+    # All four Hessians in one compiled program (one compilation, not the many small ones of eager dispatch).
+    hessians = jax.jit(
+        lambda w, x: [(jax.hessian(quantized, i)(w, x), jax.hessian(surrogate, i)(w, x)) for i in (0, 1)]
+    )
+    results = hessians(weights, x)
+    for got, want in results:
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    cross = jax.hessian(quantized)(weights, x)[0][1]  # d2 / dW0 dW1: through the integer forward's JVP rule
+    cross = results[0][0][0][1]  # d2 / dW0 dW1 (of the quantized model): through the integer forward's JVP rule
     assert np.any(np.asarray(cross) != 0)
 
 
@@ -268,8 +279,7 @@ def test_forward_mode_through_an_integer_einsum():
     b = jnp.asarray(RNG.standard_normal((8, 4)).astype(np.float32))
     quantizer = eqx_quant.DynamicFakeQuant(8)
     product = eqx_quant.nn.QuantEinsum(eqx_quant.nn.Einsum("ik,kj->ij"), lhs_quant=quantizer, rhs_quant=quantizer)
-    forward = jax.jacfwd(product, argnums=(0, 1))(a, b)
-    reverse = jax.jacrev(product, argnums=(0, 1))(a, b)
+    forward, reverse = _both_jacobians(lambda ab: product(*ab), (a, b))
     for f, r in zip(forward, reverse, strict=True):
         np.testing.assert_allclose(f, r, rtol=1e-6, atol=1e-6)
     # Straight through: the derivative towards `a` is the fake-quantized `b`.
@@ -308,7 +318,6 @@ def test_forward_mode_through_convolutions_embeddings_and_attention(name):
     model = eqx_quant.quantize(_ConvAttention(jax.random.key(4)), **eqx_quant.recipe(name))
     x = jnp.asarray(RNG.standard_normal((4, 32)).astype(np.float32))
     tokens = jnp.arange(4)
-    jac_fwd = jax.jacfwd(lambda a: model(a, tokens))(x)
-    jac_rev = jax.jacrev(lambda a: model(a, tokens))(x)
+    jac_fwd, jac_rev = _both_jacobians(lambda a: model(a, tokens), x)
     np.testing.assert_allclose(jac_fwd, jac_rev, rtol=1e-5, atol=1e-6)
     assert np.any(np.asarray(jac_fwd) != 0)

@@ -58,12 +58,13 @@ def numpy_rtn(w, qmin, qmax, group_size=None):
     return levels.reshape(out, n).astype(np.int64), scales
 
 
-def correlated_inputs(key, n, count):
-    """Inputs with strongly correlated features: a few latent factors mixed into `n` features plus small noise."""
-    k1, k2, k3 = jax.random.split(key, 3)
-    latent = jax.random.normal(k1, (count, 4))
-    mix = jax.random.normal(k2, (4, n))
-    return np.asarray(latent @ mix + 0.05 * jax.random.normal(k3, (count, n)), np.float64)
+def correlated_inputs(seed, n, count):
+    """Inputs with strongly correlated features: a few latent factors mixed into `n` features plus small noise.
+    Drawn with NumPy: `jax.random` compiles its sampler anew for every shape."""
+    rng = np.random.default_rng(seed)
+    latent = rng.standard_normal((count, 4)).astype(np.float32)
+    mix = rng.standard_normal((4, n)).astype(np.float32)
+    return (latent @ mix + np.float32(0.05) * rng.standard_normal((count, n)).astype(np.float32)).astype(np.float64)
 
 
 CASES = [
@@ -81,7 +82,7 @@ CASES = [
 def test_matches_the_numpy_twin_in_float64(case):
     rng = np.random.default_rng(0)
     w = rng.normal(size=(6, 32))
-    x = correlated_inputs(jax.random.key(1), 32, 200)
+    x = correlated_inputs(1, 32, 200)
     x[:, 5] = 0.0  # a dead input feature
     h = 2 * x.T @ x
     expected_levels, expected_scales = numpy_gptq(
@@ -102,7 +103,7 @@ def test_matches_the_numpy_twin_in_float64(case):
 def test_float32_agrees_with_the_twin_up_to_ties():
     rng = np.random.default_rng(2)
     w = rng.normal(size=(16, 64)).astype(np.float32)
-    x = correlated_inputs(jax.random.key(3), 64, 300)
+    x = correlated_inputs(3, 64, 300)
     h = 2 * x.T @ x
     for kwargs in (dict(group_size=16), dict(group_size=None, act_order=True, block_size=24)):
         expected, _ = numpy_gptq(w, h, -4, 3, group_size=kwargs["group_size"], act_order="act_order" in kwargs)
@@ -141,7 +142,7 @@ def test_lower_output_error_than_round_to_nearest(bits, group_size):
     qmin, qmax = eqx_quant.int_range(bits)
     rng = np.random.default_rng(5)
     w = rng.normal(size=(16, 32)).astype(np.float32)
-    x = correlated_inputs(jax.random.key(6), 32, 400).astype(np.float32)
+    x = correlated_inputs(6, 32, 400).astype(np.float32)
     levels, scales = gptq_quantize(
         jnp.asarray(w), jnp.asarray(2 * x.T @ x), qmin, qmax, group_size=group_size, block_size=12
     )
@@ -150,7 +151,7 @@ def test_lower_output_error_than_round_to_nearest(bits, group_size):
     rtn_levels, rtn_scales = numpy_rtn(w, qmin, qmax, group_size)
     w_rtn = rtn_levels * np.repeat(rtn_scales, g, axis=1)
     error = lambda v: np.linalg.norm(x @ (w - v).T)  # noqa: E731
-    # Measured: 0.25 (3 bits) and 0.23 (4 bits) per row, 0.27 and 0.29 per group of 8.
+    # Measured: 0.29 (3 bits) and 0.27 (4 bits) per row, 0.35 and 0.29 per group of 8.
     assert error(w_gptq) < 0.4 * error(w_rtn), (error(w_gptq), error(w_rtn))
 
 
@@ -161,7 +162,7 @@ def test_lower_output_error_than_round_to_nearest(bits, group_size):
 def test_jit_and_vmap_over_a_stack_equal_per_layer_calls(kwargs):
     rng = np.random.default_rng(7)
     w = jnp.asarray(rng.normal(size=(2, 4, 16)).astype(np.float32))
-    x = correlated_inputs(jax.random.key(8), 16, 100).astype(np.float32)
+    x = correlated_inputs(8, 16, 100).astype(np.float32)
     h = jnp.stack([jnp.asarray(2 * x.T @ x), jnp.asarray(x.T @ x + np.eye(16, dtype=np.float32))])
     solve = lambda w, h: gptq_quantize(w, h, -8, 7, **kwargs)  # noqa: E731
     mapped = jax.vmap(solve)(w, h)
@@ -241,9 +242,9 @@ def hessians_by_hand(model, tokens):
 @pytest.mark.slow
 @pytest.mark.parametrize("sequential", [True, False])
 def test_gptq_on_a_scanned_model_uses_exactly_the_gptq_integers(sequential):
-    model = Stacked(jax.random.key(10))
+    model = init(Stacked, 10)
     qmodel = eqx_quant.quantize(model, weights=DynamicFakeQuant(3, group_size=8), activations=None)
-    latent = correlated_inputs(jax.random.key(11), 16, 4 * 6).astype(np.float32).reshape(4, 6, 16)
+    latent = correlated_inputs(11, 16, 4 * 6).astype(np.float32).reshape(4, 6, 16)
     batches = [jnp.asarray(latent[:2]), jnp.asarray(latent[2:])]
     quantized = gptq(qmodel, batches, sequential=sequential)
     quantizer = quantized.layers.weight_quant
@@ -273,8 +274,8 @@ def test_gptq_on_a_scanned_model_uses_exactly_the_gptq_integers(sequential):
 
 @pytest.mark.slow
 def test_gptq_on_an_mlp_gives_static_quantizers_and_checks_its_layers():
-    mlp = eqx.nn.MLP(16, 4, 16, 1, key=jax.random.key(12))
-    x = jnp.asarray(correlated_inputs(jax.random.key(13), 16, 64).astype(np.float32))
+    mlp = init(lambda k: eqx.nn.MLP(16, 4, 16, 1, key=k), 12)
+    x = jnp.asarray(correlated_inputs(13, 16, 64).astype(np.float32))
     qmodel = eqx_quant.quantize(mlp, weights=DynamicFakeQuant(4, axis=0))
     quantized = gptq(qmodel, [x[:32], x[32:]], act_order=True)
     for layer in quantized.layers:
@@ -300,7 +301,7 @@ def test_sequential_gptq_follows_the_call_order_and_the_quantized_outputs():
             return self.a(jnp.tanh(self.c(jnp.tanh(self.b(x)))))
 
     model = init(lambda k: Shuffled(*(eqx.nn.Linear(8, 8, key=k) for _ in range(3))), 21)
-    x = jnp.asarray(correlated_inputs(jax.random.key(22), 8, 40).astype(np.float32))
+    x = jnp.asarray(correlated_inputs(22, 8, 40).astype(np.float32))
     qmodel = eqx_quant.quantize(model, weights=DynamicFakeQuant(3, axis=0), activations=None)
     quantized = gptq(qmodel, [x[:24], x[24:]])
     h = np.asarray(x, np.float64)
@@ -359,7 +360,7 @@ def test_sequential_gptq_on_two_layers_per_scanned_block_uses_the_hessians_by_ha
     quantized before it (the first block's two layers, then the second's, then the next stack's)."""
     model = init(TwoPerBlock, 23)
     qmodel = eqx_quant.quantize(model, weights=DynamicFakeQuant(3, axis=0), activations=None)
-    x = jnp.asarray(correlated_inputs(jax.random.key(24), 8, 48).astype(np.float32))
+    x = jnp.asarray(correlated_inputs(24, 8, 48).astype(np.float32))
     quantized = gptq(qmodel, [x[:24], x[24:]])
     h = np.asarray(x, np.float64)
     for name in ("enc", "dec"):

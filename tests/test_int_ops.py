@@ -50,15 +50,15 @@ def test_one_weight_per_example():
 def test_converted_w8a8_agrees_at_every_batch_size():
     """A converted W8A8 model and its fake-quant model give, for one example alone (unbatched, and a batch of one
     under `jax.vmap`) and within batches, the same bits."""
-    mlp = init(lambda key: eqx.nn.MLP(48, 8, 64, 2, activation=jax.nn.relu, key=key), 3)
+    mlp = init(lambda key: eqx.nn.MLP(16, 16, 16, 2, activation=jax.nn.relu, key=key), 3)  # layers of one shape
     fake = eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a8"))
     converted = eqx_quant.convert(fake)
-    xs = jnp.asarray(RNG.standard_normal((5, 48)).astype(np.float32))
+    xs = jnp.asarray(RNG.standard_normal((5, 16)).astype(np.float32))
     batched = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
     reference = batched(fake, xs)
     for model in (fake, converted):
         assert_bitwise_equal(batched(model, xs), reference)
-        assert batched(model, xs[:0]).shape == (0, 8)  # an empty batch
+        assert batched(model, xs[:0]).shape == (0, 16)  # an empty batch
         for i in range(2):
             assert_bitwise_equal(batched(model, xs[i : i + 1])[0], reference[i])
             assert_bitwise_equal(eqx.filter_jit(model)(xs[i]), reference[i])
@@ -71,20 +71,22 @@ def test_weight_only_layers_dequantize_one_weight_at_a_time(name):
     """Under `jit`, a converted weight-only model's dequantized weights are computed when their layers run: the
     program's temporary memory holds one of them, not all; its outputs and input gradients are the fake-quant
     model's, bit for bit, batched or not, a NaN input included."""
-    mlp = init(lambda key: eqx.nn.MLP(128, 128, 256, 3, activation=jax.nn.relu, key=key), 4)
+    # Three 64 x 64 layers (two groups of 32 per row for W4A16): computed at the start, the three dequantized weights
+    # would all be alive at once, 3 * `one_weight` bytes of temporaries, and the bound below would fail.
+    mlp = init(lambda key: eqx.nn.MLP(64, 64, 64, 2, activation=jax.nn.relu, key=key), 4)
     fake = eqx_quant.quantize(mlp, **eqx_quant.recipe(name))
     converted = eqx_quant.convert(fake)
-    xs = jnp.asarray(RNG.standard_normal((3, 128)).astype(np.float32)).at[1, 0].set(jnp.nan)
+    xs = jnp.asarray(RNG.standard_normal((3, 64)).astype(np.float32)).at[1, 0].set(jnp.nan)
     params, static = eqx.partition(converted, eqx.is_array)
     batched = jax.jit(lambda p, x: jax.vmap(eqx.combine(p, static))(x))
-    one_weight = 256 * 256 * 4  # the largest dequantized weight, in bytes
+    one_weight = 64 * 64 * 4  # a dequantized weight, in bytes
     for x in (xs, xs[:1]):
         temp = batched.lower(params, x).compile().memory_analysis().temp_size_in_bytes
         assert one_weight <= temp < 2 * one_weight, temp
     for model in (fake, converted):
         assert_bitwise_equal(jax.vmap(model)(xs), jax.vmap(fake)(xs))
         assert_bitwise_equal(model(xs[1]), fake(xs[1]))
-    assert jax.vmap(converted)(xs[:0]).shape == jax.jit(jax.vmap(converted))(xs[:0]).shape == (0, 128)  # empty
+    assert jax.vmap(converted)(xs[:0]).shape == jax.jit(jax.vmap(converted))(xs[:0]).shape == (0, 64)  # empty
     # An ensemble (one weight per member, mapped with `eqx.filter_vmap`) computes as the fake-quant ensemble.
     stack = eqx.filter_vmap(lambda m: m, in_axes=None, axis_size=2)
     ensembles = stack(fake), stack(converted)

@@ -317,7 +317,7 @@ def test_smoothquant_search_on_a_stack_equals_the_same_layers_unstacked():
 
     stack = init(lambda k: LinearStack(64, 2, k), 3)
     blocks = stack.blocks
-    linear = eqx.nn.Linear(64, 64, key=jax.random.key(0))
+    linear = init(lambda k: eqx.nn.Linear(64, 64, key=k), 0)
     layers = [eqx.tree_at(lambda l: (l.weight, l.bias), linear, (blocks.weight[i], blocks.bias[i])) for i in (0, 1)]
     unstacked = TwoLayers(*layers)
     batches = [X_SMOOTH[:16], X_SMOOTH[16:]]

@@ -16,7 +16,7 @@ import pytest
 import eqx_quant
 from eqx_quant import DynamicFakeQuant
 
-from .helpers import assert_bitwise_equal, np_absmax_scale
+from .helpers import assert_bitwise_equal, init, np_absmax_scale
 
 
 RNG = np.random.default_rng(0)
@@ -357,7 +357,7 @@ def _leaf_node(model, path):
 
 
 def test_a_bare_weight_computes_what_a_linear_layer_computes():
-    linear = eqx.nn.Linear(32, 16, key=jax.random.key(0))
+    linear = init(lambda k: eqx.nn.Linear(32, 16, key=k), 0)
 
     class Bare(eqx.Module):
         weight: jax.Array
@@ -398,7 +398,8 @@ def test_layers_of_a_stack_indexed_outside_a_scan_compute_on_the_integers():
     quantized = eqx_quant.quantize(Indexed(ws), rules, example=(x,))
     got = _call(quantized, (x,), {})
     for out, w in zip(got, (ws[0], ws[1, :3]), strict=True):
-        linear = eqx_quant.quantize(eqx.nn.Linear(64, w.shape[0], use_bias=False, key=jax.random.key(0)), rules)
+        rows = w.shape[0]
+        linear = eqx_quant.quantize(init(lambda k: eqx.nn.Linear(64, rows, use_bias=False, key=k), 0), rules)  # noqa: B023
         linear = eqx.tree_at(lambda l: l.layer.weight, linear, w)
         assert_bitwise_equal(out, _call(jax.vmap(linear), (x,), {}))
 
@@ -450,7 +451,7 @@ def test_a_layer_and_a_bare_weight_in_one_model():
         def __call__(self, x, xq=identity):
             return self.w @ xq(jax.nn.relu(self.linear(x)))
 
-    model = Mixed(eqx.nn.Linear(8, 8, key=jax.random.key(0)), _normal(4, 8))
+    model = Mixed(init(lambda k: eqx.nn.Linear(8, 8, key=k), 0), _normal(4, 8))
     x = _normal(8)
     quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
     assert quantized.weight_paths == ("w",)  # the layer's weight is the layer's, quantized as a layer
@@ -675,7 +676,7 @@ def test_per_token_inputs(tmp_path):
         def __call__(self, x):
             return jax.vmap(lambda token: self.w @ token)(x)
 
-    linear = eqx.nn.Linear(8, 6, use_bias=False, key=jax.random.key(1))
+    linear = init(lambda k: eqx.nn.Linear(8, 6, use_bias=False, key=k), 1)
     model, tokens = Mapped(linear.weight), _normal(4, 8) * jnp.arange(1.0, 5.0)[:, None]
     quantized_linear = eqx_quant.quantize(linear, eqx_quant.recipe("w8a8")["rules"])
     layer = jax.vmap(quantized_linear)
@@ -907,7 +908,7 @@ def test_multihead_attention_and_a_bare_weight():
         def __call__(self, x):
             return self.attention(x, x, x) @ self.w
 
-    block = Block(eqx.nn.MultiheadAttention(2, 8, key=jax.random.key(0)), _normal(8, 4))
+    block = Block(init(lambda k: eqx.nn.MultiheadAttention(2, 8, key=k), 0), _normal(8, 4))
     x = _normal(3, 8)
     quantized = eqx_quant.quantize(block, eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
     # The attention's products are its own, quantized as a layer's: no traced product of two activations.
