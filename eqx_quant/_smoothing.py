@@ -4,6 +4,7 @@ same float function and quantize better."""
 
 import math
 import numbers
+import warnings
 from collections.abc import Callable, Iterable
 
 import equinox as eqx
@@ -14,7 +15,7 @@ from jaxtyping import Array, PyTree
 
 from ._fold import Fold, find_folds, scale_leaves
 from ._misc import FLOAT32_TINY, check_int, check_real, check_where
-from ._observe import check_called, fold as fold_statistics, layer_stack, progress_bar
+from ._observe import check_called, fold as fold_statistics, layer_stack, progress_bar, traced_inputs
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_or
 from ._tree import map_nodes, nodes, path_string
@@ -44,9 +45,21 @@ def _targets(model: PyTree, where: Where, default: Callable[[QuantLinear], bool]
         chosen = [(p, l) for p, l in chosen if default(l) and not tied(p)]
     else:
         chosen = [(p, l) for p, l in chosen if where(p, l)]
+    # Weights that `quantize(..., example=)` traced are not layers: this algorithm leaves them as they are.
+    bare = [name for name, target in traced_inputs(model) if target.input_quant is not None or what != "smoothquant"]
+    untouched = (
+        f" `{what}` transforms eqx_quant.nn.QuantLinear layers only, not the traced weights {bare} (quantized with "
+        "`example=`); `gptq` and `autoround` solve traced weights too."
+        if bare
+        else ""
+    )
     if not chosen:
         selection = "that `where` selects" if where is not None else wanted
-        raise ValueError(f"`model` has no eqx_quant.nn.QuantLinear {selection}: `{what}` would change nothing.")
+        raise ValueError(
+            f"`model` has no eqx_quant.nn.QuantLinear {selection}: `{what}` would change nothing.{untouched}"
+        )
+    if bare and where is None:
+        warnings.warn(f"Traced weights are left as they are:{untouched}", stacklevel=3)
     for path, layer in chosen:
         name = path or "(the model itself)"
         if tied(path):
