@@ -137,6 +137,13 @@ def calibrate(
         raise ValueError(f"`num_bins` must be >= 1, got num_bins={num_bins}.")
     targets = _calibration_targets(model)
     if not targets:
+        if nodes(model, (AbstractQuantLayer,)) or traced_inputs(model):
+            raise ValueError(
+                "`model` is quantized, but none of its input quantizers can be calibrated (a DynamicFakeQuant or a "
+                "FakeQuant with float32 scales): its inputs are unquantized (weight-only layers), or in a block "
+                "format (MX, NVFP4, GGML) whose scales come from each block as the model runs. Calibration has "
+                "nothing to fit: skip it."
+            )
         raise ValueError(
             "`model` has no quantized layer whose input quantizer can be calibrated (a DynamicFakeQuant or a "
             "FakeQuant with float32 scales); quantize it first with `eqx_quant.quantize`."

@@ -239,10 +239,10 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
     `ValueError` if `model` has no converted layer, or two of its converted layers have the same path (nothing is
     written).
     """
+    refuse_input_transforms(model, "a safetensors file")
     layers = list(unique_nodes(model, (AbstractConvertedLayer,), "model").items())
     if not layers:
         raise ValueError("`model` has no converted layer; convert it first with `eqx_quant.convert`.")
-    refuse_input_transforms(model, "a safetensors file")
     tensors: dict[str, np.ndarray] = {}
     metadata: dict[str, str] = {"format": "eqx_quant", "nibble_order": NIBBLE_ORDER, "bit_order": BIT_ORDER}
     for name, layer in layers:

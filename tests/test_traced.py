@@ -329,6 +329,23 @@ def test_converted_matches_fake_quant_bit_for_bit(name):
     assert_bitwise_equal(converted(*args), quantized(*args))
 
 
+def test_exporters_refuse_traced_weights_and_name_save(tmp_path):
+    """A converted model of traced weights has no layer names for a file format: each exporter says so (not that the
+    model lacks converted layers) and points to `eqx_quant.save`; nothing is written."""
+    converted = eqx_quant.convert(_quantized("bare_mlp"))
+    exporters = {
+        "a safetensors file": lambda path: eqx_quant.export_safetensors(path, converted),
+        "a GGUF file": lambda path: eqx_quant.export_gguf(path, converted),
+        "a compressed-tensors checkpoint": lambda path: eqx_quant.export_compressed_tensors(path, converted),
+    }
+    for what, export in exporters.items():
+        path = tmp_path / "out"
+        message = rf"QuantTraced: its traced weights \['w_in', 'w_mid', 'w_out'\].*which {what} has no layer names"
+        with pytest.raises(ValueError, match=f"(?s){message}.*`eqx_quant.save`"):
+            export(path)
+        assert not path.exists()
+
+
 class Transposed(eqx.Module):
     w: jax.Array
 

@@ -88,14 +88,13 @@ def test_summary_counts_the_bytes_a_converted_model_stores():
         assert table.stored_bytes == sum(row.stored_bytes for row in table.rows)
         text = str(table)
         assert "2 of 3 quantized" in text and f"{table.float_bytes:,}" in text
-    assert eqx_quant.summary(real).stored_bytes == sum(
-        real[p].qweight.nbytes for p in "ab"
-    ) + model["c"].weight.nbytes
+    assert eqx_quant.summary(real).stored_bytes == sum(real[p].qweight.nbytes for p in "ab") + model["c"].weight.nbytes
     # A stacked model: the stack's bytes, and the products.
     vit = init(ViT, 7)
     table = eqx_quant.summary(eqx_quant.quantize(vit, **eqx_quant.recipe("w8a8_attn")))
     rows = {row.path: row for row in table.rows}
-    assert rows["blocks.fc1"].float_bytes == 2 * 32 * 16 * 4 and rows["blocks.fc1"].stored_bytes == 2 * (32 * 16 + 32 * 4)
+    assert rows["blocks.fc1"].float_bytes == 2 * 32 * 16 * 4
+    assert rows["blocks.fc1"].stored_bytes == 2 * (32 * 16 + 32 * 4)
     assert rows["blocks.attn.scores"].kind == "QuantEinsum"
 
 
@@ -140,6 +139,14 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     # Converting a float model.
     with pytest.raises(ValueError, match="`model` has no quantized layer to convert"):
         eqx_quant.convert(mlp)
+    # Calibrating a float model, and a quantized one with nothing to calibrate (weight-only, or block-format inputs).
+    batch = jnp.ones((2, 32))
+    with pytest.raises(ValueError, match="quantize it first"):
+        eqx_quant.calibrate(mlp, [batch])
+    tiled = init(lambda k: eqx.nn.MLP(32, 2, 32, 1, key=k), 12)  # contractions of 32: tiles of 32 and 16 fit
+    for name in ("w4a16_g32", "nvfp4"):
+        with pytest.raises(ValueError, match="`model` is quantized, but none of its input quantizers can be"):
+            eqx_quant.calibrate(eqx_quant.quantize(tiled, **eqx_quant.recipe(name)), [batch])
     # Quantizing twice keeps the first quantizers, and says so.
     once = eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a8"))
     with pytest.warns(UserWarning, match=r"The layers at \['layers.0', 'layers.1'\] are quantized already"):

@@ -78,6 +78,9 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.LayerQuantizer(eqx_quant.int_format(4), learned=True, method="lsq")),
         (ValueError, "`matmul` must be None, 'int' or 'float', got matmul='fast'.",
          lambda: eqx_quant.convert(eqx_quant.quantize(mlp), matmul="fast")),
+        (TypeError, "`rules` must be a list of eqx_quant.Rule, got a dict with keys ['rules']: pass a recipe as "
+                    "keyword arguments, `eqx_quant.quantize(model, **eqx_quant.recipe(name))`.",
+         lambda: eqx_quant.quantize(mlp, eqx_quant.recipe("w8a8"))),
         (TypeError, "`per_token` must be a bool, got per_token='yes'.",
          lambda: eqx_quant.LayerQuantizer(8, input=True, per_token="yes")),
         (TypeError, "`n_steps` must be an int, got n_steps=2.0.",
