@@ -38,6 +38,14 @@ def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer | 
     ]
 
 
+def _described(quantizer: object) -> str:
+    """A quantizer's class and format, as the errors name it."""
+    if quantizer is None:
+        return "None"
+    fmt = getattr(quantizer, "format", None)
+    return type(quantizer).__name__ if fmt is None else f"{type(quantizer).__name__}({fmt.name})"
+
+
 def _check_finite(totals: dict[str, list[dict[str, np.ndarray]]]) -> None:
     """Raises for a layer that saw no finite input; warns, with counts, for layers that saw NaN or inf."""
     counts = {path: (sum(float(r["nonfinite"]) for r in records),
@@ -137,12 +145,15 @@ def calibrate(
         raise ValueError(f"`num_bins` must be >= 1, got num_bins={num_bins}.")
     targets = _calibration_targets(model)
     if not targets:
-        if nodes(model, (AbstractQuantLayer,)) or traced_inputs(model):
+        quantized = nodes(model, (AbstractQuantLayer,)) + traced_inputs(model)
+        if quantized:
+            found = {path: _described(layer.input_quant) for path, layer in quantized[:4]}
             raise ValueError(
                 "`model` is quantized, but none of its input quantizers can be calibrated (a DynamicFakeQuant or a "
-                "FakeQuant with float32 scales): its inputs are unquantized (weight-only layers), or in a block "
-                "format (MX, NVFP4, GGML) whose scales come from each block as the model runs. Calibration has "
-                "nothing to fit: skip it."
+                f"FakeQuant with float32 scales); its layers' input quantizers: {found}"
+                f"{', ...' if len(quantized) > 4 else ''}. With inputs unquantized (weight-only layers: None), "
+                "or in a block format whose scales come from each block as the model runs (MX, NVFP4, GGML), "
+                "calibration has nothing to fit: skip it."
             )
         raise ValueError(
             "`model` has no quantized layer whose input quantizer can be calibrated (a DynamicFakeQuant or a "

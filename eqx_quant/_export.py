@@ -236,8 +236,8 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
 
     **Raises:**
 
-    `ValueError` if `model` has no converted layer, or two of its converted layers have the same path (nothing is
-    written).
+    `ValueError` if `model` has no converted layer, holds traced weights (an [`eqx_quant.nn.QuantTraced`][]) or a
+    layer with an input transform, or two of its converted layers have the same path (nothing is written).
     """
     refuse_input_transforms(model, "a safetensors file")
     layers = list(unique_nodes(model, (AbstractConvertedLayer,), "model").items())

@@ -15,7 +15,7 @@ from jaxtyping import Array, PyTree
 
 from ._fold import Fold, find_folds, scale_leaves
 from ._misc import FLOAT32_TINY, check_int, check_real, check_where
-from ._observe import check_called, fold as fold_statistics, layer_stack, progress_bar, traced_inputs
+from ._observe import TracedInput, check_called, fold as fold_statistics, layer_stack, progress_bar, traced_inputs
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_or
 from ._tree import map_nodes, nodes, path_string
@@ -32,11 +32,50 @@ def _check_flags(**flags: object) -> None:
             raise TypeError(f"`{name}` must be a bool, got {name}={flag!r}.")
 
 
-def _targets(model: PyTree, where: Where, default: Callable[[QuantLinear], bool], what: str, wanted: str):
+def _quantized_input(target: TracedInput) -> bool:  # the traced weights SmoothQuant would smooth
+    return target.input_quant is not None
+
+
+def _any(target: TracedInput) -> bool:  # those that AWQ and rotations would transform
+    return True
+
+
+def _left_alone(model: PyTree, what: str, reached: Callable[[TracedInput], bool]) -> str:
+    """A sentence naming the traced weights (of `quantize(..., example=)`) that `reached` keeps, which the algorithm
+    `what` leaves as they are since it transforms layers only; `""` if there are none."""
+    bare = [name for name, target in traced_inputs(model) if reached(target)]
+    if not bare:
+        return ""
+    return (
+        f" `{what}` transforms eqx_quant.nn.QuantLinear layers only, not the traced weights {bare} (quantized with "
+        "`example=`); `gptq` and `autoround` solve traced weights too."
+    )
+
+
+def _warn_left_alone(model: PyTree, where: Where, what: str, reached: Callable[[TracedInput], bool]) -> None:
+    """Warns, once `what` has transformed the layers of `model` it chose by default, of the traced weights it left
+    as they are."""
+    message = _left_alone(model, what, reached) if where is None else ""
+    if message:
+        warnings.warn(
+            f"Traced weights are left as they are:{message} Choose the layers with `where` to silence this.",
+            stacklevel=3,
+        )
+
+
+def _targets(
+    model: PyTree,
+    where: Where,
+    default: Callable[[QuantLinear], bool],
+    what: str,
+    wanted: str,
+    reached: Callable[[TracedInput], bool],
+):
     """The `QuantLinear` layers the algorithm `what` transforms: those `where` selects, else those `default` keeps
     (`wanted` says which, in the errors); each checked. Layers inside an `eqx.nn.Shared` are left out by default and
     refused when `where` selects them: a tie would carry one side's transformed weight to the other, untransformed,
-    side."""
+    side. Where none is chosen, the error names the traced weights that `reached` keeps (those the algorithm would
+    transform if it reached traced weights)."""
     check_where(where)
     shared = {path for path, _ in nodes(model, (eqx.nn.Shared,))}
     tied = lambda path: any(path == s or path.startswith(f"{s}.") for s in shared)  # noqa: E731
@@ -45,21 +84,12 @@ def _targets(model: PyTree, where: Where, default: Callable[[QuantLinear], bool]
         chosen = [(p, l) for p, l in chosen if default(l) and not tied(p)]
     else:
         chosen = [(p, l) for p, l in chosen if where(p, l)]
-    # Weights that `quantize(..., example=)` traced are not layers: this algorithm leaves them as they are.
-    bare = [name for name, target in traced_inputs(model) if target.input_quant is not None or what != "smoothquant"]
-    untouched = (
-        f" `{what}` transforms eqx_quant.nn.QuantLinear layers only, not the traced weights {bare} (quantized with "
-        "`example=`); `gptq` and `autoround` solve traced weights too."
-        if bare
-        else ""
-    )
     if not chosen:
         selection = "that `where` selects" if where is not None else wanted
         raise ValueError(
-            f"`model` has no eqx_quant.nn.QuantLinear {selection}: `{what}` would change nothing.{untouched}"
+            f"`model` has no eqx_quant.nn.QuantLinear {selection}: `{what}` would change nothing."
+            + _left_alone(model, what, reached)
         )
-    if bare and where is None:
-        warnings.warn(f"Traced weights are left as they are:{untouched}", stacklevel=3)
     for path, layer in chosen:
         name = path or "(the model itself)"
         if tied(path):
@@ -192,10 +222,16 @@ def smoothquant(
     `eqx.nn.Shared`, already has an input transform or holds a fitted quantizer (static, learned: the order above),
     or is never called on the batches; `ValueError` for an `alpha` outside `[0, 1]` or an empty sequence of them;
     `TypeError` for an `alpha` that is not a real number or a sequence of them.
+
+    **Warns:**
+
+    `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
+    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them).
     """
     alphas = _check_alphas(alpha)
     _check_flags(batched=batched, progress=progress, fold=fold)
-    targets = _targets(model, where, lambda l: l.input_quant is not None, "smoothquant", "with an input quantizer")
+    targets = _targets(model, where, lambda l: l.input_quant is not None, "smoothquant", "with an input quantizer",
+                       _quantized_input)  # fmt: skip
     if len(alphas) > 1 or fold:
         batches = list(batches)  # read twice, or traced on its first batch
     found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
@@ -235,6 +271,7 @@ def smoothquant(
     for g in groups:
         multiplier = jnp.asarray(1 / chosen[g.layers], jnp.float32)
         leaf_factors.update({p: multiplier for p in (g.gamma, g.beta) if p is not None})
+    _warn_left_alone(model, where, "smoothquant", _quantized_input)
     return scale_leaves(_replace(model, done), leaf_factors)
 
 
@@ -474,6 +511,11 @@ def awq(
     `calibrate`, `learn_scales`), has a weight layout other than per
     tensor, per row or per group of columns, or is never called on the batches; `ValueError` or `TypeError` for
     `grid` (at least 2), `clip_grid` or `max_shrink` out of range (with `clip=True`, at least two ratios).
+
+    **Warns:**
+
+    `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
+    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them).
     """
     grid, clip_grid = check_int("grid", grid), check_int("clip_grid", clip_grid)
     if grid < 2:  # one `α`, 0, is round to nearest
@@ -488,7 +530,7 @@ def awq(
             f"`clip=True` needs at least two clipping ratios, `1 - i / clip_grid` for `i < max_shrink * clip_grid`; "
             f"got clip_grid={clip_grid}, max_shrink={max_shrink}."
         )
-    targets = _targets(model, where, lambda l: l.weight_quant is not None, "awq", "with a weight quantizer")
+    targets = _targets(model, where, lambda l: l.weight_quant is not None, "awq", "with a weight quantizer", _any)
     groups = {path: _awq_group(path, layer) for path, layer in targets}
     batches = list(batches)  # read twice: the channels' means, then the Gram matrices
     means = _statistics(model, targets, batches, batched, "channels", progress, "awq (statistics)")
@@ -514,6 +556,7 @@ def awq(
             new_weights.append(scaled)
         transform = ScaleInput(jnp.stack(multipliers).reshape(stack + (n,)))
         done[path] = _with_transform(layer, transform, jnp.stack(new_weights).reshape(weight.shape))
+    _warn_left_alone(model, where, "awq", _any)
     return _replace(model, done)
 
 
@@ -548,11 +591,16 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
     `ValueError`, naming the layer, if no layer is chosen, or a chosen layer has no quantizer, is inside an
     `eqx.nn.Shared`, has an input size that cannot be rotated, already has an input transform or holds a fitted
     quantizer; `TypeError` for a `key` that is not a PRNG key.
+
+    **Warns:**
+
+    `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
+    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them).
     """
     if not (isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
         raise TypeError(f"`key` must be a JAX PRNG key (`jax.random.key(0)`), got key={key!r}.")
     has_quantizer = lambda l: l.weight_quant is not None or l.input_quant is not None  # noqa: E731
-    targets = _targets(model, where, has_quantizer, "rotate", "with a quantizer")
+    targets = _targets(model, where, has_quantizer, "rotate", "with a quantizer", _any)
     for path, layer in targets:
         n = layer.layer.in_features
         if n < 2 or hadamard_order(n) is None:  # pyright: ignore[reportArgumentType]  (one feature: a sign flip)
@@ -567,4 +615,5 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
         signs = jax.random.rademacher(jax.random.fold_in(key, i), shape, dtype=jnp.int8)
         transform = RotateInput(signs)
         done[path] = _with_transform(layer, transform, absorbed(transform, layer.layer.weight))
+    _warn_left_alone(model, where, "rotate", _any)
     return _replace(model, done)

@@ -282,6 +282,9 @@ def test_forward_mode_through_an_integer_einsum():
     forward, reverse = _both_jacobians(lambda ab: product(*ab), (a, b))
     for f, r in zip(forward, reverse, strict=True):
         np.testing.assert_allclose(f, r, rtol=1e-6, atol=1e-6)
+    eager = jax.jacfwd(lambda ab: product(*ab))((a, b))  # operation by operation: the JVP rule run eagerly
+    for e, f in zip(eager, forward, strict=True):
+        np.testing.assert_array_equal(e, f)
     # Straight through: the derivative towards `a` is the fake-quantized `b`.
     bq = eqx_quant.DynamicFakeQuant(8)(b)
     np.testing.assert_array_equal(forward[0][0, :, 0, :], bq.T)

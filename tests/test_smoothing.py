@@ -556,6 +556,14 @@ def test_transforms_name_the_traced_weights_they_leave_alone():
         eqx_quant.awq(mixed, [x])
     chosen = eqx_quant.awq(mixed, [x], where=lambda path, layer: path == "model.fc")  # no warning: an error here
     assert_bitwise_equal(chosen.model.head, model.head)
+    # Weight-only, no product has an input quantizer for SmoothQuant: the error names no traced weight.
+    with pytest.raises(ValueError, match="with an input quantizer: `smoothquant` would change nothing.$"):
+        eqx_quant.smoothquant(mixed, [x])
+    # A chosen layer's error comes first: no warning is raised before it.
+    w8a8 = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(x[0],))
+    smoothed = eqx_quant.smoothquant(w8a8, [x], fold=False, where=lambda path, layer: path == "model.fc")
+    with pytest.raises(ValueError, match=r"'model.fc' already has the input transform ScaleInput"):
+        eqx_quant.rotate(smoothed, key=jax.random.key(0))
 
 
 @pytest.mark.slow
