@@ -23,27 +23,19 @@ from ._scales import (
     minmax_scale,
     percentile_threshold,
 )
+from ._summary import describe_quantizer
 from ._tree import map_nodes, nodes
 from .nn._layers import AbstractQuantLayer, per_layer
 
 
-def _calibration_targets(model: PyTree) -> list[tuple[str, AbstractQuantLayer | TracedInput]]:
-    """The quantized layers (and traced weights) whose input quantizer a static one can replace: dynamic or static,
-    with float32 scales."""
-    layers = nodes(model, (AbstractQuantLayer,)) + traced_inputs(model)
-    return [
-        (path, layer)
-        for path, layer in layers
-        if isinstance(layer.input_quant, (DynamicFakeQuant, FakeQuant)) and layer.input_quant.format.scale == "float32"
-    ]
+def _quantized_inputs(model: PyTree) -> list[tuple[str, AbstractQuantLayer | TracedInput]]:
+    """The quantized layers and traced weights of `model`, each with its `input_quant`."""
+    return nodes(model, (AbstractQuantLayer,)) + traced_inputs(model)
 
 
-def _described(quantizer: object) -> str:
-    """A quantizer's class and format, as the errors name it."""
-    if quantizer is None:
-        return "None"
-    fmt = getattr(quantizer, "format", None)
-    return type(quantizer).__name__ if fmt is None else f"{type(quantizer).__name__}({fmt.name})"
+def _calibratable(quantizer: object) -> bool:
+    """Whether a static quantizer can replace `quantizer`: a dynamic or static one with float32 scales."""
+    return isinstance(quantizer, (DynamicFakeQuant, FakeQuant)) and quantizer.format.scale == "float32"
 
 
 def _check_finite(totals: dict[str, list[dict[str, np.ndarray]]]) -> None:
@@ -143,17 +135,17 @@ def calibrate(
     check_method(method, percentile, num_candidates)
     if check_int("num_bins", num_bins) < 1:
         raise ValueError(f"`num_bins` must be >= 1, got num_bins={num_bins}.")
-    targets = _calibration_targets(model)
+    quantized = _quantized_inputs(model)
+    targets = [(path, layer) for path, layer in quantized if _calibratable(layer.input_quant)]
     if not targets:
-        quantized = nodes(model, (AbstractQuantLayer,)) + traced_inputs(model)
         if quantized:
-            found = {path: _described(layer.input_quant) for path, layer in quantized[:4]}
+            found = {path: describe_quantizer(layer.input_quant) for path, layer in quantized[:4]}
             raise ValueError(
                 "`model` is quantized, but none of its input quantizers can be calibrated (a DynamicFakeQuant or a "
                 f"FakeQuant with float32 scales); its layers' input quantizers: {found}"
-                f"{', ...' if len(quantized) > 4 else ''}. With inputs unquantized (weight-only layers: None), "
-                "or in a block format whose scales come from each block as the model runs (MX, NVFP4, GGML), "
-                "calibration has nothing to fit: skip it."
+                f"{', ...' if len(quantized) > 4 else ''}. With inputs in float (weight-only layers), or in a block "
+                "format whose scales come from each block as the model runs (MX, NVFP4, GGML), calibration has "
+                "nothing to fit: skip it."
             )
         raise ValueError(
             "`model` has no quantized layer whose input quantizer can be calibrated (a DynamicFakeQuant or a "

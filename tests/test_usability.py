@@ -145,7 +145,7 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     with pytest.raises(ValueError, match="quantize it first"):
         eqx_quant.calibrate(mlp, [batch])
     tiled = init(lambda k: eqx.nn.MLP(32, 2, 32, 1, key=k), 12)  # contractions of 32: tiles of 32 and 16 fit
-    for name, found in (("w4a16_g32", "None"), ("nvfp4", "DynamicFakeQuant(nvfp4)")):
+    for name, found in (("w4a16_g32", "float"), ("nvfp4", "nvfp4 dynamic, tiles of 16 along axis -1")):
         message = rf"`model` is quantized, but none .* quantizers: \{{'layers.0': '{re.escape(found)}', 'layers.1'"
         with pytest.raises(ValueError, match=message):
             eqx_quant.calibrate(eqx_quant.quantize(tiled, **eqx_quant.recipe(name)), [batch])
