@@ -473,6 +473,18 @@ def arm_awq_gptq(model: GPT, bench: Bench, recipe: str) -> Any:
     return eqx_quant.gptq(eqx_quant.awq(quantized(model, recipe), batches), batches, act_order=True)
 
 
+def arm_gptq_mse(model: GPT, bench: Bench, recipe: str) -> Any:
+    """GPTQ as in `gptq`, each row's or group's scale clipped where that rounds the weights with less error
+    (`method="mse"`)."""
+    return eqx_quant.gptq(quantized(model, recipe), calibration_batches(bench), act_order=True, method="mse")
+
+
+def arm_awq_gptq_mse(model: GPT, bench: Bench, recipe: str) -> Any:
+    """AWQ, then GPTQ as in `gptq_mse` on the scaled weights."""
+    batches = calibration_batches(bench)
+    return eqx_quant.gptq(eqx_quant.awq(quantized(model, recipe), batches), batches, act_order=True, method="mse")
+
+
 def arm_rotate(model: GPT, bench: Bench, recipe: str) -> Any:
     """Randomized Hadamard rotations ([`eqx_quant.rotate`][], key `seed`) of every linear layer's input, then round
     to nearest."""
@@ -537,6 +549,8 @@ ARMS: dict[str, Callable[[GPT, Bench, str], Any]] = {
     "smoothquant": arm_smoothquant,
     "awq": arm_awq,
     "awq_gptq": arm_awq_gptq,
+    "gptq_mse": arm_gptq_mse,
+    "awq_gptq_mse": arm_awq_gptq_mse,
     "rotate": arm_rotate,
     "rotate_gptq": arm_rotate_gptq,
     "autoround": arm_autoround,
@@ -544,10 +558,14 @@ ARMS: dict[str, Callable[[GPT, Bench, str], Any]] = {
 QAT_METHODS = ("qat", "ptq_qat", "qad")
 PTQ_METHODS = (
     "rtn", "gptq", "gptq_one_pass", "smoothquant", "awq", "awq_gptq", "rotate", "rotate_gptq", "autoround",
+    "gptq_mse", "awq_gptq_mse",
 )  # fmt: skip
 # The PTQ algorithms of `PTQ_ARMS` (besides `rtn` and `gptq`) run on the integer and float recipes only;
-# `smoothquant` only where the inputs are quantized.
+# `smoothquant` only where the inputs are quantized; the clipping search of `MSE_ARMS` only where the weights'
+# scales are float32 (not the block scales of MX and NVFP4).
 PTQ_ARMS = PTQ_METHODS[2:]
+MSE_ARMS = ("gptq_mse", "awq_gptq_mse")
+BLOCK_SCALED = ("mxfp4", "nvfp4")
 
 
 def step_seconds(models: dict[str, Any], bench: Bench) -> dict[str, float]:
@@ -672,7 +690,7 @@ def run(
     - `methods`: the methods of every recipe, among `ARMS` (default `METHODS`): `"rtn"`, `"gptq"`, `"qat"`, ... (not
         `"gptq"` for the recipes of `NO_GPTQ`, which this benchmark measures by round-to-nearest and QAT only; the
         PTQ algorithms of `PTQ_ARMS` on the integer and float recipes only, `"smoothquant"` where inputs are
-        quantized).
+        quantized, those of `MSE_ARMS` not on the block-scaled `BLOCK_SCALED`).
         Each row is the fake-quantized model's validation bits per character, its converted (integer) model's, and
         the size of the converted model's file.
     - `progress`: whether to show progress bars (on stderr).
@@ -742,6 +760,8 @@ def run(
                 continue
             ptq_recipe = recipe in INT_RECIPES or recipe in FLOAT_RECIPES
             if method in PTQ_ARMS and (not ptq_recipe or (method == "smoothquant" and "a16" in recipe)):
+                continue
+            if method in MSE_ARMS and recipe in BLOCK_SCALED:
                 continue
             start = time.perf_counter()
             if method == "ptq_qat" and "gptq" in built:  # its seconds are then its fine-tuning's

@@ -4,6 +4,7 @@ error fed back into the columns not yet quantized through the inverse Hessian of
 import functools
 import math
 import numbers
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +21,7 @@ from ._scales import (
     e8m0_scale,
     finite_absmax,
     ggml_scale,
+    least_error_scale,
     tensor_scale_of,
 )
 
@@ -32,6 +34,8 @@ def _check(
     act_order: object,
     damp: object,
     block_size: object,
+    method: object = "absmax",
+    num_candidates: object = 100,
 ) -> None:
     """Raises for arguments that [`eqx_quant.gptq_quantize`][] cannot take, naming the argument and its value."""
     if not jnp.issubdtype(weight.dtype, jnp.floating):
@@ -68,6 +72,21 @@ def _check(
         raise ValueError(f"`damp` must be finite and >= 0, got damp={damp!r}.")
     if check_int("block_size", block_size) < 1:
         raise ValueError(f"`block_size` must be >= 1, got block_size={block_size}.")
+    check_scale_method(method, num_candidates, fmt)
+
+
+def check_scale_method(method: object, num_candidates: object, fmt: Format) -> None:
+    """Raises for a GPTQ scale `method` other than `"absmax"` and `"mse"`, `"mse"` on a format whose scales
+    follow a block rule, or a `num_candidates` below 1."""
+    if method not in ("absmax", "mse"):
+        raise ValueError(f"`method` must be 'absmax' or 'mse', got method={method!r}.")
+    if method == "mse" and fmt.scale != "float32":
+        raise ValueError(
+            f"`method`='mse' searches float32 scales; the scales of {fmt.name} follow its block rule ({fmt.scale}). "
+            "Use method='absmax'."
+        )
+    if check_int("num_candidates", num_candidates) < 1:
+        raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
 
 
 def gptq_quantize(
@@ -81,6 +100,8 @@ def gptq_quantize(
     act_order: bool = False,
     damp: float = 0.01,
     block_size: int = 128,
+    method: Literal["absmax", "mse"] = "absmax",
+    num_candidates: int = 100,
 ) -> tuple[Shaped[Array, "out in"], Float[Array, "out groups"]]:
     """Quantizes a linear layer's weight with GPTQ.
 
@@ -105,6 +126,12 @@ def gptq_quantize(
         group is fixed before the columns are visited out of order and the groups stay contiguous in the original
         column order.
 
+    With `method="mse"` (float32-scaled formats), each of these scales clips instead: of the thresholds
+    `k / num_candidates` of the row's (or group's) largest magnitude, `k = 1 ... num_candidates`, it takes the one
+    whose rounding to nearest errs least on those weights, each squared error weighted by its column's `H[i, i]`
+    (the diagonal of the output error `(w - q)ᵀ H (w - q)`): the weights beyond it saturate, and the rest get a
+    finer grid. Ties go to the smallest threshold.
+
     Columns are processed in blocks of `block_size`: the errors of a block's columns reach the later columns of the
     same block at once, and the columns after the block in one matrix product when the block is done (GPTQ's lazy
     batch updates). The block size changes the order of the floating-point sums only, not the algorithm. With lazy
@@ -124,6 +151,8 @@ def gptq_quantize(
     - `act_order`: visit the columns in order of decreasing `H[i, i]` (the inputs with the most energy first).
     - `damp`: the relative damping of the Hessian's diagonal, `>= 0`.
     - `block_size`: the number of columns updated together, `>= 1`.
+    - `method`: `"absmax"` (the scale of the largest magnitude) or `"mse"` (the clipping search above).
+    - `num_candidates`: the number of thresholds `method="mse"` tries, `>= 1`.
 
     **Returns:**
 
@@ -136,7 +165,8 @@ def gptq_quantize(
 
     `TypeError` for non-floating `weight` or `hessian`, or arguments of the wrong type; `ValueError` for shapes that
     do not fit, a grid without 0 or positive levels, a `group_size` that does not divide `in_features`, a negative or
-    non-finite `damp` or a `block_size` below 1.
+    non-finite `damp`, a `block_size` below 1, a `method` other than `"absmax"` and `"mse"` (or `"mse"` on a
+    format with block scales) or a `num_candidates` below 1.
 
     !!! note
 
@@ -154,7 +184,7 @@ def gptq_quantize(
         raise ValueError(f"Give `qmin` and `qmax` or `format`, not both: got format={format!r}, qmin={qmin!r}.")
     else:
         fmt = as_format(format)
-    levels, scales = gptq_solve(weight, hessian, fmt, group_size, act_order, damp, block_size)
+    levels, scales = gptq_solve(weight, hessian, fmt, group_size, act_order, damp, block_size, method, num_candidates)
     return levels, effective_scale(scales.scale, scales.tensor_scale)
 
 
@@ -166,13 +196,16 @@ def gptq_solve(
     act_order: object = False,
     damp: object = 0.01,
     block_size: object = 128,
+    method: object = "absmax",
+    num_candidates: object = 100,
 ) -> tuple[Array, Scales]:
     """[`eqx_quant.gptq_quantize`][] onto `fmt`, with the scales as the format holds them: `(levels, scales)`, the
     scales of shape `(out_features, groups)` and the tensor scale of a two-level format apart."""
     weight, hessian = jnp.asarray(weight), jnp.asarray(hessian)
-    _check(weight, hessian, fmt, group_size, act_order, damp, block_size)
+    _check(weight, hessian, fmt, group_size, act_order, damp, block_size, method, num_candidates)
     group_size = None if group_size is None else int(group_size)  # pyright: ignore[reportArgumentType]
-    return _gptq(weight, hessian, fmt, group_size, act_order, float(damp), int(block_size))  # pyright: ignore
+    candidates = int(num_candidates) if method == "mse" else None  # pyright: ignore[reportArgumentType]
+    return _gptq(weight, hessian, fmt, group_size, act_order, float(damp), int(block_size), candidates)  # pyright: ignore
 
 
 def _block_length(n: int, group_size: int | None, lazy_groups: bool, block_size: int) -> int:
@@ -186,8 +219,8 @@ def _block_length(n: int, group_size: int | None, lazy_groups: bool, block_size:
     return max(d for d in range(1, block_size + 1) if group_size % d == 0)
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
-def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
+@functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6, 7))
+def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size, candidates):
     wide = weight.dtype == jnp.float64 or hessian.dtype == jnp.float64
     dtype = jnp.float64 if wide else jnp.float32
     w, h = weight.astype(dtype), hessian.astype(dtype)
@@ -199,6 +232,8 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
     dead = jnp.diagonal(h) == 0
     h = jnp.where(jnp.diag(dead), 1.0, h)
     w = jnp.where(dead[None, :], 0.0, w)
+    # The weights of the clipping search's squared errors, in the original column order (relative: no overflow).
+    energy = (jnp.diagonal(h) / jnp.max(jnp.diagonal(h))).astype(jnp.float32)
     order = jnp.argsort(-jnp.diagonal(h), stable=True) if act_order else jnp.arange(n)
     h = h[order][:, order]
     h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(n, dtype=dtype)
@@ -210,9 +245,13 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
     # NVFP4's tensor scale, of the whole original weight; the block scales under it are fixed like the others.
     ts = tensor_scale_of(block_absmax(w.reshape(out, n // g, g), 2)[0], fmt) if fmt.scale == "e4m3" else None
 
-    def group_scales(w_cols):  # the symmetric scale of each row of a block of columns
+    def group_scales(w_cols, h_cols):  # the symmetric scale of each row of a block of columns (of energies h_cols)
         if fmt.scale == "float32":
-            return absmax_scale(finite_absmax(w_cols, (1,)), fmt)[:, 0]
+            absmax = finite_absmax(w_cols, (1,))
+            if candidates is None:
+                return absmax_scale(absmax, fmt)[:, 0]
+            f32 = w_cols.astype(jnp.float32)
+            return least_error_scale(f32, h_cols[None, :], absmax.astype(jnp.float32), (1,), fmt, candidates)[:, 0]
         amax = block_absmax(w_cols, 1)[0]
         if fmt.scale == "float16":  # GGML's `d`, from the block's values
             assert isinstance(fmt, IntFormat)
@@ -220,7 +259,7 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
         return (e8m0_scale(amax, fmt) if fmt.scale == "e8m0" else block_scale(amax, ts, fmt))[:, 0]
 
     # Every group's scale from the original weight; lazy groups are refreshed from the updated weights in the loop.
-    scales = jax.vmap(group_scales, in_axes=1, out_axes=1)(w.reshape(out, n // g, g))
+    scales = jax.vmap(group_scales, in_axes=(1, 0), out_axes=1)(w.reshape(out, n // g, g), energy.reshape(n // g, g))
     w = w[:, order]
 
     # Padding to whole blocks: zero weight columns, with their own unit diagonal in `U` (no error reaches them or
@@ -237,12 +276,15 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
     segment = g if lazy and g <= length else length
     positions = jnp.arange(length)
     columns = jnp.arange(padded)
+    # Lazy groups run in the original column order; the padding columns (zero weights) weigh nothing.
+    padded_energy = jnp.pad(energy, (0, extra))
+    energy_of = lambda first: jax.lax.dynamic_slice_in_dim(padded_energy, first, g)  # noqa: E731
 
     def block(b, carry):
         w, scales, levels = carry
         start = b * length
         if lazy and g > length:  # a group starts at this block (its columns are all up to date)
-            fresh = group_scales(jax.lax.dynamic_slice_in_dim(w, start, g, axis=1))
+            fresh = group_scales(jax.lax.dynamic_slice_in_dim(w, start, g, axis=1), energy_of(start))
             refreshed = jax.lax.dynamic_update_index_in_dim(scales, fresh, start // g, axis=1)
             scales = jnp.where(start % g == 0, refreshed, scales)
         wb = jax.lax.dynamic_slice_in_dim(w, start, length, axis=1)
@@ -252,7 +294,8 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size):
         def run_segment(t, inner):
             wb, errors, qb, scales = inner
             if lazy and g <= length:  # a group starts here, within this block
-                fresh = group_scales(jax.lax.dynamic_slice_in_dim(wb, t * segment, g, axis=1))
+                first = t * segment
+                fresh = group_scales(jax.lax.dynamic_slice_in_dim(wb, first, g, axis=1), energy_of(start + first))
                 scales = jax.lax.dynamic_update_index_in_dim(scales, fresh, (start + t * segment) // g, axis=1)
 
             def column(c, inner):

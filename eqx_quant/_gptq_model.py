@@ -3,7 +3,7 @@
 import functools
 import math
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import equinox as eqx
 import jax
@@ -12,10 +12,10 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._format import Format, IntFormat, apply_scale
-from ._gptq import gptq_solve
+from ._gptq import check_scale_method, gptq_solve
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, check_real, check_where
-from ._observe import TracedInput, check_called, fold, layer_stack, progress_bar, traced_inputs
+from ._misc import FLOAT32_TINY, check_int, check_real, check_where
+from ._observe import TracedInput, check_callable, check_called, fold, layer_stack, progress_bar, traced_inputs
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._traced import QuantTraced, replaced
@@ -129,10 +129,11 @@ def _steps(model: PyTree, order: list[str], stacks: dict[str, tuple[int, ...]]) 
     return steps
 
 
-def _solve(weight: Array, hessian: Array, fmt: Format, group_size: int | None, act_order: bool, damp: float):
-    """GPTQ on one layer (or, under `jax.vmap`, on each layer of a stack): the quantized weight `scale * levels` in
-    the weight's dtype, its scales in the compact layout of the quantizer, and the tensor scale (or None)."""
-    levels, scales = gptq_solve(weight, hessian, fmt=fmt, group_size=group_size, act_order=act_order, damp=damp)
+def _solve(weight: Array, hessian: Array, fmt: Format, group_size: int | None, **options: Any):
+    """GPTQ on one layer (or, under `jax.vmap`, on each layer of a stack), with `gptq_solve`'s other `options`: the
+    quantized weight `scale * levels` in the weight's dtype, its scales in the compact layout of the quantizer, and
+    the tensor scale (or None)."""
+    levels, scales = gptq_solve(weight, hessian, fmt=fmt, group_size=group_size, **options)
     g = weight.shape[-1] if group_size is None else group_size
     repeated = jnp.repeat(scales.scale, g, axis=-1)
     t = scales.tensor_scale
@@ -168,6 +169,8 @@ def gptq(
     sequential: bool = True,
     damp: float = 0.01,
     act_order: bool = False,
+    method: Literal["absmax", "mse"] = "absmax",
+    num_candidates: int = 100,
     batched: bool = False,
     where: Callable[[str, eqx.Module], bool] | None = None,
     progress: bool = False,
@@ -206,7 +209,10 @@ def gptq(
         per-group (e.g. `DynamicFakeQuant(4, group_size=32)`, `DynamicFakeQuant("mxfp4", group_size=32)`).
     - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][].
     - `sequential`: quantize the layers one after another (above), or all from one pass.
-    - `damp`, `act_order`: as for [`eqx_quant.gptq_quantize`][].
+    - `damp`, `act_order`, `method`, `num_candidates`: as for [`eqx_quant.gptq_quantize`][]: `method="mse"`
+        clips each row's or group's scale where that rounds the weights with less error (weighted by the Hessian's
+        diagonal), for weights on float32-scaled grids (integers, FP8, FP6, FP4); formats with block scales (MX,
+        NVFP4, GGML) raise a `ValueError` naming the format (exclude those layers with `where`).
     - `batched`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
         quantizer.
@@ -221,9 +227,16 @@ def gptq(
     damp = check_real("damp", damp)
     if not (math.isfinite(damp) and damp >= 0):
         raise ValueError(f"`damp` must be finite and >= 0, got damp={damp!r}.")
-    make = lambda fmt, group_size: functools.partial(  # noqa: E731
-        _solve, fmt=fmt, group_size=group_size, act_order=act_order, damp=damp
-    )
+    if method not in ("absmax", "mse"):
+        raise ValueError(f"`method` must be 'absmax' or 'mse', got method={method!r}.")
+    if check_int("num_candidates", num_candidates) < 1:
+        raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
+
+    def make(fmt: Format, group_size: int | None) -> Callable:
+        check_scale_method(method, num_candidates, fmt)  # before any layer is solved
+        options = dict(act_order=act_order, damp=damp, method=method, num_candidates=num_candidates)
+        return functools.partial(_solve, fmt=fmt, group_size=group_size, **options)
+
     return solve_weights(model, batches, "gptq", make, sequential, batched, where, progress)
 
 
@@ -240,6 +253,7 @@ def solve_weights(
     """The model wiring of a weight solver (GPTQ's, AutoRound's): the chosen layers, their Hessians (sequentially or
     from one pass), `make_solve(fmt, group_size)(weight, hessian) -> (weight, compact scales, tensor scale)` on each
     layer (of a stack), and the layers made to hold the solution with a fixed quantizer of its scales."""
+    check_callable(model)
     if not isinstance(sequential, bool):
         raise TypeError(f"`sequential` must be a bool, got sequential={sequential!r}.")
     check_where(where)
@@ -259,6 +273,8 @@ def solve_weights(
     if traced:
         batches = list(batches)  # read by both
         if layers:
+            for t in traced:  # its errors before the layers' work
+                make_solve(t.fmt, t.group_size)
             model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
         return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
     return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)

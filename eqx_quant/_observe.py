@@ -284,11 +284,23 @@ def check_called(targets: list[tuple[str, Any]], found: dict[str, Any]) -> None:
         raise ValueError(f"The layers at {never} were never called on the calibration batches.")
 
 
+def check_callable(model: PyTree) -> None:
+    """A `TypeError` for a model that cannot run on the batches, before they are read: it names the model's type
+    (and a dict's keys), not the whole tree."""
+    if not callable(model):
+        keys = f" with keys {list(model)}" if isinstance(model, dict) else ""
+        raise TypeError(
+            f"`model` must be callable, as it runs on the batches, got a {type(model).__name__}{keys}. Wrap its "
+            "parts in a module whose `__call__` runs them."
+        )
+
+
 def fold(
     model, targets, batches, batched, statistic, data=None, num_bins=0, progress=False, description="calibrate"
 ) -> dict[str, list[dict[str, Any]]]:
     """Runs the observed model over all batches: per target layer, the statistics folded over every call, one
     record per layer of its stack (in stack order, flattened)."""
+    check_callable(model)
     observed = observe(model, targets, statistic, data, num_bins)
     recording = _Recording()
     seen = False

@@ -191,7 +191,8 @@ def least_error_scale(
     stays that of one.
     """
     values = finite_or(values, 0.0)
-    fractions = jnp.arange(1, candidates + 1, dtype=jnp.float32) / candidates
+    # `k / candidates` rounded once, on the host: XLA would multiply by a rounded `1 / candidates` instead.
+    fractions = jnp.asarray(np.arange(1, candidates + 1, dtype=np.float32) / np.float32(candidates))
     # Errors in units of `absmax`, so that their squares cannot overflow for data near float32's largest values.
     unit = expand_to_rank(1 / jnp.maximum(absmax, FLOAT32_TINY), values.ndim)
 

@@ -15,7 +15,15 @@ from jaxtyping import Array, PyTree
 
 from ._fold import Fold, find_folds, scale_leaves
 from ._misc import FLOAT32_TINY, check_int, check_real, check_where
-from ._observe import TracedInput, check_called, fold as fold_statistics, layer_stack, progress_bar, traced_inputs
+from ._observe import (
+    TracedInput,
+    check_callable,
+    check_called,
+    fold as fold_statistics,
+    layer_stack,
+    progress_bar,
+    traced_inputs,
+)
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_or
 from ._tree import map_nodes, nodes, path_string
@@ -228,6 +236,7 @@ def smoothquant(
     `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
     transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them).
     """
+    check_callable(model)
     alphas = _check_alphas(alpha)
     _check_flags(batched=batched, progress=progress, fold=fold)
     targets = _targets(model, where, lambda l: l.input_quant is not None, "smoothquant", "with an input quantizer",
@@ -517,6 +526,7 @@ def awq(
     `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
     transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them).
     """
+    check_callable(model)
     grid, clip_grid = check_int("grid", grid), check_int("clip_grid", clip_grid)
     if grid < 2:  # one `α`, 0, is round to nearest
         raise ValueError(f"`grid` must be at least 2, got grid={grid}.")

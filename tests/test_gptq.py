@@ -14,8 +14,10 @@ from eqx_quant._gptq import gptq_quantize
 from .helpers import assert_bitwise_equal, init, np_absmax_scale
 
 
-def numpy_gptq(w, h, qmin, qmax, group_size=None, act_order=False, damp=0.01):
-    """A float64 NumPy twin of GPTQ written from the paper, one column at a time (no blocks), with explicit loops."""
+def numpy_gptq(w, h, qmin, qmax, group_size=None, act_order=False, damp=0.01, candidates=None):
+    """A float64 NumPy twin of GPTQ written from the paper, one column at a time (no blocks), with explicit loops;
+    with `candidates`, each scale is the clipping threshold `k / candidates` of the largest magnitude of least
+    squared rounding error, weighted by the Hessian's diagonal (`method="mse"`), tried one by one."""
     w, h = np.array(w, np.float64), np.array(h, np.float64)
     out, n = w.shape
     g = n if group_size is None else group_size
@@ -23,20 +25,35 @@ def numpy_gptq(w, h, qmin, qmax, group_size=None, act_order=False, damp=0.01):
         if h[i, i] == 0:
             h[i, i] = 1.0
             w[:, i] = 0.0
+    energy = np.diag(h) / np.max(np.diag(h))  # in the original column order
     order = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(n)
     h = h[np.ix_(order, order)]
     h = h + damp * np.mean(np.diag(h)) * np.eye(n)
     u = np.linalg.cholesky(np.linalg.inv(h)).T
 
-    def scale_of(block):
-        return np_absmax_scale(np.abs(block).max(axis=1).astype(np.float32), qmax).astype(np.float64)
+    def scale_of(block, first):  # the block's columns start at column `first` of the original order
+        block = block.astype(np.float32)
+        absmax = np.abs(block).max(axis=1)
+        if candidates is None:
+            return np_absmax_scale(absmax, qmax).astype(np.float64)
+        e = energy[first : first + block.shape[1]]
+        best = np.zeros(out, np.float32)
+        for row in range(out):
+            errors = []
+            threshold = lambda k: absmax[row] * (np.float32(k) / np.float32(candidates))  # noqa: E731, B023
+            for k in range(1, candidates + 1):
+                s = np_absmax_scale(threshold(k), qmax)
+                q = np.clip(np.round(block[row] * (np.float32(1) / s)), qmin, qmax)
+                errors.append(np.sum(e * ((s * q - block[row]).astype(np.float64) / absmax[row]) ** 2))
+            best[row] = np_absmax_scale(threshold(np.argmin(errors) + 1), qmax)  # the first of ties
+        return best.astype(np.float64)
 
-    scales = np.stack([scale_of(w[:, k * g : (k + 1) * g]) for k in range(n // g)], axis=1)
+    scales = np.stack([scale_of(w[:, k * g : (k + 1) * g], k * g) for k in range(n // g)], axis=1)
     w = w[:, order]
     levels = np.zeros((out, n), np.int64)
     for i in range(n):
         if group_size is not None and not act_order and i % g == 0:
-            scales[:, i // g] = scale_of(w[:, i : i + g])
+            scales[:, i // g] = scale_of(w[:, i : i + g], i)
         s = scales[:, order[i] // g]
         q = np.clip(np.round(w[:, i] * (1 / s)), qmin, qmax)
         err = (w[:, i] - s * q) / u[i, i]
@@ -74,6 +91,10 @@ CASES = [
     dict(group_size=8, act_order=False, block_size=24),  # blocks of 24 (3 groups), the second one padded
     dict(group_size=16, act_order=False, block_size=6),  # blocks of 4: a group spans 4 blocks
     dict(group_size=8, act_order=True, block_size=7),
+    # Scales that clip where that rounds with less error: per row, lazy groups across blocks, static groups.
+    dict(group_size=None, act_order=False, method="mse", num_candidates=20),
+    dict(group_size=16, act_order=False, block_size=6, method="mse", num_candidates=20),
+    dict(group_size=8, act_order=True, block_size=7, method="mse", num_candidates=20),
 ]
 
 
@@ -86,7 +107,7 @@ def test_matches_the_numpy_twin_in_float64(case):
     x[:, 5] = 0.0  # a dead input feature
     h = 2 * x.T @ x
     expected_levels, expected_scales = numpy_gptq(
-        w, h, -8, 7, group_size=case["group_size"], act_order=case["act_order"]
+        w, h, -8, 7, group_size=case["group_size"], act_order=case["act_order"], candidates=case.get("num_candidates")
     )
     with enable_x64(True):
         levels, scales = gptq_quantize(jnp.asarray(w), jnp.asarray(h), -8, 7, **case)
@@ -97,6 +118,16 @@ def test_matches_the_numpy_twin_in_float64(case):
     assert np.all(levels[:, 5] == 0)
     # The error feedback does something: the levels are not round-to-nearest's.
     assert np.any(levels != numpy_rtn(w, -8, 7, case["group_size"])[0])
+    if "method" in case:
+        # The search clips some scales below the absmax scale of the same columns.
+        absmax_levels, absmax_scales = numpy_gptq(w, h, -8, 7, case["group_size"], case["act_order"])
+        assert np.any(scales < absmax_scales)
+        if not case["act_order"]:
+            # Here it errs less on the inputs. (With `act_order`, the static groups' scales are clipped on the
+            # original weight, which the error feedback then moves: on these strongly correlated inputs, further.)
+            g = case["group_size"] or 32
+            error = lambda lv, sc: np.linalg.norm((np.repeat(sc, g, axis=1) * lv - w) @ x.T)  # noqa: E731
+            assert error(levels, scales) < error(absmax_levels, absmax_scales)
 
 
 @pytest.mark.slow
@@ -201,6 +232,12 @@ def test_errors():
         gptq_quantize(w, h, -8, 0)  # no positive level
     with pytest.raises(ValueError, match="qmin"):
         gptq_quantize(w, h, 7, -8)
+    with pytest.raises(ValueError, match="num_candidates=0"):
+        gptq_quantize(w, h, -8, 7, method="mse", num_candidates=0)
+    with pytest.raises(TypeError, match="num_candidates"):  # under the suite's hook, its annotation's TypeError
+        gptq_quantize(w, h, -8, 7, method="mse", num_candidates=2.0)  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ValueError, match="mxfp4 follow its block rule"):
+        gptq_quantize(jnp.ones((3, 32)), jnp.eye(32), format="mxfp4", group_size=32, method="mse")
 
 
 class Stacked(eqx.Module):
@@ -240,20 +277,20 @@ def hessians_by_hand(model, tokens):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sequential", [True, False])
-def test_gptq_on_a_scanned_model_uses_exactly_the_gptq_integers(sequential):
+@pytest.mark.parametrize("sequential, method", [(True, "absmax"), (False, "absmax"), (True, "mse")])
+def test_gptq_on_a_scanned_model_uses_exactly_the_gptq_integers(sequential, method):
     model = init(Stacked, 10)
     qmodel = eqx_quant.quantize(model, weights=DynamicFakeQuant(3, group_size=8), activations=None)
     latent = correlated_inputs(11, 16, 4 * 6).astype(np.float32).reshape(4, 6, 16)
     batches = [jnp.asarray(latent[:2]), jnp.asarray(latent[2:])]
-    quantized = gptq(qmodel, batches, sequential=sequential)
+    quantized = gptq(qmodel, batches, sequential=sequential, method=method)
     quantizer = quantized.layers.weight_quant
     assert type(quantizer) is LearnedFakeQuant and quantizer.scale.shape == (2, 16, 2)
     # Sequential: the second layer's Hessian comes from the first layer's GPTQ weight; else from its RTN weight.
     grams = hessians_by_hand(quantized if sequential else qmodel, jnp.concatenate(batches))
     for i in range(2):
         expected, scales = gptq_quantize(
-            qmodel.layers.layer.weight[i], jnp.asarray(grams[i], jnp.float32), -4, 3, group_size=8
+            qmodel.layers.layer.weight[i], jnp.asarray(grams[i], jnp.float32), -4, 3, group_size=8, method=method
         )
         one = jax.tree_util.tree_map(lambda a: a[i], quantizer)  # noqa: B023
         weight = quantized.layers.layer.weight[i]
@@ -383,8 +420,9 @@ def test_sequential_gptq_on_two_layers_per_scanned_block_uses_the_hessians_by_ha
             h = h + out["b"]
 
 
-def test_bad_damping_is_refused_before_the_batches_are_read():
-    qmodel = eqx_quant.quantize(init(lambda k: eqx.nn.MLP(8, 2, 8, 1, key=k), 25))
+def test_bad_settings_are_refused_before_the_batches_are_read():
+    mlp = init(lambda k: eqx.nn.MLP(32, 2, 32, 1, key=k), 25)
+    qmodel = eqx_quant.quantize(mlp)
 
     def batches():
         raise AssertionError("read")
@@ -393,3 +431,9 @@ def test_bad_damping_is_refused_before_the_batches_are_read():
     for damp in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="`damp` must be finite and >= 0"):
             gptq(qmodel, batches(), damp=damp)
+    with pytest.raises(ValueError, match="num_candidates=0"):
+        gptq(qmodel, batches(), method="mse", num_candidates=0)
+    # A clipping search on a format whose block scales follow the format's rule.
+    mx = eqx_quant.quantize(mlp, weights=DynamicFakeQuant("mxfp4", group_size=32), activations=None)
+    with pytest.raises(ValueError, match="mxfp4 follow its block rule"):
+        gptq(mx, batches(), method="mse")

@@ -25,6 +25,11 @@ def test_literal_and_bool_arguments():
     x = jnp.linspace(-1.0, 1.0, 8)
     mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
     linear = eqx.nn.Linear(3, 2, key=jax.random.key(0))
+
+    def unread():  # batches that must not be read
+        raise AssertionError("read")
+        yield
+
     cases = [
         (ValueError, "`method` must be one of ('absmax', 'minmax', 'percentile', 'mse'), got method='max'.",
          lambda: eqx_quant.FakeQuant.calibrate(x, 8, method="max")),
@@ -111,6 +116,21 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), iter(()), damp="0.1")),
         (TypeError, "`sequential` must be a bool, got sequential=1.",
          lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], sequential=1)),
+        (ValueError, "`method` must be 'absmax' or 'mse', got method='max'.",
+         lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), iter(()), method="max")),
+        (TypeError, "`model` must be callable, as it runs on the batches, got a dict with keys ['a', 'b']. Wrap its "
+                    "parts in a module whose `__call__` runs them.",
+         lambda: eqx_quant.calibrate(eqx_quant.quantize({"a": linear, "b": linear}), unread())),
+        (TypeError, "`model` must be callable, as it runs on the batches, got a dict with keys ['a', 'b']. Wrap its "
+                    "parts in a module whose `__call__` runs them.",
+         lambda: eqx_quant.gptq(eqx_quant.quantize({"a": linear, "b": linear}), unread())),
+        (TypeError, "`model` must be callable, as it runs on the batches, got a dict with keys ['a', 'b']. Wrap its "
+                    "parts in a module whose `__call__` runs them.",
+         lambda: eqx_quant.smoothquant(eqx_quant.quantize({"a": linear, "b": linear}), unread())),
+        (ValueError, "`method` must be 'absmax' or 'mse', got method='max'.",
+         lambda: eqx_quant.gptq_quantize(jnp.ones((3, 4)), jnp.eye(4), -8, 7, method="max")),
+        (TypeError, "`num_candidates` must be an int, got 2.0 of type float.",
+         lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), iter(()), num_candidates=2.0)),
         (TypeError, "`input_transform` must be an input transform module or None, got 2.0.",
          lambda: eqx_quant.nn.QuantLinear(linear, input_transform=2.0)),
         (TypeError, "`example` must be a tuple of arguments for one call `model(*example)`, or a function f(model) "
