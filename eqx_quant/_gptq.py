@@ -82,8 +82,8 @@ def check_scale_method(method: object, num_candidates: object, fmt: Format) -> N
         raise ValueError(f"`method` must be 'absmax' or 'mse', got method={method!r}.")
     if method == "mse" and fmt.scale != "float32":
         raise ValueError(
-            f"`method`='mse' searches float32 scales; the scales of {fmt.name} follow its block rule ({fmt.scale}). "
-            "Use method='absmax'."
+            f"`method='mse'` searches float32 scales, and {fmt.name} sets its block scales by its own rule: use "
+            "method='absmax'."
         )
     if check_int("num_candidates", num_candidates) < 1:
         raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
@@ -130,7 +130,8 @@ def gptq_quantize(
     `k / num_candidates` of the row's (or group's) largest magnitude, `k = 1 ... num_candidates`, it takes the one
     whose rounding to nearest errs least on those weights, each squared error weighted by its column's `H[i, i]`
     (the diagonal of the output error `(w - q)ᵀ H (w - q)`): the weights beyond it saturate, and the rest get a
-    finer grid. Ties go to the smallest threshold.
+    finer grid. Ties go to the smallest threshold. The search itself runs in float32 (as the scales are), also
+    when the rest is in float64.
 
     Columns are processed in blocks of `block_size`: the errors of a block's columns reach the later columns of the
     same block at once, and the columns after the block in one matrix product when the block is done (GPTQ's lazy
@@ -232,8 +233,7 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size, candida
     dead = jnp.diagonal(h) == 0
     h = jnp.where(jnp.diag(dead), 1.0, h)
     w = jnp.where(dead[None, :], 0.0, w)
-    # The weights of the clipping search's squared errors, in the original column order (relative: no overflow).
-    energy = (jnp.diagonal(h) / jnp.max(jnp.diagonal(h))).astype(jnp.float32)
+    energy = jnp.diagonal(h)  # weighs the clipping search's squared errors, in the original column order
     order = jnp.argsort(-jnp.diagonal(h), stable=True) if act_order else jnp.arange(n)
     h = h[order][:, order]
     h = h + damp * jnp.mean(jnp.diagonal(h)) * jnp.eye(n, dtype=dtype)
@@ -245,21 +245,24 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size, candida
     # NVFP4's tensor scale, of the whole original weight; the block scales under it are fixed like the others.
     ts = tensor_scale_of(block_absmax(w.reshape(out, n // g, g), 2)[0], fmt) if fmt.scale == "e4m3" else None
 
-    def group_scales(w_cols, h_cols):  # the symmetric scale of each row of a block of columns (of energies h_cols)
+    def group_scales(w_cols, h_cols, search=True):  # each row's symmetric scale over columns of energies h_cols
         if fmt.scale == "float32":
             absmax = finite_absmax(w_cols, (1,))
-            if candidates is None:
+            if candidates is None or not search:
                 return absmax_scale(absmax, fmt)[:, 0]
+            weights = (h_cols / jnp.max(h_cols)).astype(jnp.float32)[None, :]  # relative: no overflow, no underflow
             f32 = w_cols.astype(jnp.float32)
-            return least_error_scale(f32, h_cols[None, :], absmax.astype(jnp.float32), (1,), fmt, candidates)[:, 0]
+            return least_error_scale(f32, weights, absmax.astype(jnp.float32), (1,), fmt, candidates)[:, 0]
         amax = block_absmax(w_cols, 1)[0]
         if fmt.scale == "float16":  # GGML's `d`, from the block's values
             assert isinstance(fmt, IntFormat)
             return ggml_scale(w_cols, amax, 1, fmt)[:, 0]
         return (e8m0_scale(amax, fmt) if fmt.scale == "e8m0" else block_scale(amax, ts, fmt))[:, 0]
 
-    # Every group's scale from the original weight; lazy groups are refreshed from the updated weights in the loop.
-    scales = jax.vmap(group_scales, in_axes=(1, 0), out_axes=1)(w.reshape(out, n // g, g), energy.reshape(n // g, g))
+    # Every group's scale from the original weight; lazy groups are refreshed from the updated weights in the loop
+    # (their clipping searched there only).
+    initial = functools.partial(group_scales, search=not lazy)
+    scales = jax.vmap(initial, in_axes=(1, 0), out_axes=1)(w.reshape(out, n // g, g), energy.reshape(n // g, g))
     w = w[:, order]
 
     # Padding to whole blocks: zero weight columns, with their own unit diagonal in `U` (no error reaches them or
@@ -276,17 +279,19 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size, candida
     segment = g if lazy and g <= length else length
     positions = jnp.arange(length)
     columns = jnp.arange(padded)
-    # Lazy groups run in the original column order; the padding columns (zero weights) weigh nothing.
-    padded_energy = jnp.pad(energy, (0, extra))
-    energy_of = lambda first: jax.lax.dynamic_slice_in_dim(padded_energy, first, g)  # noqa: E731
+    # Lazy groups run in the original column order, and lie within the unpadded columns.
+    energy_of = lambda first: jax.lax.dynamic_slice_in_dim(energy, first, g)  # noqa: E731
 
     def block(b, carry):
         w, scales, levels = carry
         start = b * length
         if lazy and g > length:  # a group starts at this block (its columns are all up to date)
-            fresh = group_scales(jax.lax.dynamic_slice_in_dim(w, start, g, axis=1), energy_of(start))
-            refreshed = jax.lax.dynamic_update_index_in_dim(scales, fresh, start // g, axis=1)
-            scales = jnp.where(start % g == 0, refreshed, scales)
+
+            def refresh(scales):
+                fresh = group_scales(jax.lax.dynamic_slice_in_dim(w, start, g, axis=1), energy_of(start))
+                return jax.lax.dynamic_update_index_in_dim(scales, fresh, start // g, axis=1)
+
+            scales = jax.lax.cond(start % g == 0, refresh, lambda scales: scales, scales)
         wb = jax.lax.dynamic_slice_in_dim(w, start, length, axis=1)
         ub = jax.lax.dynamic_slice(u, (start, start), (length, length))
         groups = jax.lax.dynamic_slice_in_dim(group_of, start, length)

@@ -270,11 +270,16 @@ def solve_weights(
         raise ValueError(
             f"`model` has no QuantLinear layer (nor traced weight) with a weight quantizer to quantize with `{name}`."
         )
+    # The solvers' own errors (a setting the format cannot take), naming the weight, before the batches are read.
+    grids = [(f"Layer {path!r}", *_gptq_grid(path, layer.weight_quant, name)) for path, layer in layers]
+    for what, fmt, group_size in grids + [(f"Traced weight {t.name!r}", t.fmt, t.group_size) for t in traced]:
+        try:
+            make_solve(fmt, group_size)
+        except ValueError as error:
+            raise ValueError(f"{what}: {error}") from None
     if traced:
         batches = list(batches)  # read by both
         if layers:
-            for t in traced:  # its errors before the layers' work
-                make_solve(t.fmt, t.group_size)
             model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
         return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
     return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)

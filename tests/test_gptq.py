@@ -236,7 +236,7 @@ def test_errors():
         gptq_quantize(w, h, -8, 7, method="mse", num_candidates=0)
     with pytest.raises(TypeError, match="num_candidates"):  # under the suite's hook, its annotation's TypeError
         gptq_quantize(w, h, -8, 7, method="mse", num_candidates=2.0)  # pyright: ignore[reportArgumentType]
-    with pytest.raises(ValueError, match="mxfp4 follow its block rule"):
+    with pytest.raises(ValueError, match="mxfp4 sets its block scales by its own rule"):
         gptq_quantize(jnp.ones((3, 32)), jnp.eye(32), format="mxfp4", group_size=32, method="mse")
 
 
@@ -435,5 +435,5 @@ def test_bad_settings_are_refused_before_the_batches_are_read():
         gptq(qmodel, batches(), method="mse", num_candidates=0)
     # A clipping search on a format whose block scales follow the format's rule.
     mx = eqx_quant.quantize(mlp, weights=DynamicFakeQuant("mxfp4", group_size=32), activations=None)
-    with pytest.raises(ValueError, match="mxfp4 follow its block rule"):
+    with pytest.raises(ValueError, match="Layer 'layers.0': `method='mse'` searches float32 scales, and mxfp4"):
         gptq(mx, batches(), method="mse")

@@ -682,6 +682,21 @@ def test_errors():
     with pytest.raises(ValueError, match="(?s)'model.kernel'.*one to one with their input's"):
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])
 
+    class Bare(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.w @ x
+
+    def unread():  # batches that must not be read
+        raise AssertionError("read")
+        yield
+
+    mx = eqx_quant.Rule(".*", weight=eqx_quant.DynamicFakeQuant("mxfp4", group_size=32), input=None)
+    bare = eqx_quant.quantize(Bare(_normal(4, 32)), [mx], example=(_normal(32),))
+    with pytest.raises(ValueError, match="Traced weight 'model.w': `method='mse'` searches float32 scales, and mxfp4"):
+        eqx_quant.gptq(bare, unread(), method="mse")
+
 
 def test_per_token_inputs(tmp_path):
     # Tokens mapped with the model's own `jax.vmap` reach the product as one operand (tokens, features); the recipe's
