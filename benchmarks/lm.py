@@ -90,6 +90,8 @@ class Preset:
     - `timing_steps`: the interleaved steps timed per model for `qat_step_ratio`.
     - `seed`: seeds the initialisation and the training batches (fine-tuning batches use `seed + 1`, GPTQ's
         calibration batches `seed + 2`).
+    - `calibration_seed`: seeds the calibration batches instead of `seed + 2` (`None`: `seed + 2`); the float model
+        does not depend on it.
     """
 
     name: str
@@ -115,11 +117,13 @@ class Preset:
     calibration_batches: int
     timing_steps: int
     seed: int = 0
+    calibration_seed: int | None = None
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, int) and not isinstance(value, bool) and field.name != "seed" and value < 1:
+            seeds = ("seed", "calibration_seed")
+            if isinstance(value, int) and not isinstance(value, bool) and field.name not in seeds and value < 1:
                 raise ValueError(f"`{field.name}` must be >= 1, got {field.name}={value}.")
         if len(PROMPT) + self.generate_tokens > self.context:
             raise ValueError(
@@ -441,9 +445,10 @@ def arm_rtn(model: GPT, bench: Bench, recipe: str) -> Any:
 
 
 def calibration_batches(bench: Bench) -> list[Array]:
-    """GPTQ's calibration inputs: `calibration_batches` batches of training windows (seed `seed + 2`)."""
+    """GPTQ's calibration inputs: `calibration_batches` batches of training windows (seed `calibration_seed`, or
+    `seed + 2`)."""
     p = bench.preset
-    rng = np.random.default_rng(p.seed + 2)
+    rng = np.random.default_rng(p.seed + 2 if p.calibration_seed is None else p.calibration_seed)
     return [
         jnp.asarray(sample_batch(bench.train, rng, p.batch_size, p.context)[0]) for _ in range(p.calibration_batches)
     ]
@@ -602,7 +607,7 @@ def _new_model(preset: Preset, vocab_size: int) -> GPT:
 
 # Preset fields that only the derived models depend on: changing them keeps the cached float model.
 _NOT_FLOAT_FIELDS = (
-    "recipes", "calibration_batches", "timing_steps", "finetune_steps", "finetune_learning_rate",
+    "recipes", "calibration_batches", "calibration_seed", "timing_steps", "finetune_steps", "finetune_learning_rate",
     "finetune_warmup_steps", "low_bit_learning_rate",
 )  # fmt: skip
 
@@ -933,6 +938,9 @@ def main(argv: list[str] | None = None) -> dict:
         "--methods", nargs="+", default=list(METHODS), choices=list(ARMS), help="the methods (arms) of every recipe"
     )
     parser.add_argument(
+        "--calibration-seed", type=int, default=None, help="seed of the calibration batches (default: the preset's)"
+    )
+    parser.add_argument(
         "--results", type=pathlib.Path, default=None, help="print the table (and plot) of an lm_results.json; no run"
     )
     args = parser.parse_args(argv)
@@ -943,7 +951,8 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--preset and --out are required unless --results is given")
     else:
         print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
-        results = run(args.preset, args.out, cache=args.cache, recipes=args.recipes, methods=args.methods)
+        preset = dataclasses.replace(PRESETS[args.preset], calibration_seed=args.calibration_seed)
+        results = run(preset, args.out, cache=args.cache, recipes=args.recipes, methods=args.methods)
         print(f"wrote {args.out / 'lm_results.json'}")
     print(table(results))
     for name, value in results["targets"].items():

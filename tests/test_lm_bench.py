@@ -1,6 +1,7 @@
 """The language-model benchmark (`benchmarks/lm.py`): its smoke preset end to end, its corpus split, its validation
 protocol and its cached greedy decoding."""
 
+import dataclasses
 import hashlib
 import importlib
 import importlib.metadata
@@ -312,3 +313,18 @@ def test_pareto_results_recompute_their_targets_print_and_plot(tmp_path, capsys)
     out = capsys.readouterr().out
     assert "auto measured 2.5" in out and "w2_w3_gap_closed" in out
     assert (tmp_path / "p.png").stat().st_size > 10_000
+
+
+def test_calibration_seed_draws_other_batches_from_the_same_float_model():
+    bench = lm.prepare(lm.PRESETS["smoke"], progress=False)
+    with_seed = lambda seed: dataclasses.replace(bench, preset=dataclasses.replace(bench.preset, calibration_seed=seed))  # noqa: E731
+    default, same, other = (lm.calibration_batches(b) for b in (bench, with_seed(bench.preset.seed + 2), with_seed(7)))
+    assert len(other) == bench.preset.calibration_batches
+    assert all(np.array_equal(a, b) for a, b in zip(default, same, strict=True))
+    assert not any(np.array_equal(a, b) for a, b in zip(default, other, strict=True))
+    # The float model (its cache entry) does not depend on it.
+    describe = lambda b: lm._cache_description(b.preset, b.corpus)  # noqa: E731
+    assert describe(with_seed(7)) == describe(bench)
+    with pytest.raises(ValueError, match="`steps` must be >= 1"):
+        dataclasses.replace(bench.preset, steps=0)
+    dataclasses.replace(bench.preset, calibration_seed=0)  # a seed may be 0
