@@ -197,7 +197,7 @@ def test_ggml_scales_are_returned_as_stored_so_small_blocks_round_trip(name):
     a_weight, a_scales, _ = autoround_solve(
         w, jnp.asarray(H, jnp.float32), jnp.float32(1 / 50), fmt=fmt, group_size=32, steps=50
     )
-    g_weight, g_scales, _ = _gptq_solve(w, jnp.asarray(H, jnp.float32), fmt, 32, False, 0.01)
+    g_weight, g_scales, _ = _gptq_solve(w, jnp.asarray(H, jnp.float32), fmt, 32, act_order=False, damp=0.01)
     for weight, scales in ((a_weight, a_scales), (g_weight, g_scales)):
         stored = np.asarray(scales)
         np.testing.assert_array_equal(stored, stored.astype(np.float16).astype(np.float32))
