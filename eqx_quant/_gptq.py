@@ -75,18 +75,18 @@ def _check(
     check_scale_method(method, num_candidates, fmt)
 
 
-def check_scale_method(method: object, num_candidates: object, fmt: Format) -> None:
-    """Raises for a GPTQ scale `method` other than `"absmax"` and `"mse"`, `"mse"` on a format whose scales
-    follow a block rule, or a `num_candidates` below 1."""
+def check_scale_method(method: object, num_candidates: object, fmt: Format | None = None) -> None:
+    """Raises for a GPTQ scale `method` other than `"absmax"` and `"mse"`, a `num_candidates` below 1, or (given
+    `fmt`) `"mse"` on a format whose scales follow a block rule."""
     if method not in ("absmax", "mse"):
         raise ValueError(f"`method` must be 'absmax' or 'mse', got method={method!r}.")
-    if method == "mse" and fmt.scale != "float32":
+    if check_int("num_candidates", num_candidates) < 1:
+        raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
+    if fmt is not None and method == "mse" and fmt.scale != "float32":
         raise ValueError(
             f"`method='mse'` searches float32 scales, and {fmt.name} sets its block scales by its own rule: use "
             "method='absmax'."
         )
-    if check_int("num_candidates", num_candidates) < 1:
-        raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
 
 
 def gptq_quantize(
@@ -301,7 +301,7 @@ def _gptq(weight, hessian, fmt, group_size, act_order, damp, block_size, candida
             if lazy and g <= length:  # a group starts here, within this block
                 first = t * segment
                 fresh = group_scales(jax.lax.dynamic_slice_in_dim(wb, first, g, axis=1), energy_of(start + first))
-                scales = jax.lax.dynamic_update_index_in_dim(scales, fresh, (start + t * segment) // g, axis=1)
+                scales = jax.lax.dynamic_update_index_in_dim(scales, fresh, (start + first) // g, axis=1)
 
             def column(c, inner):
                 wb, errors, qb = inner

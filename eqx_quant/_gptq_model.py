@@ -14,7 +14,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import check_scale_method, gptq_solve
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, check_int, check_real, check_where
+from ._misc import FLOAT32_TINY, check_real, check_where
 from ._observe import TracedInput, check_callable, check_called, fold, layer_stack, progress_bar, traced_inputs
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
@@ -227,13 +227,10 @@ def gptq(
     damp = check_real("damp", damp)
     if not (math.isfinite(damp) and damp >= 0):
         raise ValueError(f"`damp` must be finite and >= 0, got damp={damp!r}.")
-    if method not in ("absmax", "mse"):
-        raise ValueError(f"`method` must be 'absmax' or 'mse', got method={method!r}.")
-    if check_int("num_candidates", num_candidates) < 1:
-        raise ValueError(f"`num_candidates` must be >= 1, got num_candidates={num_candidates}.")
+    check_scale_method(method, num_candidates)  # and each layer's format, in `make`
 
     def make(fmt: Format, group_size: int | None) -> Callable:
-        check_scale_method(method, num_candidates, fmt)  # before any layer is solved
+        check_scale_method(method, num_candidates, fmt)
         options = dict(act_order=act_order, damp=damp, method=method, num_candidates=num_candidates)
         return functools.partial(_solve, fmt=fmt, group_size=group_size, **options)
 
