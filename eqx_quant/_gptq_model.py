@@ -15,7 +15,16 @@ from ._format import Format, IntFormat, apply_scale
 from ._gptq import check_scale_method, gptq_solve
 from ._layout import Layout
 from ._misc import FLOAT32_TINY, check_real, check_where
-from ._observe import TracedInput, check_callable, check_called, fold, layer_stack, progress_bar, traced_inputs
+from ._observe import (
+    TracedInput,
+    check_callable,
+    check_called,
+    fold,
+    layer_stack,
+    progress_bar,
+    traced_inputs,
+    warn_convolutions_left,
+)
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._traced import QuantTraced, replaced
@@ -263,6 +272,7 @@ def solve_weights(
     if where is not None:
         layers = [(path, layer) for path, layer in layers if where(path, layer)]
     traced = _traced_targets(model, where, name)
+    warn_convolutions_left(model, where, name, lambda layer: layer.weight_quant is not None)
     if not layers and not traced:
         raise ValueError(
             f"`model` has no QuantLinear layer (nor traced weight) with a weight quantizer to quantize with `{name}`."

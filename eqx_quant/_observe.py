@@ -6,6 +6,7 @@ import functools
 import math
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -21,7 +22,7 @@ from ._quantizers import AbstractQuantizer
 from ._scales import finite_or, stats
 from ._traced import QuantTraced, replaced
 from ._tree import map_nodes, nodes
-from .nn._layers import AbstractQuantLayer, stack_depth
+from .nn._layers import AbstractQuantLayer, QuantConv, stack_depth
 
 
 class _Recording:
@@ -282,6 +283,20 @@ def check_called(targets: list[tuple[str, Any]], found: dict[str, Any]) -> None:
     never = [path for path, _ in targets if path not in found]
     if never:
         raise ValueError(f"The layers at {never} were never called on the calibration batches.")
+
+
+def warn_convolutions_left(model: PyTree, where: object, what: str, kept: Callable[[QuantConv], bool]) -> None:
+    """Where the algorithm `what` chose its layers by default (`where` None), warns of the quantized convolutions
+    it would transform if it transformed convolutions (those `kept` keeps), which it leaves as they are."""
+    if where is not None:
+        return
+    convolutions = [path or "(the model itself)" for path, layer in nodes(model, (QuantConv,)) if kept(layer)]
+    if convolutions:
+        warnings.warn(
+            f"`{what}` does not transform convolutions: the quantized convolutions {convolutions} are left as they "
+            "are. Choose the layers with `where` to silence this.",
+            stacklevel=4,  # the caller of the public function that called the one calling this
+        )
 
 
 def check_callable(model: PyTree) -> None:

@@ -23,6 +23,7 @@ from ._observe import (
     layer_stack,
     progress_bar,
     traced_inputs,
+    warn_convolutions_left,
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_or
@@ -109,6 +110,7 @@ def _targets(
             raise ValueError(f"Layer {name!r} is not a layer {wanted}, so `{what}` would do nothing for it. "
                              "Exclude it with `where`.")  # fmt: skip
         _check_layer(path, layer, what)
+    warn_convolutions_left(model, where, what, default)
     return chosen
 
 

@@ -165,10 +165,12 @@ def _derived(eqn: Any, views: list[_View | None]) -> _View | None:
         # Rows of an array picked by indices: derived from it if the indices are, an activation if they depend on
         # the input (an embedding's lookup, and so also a mixture of experts' weights picked by its router).
         indices = [v for v, var in zip(views[1:], eqn.invars[1:], strict=True) if not isinstance(var, jcore.Literal)]
-        return _View(views[0].leaf, None) if all(v is not None for v in indices) else None
+        return _View(views[0].leaf, None, layer=views[0].layer) if all(v is not None for v in indices) else None
     if all(v is not None for v in operands):
-        leaf = next((v.leaf for v in operands if v is not None and v.leaf >= 0), -1)
-        return _View(leaf, None)
+        leaves = [v for v in operands if v is not None and v.leaf >= 0]
+        # Computed from a layer's arrays alone (a learned quantizer's weight and scale): still the layer's.
+        layer = bool(leaves) and all(v.layer for v in leaves)
+        return _View(leaves[0].leaf if leaves else -1, None, layer=layer)
     return None
 
 

@@ -1129,3 +1129,30 @@ def test_channel_statistics_leave_non_finite_entries_out_of_the_means():
     np.testing.assert_allclose(record["channel_absmax"], np.nanmax(finite, axis=0), rtol=0)
     np.testing.assert_allclose(record["channel_abssum"] / record["count"], np.nanmean(finite, axis=0), rtol=1e-6)
     np.testing.assert_array_equal(record["count"], np.sum(np.isfinite(data), axis=0))
+
+
+class _ConvThenLinear(eqx.Module):
+    conv: eqx.nn.Conv1d
+    fc: eqx.nn.Linear
+
+    def __call__(self, x):  # x: (2 channels, 8 steps)
+        return self.fc(self.conv(x).reshape(-1))
+
+
+@pytest.mark.slow
+def test_transforms_and_solvers_name_the_convolutions_they_leave_alone():
+    """The algorithms transform linear layers only: choosing layers by default in a model with quantized
+    convolutions, each warns naming them (and still transforms the linear layers); with `where`, none warns."""
+    model = init(lambda k: _ConvThenLinear(eqx.nn.Conv1d(2, 2, 3, key=k), eqx.nn.Linear(12, 16, key=k)), 5)
+    quantized = eqx_quant.quantize(model, **eqx_quant.recipe("w4a16_g32", group_size=4))
+    linear = lambda path, layer: path == "fc"  # noqa: E731
+    key = jax.random.key(0)
+    with pytest.warns(UserWarning, match=r"^`rotate` does not transform convolutions: .* \['conv'\] are left"):
+        rotated = eqx_quant.rotate(quantized, key=key)
+    assert isinstance(rotated.fc.input_transform, RotateInput) and eqx.tree_equal(rotated.conv, quantized.conv)
+    assert_bitwise_equal(eqx_quant.rotate(quantized, key=key, where=linear).fc.layer.weight, rotated.fc.layer.weight)
+    x = jnp.asarray(NORMAL[:4, :16].reshape(4, 2, 8))
+    with pytest.warns(UserWarning, match=r"^`gptq` does not transform convolutions: .* \['conv'\] are left"):
+        solved = eqx_quant.gptq(quantized, [x])
+    assert eqx.tree_equal(solved.conv, quantized.conv)
+    assert_bitwise_equal(eqx_quant.gptq(quantized, [x], where=linear).fc.layer.weight, solved.fc.layer.weight)

@@ -1075,3 +1075,26 @@ def test_rows_looked_up_by_the_input_are_activations():
 
     got = _call(quantized, (tokens,), {})
     np.testing.assert_allclose(np.asarray(got), np.asarray(twin(model, tokens)), rtol=1e-5, atol=1e-5)
+
+
+class _LinearThenBare(eqx.Module):
+    fc: eqx.nn.Linear
+    w: jax.Array
+
+    def __call__(self, x):
+        return self.w @ self.fc(x)
+
+
+def test_learned_layer_quantizers_beside_traced_weights():
+    """With `learned=True`, a layer's weight reaches its product through its learned quantizer's arithmetic on the
+    weight and its scales, all arrays of the layer: none of them is taken for a traced weight. The model is the one
+    `learn_scales` makes of the dynamic one, bit for bit."""
+    model = init(lambda k: _LinearThenBare(eqx.nn.Linear(8, 16, key=k), jnp.ones((4, 16))), 3)
+    x = _normal(8)
+    for recipe in ("w8a8", "w4a16_g32"):
+        options = dict(group_size=8) if recipe == "w4a16_g32" else {}
+        learned = eqx_quant.quantize(model, **eqx_quant.recipe(recipe, learned=True, **options), example=(x,))
+        assert learned.weight_paths == ("w",)
+        assert isinstance(learned.model.fc.weight_quant, eqx_quant.LearnedFakeQuant)
+        dynamic = eqx_quant.quantize(model, **eqx_quant.recipe(recipe, **options), example=(x,))
+        assert_bitwise_equal(learned(x), eqx_quant.learn_scales(dynamic)(x))
