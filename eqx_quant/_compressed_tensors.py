@@ -23,7 +23,7 @@ from ._export import (
 from ._format import FloatFormat, Format, IntFormat
 from ._layout import Layout
 from ._qarray import QuantizedArray
-from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._serialise import write_replacing
 from ._tree import nodes
 from .nn._converted import AbstractConvertedLayer, ConvertedLinear
@@ -132,10 +132,16 @@ def _input_scheme(path: str, q: Any) -> tuple[dict[str, Any] | None, dict[str, n
             tensors["input_zero_point"] = np.asarray([q.zero_point], np.int8)
         zp = None if symmetric else "torch.int8"
         return _args(bits, kind, "tensor", symmetric=symmetric, zp_dtype=zp), tensors  # pyright: ignore
+    stacked = (
+        " (`calibrate` gives the layers of a stack their scales in one LearnedFakeQuant, one scale per layer, which "
+        "this exporter does not write yet: quantize the layers unstacked, or keep their inputs dynamic)"
+        if isinstance(q, LearnedFakeQuant) and np.ndim(q.scale) > 0
+        else ""
+    )
     raise ValueError(
         f"Layer {path!r} quantizes its input with {type(q).__name__}"
         + (f" in format {fmt.name}" if fmt is not None else "")
-        + ", which compressed-tensors does not describe. It describes dynamic int8 and FP8 scales per token "
+        + f"{stacked}, which compressed-tensors does not describe. It describes dynamic int8 and FP8 scales per token "
         "(eqx_quant's per-tensor DynamicFakeQuant in a layer that sees one token), dynamic MX blocks, and static "
         "per-tensor int8 and FP8 scales (a calibrated FakeQuant); NVFP4 activations need a calibrated global scale."
     )

@@ -84,7 +84,11 @@ def recipe(
 
     Activations are the inputs of `Linear` and `Conv` layers; with `"w8a8_attn"` both operands of every
     [`eqx_quant.nn.Einsum`][] and of the two products of every `eqx.nn.MultiheadAttention` are quantized too (8 bits,
-    dynamic, per tensor).
+    dynamic, per tensor). A scale per tensor is computed over every token of the call: in a causal decoder a later
+    token moves the scale of the keys and values that earlier positions read, so those positions' outputs depend
+    (by a rounding step) on tokens they do not attend to, and decoding one token at a time with a cache computes
+    other values than the whole sequence at once. Where that matters, keep the products in float (the `"w8a8"`
+    recipe) or give them quantizers whose scales a token's own values fix.
 
     The quantizers are made for each layer by [`eqx_quant.LayerQuantizer`][]s: groups and blocks run along each
     product's contraction (a linear layer's input features, a convolution's input channels for the block formats).

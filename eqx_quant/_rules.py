@@ -163,9 +163,11 @@ class LayerQuantizer:
         fits = group is not None and len(axes) == 1 and shape[axes[0]] % group == 0
         if group is not None and not fits:
             instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else "gets one scale per channel"
+            why = (f"its product sums over {len(axes)} of its axes ({axes} of {shape}), and tiles run along one"
+                   if len(axes) > 1 else
+                   f"its product's contraction (axes {axes} of {shape}) does not split into tiles of {group}")
             warnings.warn(
-                f"Traced weight {product.path!r}: its product's contraction (axes {axes} of {shape}) does not split "
-                f"into tiles of {group}, so it {instead} instead of {fmt.name} in tiles of {group}.",
+                f"Traced weight {product.path!r}: {why}, so it {instead} instead of {fmt.name} in tiles of {group}.",
                 stacklevel=3,
             )
             if ggml:

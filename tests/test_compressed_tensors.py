@@ -185,6 +185,14 @@ def test_config_groups_ignore_names_stacked_and_static_inputs(tmp_path):
     assert "lm_head.bias" not in tensors
 
 
+class _Scanned(eqx.Module):
+    blocks: eqx.nn.Linear
+
+    def __call__(self, x):
+        dynamic, static = eqx.partition(self.blocks, eqx.is_array)
+        return jax.lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), x, dynamic)[0]
+
+
 def test_errors(tmp_path):
     mlp = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
 
@@ -203,6 +211,12 @@ def test_errors(tmp_path):
         eqx_quant.export_compressed_tensors(tmp_path, convert(eqx_quant.recipe("nvfp4")["rules"]))
     with pytest.raises(ValueError, match="not converted"):
         eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a16")))
+    # A stack's calibrated input scales, one per layer in a LearnedFakeQuant: the error says so.
+    stack = _Scanned(eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(jax.random.split(jax.random.key(1), 2)))
+    data = [jax.random.normal(jax.random.key(2), (4, 8))]
+    calibrated = eqx_quant.calibrate(eqx_quant.quantize(stack, **eqx_quant.recipe("w8a8")), data)
+    with pytest.raises(ValueError, match=r"'blocks' .* one scale per layer, which this exporter does not write yet"):
+        eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.convert(calibrated))
     with pytest.raises(ValueError, match="must end in 'weight'"):
         eqx_quant.export_compressed_tensors(
             tmp_path, convert(eqx_quant.recipe("w8a16")["rules"]), names=lambda p: p + "_w"

@@ -995,6 +995,22 @@ def test_an_embedding_read_by_a_norm_converts_bit_for_bit_under_jit(seed):
     assert_bitwise_equal(call(eqx_quant.convert(quantized), tokens), call(quantized, tokens))
 
 
+@pytest.mark.parametrize("recipe", ["nvfp4", "mxfp4"])
+def test_an_embedding_with_block_scale_codes_converts_bit_for_bit_under_jit(recipe):
+    # The converted rows are computed ahead of their readers by a conditional on the first stored scale; with the
+    # scales stored as integer codes (E4M3, E8M0) its predicate was constant, XLA removed the conditional, and fused
+    # NVFP4's product by the tensor scale with the addition that reads the row into one fused multiply-add.
+    embedding = eqx.nn.Embedding(64, 64, key=jax.random.key(0))
+    tokens, ones = jnp.arange(16), jnp.ones((16, 64))
+    quantized = eqx_quant.quantize(embedding, **eqx_quant.recipe(recipe))
+    converted = eqx_quant.convert(quantized)
+    assert converted.qweight.scale.dtype == jnp.uint8
+    table = np.asarray(jax.vmap(quantized)(tokens))
+    call = eqx.filter_jit(lambda m, t, y: jax.vmap(m)(t) + y)
+    assert_bitwise_equal(call(quantized, tokens, ones), table + np.float32(1))
+    assert_bitwise_equal(call(converted, tokens, ones), table + np.float32(1))
+
+
 @pytest.mark.slow
 def test_layers_with_float_products_keep_them_when_converted(tmp_path):
     # `matmul="float"` asks for the float product of the fake-quantized operands; the converted layers computed the

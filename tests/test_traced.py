@@ -1098,3 +1098,19 @@ def test_learned_layer_quantizers_beside_traced_weights():
         assert isinstance(learned.model.fc.weight_quant, eqx_quant.LearnedFakeQuant)
         dynamic = eqx_quant.quantize(model, **eqx_quant.recipe(recipe, **options), example=(x,))
         assert_bitwise_equal(learned(x), eqx_quant.learn_scales(dynamic)(x))
+
+
+def test_tile_fallback_warnings_say_why_tiles_do_not_fit():
+    """`wq` sums over its axis of 8 (tiles of 3 do not divide it); `wo` over two of its axes (tiles run along one):
+    each gets one scale per channel instead, and the warning gives the reason that applies."""
+    with pytest.warns(UserWarning) as caught:
+        quantized = eqx_quant.quantize(HEADS, [eqx_quant.Rule(".*", weight=eqx_quant.LayerQuantizer(4, 3))],
+                                       example=(_normal(5, 8),))  # fmt: skip
+    messages = sorted(str(w.message) for w in caught)
+    assert messages == [
+        "Traced weight 'wo': its product sums over 2 of its axes ((0, 1) of (2, 4, 8)), and tiles run along one, so "
+        "it gets one scale per channel instead of int4 in tiles of 3.",
+        "Traced weight 'wq': its product's contraction (axes (1,) of (2, 8, 4)) does not split into tiles of 3, so it "
+        "gets one scale per channel instead of int4 in tiles of 3.",
+    ]
+    assert [q.layout.group_size for q in quantized.weight_quants] == [None, None]
