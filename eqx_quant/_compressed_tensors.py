@@ -133,17 +133,18 @@ def _input_scheme(path: str, q: Any) -> tuple[dict[str, Any] | None, dict[str, n
         zp = None if symmetric else "torch.int8"
         return _args(bits, kind, "tensor", symmetric=symmetric, zp_dtype=zp), tensors  # pyright: ignore
     stacked = (
-        " (`calibrate` gives the layers of a stack their scales in one LearnedFakeQuant, one scale per layer, which "
-        "this exporter does not write yet: quantize the layers unstacked, or keep their inputs dynamic)"
-        if isinstance(q, LearnedFakeQuant) and np.ndim(q.scale) > 0
+        " `calibrate` gives the layers of a stack their input scales in one LearnedFakeQuant, one scale per layer, "
+        "which this exporter does not write yet: quantize the layers unstacked, or keep their inputs dynamic."
+        if isinstance(q, LearnedFakeQuant) and np.ndim(q.scale) > 0 and q.layout.is_per_tensor()
         else ""
     )
     raise ValueError(
         f"Layer {path!r} quantizes its input with {type(q).__name__}"
         + (f" in format {fmt.name}" if fmt is not None else "")
-        + f"{stacked}, which compressed-tensors does not describe. It describes dynamic int8 and FP8 scales per token "
+        + ", which compressed-tensors does not describe. It describes dynamic int8 and FP8 scales per token "
         "(eqx_quant's per-tensor DynamicFakeQuant in a layer that sees one token), dynamic MX blocks, and static "
         "per-tensor int8 and FP8 scales (a calibrated FakeQuant); NVFP4 activations need a calibrated global scale."
+        + stacked
     )
 
 

@@ -272,11 +272,11 @@ def solve_weights(
     if where is not None:
         layers = [(path, layer) for path, layer in layers if where(path, layer)]
     traced = _traced_targets(model, where, name)
-    warn_convolutions_left(model, where, name, lambda layer: layer.weight_quant is not None)
     if not layers and not traced:
         raise ValueError(
             f"`model` has no QuantLinear layer (nor traced weight) with a weight quantizer to quantize with `{name}`."
         )
+    warn_convolutions_left(model, where, name, lambda layer: layer.weight_quant is not None)
     # The solvers' own errors (a setting the format cannot take), naming the weight, before the batches are read.
     grids = [(f"Layer {path!r}", *_gptq_grid(path, layer.weight_quant, name)) for path, layer in layers]
     for what, fmt, group_size in grids + [(f"Traced weight {t.name!r}", t.fmt, t.group_size) for t in traced]:

@@ -88,7 +88,7 @@ def recipe(
     token moves the scale of the keys and values that earlier positions read, so those positions' outputs depend
     (by a rounding step) on tokens they do not attend to, and decoding one token at a time with a cache computes
     other values than the whole sequence at once. Where that matters, keep the products in float (the `"w8a8"`
-    recipe) or give them quantizers whose scales a token's own values fix.
+    recipe) or give them static scales (an [`eqx_quant.FakeQuant`][] with a scale chosen beforehand).
 
     The quantizers are made for each layer by [`eqx_quant.LayerQuantizer`][]s: groups and blocks run along each
     product's contraction (a linear layer's input features, a convolution's input channels for the block formats).

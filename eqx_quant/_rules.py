@@ -162,10 +162,14 @@ class LayerQuantizer:
             product.weight.shape, product.contracted)  # fmt: skip
         fits = group is not None and len(axes) == 1 and shape[axes[0]] % group == 0
         if group is not None and not fits:
-            instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else "gets one scale per channel"
-            why = (f"its product sums over {len(axes)} of its axes ({axes} of {shape}), and tiles run along one"
-                   if len(axes) > 1 else
-                   f"its product's contraction (axes {axes} of {shape}) does not split into tiles of {group}")
+            per = "tensor" if self.input else "channel"
+            instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else f"gets one scale per {per}"
+            operand = "the input of its product" if self.input else "its product"
+            why = (
+                f"{operand} sums over {len(axes)} of its axes ({axes} of {shape}), and tiles run along one"
+                if len(axes) > 1
+                else f"{operand}'s contraction (axes {axes} of {shape}) does not split into tiles of {group}"
+            )
             warnings.warn(
                 f"Traced weight {product.path!r}: {why}, so it {instead} instead of {fmt.name} in tiles of {group}.",
                 stacklevel=3,
@@ -174,7 +178,9 @@ class LayerQuantizer:
                 return None
             if blocks:
                 fmt, blocks = _FP8, False
-        tiles = dict(group_size=group, group_axis=axes[0]) if fits else {}
+        # An input's axis counts from the end: a call whose operand has more (or fewer) leading axes than the
+        # example's (a batch of tokens where the example had one) still tiles the contracted axis.
+        tiles = dict(group_size=group, group_axis=axes[0] - len(shape) if self.input else axes[0]) if fits else {}
         if self.input and self.per_token:
             if product.primitive != "dot_general":
                 return DynamicFakeQuant(fmt)  # a convolution's windows overlap: per tensor

@@ -170,7 +170,8 @@ def _derived(eqn: Any, views: list[_View | None]) -> _View | None:
         leaves = [v for v in operands if v is not None and v.leaf >= 0]
         # Computed from a layer's arrays alone (a learned quantizer's weight and scale): still the layer's.
         layer = bool(leaves) and all(v.layer for v in leaves)
-        return _View(leaves[0].leaf if leaves else -1, None, layer=layer)
+        own = [v for v in leaves if not v.layer]  # a bare weight is the one to name, not a layer's array beside it
+        return _View((own or leaves)[0].leaf if leaves else -1, None, layer=layer)
     return None
 
 

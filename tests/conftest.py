@@ -9,15 +9,6 @@ import pytest
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
-# XLA's CPU compiler splits a program's generated code into parts that it compiles on parallel threads. With a test
-# worker on each core the threads only compete: one part per program ran the quick subset (`-m "not slow"`, two
-# workers) in 193 s instead of 204 s. It changes how the code is compiled, not the program. Set here, before JAX starts
-# its CPU backend; the pytest-xdist workers and the tests' subprocesses inherit it. A value already in `XLA_FLAGS` is
-# kept.
-_SPLIT = "--xla_cpu_parallel_codegen_split_count"
-if _SPLIT not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_SPLIT}=1".strip()
-
 # Compiling is most of the suite's time, and the same small programs (eager operations above all) are compiled in
 # many files: XLA's persistent cache, in a folder of this run's own that the pytest-xdist workers share (they inherit
 # its path from the main process), compiles each of them once per run. Nothing is kept between runs. The cache takes

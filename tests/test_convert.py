@@ -999,7 +999,8 @@ def test_an_embedding_read_by_a_norm_converts_bit_for_bit_under_jit(seed):
 def test_an_embedding_with_block_scale_codes_converts_bit_for_bit_under_jit(recipe):
     # The converted rows are computed ahead of their readers by a conditional on the first stored scale; with the
     # scales stored as integer codes (E4M3, E8M0) its predicate was constant, XLA removed the conditional, and fused
-    # NVFP4's product by the tensor scale with the addition that reads the row into one fused multiply-add.
+    # NVFP4's product by the tensor scale with the addition that reads the row into one fused multiply-add. (MX's
+    # power-of-two scales make that product exact, fused or not: its case guards the conditional's other uses.)
     embedding = eqx.nn.Embedding(64, 64, key=jax.random.key(0))
     tokens, ones = jnp.arange(16), jnp.ones((16, 64))
     quantized = eqx_quant.quantize(embedding, **eqx_quant.recipe(recipe))

@@ -1098,6 +1098,18 @@ def test_learned_layer_quantizers_beside_traced_weights():
         assert isinstance(learned.model.fc.weight_quant, eqx_quant.LearnedFakeQuant)
         dynamic = eqx_quant.quantize(model, **eqx_quant.recipe(recipe, **options), example=(x,))
         assert_bitwise_equal(learned(x), eqx_quant.learn_scales(dynamic)(x))
+    # A bare weight computed with a layer's weight is the one the walk reports, not the layer's.
+    mixed = init(lambda k: _LayerTimesBare(eqx.nn.Linear(8, 8, key=k), jnp.ones((8, 8))), 3)
+    found = eqx_quant._traced.find_products(mixed, eqx_quant._traced.trace_call((x,)), ["fc"])
+    assert list(found.problems) == ["w"] and not found.weights
+
+
+class _LayerTimesBare(eqx.Module):
+    fc: eqx.nn.Linear
+    w: jax.Array
+
+    def __call__(self, x):
+        return (self.fc.weight * self.w) @ x
 
 
 def test_tile_fallback_warnings_say_why_tiles_do_not_fit():
@@ -1114,3 +1126,26 @@ def test_tile_fallback_warnings_say_why_tiles_do_not_fit():
         "gets one scale per channel instead of int4 in tiles of 3.",
     ]
     assert [q.layout.group_size for q in quantized.weight_quants] == [None, None]
+
+
+class _RowsTimesWeight(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):  # one token (features,) or several (tokens, features)
+        return x @ self.w.T
+
+
+def test_block_inputs_tile_the_contracted_axis_of_every_call():
+    """The blocks of an MX input run along the product's contracted axis, counted from the end: an example of one
+    token, called with a batch, quantizes each token as `jax.vmap` does; an example of a batch takes one token. Both
+    are the float product of the block-quantized operands (MX scales hold no per-tensor part)."""
+    model = _RowsTimesWeight(_normal(16, 64))
+    tokens = _normal(6, 64)
+    weights, inputs = eqx_quant.MXFakeQuant("mxfp4"), eqx_quant.MXFakeQuant("mxfp8_e4m3")  # the recipe's
+    expected = np.asarray(inputs(tokens) @ weights(model.w).T)
+    one = eqx_quant.quantize(model, **eqx_quant.recipe("mxfp4"), example=(tokens[0],))
+    assert one.input_quants[0].layout.group_axis == -1
+    assert_bitwise_equal(one(tokens), jax.vmap(one)(tokens))
+    np.testing.assert_allclose(one(tokens), expected, rtol=1e-6, atol=1e-6)
+    batch = eqx_quant.quantize(model, **eqx_quant.recipe("mxfp4"), example=(tokens,))
+    np.testing.assert_allclose(batch(tokens[0]), expected[0], rtol=1e-6, atol=1e-6)
