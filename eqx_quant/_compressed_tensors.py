@@ -132,19 +132,26 @@ def _input_scheme(path: str, q: Any) -> tuple[dict[str, Any] | None, dict[str, n
             tensors["input_zero_point"] = np.asarray([q.zero_point], np.int8)
         zp = None if symmetric else "torch.int8"
         return _args(bits, kind, "tensor", symmetric=symmetric, zp_dtype=zp), tensors  # pyright: ignore
-    stacked = (
-        " `calibrate` gives the layers of a stack their input scales in one LearnedFakeQuant, one scale per layer, "
-        "which this exporter does not write yet: quantize the layers unstacked, or keep their inputs dynamic."
-        if isinstance(q, LearnedFakeQuant) and np.ndim(q.scale) > 0 and q.layout.is_per_tensor()
-        else ""
-    )
+    if isinstance(q, LearnedFakeQuant) and kind in ("int", "float") and q.layout.is_per_tensor():
+        # Static scales as arrays (per layer of a stack, as `calibrate` makes them; or learned): the step size the
+        # model uses, floored at `min_scale`, and the zero point rounded into the grid, each with the stack's axes in
+        # front of compressed-tensors' one entry.
+        scale = np.maximum(np.asarray(q.scale, np.float32), np.float32(q.min_scale))
+        tensors = {"input_scale": scale[..., None]}
+        symmetric = q.zero_point is None
+        if not symmetric:
+            assert isinstance(fmt, IntFormat)
+            zero_point = np.clip(np.asarray(q.zero_point, np.float32), fmt.qmin, fmt.qmax)
+            tensors["input_zero_point"] = np.round(zero_point).astype(np.int8)[..., None]
+        zp = None if symmetric else "torch.int8"
+        return _args(bits, kind, "tensor", symmetric=symmetric, zp_dtype=zp), tensors  # pyright: ignore
     raise ValueError(
         f"Layer {path!r} quantizes its input with {type(q).__name__}"
         + (f" in format {fmt.name}" if fmt is not None else "")
         + ", which compressed-tensors does not describe. It describes dynamic int8 and FP8 scales per token "
         "(eqx_quant's per-tensor DynamicFakeQuant in a layer that sees one token), dynamic MX blocks, and static "
-        "per-tensor int8 and FP8 scales (a calibrated FakeQuant); NVFP4 activations need a calibrated global scale."
-        + stacked
+        "per-tensor int8 and FP8 scales (a calibrated FakeQuant, or the LearnedFakeQuant that `calibrate` gives a "
+        "stack, one scale per layer); NVFP4 activations need a calibrated global scale."
     )
 
 
@@ -237,7 +244,9 @@ def export_compressed_tensors(
     a float32 rounding. Input quantizers become `input_activations`: a dynamic per-tensor int8 or FP8 scale is
     compressed-tensors' per-token one (an Equinox linear layer sees one token at a time), dynamic MX blocks are a
     dynamic `group` strategy, and a calibrated per-tensor [`eqx_quant.FakeQuant`][] is a static `tensor` strategy
-    with an `input_scale` (and `input_zero_point`).
+    with an `input_scale` (and `input_zero_point`). So is a per-tensor [`eqx_quant.LearnedFakeQuant`][] (learned, or
+    the one [`eqx_quant.calibrate`][] gives a stack of layers): the step size it uses (at least its `min_scale`) and
+    its zero point rounded into the grid, one `input_scale` per layer where `{layer}` splits a stack.
 
     Layers that share a scheme share a config group, targeted by their names; float linear layers are listed in
     `ignore`. Other converted layers (embeddings, convolutions) are written with their dequantized weights, and every
@@ -324,11 +333,15 @@ def export_compressed_tensors(
         formats.add(compression)
         scheme = json.dumps({"weights": args, "input_activations": inputs, "format": compression}, sort_keys=True)
         group = groups.setdefault(scheme, {"targets": []})
-        for part, piece in split_stacked(target, leaf, name):
+        parts = split_stacked(target, leaf, name)
+        for i, (part, piece) in enumerate(parts):
             module = part.removesuffix("weight").removesuffix(".")
             group["targets"].append(module)
             prefix = f"{module}." if module else ""
-            for suffix, array in {**_weight_tensors(piece, args, compression), **input_tensors}.items():
+            # An input scale per layer of a split stack: that layer's.
+            split = len(parts) > 1 or part != target
+            inputs_here = {k: v[i] if split and v.ndim > 1 else v for k, v in input_tensors.items()}
+            for suffix, array in {**_weight_tensors(piece, args, compression), **inputs_here}.items():
                 put(prefix + suffix, array, name)
     ignore = []
     for path, linear in nodes(model, (eqx.nn.Linear,)):

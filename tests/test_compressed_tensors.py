@@ -193,6 +193,29 @@ class _Scanned(eqx.Module):
         return jax.lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), x, dynamic)[0]
 
 
+def test_a_calibrated_stack_writes_an_input_scale_per_layer(tmp_path):
+    """`calibrate` gives a scanned stack one static input scale per layer, in a LearnedFakeQuant: each layer gets its
+    own `input_scale`, a static `tensor` strategy; the weights dequantize to the converted model's bit for bit."""
+    blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(jax.random.split(jax.random.key(1), 3))
+    data = [jax.random.normal(jax.random.key(2), (4, 8))]
+    calibrated = eqx_quant.calibrate(eqx_quant.quantize(_Scanned(blocks), **eqx_quant.recipe("w8a8")), data)
+    quantizer = calibrated.blocks.input_quant
+    assert isinstance(quantizer, eqx_quant.LearnedFakeQuant) and quantizer.scale.shape == (3,)
+    converted = eqx_quant.convert(calibrated)
+    names = {"blocks.weight": "layers.{layer}.proj.weight", "blocks.bias": "layers.{layer}.proj.bias"}
+    eqx_quant.export_compressed_tensors(tmp_path, converted, names=names)
+    tensors, _ = read_safetensors(tmp_path / "model.safetensors")
+    (group,) = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"].values()
+    assert group["targets"] == [f"layers.{i}.proj" for i in range(3)] and group["format"] == "int-quantized"
+    assert group["input_activations"]["strategy"] == "tensor" and group["input_activations"]["dynamic"] is False
+    scales = np.asarray(quantizer.scale)
+    assert len(set(scales.tolist())) == 3  # a scale of each layer's own
+    for i in range(3):
+        np.testing.assert_array_equal(tensors[f"layers.{i}.proj.input_scale"], scales[i : i + 1])
+        np.testing.assert_array_equal(dequantize(tensors, f"layers.{i}.proj", group["weights"]),
+                                      np.asarray(converted.blocks.weight[i]))  # fmt: skip
+
+
 def test_errors(tmp_path):
     mlp = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
 
@@ -211,12 +234,6 @@ def test_errors(tmp_path):
         eqx_quant.export_compressed_tensors(tmp_path, convert(eqx_quant.recipe("nvfp4")["rules"]))
     with pytest.raises(ValueError, match="not converted"):
         eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a16")))
-    # A stack's calibrated input scales, one per layer in a LearnedFakeQuant: the error says so.
-    stack = _Scanned(eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 8, key=k))(jax.random.split(jax.random.key(1), 2)))
-    data = [jax.random.normal(jax.random.key(2), (4, 8))]
-    calibrated = eqx_quant.calibrate(eqx_quant.quantize(stack, **eqx_quant.recipe("w8a8")), data)
-    with pytest.raises(ValueError, match=r"'blocks' .* one scale per layer, which this exporter does not write yet"):
-        eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.convert(calibrated))
     with pytest.raises(ValueError, match="must end in 'weight'"):
         eqx_quant.export_compressed_tensors(
             tmp_path, convert(eqx_quant.recipe("w8a16")["rules"]), names=lambda p: p + "_w"
