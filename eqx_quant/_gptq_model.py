@@ -19,6 +19,7 @@ from ._observe import (
     TracedInput,
     check_callable,
     check_called,
+    first_batch_note,
     fold,
     layer_stack,
     progress_bar,
@@ -103,7 +104,11 @@ def _call_order(model: PyTree, layers: list, batch: PyTree, batched: bool) -> li
     chosen = dict(layers)
     swap = lambda path, l: eqx.tree_at(lambda m: m.input_quant, l, _Order(path, calls), is_leaf=lambda x: x is None)  # noqa: E731
     traced = map_nodes(model, (QuantLinear,), lambda path, l: swap(path, l) if path in chosen else l)
-    eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), traced, batch)
+    try:
+        eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), traced, batch)
+    except Exception as error:
+        error.add_note(first_batch_note(None, batch, batched))
+        raise
     return calls.paths
 
 

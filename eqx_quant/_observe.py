@@ -310,6 +310,18 @@ def check_callable(model: PyTree) -> None:
         )
 
 
+def first_batch_note(batches: object, batch: PyTree, batched: bool) -> str:
+    """What the algorithms do with a batch, added to an error raised on the first one."""
+    leaves = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__, batch)
+    rows = " (`batches` is an array: its rows were taken as the batches)" if hasattr(batches, "shape") else ""
+    call = "`model(batch)` (`batched=True`)" if batched else "`jax.vmap(model)(batch)`"
+    return (
+        f"eqx_quant: raised running the model on the first batch, {leaves}{rows}. Each batch is the model's one "
+        f"argument, called as {call}; wrap a model that takes more (a state, a key, a mask) in a module or an "
+        "`eqx.Partial` whose call takes the batch alone."
+    )
+
+
 def fold(
     model, targets, batches, batched, statistic, data=None, num_bins=0, progress=False, description="calibrate"
 ) -> dict[str, list[dict[str, Any]]]:
@@ -320,11 +332,15 @@ def fold(
     recording = _Recording()
     seen = False
     for batch in progress_bar(batches, progress, description):
-        seen = True
+        first, seen = not seen, True
         _active.append(recording)
         try:
             jax.block_until_ready(_calibration_step(observed, batch, batched))
             jax.effects_barrier()
+        except Exception as error:
+            if first:
+                error.add_note(first_batch_note(batches, batch, batched))
+            raise
         finally:
             _active.pop()
     if not seen:

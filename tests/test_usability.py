@@ -190,3 +190,46 @@ def test_progress_bars():
         eqx_quant.gptq(eqx_quant.quantize(mlp, activations=None), batches, progress=True)
     assert "calibrate" in err.getvalue() and "gptq" in err.getvalue()
     assert loud.layers[0].input_quant == quiet.layers[0].input_quant
+
+
+class _WithState(eqx.Module):
+    fc: eqx.nn.Linear
+
+    def __call__(self, x, state):
+        return self.fc(x), state
+
+
+def _note(error: BaseException) -> str:
+    (note,) = [n for n in getattr(error, "__notes__", []) if n.startswith("eqx_quant:")]
+    return note
+
+
+def test_an_error_on_the_first_batch_says_how_batches_are_called():
+    """A model that takes a second argument, and an array passed as `batches` (whose rows become the batches): the
+    error raised on the first batch keeps its type and message, with a note of the batch and of how it was called."""
+    stateful = eqx_quant.quantize(_WithState(eqx.nn.Linear(4, 3, key=jax.random.key(0))), **eqx_quant.recipe("w8a8"))
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'state'") as caught:
+        eqx_quant.calibrate(stateful, [jnp.ones((2, 4))])
+    assert _note(caught.value) == (
+        "eqx_quant: raised running the model on the first batch, float32[2, 4]. Each batch is the model's one "
+        "argument, called as `jax.vmap(model)(batch)`; wrap a model that takes more (a state, a key, a mask) in a "
+        "module or an `eqx.Partial` whose call takes the batch alone."
+    )
+    layer = eqx_quant.quantize(eqx.nn.Linear(4, 3, key=jax.random.key(0)), **eqx_quant.recipe("w8a8"))
+    with pytest.raises(ValueError, match="must have shape") as caught:
+        eqx_quant.calibrate(layer, jnp.ones((2, 4)))
+    assert _note(caught.value).startswith(
+        "eqx_quant: raised running the model on the first batch, float32[4] (`batches` is an array: its rows were "
+        "taken as the batches). Each batch is the model's one argument, called as `jax.vmap(model)(batch)`;"
+    )
+    # Sequential GPTQ traces the model on the first batch before anything else: the same note.
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'state'") as caught:
+        eqx_quant.gptq(stateful, [jnp.ones((2, 4))], batched=True)
+    assert _note(caught.value).startswith(
+        "eqx_quant: raised running the model on the first batch, float32[2, 4]. Each batch is the model's one "
+        "argument, called as `model(batch)` (`batched=True`)"
+    )
+    # Wrapped so that its call takes the batch alone, it calibrates.
+    wrapped = eqx.Partial(lambda model, x: jax.vmap(lambda v: model(v, None)[0])(x), stateful)
+    calibrated = eqx_quant.calibrate(wrapped, [jnp.ones((2, 4))], batched=True)
+    assert isinstance(calibrated.args[0].fc.input_quant, eqx_quant.FakeQuant)
