@@ -122,8 +122,8 @@ class Preset:
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            seeds = ("seed", "calibration_seed")
-            if isinstance(value, int) and not isinstance(value, bool) and field.name not in seeds and value < 1:
+            seed = field.name in ("seed", "calibration_seed")  # a seed may be 0
+            if isinstance(value, int) and not isinstance(value, bool) and not seed and value < 1:
                 raise ValueError(f"`{field.name}` must be >= 1, got {field.name}={value}.")
         if len(PROMPT) + self.generate_tokens > self.context:
             raise ValueError(

@@ -125,26 +125,20 @@ def _input_scheme(path: str, q: Any) -> tuple[dict[str, Any] | None, dict[str, n
         size = layout.group_size  # pyright: ignore
         return _args(bits, "float", "group", group_size=size, dynamic=True, observer=None, scale_dtype=u8,  # pyright: ignore
                      zp_dtype=u8), {}  # fmt: skip
-    if isinstance(q, FakeQuant) and kind in ("int", "float") and q.layout.is_per_tensor():
-        tensors: dict[str, np.ndarray] = {"input_scale": np.asarray([q.scale], np.float32)}
-        symmetric = q.zero_point == 0
-        if not symmetric:
-            tensors["input_zero_point"] = np.asarray([q.zero_point], np.int8)
-        zp = None if symmetric else "torch.int8"
-        return _args(bits, kind, "tensor", symmetric=symmetric, zp_dtype=zp), tensors  # pyright: ignore
-    if isinstance(q, LearnedFakeQuant) and kind in ("int", "float") and q.layout.is_per_tensor():
-        # Static scales as arrays (per layer of a stack, as `calibrate` makes them; or learned): the step size the
-        # model uses, floored at `min_scale`, and the zero point rounded into the grid, each with the stack's axes in
-        # front of compressed-tensors' one entry.
-        scale = np.maximum(np.asarray(q.scale, np.float32), np.float32(q.min_scale))
-        tensors = {"input_scale": scale[..., None]}
-        symmetric = q.zero_point is None
-        if not symmetric:
-            assert isinstance(fmt, IntFormat)
-            zero_point = np.clip(np.asarray(q.zero_point, np.float32), fmt.qmin, fmt.qmax)
-            tensors["input_zero_point"] = np.round(zero_point).astype(np.int8)[..., None]
-        zp = None if symmetric else "torch.int8"
-        return _args(bits, kind, "tensor", symmetric=symmetric, zp_dtype=zp), tensors  # pyright: ignore
+    if isinstance(q, (FakeQuant, LearnedFakeQuant)) and kind in ("int", "float") and q.layout.is_per_tensor():
+        # Static scales: a calibrated FakeQuant's, or the step size a LearnedFakeQuant uses (floored at `min_scale`;
+        # one per layer of a stack, as `calibrate` makes them) with its zero point rounded into the grid; the stack's
+        # axes, if any, in front of compressed-tensors' one entry.
+        if isinstance(q, FakeQuant):
+            scale, zero_point = np.float32(q.scale), None if q.zero_point == 0 else np.asarray(q.zero_point)
+        else:
+            scale = np.maximum(np.asarray(q.scale, np.float32), np.float32(q.min_scale))
+            zero_point = None if q.zero_point is None else np.round(np.clip(q.zero_point, fmt.qmin, fmt.qmax))  # pyright: ignore
+        tensors: dict[str, np.ndarray] = {"input_scale": np.asarray(scale, np.float32)[..., None]}
+        if zero_point is not None:
+            tensors["input_zero_point"] = np.asarray(zero_point).astype(np.int8)[..., None]
+        zp = None if zero_point is None else "torch.int8"
+        return _args(bits, kind, "tensor", symmetric=zero_point is None, zp_dtype=zp), tensors  # pyright: ignore
     raise ValueError(
         f"Layer {path!r} quantizes its input with {type(q).__name__}"
         + (f" in format {fmt.name}" if fmt is not None else "")
@@ -334,12 +328,11 @@ def export_compressed_tensors(
         scheme = json.dumps({"weights": args, "input_activations": inputs, "format": compression}, sort_keys=True)
         group = groups.setdefault(scheme, {"targets": []})
         parts = split_stacked(target, leaf, name)
+        split = len(parts) > 1 or parts[0][0] != target  # a stack split by `{layer}`: per layer, its input scale
         for i, (part, piece) in enumerate(parts):
             module = part.removesuffix("weight").removesuffix(".")
             group["targets"].append(module)
             prefix = f"{module}." if module else ""
-            # An input scale per layer of a split stack: that layer's.
-            split = len(parts) > 1 or part != target
             inputs_here = {k: v[i] if split and v.ndim > 1 else v for k, v in input_tensors.items()}
             for suffix, array in {**_weight_tensors(piece, args, compression), **inputs_here}.items():
                 put(prefix + suffix, array, name)

@@ -283,8 +283,7 @@ def computed_before(value: Array, anchor: Array) -> Array:
     first = anchor.reshape(-1)[0] if anchor.size else jnp.zeros((), anchor.dtype)
     same = lambda v: jnp.where(jnp.isnan(v), jnp.nan, v).astype(v.dtype)  # noqa: E731
     # Both branches return the same value (up to the bits of a NaN): the predicate only has to be one that XLA cannot
-    # work out while compiling.
-    # `first != first` (NaN) is one for a float anchor; for an integer one (the codes of MX or NVFP4 block scales) it
-    # is always false, and XLA would drop the conditional, so there it compares with zero.
+    # work out while compiling. `first != first` (NaN) is one for a float anchor; for an integer one (the codes of MX
+    # or NVFP4 block scales) it is always false, and XLA would drop the conditional, so there it compares with zero.
     floating = jnp.issubdtype(first.dtype, jnp.floating)
     return jax.lax.cond(first != first if floating else first == 0, same, lambda v: v, value)

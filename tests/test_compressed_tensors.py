@@ -216,6 +216,21 @@ def test_a_calibrated_stack_writes_an_input_scale_per_layer(tmp_path):
                                       np.asarray(converted.blocks.weight[i]))  # fmt: skip
 
 
+def test_a_learned_asymmetric_input_writes_its_step_size_and_rounded_zero_point(tmp_path):
+    """The step size a LearnedFakeQuant uses (floored at `min_scale`) and its zero point rounded into the grid."""
+    linear = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
+    for zero_point, stored, scale in ((3.4, 3, 0.05), (300.0, 127, 1e-12)):
+        learned = eqx_quant.LearnedFakeQuant(scale, -128, 127, zero_point=zero_point, min_scale=1e-9)
+        rules = [Rule(".*", weight=DynamicFakeQuant(8, axis=0), input=learned)]
+        eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.convert(eqx_quant.quantize(linear, rules)))
+        tensors, _ = read_safetensors(tmp_path / "model.safetensors")
+        (group,) = json.loads((tmp_path / "config.json").read_text())["quantization_config"]["config_groups"].values()
+        inputs = group["input_activations"]
+        assert inputs["symmetric"] is False and inputs["zp_dtype"] == "torch.int8"
+        np.testing.assert_array_equal(tensors["a.input_scale"], np.asarray([max(scale, 1e-9)], np.float32))
+        np.testing.assert_array_equal(tensors["a.input_zero_point"], np.asarray([stored], np.int8))
+
+
 def test_errors(tmp_path):
     mlp = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
 
