@@ -35,17 +35,22 @@ def pytest_unconfigure(config):
 
 # pytest-xdist (pyproject.toml) hands whole files to its workers in the order collected: the longest files go first,
 # so that none of them is left to run alone at the end.
-_LONGEST_FIRST = (
+_LONGEST_FIRST = (  # by the seconds each file's tests took (`--durations=0`), the one long sharded test first
     "test_sharding.py",
-    "test_convert.py",
     "test_docs.py",
-    "test_demo.py",
-    "test_models.py",
-    "test_stacked.py",
-    "test_attention.py",
-    "test_quantizers.py",
-    "test_ptq_bench.py",
     "test_smoothing.py",
+    "test_traced.py",
+    "test_convert.py",
+    "test_quantizers.py",
+    "test_lm_bench.py",
+    "test_float_quantizers.py",
+    "test_autoround.py",
+    "test_formats.py",
+    "test_forward_mode.py",
+    "test_gptq.py",
+    "test_models.py",
+    "test_edge_cases.py",
+    "test_stacked.py",
 )
 
 
