@@ -1,4 +1,4 @@
-"""QAT on a `(data=4, model=2)` mesh of 8 CPU devices, checked against the same computation on one device.
+"""QAT on a `(data=2, model=2)` mesh of 4 CPU devices, checked against the same computation on one device.
 
 Weights are tensor parallel: output channels (axis 0) on `model`, except the MLP's middle layer, whose input
 features (axis 1) are: a row-parallel layer, whose contraction and per-channel statistics span both `model` devices.
@@ -19,15 +19,15 @@ from examples.qat_demo import ConvNet
 from eqx_quant.nn import AbstractQuantLayer, IntConv, IntLinear
 
 
-if jax.device_count() != 8:
+if jax.device_count() != 4:
     pytest.fail(
-        f"The sharded tests need 8 devices, found {jax.device_count()}. Run them through tests/test_sharding.py, or "
-        "as `XLA_FLAGS=--xla_force_host_platform_device_count=8 pytest -o python_files='check_*.py' tests/sharded`.",
+        f"The sharded tests need 4 devices, found {jax.device_count()}. Run them through tests/test_sharding.py, or "
+        "as `XLA_FLAGS=--xla_force_host_platform_device_count=4 pytest -o python_files='check_*.py' tests/sharded`.",
         pytrace=False,
     )
 
-AUTO = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
-EXPLICIT = jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+AUTO = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+EXPLICIT = jax.make_mesh((2, 2), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 BATCH = 16
 ROW_PARALLEL = ("layers.1",)  # in the MLP
 
