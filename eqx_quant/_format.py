@@ -120,8 +120,9 @@ def exponent(a: Array) -> Array:
     """`floor(log2(a))` for a normal `a >= 0`, as an integer array; zeros and subnormals give the exponent just below
     the smallest normal (-127 in float32). Meaningless for NaN and inf."""
     info = jnp.finfo(a.dtype)
-    bits = jax.lax.bitcast_convert_type(a, _int_for(a.dtype))
-    return jax.lax.shift_right_logical(bits, info.nmant) - (info.maxexp - 1)
+    itype = _int_for(a.dtype)
+    bits = jax.lax.bitcast_convert_type(a, itype)
+    return jax.lax.shift_right_logical(bits, jnp.asarray(info.nmant, itype)) - (info.maxexp - 1)
 
 
 def pow2(n: Array, dtype: np.dtype) -> Array:

@@ -88,8 +88,11 @@ def plan(
     whole input, and a weight with one scale per tensor or per output channel, or (linear layers) per group along the
     contraction; a convolution needs zero padding; and int32 must hold the sums exactly: a linear layer splits longer
     contractions into chunks (groups must fit in one), a convolution is not split. Otherwise (`None`) the layer
-    computes in floating point.
+    computes in floating point, as it does when either operand is float64 (with `jax_enable_x64`): the integer sums
+    are rescaled in float32, and the float product keeps float64's precision.
     """
+    if "float64" in (w.dtype, x.dtype):
+        return None
     if not (_integer(w) and _integer(x)) or not x.layout.is_per_tensor() or x.layout.stacked:
         return None
     w_bound, x_bound = _bound(w), _bound(x)

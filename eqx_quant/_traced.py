@@ -489,7 +489,7 @@ def _activation_product(eqn: Any, ins: list[Any], quantizers: tuple[Any, Any]) -
     (contract_l, _), _ = eqn.params["dimension_numbers"]
     length = math.prod(lhs.shape[a] for a in contract_l)
     integer = all(_symmetric_integer(q) and q.layout.is_per_tensor() for q in quantizers)  # pyright: ignore
-    if integer and length * _bound(lq.format) * _bound(rq.format) <= INT32_MAX:  # pyright: ignore
+    if integer and not _float64(ins) and length * _bound(lq.format) * _bound(rq.format) <= INT32_MAX:  # pyright: ignore
         fl, tl, nl = lq.fake_quant_and_array(lhs)  # pyright: ignore[reportAttributeAccessIssue]
         fr, tr, nr = rq.fake_quant_and_array(rhs)  # pyright: ignore[reportAttributeAccessIssue]
         scale = jnp.broadcast_to(tr.scale.reshape(()), rhs.shape)
@@ -522,7 +522,12 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
         ins[side] = quantizer.product_input(ins[side], use.input_contracted)  # pyright: ignore
     elif quantizer is not None:
         weight_codes, weight = codes[1 - side], inputs.integer.get(use.leaf)
-        if eqn.primitive.name == "dot_general" and weight is not None and weight_codes is not None:
+        if (
+            eqn.primitive.name == "dot_general"
+            and weight is not None
+            and weight_codes is not None
+            and not _float64(ins)
+        ):
             dims = eqn.params["dimension_numbers"]
             group = _group_along(weight, dims[0][1 - side], views[1 - side], eqn.invars[1 - side].aval.shape)
             if group != 0 and _integer_input(quantizer, ins[side], use.input_contracted, weight.bound, group):
@@ -532,6 +537,12 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
                 return y.astype(eqn.outvars[0].aval.dtype)
         ins[side] = quantizer(ins[side])
     return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def _float64(operands: list[Any]) -> bool:
+    """Whether a product has a float64 operand (with `jax_enable_x64`): it computes in floating point then, as the
+    layers' products do (see `plan`)."""
+    return any(a.dtype == jnp.float64 for a in operands)
 
 
 def _symmetric_integer(quantizer: object, tiles: bool = False) -> bool:

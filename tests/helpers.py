@@ -115,3 +115,24 @@ def init(make, seed: int):
         return jnp.asarray((rng.uniform(-1, 1, leaf.shape) / np.sqrt(fan_in)).astype(leaf.dtype))
 
     return jax.tree.map(fill, eqx.filter_eval_shape(make, jax.random.key(0)))
+
+
+def integer_products(jaxpr) -> int:
+    """The `dot_general`s of two integer operands (int8, or int16 for levels minus an asymmetric zero point) with
+    int32 results, in `jaxpr` and the jaxprs inside it (scan bodies, custom derivatives, nested calls; of a choice
+    between platforms, the branch with the most)."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.params.get("branches_platforms"):  # one product, formulated for each platform: counted once
+            count += max(integer_products(branch.jaxpr) for branch in eqn.params["branches"])
+            continue
+        if eqn.primitive.name == "dot_general":
+            dtypes = {str(v.aval.dtype) for v in eqn.invars}
+            count += dtypes <= {"int8", "int16"} and str(eqn.outvars[0].aval.dtype) == "int32"
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, (list, tuple)) else (param,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    count += integer_products(sub.jaxpr)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    count += integer_products(sub)
+    return count

@@ -73,7 +73,10 @@ def _free_scale(tensor: QuantizedArray, labels: str, contracted: set[str]) -> tu
 
 def integer_einsum_possible(equation: str, a: QuantizedArray, b: QuantizedArray) -> bool:
     """Whether the integer einsum of two quantized operands computes their product: symmetric grids, scales
-    constant along the contracted labels (no groups), and a contraction whose int32 sums are exact."""
+    constant along the contracted labels (no groups), and a contraction whose int32 sums are exact. A float64
+    operand (with `jax_enable_x64`) computes in floating point, as the layers' products do (see `plan`)."""
+    if "float64" in (a.dtype, b.dtype):
+        return False
     lhs, rhs, out = _parse(equation)
     contracted = (set(lhs) & set(rhs)) - set(out)
     for tensor, labels in ((a, lhs), (b, rhs)):
