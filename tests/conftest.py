@@ -51,6 +51,7 @@ _LONGEST_FIRST = (  # by the seconds each file's tests took (`--durations=0`), t
     "test_models.py",
     "test_edge_cases.py",
     "test_stacked.py",
+    "test_x64.py",
 )
 
 
