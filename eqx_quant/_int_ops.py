@@ -162,6 +162,8 @@ def opaque(y: Array) -> Array:
     whole program is fused, which differs between a quantized and a converted model. Behind this operation no
     addition can take the product apart, so that both compute the same bits.
     """
+    if y.dtype != jnp.float32:  # a float64 bitcast to int32 would gain an axis of two halves
+        raise TypeError(f"`opaque` takes float32, got {y.dtype}.")
     bits = jax.lax.bitcast_convert_type(y, jnp.int32)
     bits = bits ^ (bits == _NAN_BITS).astype(jnp.int32)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)

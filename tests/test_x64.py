@@ -15,6 +15,26 @@ from .helpers import assert_bitwise_equal, integer_products
 
 
 RUN = eqx.filter_jit(lambda model, x: jax.vmap(model)(x))
+CALL = eqx.filter_jit(lambda model, x: model(x))
+W8, X8 = eqx_quant.DynamicFakeQuant(8, axis=0), eqx_quant.DynamicFakeQuant(8)
+
+
+class _Bare(eqx.Module):
+    """A weight held as a bare array, and a product of two activations."""
+
+    w: jax.Array
+
+    def __call__(self, x):
+        h = jnp.einsum("td,od->to", x, self.w)
+        return jnp.einsum("to,so->ts", h, h)
+
+
+@eqx.filter_jit
+def _bare_by_hand(model, x):
+    """`_Bare` on fake-quantized operands: the weight per output row, the input and the product's operands per
+    tensor, in float64."""
+    h = jnp.einsum("td,od->to", X8(x), W8(model.w))
+    return jnp.einsum("to,so->ts", X8(h), X8(h))
 
 
 def _grads_finite(model, x):
@@ -57,25 +77,21 @@ def test_float64_convolutions_traced_weights_and_products():
         assert_bitwise_equal(RUN(eqx_quant.convert(q), images), y)
         assert _grads_finite(q, images)
 
-        class Bare(eqx.Module):
-            w: jax.Array
-
-            def __call__(self, x):
-                return jnp.einsum("oi,i->o", self.w, x)
-
-        bare = Bare(jnp.asarray(rng.normal(size=(4, 32))))
+        bare = _Bare(jnp.asarray(rng.normal(size=(4, 32))))
         x = jnp.asarray(rng.normal(size=(3, 32)))
-        traced = eqx_quant.quantize(bare, **eqx_quant.recipe("w8a8"), example=(x[0],))
-        y = RUN(traced, x)
-        assert y.dtype == jnp.float64 and integer_products(jax.make_jaxpr(traced)(x[0]).jaxpr) == 0
-        assert_bitwise_equal(RUN(eqx_quant.convert(traced), x), y)
-        assert _grads_finite(traced, x)
+        rules = [eqx_quant.Rule(".*", weight=W8, input=X8, products=X8)]
+        traced = eqx_quant.quantize(bare, rules, example=(x,))
+        assert len(traced.product_indices) == 1  # the product of two activations
+        y = CALL(traced, x)
+        assert y.dtype == jnp.float64 and integer_products(jax.make_jaxpr(traced)(x).jaxpr) == 0
+        np.testing.assert_allclose(np.asarray(y), np.asarray(_bare_by_hand(bare, x)), rtol=1e-12, atol=1e-12)
+        assert_bitwise_equal(CALL(eqx_quant.convert(traced), x), y)
+        assert _grads_finite(traced, x[None])
 
-        per_tensor = eqx_quant.DynamicFakeQuant(8)
-        scores = eqx_quant.nn.QuantEinsum(eqx_quant.nn.Einsum("td,sd->ts"), lhs_quant=per_tensor, rhs_quant=per_tensor)
+        scores = eqx_quant.nn.QuantEinsum(eqx_quant.nn.Einsum("td,sd->ts"), lhs_quant=X8, rhs_quant=X8)
         tokens = x.reshape(3, 4, 8)
         got = RUN(lambda t: scores(t, t), tokens)
-        quantized = np.stack([np.asarray(per_tensor(t)) for t in tokens])
+        quantized = np.stack([np.asarray(X8(t)) for t in tokens])
         np.testing.assert_allclose(np.asarray(got), np.einsum("btd,bsd->bts", quantized, quantized), rtol=1e-13)
 
 
@@ -100,3 +116,19 @@ def test_float32_models_under_x64_are_unchanged(recipe):
             np.testing.assert_array_equal(
                 np.asarray(q.weight_quant(linear.weight)), w.astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale
             )
+
+
+def test_what_takes_no_float64_says_so():
+    """The integer backward needs the integer forward, which a float64 operand does not take; the quantized KV cache
+    computes in float32: both name the float64 operand."""
+    with jax.enable_x64(True):
+        linear = eqx.nn.Linear(8, 4, key=jax.random.key(0), dtype=jnp.float64)
+        q = eqx_quant.quantize(linear, weights=W8, activations=X8, backward=eqx_quant.QuantizedBackward(8))
+        with pytest.raises(ValueError, match=r"compute in float64 \(weight float64, input float64\)"):
+            q(jnp.ones(8))
+        cache = eqx_quant.nn.QuantKVCache.empty(4, 2, 3)
+        row = jnp.ones((2, 3))
+        with pytest.raises(TypeError, match="`value` is float64"):
+            cache.append(row.astype(jnp.float32), row, 0)
+        with pytest.raises(TypeError, match="`query` is float64"):
+            cache.attend(row, 1)

@@ -78,6 +78,7 @@ class QuantKVCache(eqx.Module):
         expected = self.keys.shape[1:]
         if key_.shape != expected or value.shape != expected:
             raise ValueError(f"`key_` and `value` must have shape {expected}, got {key_.shape} and {value.shape}.")
+        _check_not_float64(key_=key_, value=value)
         k, v = self._quantizer.quantize_array(key_), self._quantizer.quantize_array(value)
 
         def put(cache, row):
@@ -109,6 +110,7 @@ class QuantKVCache(eqx.Module):
         """
         if query.shape != self.keys.shape[1:]:
             raise ValueError(f"`query` must have shape {self.keys.shape[1:]}, got {query.shape}.")
+        _check_not_float64(query=query)
         q = query / math.sqrt(query.shape[-1])
         fq, tq, nq = self._quantizer.fake_quant_and_array(q)
         fmt = int_format(self.bits)
@@ -120,3 +122,13 @@ class QuantKVCache(eqx.Module):
         logits = jnp.where(jnp.arange(self.keys.shape[0])[None, :] < length, logits, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(logits, axis=-1)
         return jnp.einsum("hs,shd->hd", weights, self.dequantized()[1])
+
+
+def _check_not_float64(**arrays: Array) -> None:
+    """A `TypeError` naming a float64 argument: the cache stores float32 scales and computes in float32."""
+    for name, a in arrays.items():
+        if a.dtype == jnp.float64:
+            raise TypeError(
+                f"`{name}` is float64 (with `jax_enable_x64`), but a QuantKVCache stores float32 scales and computes "
+                "in float32: cast it to float32."
+            )

@@ -202,11 +202,17 @@ def _quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None
     backward = backward if isinstance(backward, QuantizedBackward) else None
     if spec is None:
         if backward is not None:
+            wide = "float64" in (weight.dtype.name, vector.dtype.name)
             raise ValueError(
-                "This layer has a `backward=QuantizedBackward(...)`, which needs the integer forward, but its "
-                f"quantizers (weight_quant={layer.weight_quant!r}, input_quant={layer.input_quant!r}) compute in "
-                "floating point: the weight needs one scale per tensor, per output channel or per group along the "
-                "contraction, and the input one scale per tensor."
+                "This layer has a `backward=QuantizedBackward(...)`, which needs the integer forward, but "
+                + (
+                    f"its operands compute in float64 (weight {weight.dtype}, input {vector.dtype}), which takes the "
+                    "float product."
+                    if wide
+                    else f"its quantizers (weight_quant={layer.weight_quant!r}, input_quant={layer.input_quant!r}) "
+                    "compute in floating point: the weight needs one scale per tensor, per output channel or per "
+                    "group along the contraction, and the input one scale per tensor."
+                )
             )
         return layer._float_path(x, key)
     # With the quantized backward, the input's gradient comes from it instead of the float product's transpose.

@@ -180,23 +180,23 @@ STEP_CASES = [
 
 @pytest.mark.parametrize("kind, variant", STEP_CASES)
 def test_sharded_step_matches_single_device(kind, variant):
-    (model_1, loss_1, grads_1), (model_8, loss_8, grads_8), before = trained(kind, variant)
-    np.testing.assert_allclose(float(loss_8), float(loss_1), rtol=1e-6)
-    assert_trees_close(grads_8, grads_1)
-    assert_trees_close(model_8, model_1)
+    (model_one, loss_one, grads_one), (model_mesh, loss_mesh, grads_mesh), before = trained(kind, variant)
+    np.testing.assert_allclose(float(loss_mesh), float(loss_one), rtol=1e-6)
+    assert_trees_close(grads_mesh, grads_one)
+    assert_trees_close(model_mesh, model_one)
     # No silent replication: every parameter and gradient keeps the sharding of the parameter it belongs to.
-    assert_same_shardings(model_8, before)
-    assert_same_shardings(grads_8, eqx.filter(before, eqx.is_inexact_array))
+    assert_same_shardings(model_mesh, before)
+    assert_same_shardings(grads_mesh, eqx.filter(before, eqx.is_inexact_array))
 
 
 @pytest.mark.parametrize("kind, variant", [case for case in STEP_CASES if case[1] != "float-matmul"])
 def test_sharded_integer_forward_is_bitwise_single_device(kind, variant):
     """Integer accumulation is exact, so splitting a contraction across devices changes no bit of the output."""
-    _, _, model_8 = trained(kind, variant)
-    model_1 = quantized(kind, variant)
+    _, _, model_mesh = trained(kind, variant)
+    model_one = quantized(kind, variant)
     x, y = batch(kind)
     sx, _ = shard_batch(x, y, AUTO)
-    np.testing.assert_array_equal(np.asarray(forward(model_8, sx)), np.asarray(forward(model_1, x)))
+    np.testing.assert_array_equal(np.asarray(forward(model_mesh, sx)), np.asarray(forward(model_one, x)))
 
 
 def test_quantize_keeps_shardings_and_places_learned_scales_with_their_channels():
@@ -223,9 +223,9 @@ def layers_of(model, types):
 
 @pytest.mark.parametrize("kind, variant", [c for c in STEP_CASES if c[1] in ("dynamic", "static", "w4a4", "learned")])
 def test_convert_shards_integers_like_weights(kind, variant):
-    (_, _, _), (model_8, _, _), _ = trained(kind, variant)
-    converted = eqx_quant.convert(model_8)
-    quant_layers = layers_of(model_8, AbstractQuantLayer)
+    (_, _, _), (model_mesh, _, _), _ = trained(kind, variant)
+    converted = eqx_quant.convert(model_mesh)
+    quant_layers = layers_of(model_mesh, AbstractQuantLayer)
     int_layers = layers_of(converted, IntLinear | IntConv)
     assert len(int_layers) == len(quant_layers) > 0
     for quant, integer in zip(quant_layers, int_layers, strict=True):
@@ -242,7 +242,7 @@ def test_convert_shards_integers_like_weights(kind, variant):
     # The converted model computes, sharded, what the fake-quantized model computes.
     x, y = batch(kind)
     sx, _ = shard_batch(x, y, AUTO)
-    expected = np.asarray(forward(model_8, sx))
+    expected = np.asarray(forward(model_mesh, sx))
     np.testing.assert_array_equal(np.asarray(forward(converted, sx)), expected)
 
 
@@ -271,18 +271,18 @@ def test_dynamic_scales_follow_their_channels():
 def test_explicit_axes():
     """With Explicit mesh axes the quantized layers train where the float layers do; the loss reshards its logits."""
     x, y = batch("mlp")
-    (model_1, loss_1, grads_1), _, _ = trained("mlp", "learned")
+    (model_one, loss_one, grads_one), _, _ = trained("mlp", "learned")
     with jax.set_mesh(EXPLICIT):
         model = quantized("mlp", "learned", EXPLICIT, row_parallel=())
-        model_8, loss_8, grads_8 = train_step(model, *shard_batch(x, y, EXPLICIT), explicit=True)
-    np.testing.assert_allclose(float(loss_8), float(loss_1), rtol=1e-6)
-    assert_trees_close(grads_8, grads_1)
-    assert_trees_close(model_8, model_1)
-    assert_same_shardings(model_8, model)
-    converted = eqx_quant.convert(model_8)
+        model_mesh, loss_mesh, grads_mesh = train_step(model, *shard_batch(x, y, EXPLICIT), explicit=True)
+    np.testing.assert_allclose(float(loss_mesh), float(loss_one), rtol=1e-6)
+    assert_trees_close(grads_mesh, grads_one)
+    assert_trees_close(model_mesh, model_one)
+    assert_same_shardings(model_mesh, model)
+    converted = eqx_quant.convert(model_mesh)
     with jax.set_mesh(EXPLICIT):
         sx, _ = shard_batch(x, y, EXPLICIT)
-        np.testing.assert_array_equal(np.asarray(forward(converted, sx)), np.asarray(forward(model_8, sx)))
+        np.testing.assert_array_equal(np.asarray(forward(converted, sx)), np.asarray(forward(model_mesh, sx)))
 
 
 def test_explicit_axes_row_parallel_needs_an_output_sharding_like_float():
