@@ -174,6 +174,9 @@ def autoround(
     or for a stack of layers a [`eqx_quant.LearnedFakeQuant`][] with one set per layer), which computes exactly with
     the learned grid points; [`eqx_quant.convert`][] stores them.
 
+    **Non-finite data.** NaN and infinite calibration inputs count as zeros in the Hessians, with a warning that
+    counts them per layer.
+
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][] whose chosen weight quantizers are symmetric, with one scale per

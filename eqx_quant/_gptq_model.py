@@ -25,6 +25,7 @@ from ._observe import (
     progress_bar,
     traced_inputs,
     warn_convolutions_left,
+    warns_of_nonfinite,
 )
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
@@ -217,6 +218,9 @@ def gptq(
     weight quantizers active: faster, but no layer sees its predecessors' GPTQ error (on the LM benchmark, as good at
     3 and 4 bits, far worse at 2).
 
+    **Non-finite data.** NaN and infinite calibration inputs count as zeros in the Hessians, with a warning that
+    counts them per layer.
+
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][] whose linear weight quantizers are symmetric per-row or
@@ -289,12 +293,13 @@ def solve_weights(
             make_solve(fmt, group_size)
         except ValueError as error:
             raise ValueError(f"{what}: {error}") from None
-    if traced:
-        batches = list(batches)  # read by both
-        if layers:
-            model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
-        return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
-    return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
+    with warns_of_nonfinite(name):
+        if traced:
+            batches = list(batches)  # read by both
+            if layers:
+                model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
+            return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
+        return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
 
 
 def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress) -> PyTree:

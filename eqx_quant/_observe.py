@@ -2,6 +2,7 @@
 the jit-compiled statistics step, and the folding of per-batch statistics on the host. Calibration and GPTQ read
 the statistics of the layers' inputs through it."""
 
+import contextlib
 import functools
 import math
 import sys
@@ -68,7 +69,8 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
     @jax.custom_batching.custom_vmap
     def tap(index: Array, record: dict[str, Array]) -> Array:
         if "vector" in record:  # one input vector: its outer product
-            record = {"gram": jnp.outer(record["vector"], record["vector"])}
+            vector = record["vector"]
+            record = {**{k: v for k, v in record.items() if k != "vector"}, "gram": jnp.outer(vector, vector)}
         io_callback(functools.partial(_report, path), None, index, record, ordered=False)
         return index
 
@@ -76,14 +78,15 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
     def tap_batched(axis_size: int, in_batched: list, index: Array, record: dict[str, Array]):
         index_batched, record_batched = in_batched
         if not index_batched:  # one layer: reduce over the mapped axis, then report once
-            if "vector" in record and record_batched["vector"]:
+            vector = record.get("vector") if record_batched.get("vector") else None
+            record = {
+                name: _REDUCTIONS[name](v, axis=0) if record_batched[name] else v
+                for name, v in record.items()
+                if vector is None or name != "vector"
+            }
+            if vector is not None:
                 # The sum of the outer products of a batch of vectors, without materialising each of them.
-                v = record["vector"]
-                record = {"gram": jnp.einsum("bi,bj->ij", v, v, precision=jax.lax.Precision.HIGHEST)}
-            else:
-                record = {
-                    name: _REDUCTIONS[name](v, axis=0) if record_batched[name] else v for name, v in record.items()
-                }
+                record["gram"] = jnp.einsum("bi,bj->ij", vector, vector, precision=jax.lax.Precision.HIGHEST)
             return tap(index, record), False
         # Several layers along the mapped axis (a model that maps a stack of layers with `vmap`): one at a time.
         record = {
@@ -117,20 +120,28 @@ def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
 
 def _gram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
     """The input vector (finite entries; others as 0), in float32, whose outer products `x xᵀ` the tap sums: the
-    Hessian of GPTQ."""
+    Hessian of GPTQ; and how many entries are not finite."""
     del top, num_bins
-    return {"vector": finite_or(jax.lax.stop_gradient(x).astype(jnp.float32).ravel(), 0.0)}
+    x = jax.lax.stop_gradient(x).astype(jnp.float32).ravel()
+    return {"vector": finite_or(x, 0.0), "nonfinite": _count_nonfinite(x)}
 
 
 def _channels(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
     """Per input channel (the last axis), the largest finite `|x|`, the sum of the finite `|x|` and the number of
-    finite entries: the statistics of SmoothQuant and AWQ."""
+    finite entries: the statistics of SmoothQuant and AWQ; and how many entries are not finite."""
     del top, num_bins
     x = jax.lax.stop_gradient(x).astype(jnp.float32)
     x = x.reshape(-1, x.shape[-1])
     count = jnp.sum(jnp.isfinite(x), axis=0, dtype=jnp.float32)  # per channel: its finite entries
+    nonfinite = _count_nonfinite(x)
     x = jnp.abs(finite_or(x, 0.0))
-    return {"channel_absmax": jnp.max(x, axis=0), "channel_abssum": jnp.sum(x, axis=0), "count": count}
+    return {"channel_absmax": jnp.max(x, axis=0), "channel_abssum": jnp.sum(x, axis=0), "count": count,
+            "nonfinite": nonfinite}  # fmt: skip
+
+
+def _count_nonfinite(x: Array) -> Array:
+    """How many entries of `x` are NaN or infinite, in float32 (as `_tensor_stats` counts them)."""
+    return jnp.sum(~jnp.isfinite(x), dtype=jnp.float32)
 
 
 _STATISTICS = {"stats": _tensor_stats, "hist": _histogram, "gram": _gram, "channels": _channels}
@@ -176,9 +187,11 @@ class _Observer(AbstractQuantizer):
             return self(x)  # the error of a stack observed at once
         rows = jnp.moveaxis(x, contracted, tuple(range(-len(contracted), 0)))
         rows = rows.reshape(-1, math.prod(x.shape[a] for a in contracted))
-        rows = finite_or(jax.lax.stop_gradient(rows).astype(jnp.float32), 0.0)
+        rows = jax.lax.stop_gradient(rows).astype(jnp.float32)
+        nonfinite = _count_nonfinite(rows)
+        rows = finite_or(rows, 0.0)
         gram = jnp.einsum("ni,nj->ij", rows, rows, precision=jax.lax.Precision.HIGHEST)
-        _tap_for(self.path)(self.index, {"gram": gram})
+        _tap_for(self.path)(self.index, {"gram": gram, "nonfinite": nonfinite})
         return x
 
 
@@ -355,4 +368,30 @@ def fold(
         if missing:
             raise ValueError(f"Layers {missing} of the stacked layer {path!r} were never called during calibration.")
         results[path] = [layers[i] for i in range(size)]
+    if _nonfinite:
+        for path, records in results.items():
+            count = sum(float(record.get("nonfinite", 0.0)) for record in records)
+            if count:
+                _nonfinite[-1][path] = _nonfinite[-1].get(path, 0.0) + count
     return results
+
+
+_nonfinite: list[dict[str, float]] = []  # while `warns_of_nonfinite` runs: the non-finite inputs `fold` counted
+
+
+@contextlib.contextmanager
+def warns_of_nonfinite(what: str) -> Iterator[None]:
+    """Warns once, if what runs inside completes, of the NaN or infinite inputs that its calibration passes (`fold`)
+    counted, per layer: the algorithm `what` left them out of its statistics (as zeros), as `calibrate` does."""
+    counts: dict[str, float] = {}
+    _nonfinite.append(counts)
+    try:
+        yield
+    finally:
+        _nonfinite.pop()
+    if counts:
+        listed = ", ".join(f"{path!r} {int(count):,}" for path, count in counts.items())
+        warnings.warn(
+            f"`{what}`: the calibration inputs held NaN or inf values, counted as zeros in its statistics: {listed}.",
+            stacklevel=5,  # the caller of the public function that entered the `with` block
+        )

@@ -24,6 +24,7 @@ from ._observe import (
     progress_bar,
     traced_inputs,
     warn_convolutions_left,
+    warns_of_nonfinite,
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_or
@@ -145,7 +146,8 @@ def _stacked(records: list[dict[str, np.ndarray]], name: str, stack: tuple[int, 
 
 
 def _statistics(model, targets, batches, batched, statistic, progress, what) -> dict[str, list]:
-    found = fold_statistics(model, targets, batches, batched, statistic, progress=progress, description=what)
+    with warns_of_nonfinite(what.split()[0]):
+        found = fold_statistics(model, targets, batches, batched, statistic, progress=progress, description=what)
     check_called(targets, found)
     return found
 
@@ -207,6 +209,9 @@ def smoothquant(
     Either way the fake-quant and converted models agree bit for bit. Run it on the model from
     [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][], whose scales and Hessians
     then see the smoothed operands.
+
+    **Non-finite data.** NaN and infinite calibration inputs count as zeros in the statistics, with a warning that
+    counts them per layer.
 
     **Arguments:**
 
@@ -498,6 +503,9 @@ def awq(
     input quantizers are not part of it (AWQ is made for weight-only quantization; with quantized inputs, the
     smoothing of the inputs by `1 / s` also changes their rounding). Run it on the model from
     [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][] (AWQ then GPTQ combine).
+
+    **Non-finite data.** NaN and infinite calibration inputs count as zeros in the statistics, with a warning that
+    counts them per layer.
 
     **Arguments:**
 

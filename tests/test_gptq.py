@@ -325,6 +325,25 @@ def test_gptq_on_an_mlp_gives_static_quantizers_and_checks_its_layers():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sequential", [True, False])
+def test_nan_inputs_count_as_zeros_in_the_hessians_with_a_warning(sequential):
+    """A NaN in the calibration data is a zero in the first layer's Hessian (its solution is that of the data with
+    a 0 there), and the warning counts it, and the NaN row it makes of the next layer's input, per layer."""
+    mlp = init(lambda k: eqx.nn.MLP(16, 4, 16, 1, key=k), 12)
+    x = correlated_inputs(13, 16, 64).astype(np.float32)
+    qmodel = eqx_quant.quantize(mlp, weights=DynamicFakeQuant(4, axis=0))
+    x[40, 3] = 0.0
+    zeroed = gptq(qmodel, [jnp.asarray(x[:32]), jnp.asarray(x[32:])], sequential=sequential)
+    x[40, 3] = np.nan
+    with pytest.warns(
+        UserWarning, match=r"`gptq`: .* counted as zeros in its statistics: 'layers.0' 1, 'layers.1' 16\."
+    ):
+        with_nan = gptq(qmodel, [jnp.asarray(x[:32]), jnp.asarray(x[32:])], sequential=sequential)
+    assert_bitwise_equal(with_nan.layers[0].layer.weight, zeroed.layers[0].layer.weight)
+    assert_bitwise_equal(with_nan.layers[0].weight_quant.scale, zeroed.layers[0].weight_quant.scale)
+
+
+@pytest.mark.slow
 def test_sequential_gptq_follows_the_call_order_and_the_quantized_outputs():
     """Three layers called in another order than the model holds them: each one's Hessian is the Gram matrix of its
     inputs computed, by hand, through the layers GPTQ quantized before it."""

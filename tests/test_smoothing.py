@@ -244,7 +244,8 @@ def test_smoothquant_statistics_ignore_non_finite_inputs():
     data = np.array(X_SMOOTH)
     data[int(np.argmax(np.abs(data[:, 7]))), 7] = np.nan
     zeroed = np.where(np.isnan(data), np.float32(0), data)
-    with_nan = eqx_quant.smoothquant(Q8, [jnp.asarray(data[:16]), jnp.asarray(data[16:])])
+    with pytest.warns(UserWarning, match=r"`smoothquant`: .* NaN or inf values, .*: 'layers.0' 1, 'layers.1' \d+\."):
+        with_nan = eqx_quant.smoothquant(Q8, [jnp.asarray(data[:16]), jnp.asarray(data[16:])])
     with_zero = eqx_quant.smoothquant(Q8, [jnp.asarray(zeroed[:16]), jnp.asarray(zeroed[16:])])
     got = with_nan.layers[0].input_transform.multiplier
     assert_bitwise_equal(got, with_zero.layers[0].input_transform.multiplier)
@@ -1129,6 +1130,7 @@ def test_channel_statistics_leave_non_finite_entries_out_of_the_means():
     np.testing.assert_allclose(record["channel_absmax"], np.nanmax(finite, axis=0), rtol=0)
     np.testing.assert_allclose(record["channel_abssum"] / record["count"], np.nanmean(finite, axis=0), rtol=1e-6)
     np.testing.assert_array_equal(record["count"], np.sum(np.isfinite(data), axis=0))
+    assert record["nonfinite"] == 3
 
 
 class _ConvThenLinear(eqx.Module):
