@@ -177,6 +177,7 @@ def _with_solution(layer: QuantLinear, fmt: Format, group_size: int | None, weig
     return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant), layer, (weight, quantizer))
 
 
+@warns_of_nonfinite("gptq")
 def gptq(
     model: PyTree,
     batches: Iterable[PyTree],
@@ -293,13 +294,12 @@ def solve_weights(
             make_solve(fmt, group_size)
         except ValueError as error:
             raise ValueError(f"{what}: {error}") from None
-    with warns_of_nonfinite(name):
-        if traced:
-            batches = list(batches)  # read by both
-            if layers:
-                model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
-            return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
-        return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
+    if traced:
+        batches = list(batches)  # read by both
+        if layers:
+            model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
+        return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
+    return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
 
 
 def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress) -> PyTree:

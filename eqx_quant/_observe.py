@@ -2,7 +2,6 @@
 the jit-compiled statistics step, and the folding of per-batch statistics on the host. Calibration and GPTQ read
 the statistics of the layers' inputs through it."""
 
-import contextlib
 import functools
 import math
 import sys
@@ -368,30 +367,44 @@ def fold(
         if missing:
             raise ValueError(f"Layers {missing} of the stacked layer {path!r} were never called during calibration.")
         results[path] = [layers[i] for i in range(size)]
-    if _nonfinite:
+    if _nonfinite:  # a layer's inputs hold the same NaN in every pass over the same batches: counted once
         for path, records in results.items():
-            count = sum(float(record.get("nonfinite", 0.0)) for record in records)
-            if count:
-                _nonfinite[-1][path] = _nonfinite[-1].get(path, 0.0) + count
+            for i, record in enumerate(records):
+                count = float(record.get("nonfinite", 0.0))
+                if count:
+                    _nonfinite[-1][path, i] = max(_nonfinite[-1].get((path, i), 0.0), count)
     return results
 
 
-_nonfinite: list[dict[str, float]] = []  # while `warns_of_nonfinite` runs: the non-finite inputs `fold` counted
+_nonfinite: list[dict[tuple[str, int], float]] = []  # what `fold` counted while `warns_of_nonfinite`'s function runs
 
 
-@contextlib.contextmanager
-def warns_of_nonfinite(what: str) -> Iterator[None]:
-    """Warns once, if what runs inside completes, of the NaN or infinite inputs that its calibration passes (`fold`)
-    counted, per layer: the algorithm `what` left them out of its statistics (as zeros), as `calibrate` does."""
-    counts: dict[str, float] = {}
-    _nonfinite.append(counts)
-    try:
-        yield
-    finally:
-        _nonfinite.pop()
-    if counts:
-        listed = ", ".join(f"{path!r} {int(count):,}" for path, count in counts.items())
-        warnings.warn(
-            f"`{what}`: the calibration inputs held NaN or inf values, counted as zeros in its statistics: {listed}.",
-            stacklevel=5,  # the caller of the public function that entered the `with` block
-        )
+def warns_of_nonfinite(what: str) -> Callable[[Callable], Callable]:
+    """Decorates the algorithm `what`: once it has returned, it warns of the NaN or infinite inputs that its
+    calibration passes (`fold`) counted, per layer (a stack's layers together), which its statistics take as zeros
+    or leave out, as `calibrate` warns of those it leaves out."""
+
+    def decorate(function: Callable) -> Callable:
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            counts: dict[tuple[str, int], float] = {}
+            _nonfinite.append(counts)
+            try:
+                result = function(*args, **kwargs)
+            finally:
+                _nonfinite.pop()
+            per_layer: dict[str, float] = {}
+            for (path, _), count in counts.items():
+                per_layer[path] = per_layer.get(path, 0.0) + count
+            if per_layer:
+                listed = ", ".join(f"{path!r} {int(count):,}" for path, count in per_layer.items())
+                warnings.warn(
+                    f"`{what}`: the calibration inputs held NaN or inf values, which its statistics take as zeros "
+                    f"or leave out: {listed}.",
+                    stacklevel=2,
+                )
+            return result
+
+        return run
+
+    return decorate

@@ -146,8 +146,7 @@ def _stacked(records: list[dict[str, np.ndarray]], name: str, stack: tuple[int, 
 
 
 def _statistics(model, targets, batches, batched, statistic, progress, what) -> dict[str, list]:
-    with warns_of_nonfinite(what.split()[0]):
-        found = fold_statistics(model, targets, batches, batched, statistic, progress=progress, description=what)
+    found = fold_statistics(model, targets, batches, batched, statistic, progress=progress, description=what)
     check_called(targets, found)
     return found
 
@@ -163,6 +162,7 @@ def _replace(model: PyTree, done: dict[str, QuantLinear]) -> PyTree:
     return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))
 
 
+@warns_of_nonfinite("smoothquant")
 def smoothquant(
     model: PyTree,
     batches: Iterable[PyTree],
@@ -210,8 +210,8 @@ def smoothquant(
     [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][], whose scales and Hessians
     then see the smoothed operands.
 
-    **Non-finite data.** NaN and infinite calibration inputs count as zeros in the statistics, with a warning that
-    counts them per layer.
+    **Non-finite data.** NaN and infinite calibration inputs count as zeros in the channels' maxima, with a
+    warning that counts them per layer.
 
     **Arguments:**
 
@@ -241,7 +241,8 @@ def smoothquant(
     **Warns:**
 
     `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
-    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them).
+    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them). A
+    `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
     """
     check_callable(model)
     alphas = _check_alphas(alpha)
@@ -468,6 +469,7 @@ def _awq_clip(quantizer, weight: Array, gram: Array, multiplier: Array, group: i
     return jnp.where(total(clipped) <= total(weight), clipped, weight)
 
 
+@warns_of_nonfinite("awq")
 def awq(
     model: PyTree,
     batches: Iterable[PyTree],
@@ -504,8 +506,8 @@ def awq(
     smoothing of the inputs by `1 / s` also changes their rounding). Run it on the model from
     [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][] (AWQ then GPTQ combine).
 
-    **Non-finite data.** NaN and infinite calibration inputs count as zeros in the statistics, with a warning that
-    counts them per layer.
+    **Non-finite data.** NaN and infinite calibration inputs are left out of the channels' means and count as
+    zeros in the Gram matrices, with a warning that counts them per layer.
 
     **Arguments:**
 
@@ -534,7 +536,8 @@ def awq(
     **Warns:**
 
     `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
-    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them).
+    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them). A
+    `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
     """
     check_callable(model)
     grid, clip_grid = check_int("grid", grid), check_int("clip_grid", clip_grid)

@@ -277,6 +277,19 @@ def hessians_by_hand(model, tokens):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("sequential", [True, False])
+def test_nan_inputs_of_a_scanned_stack_are_counted_once(sequential):
+    """One NaN entry in a token: the first layer of the stack sees it, the second the NaN row it makes (16 entries);
+    sequentially, each layer's pass observes the whole stack, and the count stays 1 + 16."""
+    qmodel = eqx_quant.quantize(init(Stacked, 10), weights=DynamicFakeQuant(3, group_size=8), activations=None)
+    latent = correlated_inputs(11, 16, 4 * 6).astype(np.float32).reshape(4, 6, 16)
+    latent[1, 2, 3] = np.nan
+    with pytest.warns(UserWarning, match=r"`gptq`: .*: 'layers' 17\.$") as caught:
+        gptq(qmodel, [jnp.asarray(latent[:2]), jnp.asarray(latent[2:])], sequential=sequential)
+    assert len(caught) == 1
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("sequential, method", [(True, "absmax"), (False, "absmax"), (True, "mse")])
 def test_gptq_on_a_scanned_model_uses_exactly_the_gptq_integers(sequential, method):
     model = init(Stacked, 10)
@@ -335,9 +348,7 @@ def test_nan_inputs_count_as_zeros_in_the_hessians_with_a_warning(sequential):
     x[40, 3] = 0.0
     zeroed = gptq(qmodel, [jnp.asarray(x[:32]), jnp.asarray(x[32:])], sequential=sequential)
     x[40, 3] = np.nan
-    with pytest.warns(
-        UserWarning, match=r"`gptq`: .* counted as zeros in its statistics: 'layers.0' 1, 'layers.1' 16\."
-    ):
+    with pytest.warns(UserWarning, match=r"`gptq`: .* take as zeros or leave out: 'layers.0' 1, 'layers.1' 16\."):
         with_nan = gptq(qmodel, [jnp.asarray(x[:32]), jnp.asarray(x[32:])], sequential=sequential)
     assert_bitwise_equal(with_nan.layers[0].layer.weight, zeroed.layers[0].layer.weight)
     assert_bitwise_equal(with_nan.layers[0].weight_quant.scale, zeroed.layers[0].weight_quant.scale)

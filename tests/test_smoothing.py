@@ -244,13 +244,18 @@ def test_smoothquant_statistics_ignore_non_finite_inputs():
     data = np.array(X_SMOOTH)
     data[int(np.argmax(np.abs(data[:, 7]))), 7] = np.nan
     zeroed = np.where(np.isnan(data), np.float32(0), data)
-    with pytest.warns(UserWarning, match=r"`smoothquant`: .* NaN or inf values, .*: 'layers.0' 1, 'layers.1' \d+\."):
+    with pytest.warns(UserWarning, match=r"`smoothquant`: .* NaN or inf values, .*: 'layers.0' 1, 'layers.1' \d+\.$"):
         with_nan = eqx_quant.smoothquant(Q8, [jnp.asarray(data[:16]), jnp.asarray(data[16:])])
     with_zero = eqx_quant.smoothquant(Q8, [jnp.asarray(zeroed[:16]), jnp.asarray(zeroed[16:])])
     got = with_nan.layers[0].input_transform.multiplier
     assert_bitwise_equal(got, with_zero.layers[0].input_transform.multiplier)
     np.testing.assert_allclose(np.asarray(got), _smoothquant_twin(zeroed, MLP.layers[0].weight, 0.5), rtol=2e-6)
     assert not np.allclose(np.asarray(got), np.asarray(_smoothed().layers[0].input_transform.multiplier))
+    # AWQ reads the batches twice (the channels' means, then the Gram matrices) and warns once, with one count.
+    w4 = eqx_quant.quantize(MLP, **eqx_quant.recipe("w4a16_g32"))
+    with pytest.warns(UserWarning, match=r"`awq`: .*: 'layers.0' 1, 'layers.1' \d+\.$") as caught:
+        eqx_quant.awq(w4, [jnp.asarray(data[:16]), jnp.asarray(data[16:])], where=lambda path, layer: True)
+    assert len([w for w in caught if "NaN" in str(w.message)]) == 1
 
 
 def test_smoothquant_where_transforms_only_the_chosen_layer():
