@@ -78,6 +78,12 @@ def integer_grid(quantizer: object) -> bool:
     return isinstance(fmt, IntFormat) and fmt.scale == "float32"
 
 
+def any_float64(*dtypes: object) -> bool:
+    """Whether an operand of a product is float64 (with `jax_enable_x64`), given the operands' dtypes (or their
+    names): the product then computes in floating point, on every path (see `plan`)."""
+    return any(np.dtype(d) == np.float64 for d in dtypes)
+
+
 def plan(
     layer: eqx.Module, weight_shape: tuple[int, ...], w: QuantizedArray, x: QuantizedArray
 ) -> LinearSpec | ConvSpec | None:
@@ -91,7 +97,7 @@ def plan(
     computes in floating point, as it does when either operand is float64 (with `jax_enable_x64`): the integer sums
     are rescaled in float32, and the float product keeps float64's precision.
     """
-    if "float64" in (w.dtype, x.dtype):
+    if any_float64(w.dtype, x.dtype):
         return None
     if not (_integer(w) and _integer(x)) or not x.layout.is_per_tensor() or x.layout.stacked:
         return None

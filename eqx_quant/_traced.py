@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 from jaxtyping import PyTree
 
 from ._format import IntFormat
-from ._int_ops import INT32_MAX, group_sums, integer_grid, opaque, sum_in_order
+from ._int_ops import INT32_MAX, any_float64, group_sums, integer_grid, opaque, sum_in_order
 from ._layout import Layout
 from ._misc import computed_before, flat, whole_batch
 from ._qarray import QuantizedArray
@@ -489,7 +489,11 @@ def _activation_product(eqn: Any, ins: list[Any], quantizers: tuple[Any, Any]) -
     (contract_l, _), _ = eqn.params["dimension_numbers"]
     length = math.prod(lhs.shape[a] for a in contract_l)
     integer = all(_symmetric_integer(q) and q.layout.is_per_tensor() for q in quantizers)  # pyright: ignore
-    if integer and not _float64(ins) and length * _bound(lq.format) * _bound(rq.format) <= INT32_MAX:  # pyright: ignore
+    if (
+        integer
+        and not any_float64(*(a.dtype for a in ins))
+        and length * _bound(lq.format) * _bound(rq.format) <= INT32_MAX
+    ):  # pyright: ignore
         fl, tl, nl = lq.fake_quant_and_array(lhs)  # pyright: ignore[reportAttributeAccessIssue]
         fr, tr, nr = rq.fake_quant_and_array(rhs)  # pyright: ignore[reportAttributeAccessIssue]
         scale = jnp.broadcast_to(tr.scale.reshape(()), rhs.shape)
@@ -526,7 +530,7 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
             eqn.primitive.name == "dot_general"
             and weight is not None
             and weight_codes is not None
-            and not _float64(ins)
+            and not any_float64(*(a.dtype for a in ins))
         ):
             dims = eqn.params["dimension_numbers"]
             group = _group_along(weight, dims[0][1 - side], views[1 - side], eqn.invars[1 - side].aval.shape)
@@ -537,12 +541,6 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
                 return y.astype(eqn.outvars[0].aval.dtype)
         ins[side] = quantizer(ins[side])
     return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-
-
-def _float64(operands: list[Any]) -> bool:
-    """Whether a product has a float64 operand (with `jax_enable_x64`): it computes in floating point then, as the
-    layers' products do (see `plan`)."""
-    return any(a.dtype == jnp.float64 for a in operands)
 
 
 def _symmetric_integer(quantizer: object, tiles: bool = False) -> bool:

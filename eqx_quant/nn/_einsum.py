@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from .._format import IntFormat
-from .._int_ops import INT32_MAX, integer_grid, opaque
+from .._int_ops import INT32_MAX, any_float64, integer_grid, opaque
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
 from ._layers import check_matmul, check_quantizer
@@ -75,7 +75,7 @@ def integer_einsum_possible(equation: str, a: QuantizedArray, b: QuantizedArray)
     """Whether the integer einsum of two quantized operands computes their product: symmetric grids, scales
     constant along the contracted labels (no groups), and a contraction whose int32 sums are exact. A float64
     operand (with `jax_enable_x64`) computes in floating point, as the layers' products do (see `plan`)."""
-    if "float64" in (a.dtype, b.dtype):
+    if any_float64(a.dtype, b.dtype):
         return False
     lhs, rhs, out = _parse(equation)
     contracted = (set(lhs) & set(rhs)) - set(out)

@@ -14,7 +14,7 @@ from .._backward import (
     quantized_input_gradient,
     straight_through,
 )
-from .._int_ops import LinearSpec, integer_forward, integer_grid, plan
+from .._int_ops import LinearSpec, any_float64, integer_forward, integer_grid, plan
 from .._misc import computed_before, one_program, read_through
 from .._qarray import nan_levels
 from .._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
@@ -202,7 +202,7 @@ def _quant_forward(layer: AbstractQuantLayer, x: Array, key: PRNGKeyArray | None
     backward = backward if isinstance(backward, QuantizedBackward) else None
     if spec is None:
         if backward is not None:
-            wide = "float64" in (weight.dtype.name, vector.dtype.name)
+            wide = any_float64(weight.dtype, vector.dtype)
             raise ValueError(
                 "This layer has a `backward=QuantizedBackward(...)`, which needs the integer forward, but "
                 + (
