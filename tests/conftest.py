@@ -55,9 +55,31 @@ _LONGEST_FIRST = (  # by the seconds each file's tests took (`--durations=0`), t
 )
 
 
-def pytest_collection_modifyitems(items):
+# Two tiers. `pytest` runs the tests not marked `slow`: the tier that CI runs, which keeps at least one test of every
+# promise (the slow tests' cheapest cases among them). `pytest --all` runs every test. An explicit `-m` chooses for
+# itself.
+def pytest_addoption(parser):
+    parser.addoption("--all", action="store_true", help="also run the tests marked slow (left out by default)")
+
+
+def _leaves_out_slow(config) -> bool:
+    return not config.getoption("--all") and not config.getoption("markexpr")
+
+
+def pytest_report_header(config):
+    if _leaves_out_slow(config):
+        return "tier: the tests not marked slow (`pytest --all` runs every test)"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: the rest keep their order
+    if _leaves_out_slow(config):
+        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        if slow:
+            config.hook.pytest_deselected(items=slow)
+            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 
 def compute_dtype(dtype) -> np.dtype:
@@ -136,3 +137,15 @@ def integer_products(jaxpr) -> int:
                 elif isinstance(sub, jax.extend.core.Jaxpr):
                     count += integer_products(sub)
     return count
+
+
+def slow_unless(keep, cases) -> list:
+    """`pytest.mark.parametrize` cases with those not in `keep` marked slow: the default run (CI's tier) runs the
+    cases in `keep`, `pytest --all` every case. A case is one value, or a tuple of values for several names."""
+    missing = [case for case in keep if case not in cases]
+    if missing:
+        raise ValueError(f"cases to keep that are not cases: {missing}")
+    return [
+        case if case in keep else pytest.param(*(case if isinstance(case, tuple) else (case,)), marks=pytest.mark.slow)
+        for case in cases
+    ]

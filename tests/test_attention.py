@@ -136,7 +136,6 @@ def test_quantize_attention_products_and_convert():
     assert text.count("preferred_element_type=int32") >= 2 + 5  # two products, five linear layers
 
 
-@pytest.mark.slow
 def test_integer_kv_cache_decodes_like_the_quantized_products():
     heads, dim, max_len = 2, 4, 6
     keys = jax.random.normal(jax.random.key(10), (max_len, heads, dim)) * 2

@@ -14,7 +14,7 @@ import eqx_quant
 from eqx_quant._autoround import autoround_solve
 from eqx_quant._gptq_model import _solve as _gptq_solve
 
-from .helpers import assert_bitwise_equal, init
+from .helpers import assert_bitwise_equal, init, slow_unless
 from .models import LinearStack
 
 
@@ -121,7 +121,7 @@ CASES = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize(("name", "group_size"), CASES)
+@pytest.mark.parametrize(("name", "group_size"), slow_unless([("int3", 16), ("nvfp4", 16), ("q4_0", 32)], CASES))
 def test_learned_rounding_picks_a_neighbouring_grid_point_and_beats_round_to_nearest(name, group_size):
     """On every format: each learned weight is its scale times a grid point (NumPy's table of the format's values),
     one of the two next to `W / s` (so each offset moved it by at most one point), with the learned scales within

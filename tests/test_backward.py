@@ -79,10 +79,13 @@ def _data(batch, k, out, seed):
 
 @pytest.mark.parametrize(
     "weight_quant, bits",
-    [(DynamicFakeQuant(8, axis=0), 8), (DynamicFakeQuant(8), 8), (DynamicFakeQuant(4, group_size=4), 4)],
+    [
+        (DynamicFakeQuant(8, axis=0), 8),
+        pytest.param(DynamicFakeQuant(8), 8, marks=pytest.mark.slow),
+        pytest.param(DynamicFakeQuant(4, group_size=4), 4, marks=pytest.mark.slow),
+    ],
     ids=["per-channel-8", "per-tensor-8", "grouped-4"],
 )
-@pytest.mark.slow
 def test_nearest_rounding_against_numpy(weight_quant, bits):
     q = layer(6, 8, weight_quant, bits)
     x, cotangent = _data(5, 8, 6, 1)

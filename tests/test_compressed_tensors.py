@@ -15,6 +15,8 @@ import safetensors.numpy
 import eqx_quant
 from eqx_quant import DynamicFakeQuant, LayerQuantizer, Rule
 
+from .helpers import slow_unless
+
 
 F32 = np.float32
 _DTYPES = {"F32": np.float32, "I32": np.int32, "I64": np.int64, "I8": np.int8, "U8": np.uint8,
@@ -107,7 +109,7 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", slow_unless(["w4a16_g32", "w8a8", "fp8", "nvfp4"], list(CASES)))
 def test_layout_and_values(name, tmp_path):
     mlp = eqx.nn.MLP(64, 16, 96, 2, key=jax.random.key(0))
     model = eqx_quant.convert(eqx_quant.quantize(mlp, _rules(name)))

@@ -117,8 +117,14 @@ def _run_file(path: pathlib.Path) -> None:
         del sys.modules[name]
 
 
-@pytest.mark.parametrize("path", _FILES_WITH_CODE, ids=_doc_id)
-@pytest.mark.slow
+@pytest.mark.parametrize(  # the default run (CI's tier) runs the tutorial's; `pytest --all` runs every page's
+    "path",
+    [
+        pytest.param(path, marks=() if path.name == "getting-started.md" else pytest.mark.slow)
+        for path in _FILES_WITH_CODE
+    ],
+    ids=_doc_id,
+)
 def test_code_blocks_run(path: pathlib.Path) -> None:
     _run_file(path)
 

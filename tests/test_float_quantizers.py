@@ -444,8 +444,7 @@ def _batched_pair(first, second, x):
     return jax.vmap(first)(x), jax.vmap(second)(x)
 
 
-@pytest.mark.parametrize("conv", [False, True], ids=["mlp", "convnet"])
-@pytest.mark.slow
+@pytest.mark.parametrize("conv", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["mlp", "convnet"])
 def test_convert_bit_exact(conv):
     if conv:
         make = lambda key: eqx.nn.Sequential(  # noqa: E731

@@ -124,8 +124,7 @@ def test_calibrated_stack_matches_static_quantizers(lm, token_batches):
 
 
 # Grouped weights in a scanned model: tests/test_models.py (the decoder language model).
-@pytest.mark.parametrize("weights", [DynamicFakeQuant(8, axis=0), "learned"])
-@pytest.mark.slow
+@pytest.mark.parametrize("weights", [DynamicFakeQuant(8, axis=0), pytest.param("learned", marks=pytest.mark.slow)])
 def test_scanned_model_converts_bit_for_bit(lm, token_batches, weights):
     if weights == "learned":
         weights = lambda path, layer: LearnedFakeQuant.init_from(  # noqa: E731
