@@ -604,6 +604,29 @@ def test_gptq_one_pass_is_gptq_quantize_on_each_product():
 
 
 @pytest.mark.slow
+def test_nan_inputs_of_traced_products_count_as_zeros_with_a_warning():
+    # A NaN in the data makes its row of every later product's input NaN: GPTQ counts each product's non-finite
+    # inputs (1, then a row of 16, then a row of 16), warns with the counts, and takes them as zeros in the Hessians.
+    model, channels, _ = CASES["bare_mlp"]
+    data = [_normal(16, 8).at[3, 2].set(jnp.nan), _normal(16, 8)]
+    inputs = _gptq_inputs(model, channels, data)
+    counts = {path: int(np.sum(~np.isfinite(x))) for path, x in inputs.items()}
+    assert counts == {"w_in": 1, "w_mid": 16, "w_out": 16}
+    expected = ", ".join(f"'model.{path}' {n}" for path, n in counts.items())  # the products' weights in the model
+    with pytest.warns(UserWarning, match=rf"`gptq`: .* take as zeros or leave out: {expected}\."):
+        solved = eqx_quant.gptq(_quantized("bare_mlp"), data, sequential=False)
+    for path, transpose in (("w_in", False), ("w_mid", False), ("w_out", True)):
+        x = np.nan_to_num(np.asarray(inputs[path], np.float64), nan=0.0)
+        weight = getattr(model, path)
+        levels, scales = eqx_quant.gptq_quantize(
+            weight.T if transpose else weight, jnp.asarray(x.T @ x, jnp.float32), -128, 127
+        )
+        got = np.asarray(_leaf(solved.model, path))
+        expected_weight = np.asarray(scales, np.float32) * np.asarray(levels, np.float32)
+        np.testing.assert_allclose(got.T if transpose else got, expected_weight, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_sequential_gptq_and_autoround_reduce_the_output_error():
     w1 = _normal(32, 64, scale=0.15)
     w2 = _normal(16, 64, scale=0.12)
