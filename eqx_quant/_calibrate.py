@@ -80,7 +80,9 @@ def calibrate(
     static [`eqx_quant.FakeQuant`][] of the same format, with a per-tensor scale (and, for `"minmax"`, a zero point)
     from the statistics of that layer's inputs over all batches: inputs beyond the calibrated range then saturate.
     Other layers, other quantizers (the block scales of MX and NVFP4 inputs, which are computed from each block at
-    every call) and all weights are unchanged.
+    every call) and all weights are unchanged. So are the operand quantizers of [`eqx_quant.nn.QuantEinsum`][]
+    (products of two activations, such as attention's): they keep computing their scales at every call. A product
+    inside a stack of blocks holds no arrays that could carry one calibrated scale per layer of the stack.
 
     The model runs once per batch (twice for `"percentile"` and `"mse"`) in a jit-compiled step, with its weight
     quantizers active and its input quantizers replaced by observers. The observers send the statistics of what they

@@ -171,3 +171,24 @@ def test_integer_kv_cache_decodes_like_the_quantized_products():
         eqx_quant.nn.QuantKVCache.empty(4, 2, 4, bits=9)
     with pytest.raises((ValueError, TypeError), match="key_"):  # TypeError under the jaxtyping hook
         cache.append(keys[0, 0], values[0], 0)
+
+
+@pytest.mark.slow
+def test_calibrate_leaves_the_products_of_two_activations_dynamic(operands):
+    # What `calibrate` documents: the linear layer's input quantizer becomes static, the product's operand
+    # quantizers stay the dynamic ones, and the calibrated model computes the product with them.
+    class Scores(eqx.Module):
+        proj: eqx_quant.nn.QuantLinear
+        scores: QuantEinsum
+
+        def __call__(self, x):
+            return self.scores(jax.vmap(self.proj)(x), x)
+
+    linear = eqx.nn.Linear(8, 8, use_bias=False, key=jax.random.key(1))
+    model = Scores(eqx_quant.quantize(linear), SCORES)
+    a, _ = operands
+    calibrated = eqx_quant.calibrate(model, [a[None]], batched=False)
+    assert type(calibrated.proj.input_quant) is FakeQuant
+    assert calibrated.scores.lhs_quant == SCORES.lhs_quant and calibrated.scores.rhs_quant == SCORES.rhs_quant
+    expected = SCORES(jax.vmap(calibrated.proj)(a), a)
+    assert_bitwise_equal(eqx.filter_jit(lambda m, x: m(x))(calibrated, a), expected)
