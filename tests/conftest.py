@@ -55,9 +55,8 @@ _LONGEST_FIRST = (  # by the seconds each file's tests took (`--durations=0`), t
 )
 
 
-# Two tiers. `pytest` runs the tests not marked `slow`: the tier that CI runs, which keeps at least one test of every
-# promise (the slow tests' cheapest cases among them). `pytest --all` runs every test. An explicit `-m` chooses for
-# itself.
+# Two tiers. `pytest` runs the tests not marked `slow`: the tier that CI runs (parametrized slow tests keep a cheap
+# case in it, `helpers.slow_unless`). `pytest --all` runs every test. An explicit `-m` chooses for itself.
 def pytest_addoption(parser):
     parser.addoption("--all", action="store_true", help="also run the tests marked slow (left out by default)")
 

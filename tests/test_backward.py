@@ -10,7 +10,7 @@ import eqx_quant
 from eqx_quant import DynamicFakeQuant, QuantizedBackward
 from eqx_quant.nn import QuantLinear
 
-from .helpers import assert_bitwise_equal, init
+from .helpers import assert_bitwise_equal, init, slow_unless
 
 
 F32 = np.float32
@@ -79,11 +79,10 @@ def _data(batch, k, out, seed):
 
 @pytest.mark.parametrize(
     "weight_quant, bits",
-    [
-        (DynamicFakeQuant(8, axis=0), 8),
-        pytest.param(DynamicFakeQuant(8), 8, marks=pytest.mark.slow),
-        pytest.param(DynamicFakeQuant(4, group_size=4), 4, marks=pytest.mark.slow),
-    ],
+    slow_unless(
+        [(DynamicFakeQuant(8, axis=0), 8)],
+        [(DynamicFakeQuant(8, axis=0), 8), (DynamicFakeQuant(8), 8), (DynamicFakeQuant(4, group_size=4), 4)],
+    ),
     ids=["per-channel-8", "per-tensor-8", "grouped-4"],
 )
 def test_nearest_rounding_against_numpy(weight_quant, bits):

@@ -32,7 +32,14 @@ from eqx_quant._int_ops import ConvSpec, int_conv, safe_contraction
 from eqx_quant.nn import IntConv, IntEmbedding, IntLinear, QuantConv, QuantEmbedding, QuantizedTensor, QuantLinear
 from examples import qat_demo as demo
 
-from .helpers import assert_bitwise_equal, assert_trees_equal, init, reference_fake_quant, zeros_like_tree
+from .helpers import (
+    assert_bitwise_equal,
+    assert_trees_equal,
+    init,
+    reference_fake_quant,
+    slow_unless,
+    zeros_like_tree,
+)
 
 
 INT32_MAX = 2**31 - 1
@@ -387,9 +394,7 @@ def reference_forward(layer, weight_quant, input_quant, x) -> np.ndarray:
     return np_rescale(acc, sw, sx, bias)
 
 
-@pytest.mark.parametrize(  # the default run (CI's tier) keeps the first case; `pytest --all` runs them all
-    "name", [name if i == 0 else pytest.param(name, marks=pytest.mark.slow) for i, name in enumerate(PARITY_CASES)]
-)
+@pytest.mark.parametrize("name", slow_unless(list(PARITY_CASES)[:1], list(PARITY_CASES)))
 def test_integer_forward_parity(name):
     make, weight_quant, method, input_bits, shape = PARITY_CASES[name]
     layer = init(make, len(name))

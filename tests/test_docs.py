@@ -23,6 +23,8 @@ import pytest
 
 import eqx_quant
 
+from .helpers import slow_unless
+
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
@@ -117,13 +119,8 @@ def _run_file(path: pathlib.Path) -> None:
         del sys.modules[name]
 
 
-@pytest.mark.parametrize(  # the default run (CI's tier) runs the tutorial's; `pytest --all` runs every page's
-    "path",
-    [
-        pytest.param(path, marks=() if path.name == "getting-started.md" else pytest.mark.slow)
-        for path in _FILES_WITH_CODE
-    ],
-    ids=_doc_id,
+@pytest.mark.parametrize(
+    "path", slow_unless([p for p in _FILES_WITH_CODE if p.name == "getting-started.md"], _FILES_WITH_CODE), ids=_doc_id
 )
 def test_code_blocks_run(path: pathlib.Path) -> None:
     _run_file(path)

@@ -23,7 +23,7 @@ from eqx_quant import (
 )
 from eqx_quant.nn import FloatQuantizedTensor, IntConv, IntEmbedding, IntLinear, QuantEmbedding, QuantLinear
 
-from .helpers import assert_trees_equal, init
+from .helpers import assert_trees_equal, init, slow_unless
 from .test_float_formats import (
     BITS,
     DTYPES,
@@ -444,7 +444,7 @@ def _batched_pair(first, second, x):
     return jax.vmap(first)(x), jax.vmap(second)(x)
 
 
-@pytest.mark.parametrize("conv", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["mlp", "convnet"])
+@pytest.mark.parametrize("conv", slow_unless([False], [False, True]), ids=["mlp", "convnet"])
 def test_convert_bit_exact(conv):
     if conv:
         make = lambda key: eqx.nn.Sequential(  # noqa: E731

@@ -11,7 +11,7 @@ import eqx_quant
 from eqx_quant import DynamicFakeQuant, LearnedFakeQuant, gptq
 from eqx_quant._gptq import gptq_quantize
 
-from .helpers import assert_bitwise_equal, init, np_absmax_scale
+from .helpers import assert_bitwise_equal, init, np_absmax_scale, slow_unless
 
 
 def numpy_gptq(w, h, qmin, qmax, group_size=None, act_order=False, damp=0.01, candidates=None):
@@ -98,8 +98,7 @@ CASES = [
 ]
 
 
-# The default run (CI's tier) keeps the first case; `pytest --all` runs them all.
-@pytest.mark.parametrize("case", [CASES[0], *(pytest.param(case, marks=pytest.mark.slow) for case in CASES[1:])])
+@pytest.mark.parametrize("case", slow_unless(CASES[:1], CASES))
 def test_matches_the_numpy_twin_in_float64(case):
     rng = np.random.default_rng(0)
     w = rng.normal(size=(6, 32))

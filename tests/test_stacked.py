@@ -11,7 +11,7 @@ import pytest
 import eqx_quant
 from eqx_quant import DynamicFakeQuant, FakeQuant, LearnedFakeQuant, calibrate, convert, quantize
 
-from .helpers import assert_bitwise_equal, np_absmax_scale
+from .helpers import assert_bitwise_equal, np_absmax_scale, slow_unless
 
 
 D, HIDDEN, LAYERS, VOCAB, T = 8, 16, 3, 11, 5
@@ -124,7 +124,9 @@ def test_calibrated_stack_matches_static_quantizers(lm, token_batches):
 
 
 # Grouped weights in a scanned model: tests/test_models.py (the decoder language model).
-@pytest.mark.parametrize("weights", [DynamicFakeQuant(8, axis=0), pytest.param("learned", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "weights", slow_unless([DynamicFakeQuant(8, axis=0)], [DynamicFakeQuant(8, axis=0), "learned"])
+)
 def test_scanned_model_converts_bit_for_bit(lm, token_batches, weights):
     if weights == "learned":
         weights = lambda path, layer: LearnedFakeQuant.init_from(  # noqa: E731
