@@ -340,7 +340,9 @@ def _rebuilt(
             return node
         saved_path, record = at[path]
         kind = record["type"]
-        stack = node.weight.shape[: stack_depth(node, node.weight.shape)]
+        weight = node.weight
+        # The placeholder of an `eqx.nn.Shared` tie has no shape: a single layer, whose weight is another layer's.
+        stack = weight.shape[: stack_depth(node, weight.shape)] if hasattr(weight, "shape") else ()
         inputs = None if isinstance(node, eqx.nn.Embedding) else quantizer(f"{saved_path}.input_quant", stack)
         transform = _empty_transform(record.get("input_transform"), stack + (getattr(node, "in_features", 0),))
         if kind.startswith("Converted"):

@@ -133,13 +133,13 @@ def _layer_row(path: str, layer: Any) -> SummaryRow:
     float_layer = layer.layer if isinstance(layer, AbstractQuantLayer) else layer
     weight = float_layer.weight
     inputs = "-" if isinstance(float_layer, eqx.nn.Embedding) else "float"
+    if isinstance(layer, AbstractQuantLayer) and not isinstance(float_layer, eqx.nn.Embedding):
+        inputs = describe_quantizer(layer.input_quant)
     if not eqx.is_array(weight):  # the placeholder of an `eqx.nn.Shared` tie: the weight is another layer's
         return SummaryRow(path, kind, "tied", inputs, None, None, None)
     float_bytes = weight.size * weight.dtype.itemsize
     if not isinstance(layer, AbstractQuantLayer):
         return SummaryRow(path, kind, "float", inputs, None, float_bytes, float_bytes)
-    if not isinstance(float_layer, eqx.nn.Embedding):
-        inputs = describe_quantizer(layer.input_quant)
     quantizer = layer.weight_quant
     if not isinstance(quantizer, AbstractFakeQuantizer):
         return SummaryRow(path, kind, describe_quantizer(quantizer), inputs, None, float_bytes, float_bytes)

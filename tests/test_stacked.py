@@ -224,7 +224,7 @@ class SharedLM(eqx.Module):
 
 
 @pytest.mark.slow
-def test_shared_tie_survives_quantize_training_and_convert(token_batches):
+def test_shared_tie_survives_quantize_training_and_convert(token_batches, tmp_path):
     model = SharedLM(jax.random.key(7))
     qmodel = quantize(model, weights=DynamicFakeQuant(8, axis=0), activations=None)
     tokens = token_batches[0][0]
@@ -248,3 +248,13 @@ def test_shared_tie_survives_quantize_training_and_convert(token_batches):
     assert_bitwise_equal(
         eqx.filter_jit(lambda m, t: m(t))(converted, tokens), eqx.filter_jit(lambda m, t: m(t))(qmodel, tokens)
     )
+    # Saved converted, it loads into the float model and into its shape skeleton; the summary names the head's
+    # input quantizer beside its tied weight.
+    converted = convert(calibrated)
+    eqx_quant.save(tmp_path / "shared.eqx", converted)
+    expected = eqx.filter_jit(lambda m, t: m(t))(converted, tokens)
+    for like in (model, eqx.filter_eval_shape(SharedLM, jax.random.key(7))):
+        loaded = eqx_quant.load(tmp_path / "shared.eqx", like)
+        assert_bitwise_equal(eqx.filter_jit(lambda m, t: m(t))(loaded, tokens), expected)
+    (row,) = [r for r in eqx_quant.summary(converted).rows if r.path == "shared.pytree.1"]
+    assert (row.weight, row.input) == ("tied", "int8 static, per tensor")
