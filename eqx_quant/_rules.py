@@ -608,6 +608,20 @@ def quantize(
             decision = decide(attention, einsum, True)  # a product's own rule first, else its attention's
         if decision is not None and decision.products is not None:
             decisions[path] = decision
+    # A weight normalisation replaces its layer's `weight` at every call (`eqx.tree_at` on the layer): its layer stays
+    # the float one, and quantizing it is an error.
+    normalised = set()
+    for path, norm in nodes(model, (eqx.nn.WeightNorm, eqx.nn.SpectralNorm)):
+        inner = f"{path}.layer" if path else "layer"
+        normalised.add(inner)
+        decision = decisions.get(inner)
+        if decision is not None and (decision.weight is not None or decision.input is not None):
+            raise ValueError(
+                f"Layer {inner!r} is wrapped by the eqx.nn.{type(norm).__name__} at {path or '(the model itself)'!r}, "
+                "which replaces the layer's `weight` at every call: a quantized layer computes its product from its "
+                f"own weight and cannot take that one. Keep the layer float: a rule `Rule({re.escape(inner)!r}, "
+                "weight=None, input=None)` before the others, or `where` with `weights` and `activations`."
+            )
     if subclasses == "error":
         for path, layer in layers:
             if path in decisions and _overrides_call(layer):
@@ -619,7 +633,7 @@ def quantize(
 
     def wrap(path: str, layer: Any) -> Any:
         decision = decisions.get(path)
-        if decision is None or not isinstance(layer, FLOAT_LAYERS):
+        if decision is None or not isinstance(layer, FLOAT_LAYERS) or path in normalised:
             return layer
         if subclasses == "skip" and _overrides_call(layer):
             return layer
