@@ -20,6 +20,10 @@ from .nn._layers import AbstractQuantLayer, per_layer, stack_depth
 
 
 _FLOAT_LAYERS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
+# Layers with weights that `quantize` reaches only by tracing their products (`example=`): float otherwise.
+_TRACED_ONLY = (eqx.nn.ConvTranspose, eqx.nn.GRUCell, eqx.nn.LSTMCell)
+_FLOAT_KINDS = {"Linear", "Conv", "Conv1d", "Conv2d", "Conv3d", "Embedding", "ConvTranspose", "ConvTranspose1d",
+                "ConvTranspose2d", "ConvTranspose3d", "GRUCell", "LSTMCell"}  # fmt: skip
 
 
 def _layout(layout: Layout) -> str:
@@ -84,7 +88,7 @@ class Summary:
              "-" if r.stored_bytes is None else f"{r.stored_bytes:,}")
             for r in self.rows
         ]  # fmt: skip
-        quantized = sum(r.kind not in ("Linear", "Conv", "Conv1d", "Conv2d", "Conv3d", "Embedding") for r in self.rows)
+        quantized = sum(r.kind not in _FLOAT_KINDS for r in self.rows)
         ratio = self.stored_bytes / self.float_bytes if self.float_bytes else float("nan")
         cells.append(("total", f"{quantized} of {len(self.rows)} quantized", "", "", "", f"{self.float_bytes:,}",
                       f"{self.stored_bytes:,} ({ratio:.1%})"))  # fmt: skip
@@ -154,7 +158,9 @@ def summary(model: PyTree) -> Summary:
     (and each quantized product of activations, and each traced weight of an [`eqx_quant.nn.QuantTraced`][], kind
     `traced`, and its quantized products of two activations, kind `traced product`), its path, kind, weight and
     input quantizers, the weight's bits per element, and the weight's bytes in float and as a converted model stores
-    it (codes, scales and zero points), with the totals.
+    it (codes, scales and zero points), with the totals. A `ConvTranspose`, `GRUCell` or `LSTMCell` that is not
+    traced (which [`eqx_quant.quantize`][] reaches only with `example=`) has a float row of its own, its bytes those
+    of its weights.
 
     It reads only the model's structure and the shapes of its arrays (the stored sizes of a fake-quantized model are
     worked out without quantizing anything), so it is cheap for any model.
@@ -187,6 +193,11 @@ def summary(model: PyTree) -> Summary:
     rows = [_row(path, layer) for path, layer in nodes(model, types)]
     for path, traced in nodes(model, (QuantTraced,)):
         rows += _traced_rows(path, traced)
+    for path, layer in nodes(model, _TRACED_ONLY + (QuantTraced,)):  # those inside a QuantTraced are its rows
+        if not isinstance(layer, QuantTraced):
+            weights = [getattr(layer, name) for name in ("weight", "weight_ih", "weight_hh") if hasattr(layer, name)]
+            size = sum(w.size * w.dtype.itemsize for w in weights)
+            rows.append(SummaryRow(path, type(layer).__name__, "float", "float", None, size, size))
     return Summary(tuple(rows))
 
 

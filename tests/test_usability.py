@@ -233,3 +233,27 @@ def test_an_error_on_the_first_batch_says_how_batches_are_called():
     wrapped = eqx.Partial(lambda model, x: jax.vmap(lambda v: model(v, None)[0])(x), stateful)
     calibrated = eqx_quant.calibrate(wrapped, [jnp.ones((2, 4))], batched=True)
     assert isinstance(calibrated.args[0].fc.input_quant, eqx_quant.FakeQuant)
+
+
+def test_summary_lists_the_layers_quantize_reaches_only_by_tracing():
+    class Model(eqx.Module):
+        up: eqx.nn.ConvTranspose2d
+        cell: eqx.nn.GRUCell
+        lin: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.lin(x)
+
+    model = init(
+        lambda k: Model(
+            eqx.nn.ConvTranspose2d(2, 3, 3, key=k), eqx.nn.GRUCell(4, 5, key=k), eqx.nn.Linear(4, 2, key=k)
+        ),
+        0,
+    )
+    table = eqx_quant.summary(eqx_quant.quantize(model))
+    rows = {r.path: r for r in table.rows}
+    assert (rows["up"].kind, rows["up"].weight, rows["up"].input) == ("ConvTranspose2d", "float", "float")
+    assert rows["up"].float_bytes == rows["up"].stored_bytes == 4 * 3 * 2 * 3 * 3
+    assert rows["cell"].kind == "GRUCell" and rows["cell"].float_bytes == 4 * (15 * 4 + 15 * 5)
+    assert rows["lin"].kind == "QuantLinear"
+    assert "1 of 3 quantized" in str(table)
