@@ -22,7 +22,6 @@ def smoke(tmp_path_factory):
     return out, results, lines
 
 
-@pytest.mark.slow
 def test_smoke_run_writes_plausible_results(smoke):
     out, results, lines = smoke
     written = json.loads((out / "ptq_tabular_smoke.json").read_text())
