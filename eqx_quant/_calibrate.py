@@ -81,8 +81,9 @@ def calibrate(
     from the statistics of that layer's inputs over all batches: inputs beyond the calibrated range then saturate.
     Other layers, other quantizers (the block scales of MX and NVFP4 inputs, which are computed from each block at
     every call) and all weights are unchanged. So are the operand quantizers of [`eqx_quant.nn.QuantEinsum`][]
-    (products of two activations, such as attention's): they keep computing their scales at every call. A product
-    inside a stack of blocks holds no arrays that could carry one calibrated scale per layer of the stack.
+    (products of two activations, such as attention's): they keep computing their scales at every call. (In a stack
+    of blocks run by `jax.lax.scan`, a product holds no array of its own, so it has nowhere to keep one calibrated
+    scale per layer.)
 
     The model runs once per batch (twice for `"percentile"` and `"mse"`) in a jit-compiled step, with its weight
     quantizers active and its input quantizers replaced by observers. The observers send the statistics of what they

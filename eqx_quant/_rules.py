@@ -616,11 +616,12 @@ def quantize(
         normalised.add(inner)
         decision = decisions.get(inner)
         if decision is not None and (decision.weight is not None or decision.input is not None):
+            pattern = re.escape(path) + r"\..*" if path else re.escape(inner)  # with `example=`, its own arrays too
             raise ValueError(
                 f"Layer {inner!r} is wrapped by the eqx.nn.{type(norm).__name__} at {path or '(the model itself)'!r}, "
                 "which replaces the layer's `weight` at every call: a quantized layer computes its product from its "
-                f"own weight and cannot take that one. Keep the layer float: a rule `Rule({re.escape(inner)!r}, "
-                "weight=None, input=None)` before the others, or `where` with `weights` and `activations`."
+                f"own weight and cannot take that one. Keep the layer float: a rule `Rule({pattern!r}, weight=None, "
+                "input=None)` before the others, or a `where` that leaves it out."
             )
     if subclasses == "error":
         for path, layer in layers:

@@ -193,11 +193,18 @@ def summary(model: PyTree) -> Summary:
     rows = [_row(path, layer) for path, layer in nodes(model, types)]
     for path, traced in nodes(model, (QuantTraced,)):
         rows += _traced_rows(path, traced)
-    for path, layer in nodes(model, _TRACED_ONLY + (QuantTraced,)):  # those inside a QuantTraced are its rows
-        if not isinstance(layer, QuantTraced):
-            weights = [getattr(layer, name) for name in ("weight", "weight_ih", "weight_hh") if hasattr(layer, name)]
-            size = sum(w.size * w.dtype.itemsize for w in weights)
-            rows.append(SummaryRow(path, type(layer).__name__, "float", "float", None, size, size))
+    traced_weights = {".".join(p for p in (root, "model", leaf) if p)
+                      for root, traced in nodes(model, (QuantTraced,)) for leaf in traced.weight_paths}  # fmt: skip
+    for path, layer in nodes(model, _TRACED_ONLY):
+        names = [name for name in ("weight", "weight_ih", "weight_hh") if hasattr(layer, name)]
+        if any(f"{path}.{name}" in traced_weights for name in names):
+            continue  # its traced weights have their rows
+        weights = [getattr(layer, name) for name in names]
+        if not all(eqx.is_array(w) for w in weights):  # the placeholder of an `eqx.nn.Shared` tie
+            rows.append(SummaryRow(path, type(layer).__name__, "tied", "float", None, None, None))
+            continue
+        size = sum(w.size * w.dtype.itemsize for w in weights)
+        rows.append(SummaryRow(path, type(layer).__name__, "float", "float", None, size, size))
     return Summary(tuple(rows))
 
 

@@ -1,4 +1,5 @@
 import os
+import pathlib
 import shutil
 import tempfile
 
@@ -56,7 +57,8 @@ _LONGEST_FIRST = (  # by the seconds each file's tests took (`--durations=0`), t
 
 
 # Two tiers. `pytest` runs the tests not marked `slow`: the tier that CI runs (parametrized slow tests keep a cheap
-# case in it, `helpers.slow_unless`). `pytest --all` runs every test. An explicit `-m` chooses for itself.
+# case in it, `helpers.slow_unless`), and every test of the files and tests named on the command line. `pytest --all`
+# runs every test. An explicit `-m` chooses for itself.
 def pytest_addoption(parser):
     parser.addoption("--all", action="store_true", help="also run the tests marked slow (left out by default)")
 
@@ -67,18 +69,29 @@ def _leaves_out_slow(config) -> bool:
 
 def pytest_report_header(config):
     if _leaves_out_slow(config):
-        return "tier: the tests not marked slow (`pytest --all` runs every test)"
+        return "tier: the tests not marked slow, and those of the files named (`pytest --all` runs every test)"
     return None
+
+
+def _named(config, item) -> bool:
+    """Whether `item` is in a file, or is a test, that the command line names (not a folder)."""
+    for arg in config.args:
+        file, _, name = arg.partition("::")
+        path = pathlib.Path(file).resolve()
+        if path.is_file() and item.path == path and (not name or f"{item.nodeid}".split("::", 1)[1].startswith(name)):
+            return True
+    return False
 
 
 def pytest_collection_modifyitems(config, items):
     rank = {name: i for i, name in enumerate(_LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort: the rest keep their order
     if _leaves_out_slow(config):
-        slow = [item for item in items if item.get_closest_marker("slow") is not None]
+        slow = [item for item in items if item.get_closest_marker("slow") is not None and not _named(config, item)]
         if slow:
             config.hook.pytest_deselected(items=slow)
-            items[:] = [item for item in items if item.get_closest_marker("slow") is None]
+            left_out = {id(item) for item in slow}
+            items[:] = [item for item in items if id(item) not in left_out]
 
 
 @pytest.fixture

@@ -141,7 +141,8 @@ def integer_products(jaxpr) -> int:
 
 def slow_unless(keep, cases) -> list:
     """`pytest.mark.parametrize` cases with those not in `keep` marked slow: the default run (CI's tier) runs the
-    cases in `keep`, `pytest --all` every case. A case is one value, or a tuple of values for several names."""
+    cases in `keep`, `pytest --all` every case. A case is one value, or a tuple of values for several names (a
+    tuple is always unpacked: not for one name whose values are tuples, nor for cases already `pytest.param`)."""
     missing = [case for case in keep if case not in cases]
     if missing:
         raise ValueError(f"cases to keep that are not cases: {missing}")

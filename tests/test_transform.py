@@ -9,7 +9,7 @@ import pytest
 from eqx_quant import DynamicFakeQuant, FakeQuant, Rule, calibrate, dequantize, quantize
 from eqx_quant.nn import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear
 
-from .helpers import reference_fake_quant
+from .helpers import init, reference_fake_quant
 
 
 @eqx.filter_jit
@@ -292,22 +292,36 @@ class _Normalised(eqx.Module):
         return self.head(h[0] if state else h)
 
 
-@pytest.mark.slow
-def test_weight_normalisations_keep_their_layer_float_or_say_why():
+def test_weight_normalisations_name_the_layer_they_wrap():
     # `eqx.nn.WeightNorm` and `eqx.nn.SpectralNorm` replace their layer's `weight` at every call, which a quantized
-    # layer cannot take: quantizing that layer is an error naming it, and keeping it float works.
+    # layer cannot take: quantizing that layer is an error naming it and the rule that keeps it float, which works.
+    weight_norm = init(
+        lambda k: _Normalised(eqx.nn.WeightNorm(eqx.nn.Linear(8, 8, key=k)), eqx.nn.Linear(8, 4, key=k)), 0
+    )
+    spectral, _ = init(
+        lambda k: eqx.nn.make_with_state(eqx.nn.SpectralNorm)(eqx.nn.Linear(8, 8, key=k), "weight", key=k), 1
+    )
+    for model, kind in ((weight_norm, "WeightNorm"), (_Normalised(spectral, weight_norm.head), "SpectralNorm")):
+        message = rf"Layer 'normed.layer' is wrapped by the eqx.nn.{kind} at 'normed'.*" + re.escape(
+            r"`Rule('normed\\..*', weight=None, input=None)`"
+        )
+        with pytest.raises(ValueError, match=message):
+            quantize(model)
+        qmodel = quantize(model, [Rule(r"normed\..*", weight=None, input=None), Rule(".*")])
+        assert type(qmodel.normed.layer) is eqx.nn.Linear and type(qmodel.head) is QuantLinear
+
+
+@pytest.mark.slow
+def test_weight_normalisations_keep_their_layer_float():
     x = jax.random.normal(jax.random.key(2), (8,))
     head = eqx.nn.Linear(8, 4, key=jax.random.key(1))
     weight_norm = _Normalised(eqx.nn.WeightNorm(eqx.nn.Linear(8, 8, key=jax.random.key(0))), head)
-    spectral, state = eqx.nn.make_with_state(eqx.nn.SpectralNorm)(
-        eqx.nn.Linear(8, 8, key=jax.random.key(0)), "weight", key=jax.random.key(3)
-    )
-    for model, kind in ((weight_norm, "WeightNorm"), (_Normalised(spectral, head), "SpectralNorm")):
-        with pytest.raises(ValueError, match=rf"Layer 'normed.layer' is wrapped by the eqx.nn.{kind} at 'normed'"):
-            quantize(model)
-    float_rule = [Rule(r"normed\.layer", weight=None, input=None), Rule(".*", weight=DynamicFakeQuant(8, axis=0))]
-    for qmodel in (quantize(weight_norm, float_rule), quantize(weight_norm, where=r"head")):
-        assert type(qmodel.normed.layer) is eqx.nn.Linear and type(qmodel.head) is QuantLinear
+    float_rule = [Rule(r"normed\..*", weight=None, input=None), Rule(".*", weight=DynamicFakeQuant(8, axis=0))]
+    for qmodel in (
+        quantize(weight_norm, float_rule),
+        quantize(weight_norm, where=r"head"),
+        quantize(weight_norm, float_rule, example=(x,)),  # traced: the normalisation's gain `g` is kept float too
+    ):
         expected = DynamicFakeQuant(8, axis=0)(head.weight) @ DynamicFakeQuant(8)(weight_norm.normed(x)) + head.bias
         np.testing.assert_allclose(np.asarray(qmodel(x)), np.asarray(expected), rtol=1e-6, atol=1e-6)
 

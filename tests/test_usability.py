@@ -257,3 +257,18 @@ def test_summary_lists_the_layers_quantize_reaches_only_by_tracing():
     assert rows["cell"].kind == "GRUCell" and rows["cell"].float_bytes == 4 * (15 * 4 + 15 * 5)
     assert rows["lin"].kind == "QuantLinear"
     assert "1 of 3 quantized" in str(table)
+
+    # With `example=`: a traced weight has its own row; one kept float by a rule inside the traced model, a float row.
+    class Traced(eqx.Module):
+        up: eqx.nn.ConvTranspose1d
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.up(x).ravel()[:4] @ self.w
+
+    traced = init(lambda k: Traced(eqx.nn.ConvTranspose1d(2, 3, 3, key=k), jnp.zeros((4, 2))), 1)
+    rules = [eqx_quant.Rule(r"up\.weight", weight=None, input=None), eqx_quant.Rule(".*", weight=DynamicFakeQuant(8))]
+    rows = {r.path: r for r in eqx_quant.summary(eqx_quant.quantize(traced, rules, example=(jnp.ones((2, 5)),))).rows}
+    assert set(rows) == {"model.up", "model.w"}
+    assert (rows["model.up"].kind, rows["model.up"].float_bytes) == ("ConvTranspose1d", 4 * 2 * 3 * 3)
+    assert rows["model.w"].kind == "traced"
