@@ -56,7 +56,14 @@ def test_smoke_run_writes_plausible_results(smoke):
 
     t = wine["targets"]
     assert list(t) == list(ptq.TARGETS) and t["outliers_matter"]["met"] is True
-    assert [r["row"] for r in t["smoothquant_w8a8"]["rows"]] == ["W8A8 SmoothQuant 0.5"]  # the rows the run has
+    assert [r["row"] for r in t["smoothquant_w8a8"]["rows"]] == [  # the rows the run has
+        "W8A8 SmoothQuant 0.5",
+        "W8A8 SmoothQuant 0.5, MSE inputs",
+    ]
+    # The row's calibration method reaches `calibrate`: the clipped input scales give other logits.
+    mse = rows["W8A8 SmoothQuant 0.5, MSE inputs"]
+    assert mse["config"]["method"] == "mse" and smooth["config"]["method"] == "absmax"
+    assert mse["rel_error"] != smooth["rel_error"]
     assert lines[0].startswith("wine seed 0: float trained") and len(lines) == 1 + len(ptq.SMOKE_CONFIGS)
 
 
