@@ -22,7 +22,7 @@ from ._quantizers import AbstractQuantizer
 from ._scales import finite_or, stats
 from ._traced import QuantTraced, replaced
 from ._tree import map_nodes, nodes
-from .nn._layers import AbstractQuantLayer, QuantConv, stack_depth
+from .nn._layers import AbstractQuantLayer, QuantConv, stack_shape
 
 
 class _Recording:
@@ -242,10 +242,7 @@ def layer_stack(layer: AbstractQuantLayer | TracedInput) -> tuple[int, ...]:
     with `eqx.filter_vmap`."""
     if isinstance(layer, TracedInput):
         return layer.stack
-    weight = layer.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
-    if not eqx.is_array(weight):  # the placeholder of an `eqx.nn.Shared` tie: a single layer
-        return ()
-    return tuple(weight.shape[: stack_depth(layer.layer, weight.shape)])
+    return stack_shape(layer.layer)  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def observe(

@@ -25,7 +25,7 @@ from ._tree import map_nodes, path_string, unique_nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._converted import AbstractConvertedLayer, ConvertedConv, ConvertedEmbedding, ConvertedLinear
 from .nn._einsum import Einsum, QuantEinsum
-from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear, per_layer, stack_depth
+from .nn._layers import AbstractQuantLayer, QuantConv, QuantEmbedding, QuantLinear, per_layer, stack_shape
 from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput
 
 
@@ -340,9 +340,7 @@ def _rebuilt(
             return node
         saved_path, record = at[path]
         kind = record["type"]
-        weight = node.weight
-        # The placeholder of an `eqx.nn.Shared` tie has no shape: a single layer, whose weight is another layer's.
-        stack = weight.shape[: stack_depth(node, weight.shape)] if hasattr(weight, "shape") else ()
+        stack = stack_shape(node)
         inputs = None if isinstance(node, eqx.nn.Embedding) else quantizer(f"{saved_path}.input_quant", stack)
         transform = _empty_transform(record.get("input_transform"), stack + (getattr(node, "in_features", 0),))
         if kind.startswith("Converted"):

@@ -191,21 +191,24 @@ def summary(model: PyTree) -> Summary:
     """
     types = _FLOAT_LAYERS + (AbstractQuantLayer, AbstractConvertedLayer, QuantEinsum)
     rows = [_row(path, layer) for path, layer in nodes(model, types)]
-    for path, traced in nodes(model, (QuantTraced,)):
-        rows += _traced_rows(path, traced)
+    traced = nodes(model, (QuantTraced,))
+    for path, module in traced:
+        rows += _traced_rows(path, module)
     traced_weights = {".".join(p for p in (root, "model", leaf) if p)
-                      for root, traced in nodes(model, (QuantTraced,)) for leaf in traced.weight_paths}  # fmt: skip
+                      for root, module in traced for leaf in module.weight_paths}  # fmt: skip
     for path, layer in nodes(model, _TRACED_ONLY):
         names = [name for name in ("weight", "weight_ih", "weight_hh") if hasattr(layer, name)]
-        if any(f"{path}.{name}" in traced_weights for name in names):
-            continue  # its traced weights have their rows
-        weights = [getattr(layer, name) for name in names]
-        if not all(eqx.is_array(w) for w in weights):  # the placeholder of an `eqx.nn.Shared` tie
-            rows.append(SummaryRow(path, type(layer).__name__, "tied", "float", None, None, None))
-            continue
-        size = sum(w.size * w.dtype.itemsize for w in weights)
-        rows.append(SummaryRow(path, type(layer).__name__, "float", "float", None, size, size))
+        if not any(f"{path}.{name}" in traced_weights for name in names):  # else its traced weights have rows
+            rows.append(_untraced_row(path, layer, [getattr(layer, name) for name in names]))
     return Summary(tuple(rows))
+
+
+def _untraced_row(path: str, layer: Any, weights: list[Any]) -> SummaryRow:
+    """The float row of a layer of `_TRACED_ONLY` whose `weights` are not traced."""
+    if not all(eqx.is_array(w) for w in weights):  # the placeholder of an `eqx.nn.Shared` tie
+        return SummaryRow(path, type(layer).__name__, "tied", "float", None, None, None)
+    size = sum(w.size * w.dtype.itemsize for w in weights)
+    return SummaryRow(path, type(layer).__name__, "float", "float", None, size, size)
 
 
 def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:

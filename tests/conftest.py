@@ -78,7 +78,7 @@ def _named(config, item) -> bool:
     for arg in config.args:
         file, _, name = arg.partition("::")
         path = pathlib.Path(file).resolve()
-        if path.is_file() and item.path == path and (not name or f"{item.nodeid}".split("::", 1)[1].startswith(name)):
+        if path.is_file() and item.path == path and (not name or item.nodeid.split("::", 1)[1].startswith(name)):
             return True
     return False
 

@@ -42,6 +42,17 @@ def stack_depth(layer: eqx.Module, weight_shape: tuple[int, ...]) -> int:
     return max(len(weight_shape) - base, 0)
 
 
+def stack_shape(layer: eqx.Module) -> tuple[int, ...]:
+    """The shape of the stack that the float `layer` (a `Linear`, `Conv` or `Embedding`, with arrays or with the
+    `jax.ShapeDtypeStruct`s of `eqx.filter_eval_shape`) belongs to: `()` for a single layer, `(layers,)` for layers
+    built with `eqx.filter_vmap`. The placeholder of an `eqx.nn.Shared` tie (another layer's weight) has no shape: a
+    single layer."""
+    weight = layer.weight  # pyright: ignore[reportAttributeAccessIssue]
+    if not hasattr(weight, "shape"):
+        return ()
+    return tuple(weight.shape[: stack_depth(layer, weight.shape)])
+
+
 def per_layer(fn: Callable, depth: int) -> Callable:
     """`fn(quantizer, weight)` mapped over `depth` leading stacked axes of the weight and of the quantizer's arrays
     (a quantizer of a stacked layer holds one set of arrays per layer, as the layer holds one weight per layer).
