@@ -1,7 +1,9 @@
 """Where a per-channel factor on a layer's input can be folded into the model: layers whose input is a
 normalisation's output `a * γ` or `a * γ + β` (`γ`, `β` array leaves of the model, one entry per channel), read by
-those layers only. Found on the model's program (its jaxpr), so that any normalisation written that way is found:
-`eqx.nn.LayerNorm`, `eqx.nn.RMSNorm` and a model's own."""
+those layers only; and layers whose input is a preceding linear layer's output seen through operations that commute
+with a positive per-channel factor (ReLU, a gate's product, attention's mixing of the tokens, reshapes). Found on the
+model's program (its jaxpr), so that any model written that way is found: `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`,
+`eqx.nn.MLP`, `eqx.nn.MultiheadAttention` and a model's own."""
 
 import functools
 import itertools
@@ -11,6 +13,7 @@ from typing import Any, NamedTuple
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend import core as jex
 from jaxtyping import Array, PyTree
 
@@ -19,19 +22,19 @@ from .nn._layers import QuantLinear
 from .nn._transforms import AbstractInputTransform
 
 
-_SCOPE = "eqx_quant.fold_mark"
+_INPUT, _OUTPUT = "eqx_quant.fold_input", "eqx_quant.fold_output"  # the scopes of the marks
 
 
 @functools.cache
-def _marker(index: int) -> Callable[[Array, Array], Array]:
-    """The mark of layer `index`: an identity of its input (kept by XLA, inside a named scope holding the index),
-    with the layer's weight beside it. Under `jax.vmap` it is marked again with the batch axes in front (JAX moves
-    them there for a `custom_vmap` rule), so that in the program the marked operand holds the layer's input channels
-    on its last axis, and is the value the model computed only where no axis had to move."""
+def _marker(scope: str, index: int) -> Callable[[Array, Array], Array]:
+    """The mark of layer `index`'s input or output (`scope`): an identity of the value (kept by XLA, inside a named
+    scope holding the index), with the layer's weight beside it. Under `jax.vmap` it is marked again with the batch
+    axes in front (JAX moves them there for a `custom_vmap` rule), so that in the program the marked value holds the
+    layer's channels on its last axis, and is the value the model computed only where no axis had to move."""
 
     @jax.custom_batching.custom_vmap
     def mark(x: Array, weight: Array) -> Array:
-        with jax.named_scope(f"{_SCOPE}[{index}]"):
+        with jax.named_scope(f"{scope}[{index}]"):
             return jax.lax.optimization_barrier((x, weight))[0]
 
     @mark.def_vmap
@@ -52,7 +55,7 @@ class _Mark(AbstractInputTransform):
     index: int = eqx.field(static=True)
 
     def __call__(self, x: Array) -> Array:
-        return _marker(self.index)(x, self.weight)
+        return _marker(_INPUT, self.index)(x, self.weight)
 
     def absorb(self, weight: Array) -> Array:
         return weight
@@ -61,12 +64,36 @@ class _Mark(AbstractInputTransform):
         return weight
 
 
-class Fold(NamedTuple):
-    """Layers whose common input is `a * γ (+ β)`: the paths of the leaves `γ` and `β` (or None) and of the layers."""
+_reads: list[set[int]] = []  # while `find_folds` traces a model: the producers whose attributes the model read
 
-    gamma: str
+
+class _Produces(eqx.Module):
+    """A layer whose output is marked, with its weight: used only to trace the model, never to run it. The model's
+    reads of the layer's attributes (`.weight` in a tied head, say) pass through to it and are recorded."""
+
+    wrapped: QuantLinear
+    index: int = eqx.field(static=True)
+
+    def __call__(self, x: Array, *args: Any, **kwargs: Any) -> Array:
+        return _marker(_OUTPUT, self.index)(self.wrapped(x, *args, **kwargs), self.wrapped.layer.weight)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "wrapped" or name.startswith("_"):  # not set yet, or probed by Python (`inspect.signature`)
+            raise AttributeError(name)
+        if _reads:
+            _reads[-1].add(self.index)
+        return getattr(self.wrapped, name)
+
+
+class Fold(NamedTuple):
+    """Layers whose common input is `a * γ (+ β)` (the paths of the leaves `γ` and `β`, or None) or the output of
+    the linear layer at `producer` (seen through operations that commute with a positive per-channel factor): the
+    paths of those and of the layers."""
+
+    gamma: str | None
     beta: str | None
     layers: tuple[str, ...]
+    producer: str | None = None
 
 
 class _Origin(NamedTuple):
@@ -86,17 +113,18 @@ class _Call(NamedTuple):
     weight: _Origin | None
 
 
-def _marked_layer(eqn: Any) -> int | None:
-    """The index of the layer whose input `eqn` marks, if it is a mark (the `custom_vmap` call around the named
-    barrier)."""
+def _marked_layer(eqn: Any) -> tuple[str, int] | None:
+    """The scope (`_INPUT` or `_OUTPUT`) and the index of the layer whose input or output `eqn` marks, if it is a
+    mark (the `custom_vmap` call around the named barrier)."""
     if eqn.primitive.name != "custom_vmap_call":
         return None
     for inner in eqn.params["call"].jaxpr.eqns:
         stack = str(inner.source_info.name_stack)
-        start = stack.rfind(f"{_SCOPE}[")
-        if inner.primitive.name == "optimization_barrier" and start >= 0:
-            start += len(_SCOPE) + 1
-            return int(stack[start : stack.index("]", start)])
+        for scope in (_INPUT, _OUTPUT):
+            start = stack.rfind(f"{scope}[")
+            if inner.primitive.name == "optimization_barrier" and start >= 0:
+                start += len(scope) + 1
+                return scope, int(stack[start : stack.index("]", start)])
     return None
 
 
@@ -131,31 +159,55 @@ def _inner(eqn: Any) -> Iterator[tuple[Any, list | None]]:
             yield jaxpr, [(i, False) for i in range(len(eqn.invars))] if followed else None
 
 
-def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) -> list[Fold]:
+def find_folds(
+    model: PyTree, targets: list[str], batch: PyTree, batched: bool, producers: list[str] | None = None
+) -> list[Fold]:
     """The groups of `targets` (paths of `QuantLinear` layers of `model`) whose input is a normalisation's output
-    `a * γ (+ β)` that nothing else reads, found in the program of one call on `batch` (as calibration calls the
-    model): every call of each layer of a group reads that value (with its input channels on the value's last axis),
-    `γ` and `β` are leaves of one entry per input channel read by that operation alone, and in a scan they are
-    sliced together with the layers' weights."""
+    `a * γ (+ β)`, or the output of one of `producers` (paths of `QuantLinear` layers), that nothing else reads, found
+    in the program of one call on `batch` (as calibration calls the model):
+
+    - after a normalisation, every call of each layer of a group reads that value (with its input channels on the
+        value's last axis), `γ` and `β` are leaves of one entry per input channel read by that operation alone, and
+        in a scan they are sliced together with the layers' weights;
+    - after a producer, the model calls the producer and each layer of the group once, the producer's output
+        reaches the layers' inputs (channels on their last axes) only through operations that commute with a positive
+        factor per channel (`_through`) and nothing else reads it or what those operations make of it, and in a
+        scan the producer's and the layers' weights are sliced together.
+
+    A layer reached from two sources is left out of both. Producers are marked by wrapping them: one whose
+    attributes the model reads besides calling it (its `.weight` in a tied head) is left out, and if the model cannot
+    be traced that way at all, no layer folds into a producer."""
+    producers = list(producers or [])
     index = {path: i for i, path in enumerate(targets)}
 
-    def mark(path: str, layer: QuantLinear) -> QuantLinear:
-        if path not in index:
-            return layer
-        marked = _Mark(layer.layer.weight, index[path])
-        return eqx.tree_at(lambda l: l.input_transform, layer, marked, is_leaf=lambda x: x is None)
+    def trace(produced: dict[str, int]):
+        def mark(path: str, layer: QuantLinear) -> eqx.Module:
+            if path in index:
+                marked = _Mark(layer.layer.weight, index[path])
+                layer = eqx.tree_at(lambda l: l.input_transform, layer, marked, is_leaf=lambda x: x is None)
+            return _Produces(layer, produced[path]) if path in produced else layer
 
-    dynamic, static = eqx.partition(map_nodes(model, (QuantLinear,), mark), eqx.is_array)
-    paths = [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path(dynamic)[0]]
+        dynamic, static = eqx.partition(map_nodes(model, (QuantLinear,), mark), eqx.is_array)
 
-    def call(d: PyTree, b: PyTree) -> PyTree:
-        m = eqx.combine(d, static)
-        return m(b) if batched else jax.vmap(m)(b)
+        def call(d: PyTree, b: PyTree) -> PyTree:
+            m = eqx.combine(d, static)
+            return m(b) if batched else jax.vmap(m)(b)
 
-    closed = jax.make_jaxpr(call)(dynamic, batch)
+        paths = [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path(dynamic)[0]]
+        return jax.make_jaxpr(call)(dynamic, batch), paths
+
+    _reads.append(set())
+    try:
+        closed, paths = trace({path: i for i, path in enumerate(producers)})
+    except Exception:  # the model reads a producer in a way the wrapper does not pass on: trace it without
+        producers = []
+        closed, paths = trace({})
+    finally:
+        read_elsewhere = _reads.pop()
     top = {v: _Origin(p, v.aval.ndim - 1) for v, p in zip(closed.jaxpr.invars, paths, strict=False)}
     uses: dict[str, int] = {}  # per leaf: the reads of it (or of its views) other than views and sub-programs
-    calls: dict[int, list[_Call]] = {}
+    calls: dict[int, list[_Call]] = {}  # per target: the marks of its input
+    outputs: dict[int, list[_Call]] = {}  # per producer: the marks of its output
     walks: list[tuple[Any, dict]] = []  # each walk of a program (one may be walked at several call sites)
     scans = itertools.count()  # a number per scan operation walked
 
@@ -168,9 +220,11 @@ def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) 
         walks.append((jaxpr, origins))
         for eqn in jaxpr.eqns:
             viewed = [origins.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
-            name, layer = eqn.primitive.name, _marked_layer(eqn)
-            if layer is not None:
-                calls.setdefault(layer, []).append(_Call(number, eqn.invars[0], viewed[1]))
+            name, marked = eqn.primitive.name, _marked_layer(eqn)
+            if marked is not None:
+                scope, i = marked
+                value = eqn.invars[0] if scope == _INPUT else eqn.outvars[0]
+                (calls if scope == _INPUT else outputs).setdefault(i, []).append(_Call(number, value, viewed[1]))
                 continue
             if name == "convert_element_type" and viewed[0] is not None:
                 origins[eqn.outvars[0]] = viewed[0]
@@ -216,7 +270,169 @@ def find_folds(model: PyTree, targets: list[str], batch: PyTree, batched: bool) 
             continue
         if all(c.weight is not None and c.weight.scans == origins[found.view].scans for c in layer_calls):
             folds.append(Fold(found.gamma, found.beta, tuple(layers)))
-    return folds
+    for i, produced in outputs.items():
+        if len(produced) != 1 or produced[0].weight is None or i in read_elsewhere:
+            continue
+        (out,) = produced
+        reached = _follow(walks[out.walk][0], {out.value: (out.value.aval.ndim - 1,)}, top=True)
+        if not reached:
+            continue
+        layers = sorted({j for j, _ in reached[0]})
+        if all(
+            len(calls.get(j, ())) == 1
+            and any(calls[j][0].value is v for k, v in reached[0] if k == j)
+            and calls[j][0].weight is not None
+            and calls[j][0].weight.scans == out.weight.scans
+            for j in layers
+        ):
+            folds.append(Fold(None, None, tuple(targets[j] for j in layers), producers[i]))
+    claims: dict[str, int] = {}
+    for f in folds:
+        for layer in f.layers:
+            claims[layer] = claims.get(layer, 0) + 1
+    return [f for f in folds if all(claims[layer] == 1 for layer in f.layers)]
+
+
+# The operations that commute with a positive per-channel factor on one operand, keeping its channels where they are.
+_ELEMENTWISE = {"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"}
+_LOOPS = {"scan", "while", "cond"}
+
+
+def _follow(jaxpr: Any, tracked: dict, top: bool = False) -> tuple[list, dict] | None:
+    """Follows the values of `tracked` (each with the axes that hold a producer's channels, most significant first)
+    through `jaxpr`: the marked layer inputs they reach (`(index, value)` pairs) and, for a sub-program, the positions
+    of its outputs they reach, with their axes; `None` if any operation reads one in a way that does not commute with
+    a positive per-channel factor, or (`top`) the program returns one."""
+    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    reached: list = []
+    for eqn in jaxpr.eqns:
+        axes = [tracked.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
+        if all(a is None for a in axes):
+            continue
+        out = _through(eqn, axes, reached, producers)
+        if out is None:
+            return None
+        tracked.update({v: a for v, a in zip(eqn.outvars, out, strict=True) if a is not None})
+    returned = {i: tracked[v] for i, v in enumerate(jaxpr.outvars) if isinstance(v, jex.Var) and v in tracked}
+    if top and returned:
+        return None
+    return reached, returned
+
+
+def _zero(v: Any, producers: dict) -> bool:
+    """Whether `v` is a literal 0, or a broadcast or cast of one."""
+    if isinstance(v, jex.Literal):
+        return bool(np.all(np.asarray(v.val) == 0))
+    eqn = producers.get(v)
+    if eqn is not None and eqn.primitive.name in ("broadcast_in_dim", "convert_element_type"):
+        return _zero(eqn.invars[0], producers)
+    return False
+
+
+def _through(eqn: Any, axes: list, reached: list, producers: dict) -> list | None:
+    """The channel axes of the outputs of `eqn`, given those of its inputs (`None` where an input is not followed),
+    if it commutes with a positive per-channel factor on the followed inputs; `None` otherwise. A marked layer input
+    is recorded in `reached`."""
+    name, shapes = eqn.primitive.name, [v.aval.shape for v in eqn.invars]
+    out_shape = eqn.outvars[0].aval.shape
+    followed = [i for i, a in enumerate(axes) if a is not None]
+    first = axes[followed[0]]
+    marked = _marked_layer(eqn)
+    if marked is not None:
+        if marked[0] == _INPUT and followed == [0] and first == (len(shapes[0]) - 1,):
+            reached.append((marked[1], eqn.invars[0]))
+            return [None] * len(eqn.outvars)
+        return None
+    if name in _ELEMENTWISE:
+        return [first]
+    if name in ("mul", "div", "max") and len(followed) == 1 and shapes[followed[0]] == out_shape:
+        other = eqn.invars[1 - followed[0]]
+        if name == "mul" or (name == "div" and followed == [0]) or (name == "max" and _zero(other, producers)):
+            return [first]
+        return None
+    if name in ("add", "sub", "add_any") and len(followed) == 2 and axes[0] == axes[1] and shapes[0] == shapes[1]:
+        return [first]  # both carry the same factor
+    if len(followed) != 1:
+        return None
+    if name == "transpose":
+        permutation = list(eqn.params["permutation"])
+        return [tuple(permutation.index(a) for a in first)]
+    if name == "broadcast_in_dim":
+        dims = eqn.params["broadcast_dimensions"]
+        return [tuple(dims[a] for a in first)] if all(out_shape[dims[a]] == shapes[0][a] for a in first) else None
+    if name in ("squeeze", "reduce_sum"):
+        dropped = eqn.params["dimensions" if name == "squeeze" else "axes"]
+        if any(a in dropped for a in first):
+            return None
+        return [tuple(a - sum(d < a for d in dropped) for a in first)]
+    if name == "reshape" and eqn.params.get("dimensions") is None:
+        moved = _reshaped(shapes[0], out_shape, first)
+        return None if moved is None else [moved]
+    if name == "dot_general":
+        return _dot_general(eqn, followed[0], first)
+    if name in _LOOPS:
+        return None
+    subs = list(_inner(eqn))
+    if len(subs) != 1 or subs[0][1] is None or len(subs[0][0].outvars) != len(eqn.outvars):
+        return None
+    sub, operands = subs[0]
+    inner = {v: axes[position] for v, (position, _) in zip(sub.invars, operands, strict=True) if axes[position]}
+    found = _follow(sub, inner)
+    if found is None:
+        return None
+    reached.extend(found[0])
+    return [found[1].get(i) for i in range(len(eqn.outvars))]
+
+
+def _dot_general(eqn: Any, side: int, axes: tuple[int, ...]) -> list | None:
+    """The channel axes of a `dot_general`'s output, with those of operand `side` given (the other not followed):
+    the channels must not be contracted."""
+    (contracting, batch) = [pair[side] for pair in eqn.params["dimension_numbers"]]
+    ndims = [v.aval.ndim for v in eqn.invars]
+    if any(a in contracting for a in axes):
+        return None
+    free = [
+        [i for i in range(ndims[s]) if i not in eqn.params["dimension_numbers"][0][s]
+         and i not in eqn.params["dimension_numbers"][1][s]]
+        for s in (0, 1)
+    ]  # fmt: skip
+    offset = len(batch) + (len(free[0]) if side == 1 else 0)
+    position = {b: k for k, b in enumerate(batch)} | {f: offset + k for k, f in enumerate(free[side])}
+    return [tuple(position[a] for a in axes)]
+
+
+def _reshaped(source: tuple, target: tuple, axes: tuple[int, ...]) -> tuple[int, ...] | None:
+    """The axes of `target` that hold the channels held by `axes` of `source` (most significant first) after a
+    reshape, if the reshape only splits a channel axis or merges channel axes that are adjacent and in order; `None`
+    if it mixes the channels with other axes."""
+    if any(source[a] == 1 for a in axes):
+        return None
+    left = [i for i, n in enumerate(source) if n != 1]
+    right = [j for j, n in enumerate(target) if n != 1]
+    blocks, i, j = [], 0, 0  # runs of axes of equal products
+    while i < len(left) and j < len(right):
+        into, outof = [left[i]], [right[j]]
+        size, other = source[left[i]], target[right[j]]
+        i, j = i + 1, j + 1
+        while size != other:
+            if size < other:
+                into.append(left[i])
+                size, i = size * source[left[i]], i + 1
+            else:
+                outof.append(right[j])
+                other, j = other * target[right[j]], j + 1
+        blocks.append((into, outof))
+    block = {a: (into, outof) for into, outof in blocks for a in into}
+    moved, k = [], 0
+    while k < len(axes):
+        into, outof = block[axes[k]]
+        if len(into) == 1:  # one axis kept or split: its parts, in order
+            moved, k = moved + outof, k + 1
+        elif len(outof) == 1 and list(axes[k : k + len(into)]) == into:  # adjacent channel axes merged, in order
+            moved, k = moved + outof, k + len(into)
+        else:
+            return None
+    return tuple(moved)
 
 
 class _Affine(NamedTuple):

@@ -195,20 +195,33 @@ def smoothquant(
     first candidate given. SmoothQuant's paper searches one `α` for the whole model on its end task; here each
     layer's own output is the measure.
 
-    **Where `1 / s` goes.** With `fold=True` (the default), layers whose input is a normalisation's output `a * γ`
-    or `a * γ + β` (`γ`, `β` arrays of the model with one entry per channel, per layer of a stack:
-    `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`, or a model's own normalisation written that way) that nothing but the chosen
-    layers reads get it folded into `γ` and `β`: the layers reading it (the query, key and value projections after
-    one norm, say) share one `s`, from the largest magnitudes of all their weights' columns, and compute as plain
-    layers (which the exporters take). This is found by tracing the model on the first batch, and only where it is
-    sure: every call of each of those layers reads that value (with the layer's input channels on its last axis),
-    in the same program (not across a `jax.jit` or `jax.checkpoint` around the layers alone, nor in a program called
-    at two places, nor in a `while` loop), nothing else reads `γ`, `β` or the value, and in a scanned stack the scan
-    steps through `γ` and `β` with the layers' weights. Every other layer
-    computes `x * (1 / s)` on its input (an [`eqx_quant.nn.ScaleInput`][], with its own `s` from its own weight).
-    Either way the fake-quant and converted models agree bit for bit. Run it on the model from
-    [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][], whose scales and Hessians
-    then see the smoothed operands.
+    **Where `1 / s` goes.** With `fold=True` (the default), it is folded into what makes the layer's input, where
+    the model allows it, so that the layer computes as a plain layer (which the exporters take):
+
+    - *A normalisation's output* `a * γ` or `a * γ + β` (`γ`, `β` arrays of the model with one entry per channel, per
+        layer of a stack: `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`, or a model's own normalisation written that way)
+        that nothing but the chosen layers reads: `1 / s` is folded into `γ` and `β`. The layers reading it (the
+        query, key and value projections after one norm, say) share one `s`, from the largest magnitudes of all
+        their weights' columns.
+    - *A preceding linear layer's output*, seen through operations that commute with a positive factor per channel:
+        ReLU, a product with another value (a gated MLP's `up` projection before `down`), the attention's mixing of
+        the tokens (the value projection before the output projection, through the reshapes into heads and back),
+        transposes and casts. The preceding layer's weight rows and bias are multiplied by `1 / s` (whether or not
+        `where` chooses it). Its quantization is unchanged up to rounding, which needs each of its weight's scales to
+        cover part of one row: no weight quantizer, or a dynamic one with float32 scales per row or per group along
+        the rows (not one scale per tensor, nor the power-of-two or float16 scales of MX or GGML formats). Nothing
+        else may read the preceding layer's output or what those operations make of it (a residual sum, GELU), nor
+        its attributes (its `.weight` in a tied head), and the model calls it and the layers once.
+
+    Both are found by tracing the model on the first batch, and only where it is sure: every call of each of those
+    layers reads that value (with the layer's input channels on its last axis), in the same program (not across a
+    `jax.jit` or `jax.checkpoint` around the layers alone, nor in a program called at two places, nor in a `while`
+    loop), nothing else reads `γ`, `β` or the value, and in a scanned stack the scan steps through `γ` and `β` (or
+    the preceding layer's weight) with the layers' weights. A layer reached from two such sources (the product of
+    two layers' outputs) folds into neither. Every other layer computes `x * (1 / s)` on its input (an
+    [`eqx_quant.nn.ScaleInput`][], with its own `s` from its own weight). Either way the fake-quant and converted
+    models agree bit for bit. Run it on the model from [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][]
+    and [`eqx_quant.gptq`][], whose scales and Hessians then see the smoothed operands.
 
     **Non-finite data.** NaN and infinite calibration inputs count as zeros in the channels' maxima, with a
     warning that counts them per layer.
@@ -221,8 +234,8 @@ def smoothquant(
     - `alpha`: the migration strength in `[0, 1]`: 0 leaves the input as it is up to the weight's scale, 1 divides
         every input channel by its maximum. A sequence of such values is searched per layer (above; a group of
         layers folded into one normalisation searches one value, on the sum of its layers' errors).
-    - `fold`: fold `1 / s` into preceding normalisations where the model allows it (above), or give every layer
-        its own multiplier.
+    - `fold`: fold `1 / s` into preceding normalisations and linear layers where the model allows it (above), or
+        give every layer its own multiplier.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with an input
         quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
@@ -254,6 +267,7 @@ def smoothquant(
     found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
     layers = dict(targets)
     groups = _fold_groups(model, layers, batches[0], batched) if fold else []  # pyright: ignore[reportIndexIssue]
+    producers = dict(nodes(model, (QuantLinear,)))
     group_of = {path: g.layers for g in groups for path in g.layers}
     # The units that share one factor: a folded group (its layers share their input), or a layer alone.
     unit_of = {path: group_of.get(path, (path,)) for path, _ in targets}
@@ -288,21 +302,64 @@ def smoothquant(
     for g in groups:
         multiplier = jnp.asarray(1 / chosen[g.layers], jnp.float32)
         leaf_factors.update({p: multiplier for p in (g.gamma, g.beta) if p is not None})
+        if g.producer is not None:
+            done[g.producer] = _divide_rows(done.get(g.producer, producers[g.producer]), multiplier)
     _warn_left_alone(model, where, "smoothquant", _quantized_input)
     return scale_leaves(_replace(model, done), leaf_factors)
 
 
 def _fold_groups(model: PyTree, layers: dict[str, QuantLinear], batch: PyTree, batched: bool) -> list[Fold]:
-    """The groups of `layers` whose factors fold into a preceding normalisation's `γ` (and `β`): those of
-    `find_folds` whose layers share their stack and input size, with `γ` of one entry per channel per layer."""
+    """The groups of `layers` whose factors fold into a preceding normalisation's `γ` (and `β`), or into the rows
+    of a preceding linear layer: those of `find_folds` whose layers share their stack and input size, with `γ` of one
+    entry per channel per layer, or a producer of that stack and output size whose weight's rows keep their own
+    scales (`_rows_scale_alone`)."""
     leaves = jax.tree_util.tree_flatten_with_path(model)[0]
     shapes = {path_string(p): leaf.shape for p, leaf in leaves if eqx.is_array(leaf)}
+    shared = [path for path, _ in nodes(model, (eqx.nn.Shared,))]
+    everything = dict(nodes(model, (QuantLinear,)))
+    producers = [
+        path for path, layer in everything.items()
+        if not any(path == s or path.startswith(f"{s}.") for s in shared) and _rows_scale_alone(layer)
+    ]  # fmt: skip
     groups = []
-    for g in find_folds(model, list(layers), batch, batched):
+    for g in find_folds(model, list(layers), batch, batched, producers):
         stacks = {layer_stack(layers[p]) + (layers[p].layer.in_features,) for p in g.layers}
-        if len(stacks) == 1 and all(shapes.get(p) == next(iter(stacks)) for p in (g.gamma, g.beta) if p is not None):
+        if len(stacks) != 1:
+            continue
+        (stack,) = stacks
+        if g.producer is not None:
+            producer = everything[g.producer]
+            if layer_stack(producer) + (producer.layer.out_features,) == stack:
+                groups.append(g)
+        elif all(shapes.get(p) == stack for p in (g.gamma, g.beta) if p is not None):
             groups.append(g)
     return groups
+
+
+def _rows_scale_alone(layer: QuantLinear) -> bool:
+    """Whether dividing the rows of `layer`'s weight (and its bias) by positive factors leaves its quantization as
+    it is up to rounding: no weight quantizer, or a dynamic one whose float32 scales each cover part of one row."""
+    q, inner = layer.weight_quant, layer.layer
+    if inner.out_features == "scalar" or inner.in_features == "scalar":
+        return False
+    if q is None:
+        return True
+    if not isinstance(q, DynamicFakeQuant) or q.format.scale != "float32":
+        return False
+    shape = tuple(inner.weight.shape)[len(layer_stack(layer)) :]  # a stacked layer's quantizer sees one layer
+    row, tile = len(shape) - 2, q.layout.tile_axis(shape)
+    return tile != row if tile is not None else row in q.layout.channel_axes(shape)
+
+
+def _divide_rows(layer: QuantLinear, multiplier: Array) -> QuantLinear:
+    """`layer` computing its output times `multiplier` (one entry per output channel, per layer of a stack): its
+    weight's rows and its bias multiplied by it, in their dtypes."""
+    inner = layer.layer
+    weight = (inner.weight * multiplier[..., :, None].astype(inner.weight.dtype)).astype(inner.weight.dtype)
+    if inner.bias is None:
+        return eqx.tree_at(lambda l: l.layer.weight, layer, weight)
+    bias = (inner.bias * multiplier.astype(inner.bias.dtype)).astype(inner.bias.dtype)
+    return eqx.tree_at(lambda l: (l.layer.weight, l.layer.bias), layer, (weight, bias))
 
 
 def _check_alphas(alpha: object) -> tuple[float, ...]:
