@@ -2,6 +2,7 @@
 randomized Hadamard rotations. Each gives a layer an input transform `T` and the weight `W T⁻¹`, which compute the
 same float function and quantize better."""
 
+import functools
 import math
 import numbers
 import warnings
@@ -267,7 +268,6 @@ def smoothquant(
     found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
     layers = dict(targets)
     groups = _fold_groups(model, layers, batches[0], batched) if fold else []  # pyright: ignore[reportIndexIssue]
-    producers = dict(nodes(model, (QuantLinear,)))
     group_of = {path: g.layers for g in groups for path in g.layers}
     # The units that share one factor: a folded group (its layers share their input), or a layer alone.
     unit_of = {path: group_of.get(path, (path,)) for path, _ in targets}
@@ -290,21 +290,37 @@ def smoothquant(
             best = np.argmin(sum(_stacked(errors[p], "errors", stack) for p in unit), axis=-1)  # the first of ties
             options = np.stack(factors[unit], axis=len(stack))  # (*stack, candidates, n)
             chosen[unit] = np.take_along_axis(options, best[..., None, None], axis=len(stack))[..., 0, :]
+    multipliers = {unit: jnp.asarray(1 / factor, jnp.float32) for unit, factor in chosen.items()}
+    weights = {path: ScaleInput(multipliers[unit_of[path]]).absorb(layer.layer.weight) for path, layer in targets}
+    _warn_left_alone(model, where, "smoothquant", _quantized_input)
+    return _place(model, targets, groups, unit_of, multipliers, weights)
+
+
+def _place(
+    model: PyTree,
+    targets: list[tuple[str, QuantLinear]],
+    groups: list[Fold],
+    unit_of: dict[str, tuple[str, ...]],
+    multipliers: dict[tuple[str, ...], Array],
+    weights: dict[str, Array],
+) -> PyTree:
+    """`model` with each target's new weight (which has absorbed the multiplier of its unit), and the multiplier
+    folded into what makes the input of the units of `groups` (a normalisation's `γ` and `β`, or a preceding
+    layer's rows and bias), or else held by the layer as its `ScaleInput`."""
+    folded = {path for g in groups for path in g.layers}
     done = {}
     for path, layer in targets:
-        transform = ScaleInput(jnp.asarray(1 / chosen[unit_of[path]], jnp.float32))
-        weight = transform.absorb(layer.layer.weight)
-        if path in group_of:
-            done[path] = eqx.tree_at(lambda l: l.layer.weight, layer, weight)
+        if path in folded:
+            done[path] = eqx.tree_at(lambda l: l.layer.weight, layer, weights[path].astype(layer.layer.weight.dtype))
         else:
-            done[path] = _with_transform(layer, transform, weight)
+            done[path] = _with_transform(layer, ScaleInput(multipliers[unit_of[path]]), weights[path])
+    everything = dict(nodes(model, (QuantLinear,)))
     leaf_factors = {}
     for g in groups:
-        multiplier = jnp.asarray(1 / chosen[g.layers], jnp.float32)
+        multiplier = multipliers[g.layers]
         leaf_factors.update({p: multiplier for p in (g.gamma, g.beta) if p is not None})
         if g.producer is not None:
-            done[g.producer] = _divide_rows(done.get(g.producer, producers[g.producer]), multiplier)
-    _warn_left_alone(model, where, "smoothquant", _quantized_input)
+            done[g.producer] = _divide_rows(done.get(g.producer, everything[g.producer]), multiplier)
     return scale_leaves(_replace(model, done), leaf_factors)
 
 
@@ -469,16 +485,19 @@ def _awq_group(path: str, layer: QuantLinear) -> int | None:
 
 
 @eqx.filter_jit
-def _awq_scales(quantizer, weight: Array, gram: Array, x_mean: Array, grid: int) -> Array:
+def _awq_scales(quantizers: list, weights: list[Array], gram: Array, x_mean: Array, grid: int) -> Array:
     """AWQ's search of `s = x_mean**alpha` (normalised) over `alpha = i / grid`: the multiplier `1 / s` (float32)
-    whose quantized layer makes the least output error `tr(D G Dᵀ)`, `D` the effective weight minus `weight`."""
-    weight = weight.astype(jnp.float32)
+    whose quantized layers (`weights`, each with its quantizer, all reading inputs of Gram matrix `gram`) make the
+    least output error `Σ tr(D G Dᵀ)`, `D` a layer's effective weight minus its weight."""
+    weights = [w.astype(jnp.float32) for w in weights]
 
     def error(alpha):
         multiplier = awq_multiplier(x_mean, alpha)[None, :]
-        effective = quantizer(weight / multiplier) * multiplier
-        d = effective - weight
-        return jnp.sum(jnp.matmul(d, gram, precision=jax.lax.Precision.HIGHEST) * d), multiplier
+        errors = []
+        for quantizer, weight in zip(quantizers, weights, strict=True):
+            d = quantizer(weight / multiplier) * multiplier - weight
+            errors.append(jnp.sum(jnp.matmul(d, gram, precision=jax.lax.Precision.HIGHEST) * d))
+        return functools.reduce(jnp.add, errors), multiplier
 
     errors, multipliers = jax.lax.map(error, jnp.arange(grid, dtype=jnp.float32) / grid)
     return multipliers[jnp.argmin(errors), 0]
@@ -535,6 +554,7 @@ def awq(
     clip: bool = True,
     clip_grid: int = 20,
     max_shrink: float = 0.5,
+    fold: bool = False,
     batched: bool = False,
     where: Where = None,
     progress: bool = False,
@@ -549,13 +569,20 @@ def awq(
         `sqrt(max s * min s)`; the layer would compute `Q(W diag(s)) (x / s)`, whose output error over the data is
         `tr(D G Dᵀ)` with `D = Q(W diag(s)) diag(1/s) - W`. The `α` of least error wins (`α = 0` is plain
         round-to-nearest, so the error never grows). The layer then holds an [`eqx_quant.nn.ScaleInput`][] of
-        `1 / s` and the weight `W diag(s)`.
+        `1 / s` (unless it is folded, below) and the weight `W diag(s)`.
     - **clipping** (`clip=True`): for each output row and group of columns sharing a weight scale (the whole row
         for per-row scales; the whole tensor for one scale), the limit `r * max|w|`,
         `r = 1, 1 - 1/clip_grid, ...` down to `1 - max_shrink` (excluded), that makes the least error on that group's
         share of the output, `d_g G_gg d_gᵀ`; the weight is clipped to it, so that the weight quantizer, which fits
         its scales to the weight when it runs, uses the clipped range. On NVFP4, whose tensor scale (from the whole
         weight) ties the groups together, the clipped weight is kept only if the whole layer's error is no larger.
+
+    **Folding** (`fold=True`): where [`eqx_quant.smoothquant`][] would fold a layer's factors into a preceding
+    normalisation or linear layer (see there), `1 / s` is folded the same way, and the layer holds no
+    `ScaleInput`: it computes as a plain layer, which the exporters take. The layers that read one normalisation's
+    output (a query, key and value projection) then share one `s`, searched on the sum of their errors, as AWQ's
+    paper searches them. Off by default: each layer's own search can only do as well or better on its own error,
+    at the cost of one product per input and of a layer the exporters refuse.
 
     The weight quantizer is applied as the layer applies it, so the search works for every weight format and
     layout: integer grids, FP4/FP6/FP8 with float32 scales, MX and NVFP4. The error it measures is the weight's:
@@ -574,6 +601,8 @@ def awq(
     - `grid`: the number of `α` tried.
     - `clip`: whether to search the clipping range too.
     - `clip_grid`, `max_shrink`: the clipping ratios tried, `1 - i / clip_grid` for `i < max_shrink * clip_grid`.
+    - `fold`: fold `1 / s` into preceding normalisations and linear layers where the model allows it (above; the
+        first batch is traced to find them), or give every layer its own multiplier.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
         quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
@@ -603,7 +632,7 @@ def awq(
     max_shrink = check_real("max_shrink", max_shrink)
     if not 0 <= max_shrink < 1:
         raise ValueError(f"`max_shrink` must be in [0, 1), got max_shrink={max_shrink}.")
-    _check_flags(clip=clip, batched=batched, progress=progress)
+    _check_flags(clip=clip, fold=fold, batched=batched, progress=progress)
     shrinks = math.ceil(max_shrink * clip_grid - 1e-9)
     if clip and (clip_grid < 1 or shrinks < 2):  # only the ratio 1: no clipping
         raise ValueError(
@@ -611,33 +640,37 @@ def awq(
             f"got clip_grid={clip_grid}, max_shrink={max_shrink}."
         )
     targets = _targets(model, where, lambda l: l.weight_quant is not None, "awq", "with a weight quantizer", _any)
-    groups = {path: _awq_group(path, layer) for path, layer in targets}
+    column_groups = {path: _awq_group(path, layer) for path, layer in targets}
     batches = list(batches)  # read twice: the channels' means, then the Gram matrices
     means = _statistics(model, targets, batches, batched, "channels", progress, "awq (statistics)")
     grams = _statistics(model, targets, batches, batched, "gram", progress, "awq (Gram matrices)")
     ratios = jnp.asarray(1 - np.arange(max(shrinks, 1)) / max(clip_grid, 1), jnp.float32)
-    done = {}
-    for path, layer in progress_bar(targets, progress, "awq (layers)"):
-        stack = layer_stack(layer)
-        weight = layer.layer.weight
-        n = weight.shape[-1]
-        x_mean = _stacked(means[path], "channel_abssum", stack) / np.maximum(_stacked(means[path], "count", stack), 1)
-        gram = _stacked(grams[path], "gram", stack)
-        flat_weight = weight.reshape((-1,) + weight.shape[-2:])
-        multipliers, new_weights = [], []
-        for i in range(flat_weight.shape[0]):
-            g_i = jnp.asarray(gram.reshape(-1, n, n)[i], jnp.float32)
-            m_i = jnp.asarray(x_mean.reshape(-1, n)[i], jnp.float32)
-            multiplier = _awq_scales(layer.weight_quant, flat_weight[i], g_i, m_i, grid)
-            scaled = (flat_weight[i] / multiplier[None, :]).astype(jnp.float32)
-            if clip:
-                scaled = _awq_clip(layer.weight_quant, scaled, g_i, multiplier, groups[path], ratios)
-            multipliers.append(multiplier)
-            new_weights.append(scaled)
-        transform = ScaleInput(jnp.stack(multipliers).reshape(stack + (n,)))
-        done[path] = _with_transform(layer, transform, jnp.stack(new_weights).reshape(weight.shape))
+    layers = dict(targets)
+    folds = _fold_groups(model, layers, batches[0], batched) if fold else []
+    unit_of = {path: (path,) for path, _ in targets} | {path: g.layers for g in folds for path in g.layers}
+    multipliers, weights = {}, {}
+    for unit in progress_bar(list(dict.fromkeys(unit_of.values())), progress, "awq (layers)"):
+        # The layers of a unit read one input: the first one's statistics are all of theirs.
+        stack, n = layer_stack(layers[unit[0]]), layers[unit[0]].layer.in_features
+        count = np.maximum(_stacked(means[unit[0]], "count", stack), 1)
+        x_mean = (_stacked(means[unit[0]], "channel_abssum", stack) / count).reshape(-1, n)
+        gram = _stacked(grams[unit[0]], "gram", stack).reshape(-1, n, n)
+        flat = {p: layers[p].layer.weight.reshape((-1,) + layers[p].layer.weight.shape[-2:]) for p in unit}
+        found, scaled = [], {p: [] for p in unit}
+        for i in range(gram.shape[0]):
+            g_i, m_i = jnp.asarray(gram[i], jnp.float32), jnp.asarray(x_mean[i], jnp.float32)
+            quantizers = [layers[p].weight_quant for p in unit]
+            multiplier = _awq_scales(quantizers, [flat[p][i] for p in unit], g_i, m_i, grid)
+            for p in unit:
+                w = (flat[p][i] / multiplier[None, :]).astype(jnp.float32)
+                if clip:
+                    w = _awq_clip(layers[p].weight_quant, w, g_i, multiplier, column_groups[p], ratios)
+                scaled[p].append(w)
+            found.append(multiplier)
+        multipliers[unit] = jnp.stack(found).reshape(stack + (n,))
+        weights.update({p: jnp.stack(scaled[p]).reshape(layers[p].layer.weight.shape) for p in unit})
     _warn_left_alone(model, where, "awq", _any)
-    return _replace(model, done)
+    return _place(model, targets, folds, unit_of, multipliers, weights)
 
 
 def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:

@@ -929,6 +929,62 @@ def test_awq_on_a_stack_searches_each_layer_of_it():
     assert not np.allclose(multipliers[0], multipliers[1])
 
 
+class _AwqBlock(eqx.Module):
+    """`a` and `b` read one normalisation's output; `c` reads ReLU of `a`'s."""
+
+    norm: eqx.nn.LayerNorm
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+    c: eqx.nn.Linear
+
+    def __call__(self, x):
+        h = self.norm(x)
+        return self.c(jax.nn.relu(self.a(h))) + self.b(h)
+
+
+AWQ_BLOCK = init(
+    lambda k: _AwqBlock(eqx.nn.LayerNorm(64), *(eqx.nn.Linear(64, 64, key=j) for j in jax.random.split(k, 3))), 4
+)
+
+
+@pytest.mark.slow
+def test_awq_folds_where_asked_with_one_search_per_shared_input(tmp_path):
+    """`fold=True`: `a` and `b` (which read one LayerNorm's output) share one multiplier, the twin's of least summed
+    error, folded into the norm's weight and bias; `c`'s own (the twin's on its inputs, ReLU of `a`'s outputs with
+    `a`'s quantized weight) is folded into `a`'s rows and bias; no layer keeps a `ScaleInput`, the float function is
+    unchanged (without clipping), and with clipping the converted model equals the fake-quant one bit for bit and
+    exports, where the unfolded model's layers are refused."""
+    q = eqx_quant.quantize(AWQ_BLOCK, **eqx_quant.recipe("w4a16_g32"))
+    folded = eqx_quant.awq(q, AWQ_BATCHES, clip=False, fold=True)
+    assert all(getattr(folded, p).input_transform is None for p in "abc")
+    m = np.asarray(folded.norm.weight, np.float64) / np.asarray(AWQ_BLOCK.norm.weight)
+    np.testing.assert_allclose(np.asarray(folded.norm.bias) / np.asarray(AWQ_BLOCK.norm.bias), m, rtol=2e-6)
+    h = np.asarray(jax.vmap(AWQ_BLOCK.norm)(X_AWQ), np.float64)
+    twins = [_awq_scaling_twin(np.asarray(getattr(AWQ_BLOCK, p).weight), h, 32) for p in "ab"]
+    errors = twins[0][1] + twins[1][1]
+    chosen = int(np.argmin(np.max(np.abs(twins[0][0] - m) / twins[0][0], axis=1)))
+    np.testing.assert_allclose(m, twins[0][0][chosen], rtol=1e-5)
+    assert errors[chosen] <= errors.min() * (1 + 1e-4), (chosen, errors)
+    assert chosen != int(np.argmin(twins[0][1])) or chosen != int(np.argmin(twins[1][1]))  # a search of its own
+    np.testing.assert_allclose(np.asarray(folded.b.layer.weight), np.asarray(AWQ_BLOCK.b.weight) / m, rtol=1e-6)
+    w_a = np.asarray(AWQ_BLOCK.a.weight)
+    x_c = np.maximum(h @ _rtn(w_a, 32).astype(np.float64).T + np.asarray(AWQ_BLOCK.a.bias, np.float64), 0)
+    m_c = np.asarray(AWQ_BLOCK.c.weight, np.float64)[0] / np.asarray(folded.c.layer.weight, np.float64)[0]
+    _assert_least_twin_error(m_c, np.asarray(AWQ_BLOCK.c.weight), x_c, 32)
+    np.testing.assert_allclose(np.asarray(folded.a.layer.weight), w_a / m * m_c[:, None], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(folded.a.layer.bias), np.asarray(AWQ_BLOCK.a.bias) * m_c, rtol=1e-5)
+    restored = np.asarray(_apply(eqx_quant.float_model(folded), X_AWQ))
+    np.testing.assert_allclose(restored, np.asarray(_apply(AWQ_BLOCK, X_AWQ)), rtol=1e-5, atol=1e-5)
+    clipped = eqx_quant.awq(q, AWQ_BATCHES, fold=True)
+    converted = eqx_quant.convert(clipped)
+    _assert_converted_matches(clipped, converted, X_AWQ, eager=False)
+    eqx_quant.export_safetensors(tmp_path / "folded.safetensors", converted)
+    assert (tmp_path / "folded.safetensors").stat().st_size > 0
+    unfolded = eqx_quant.convert(eqx_quant.awq(q, AWQ_BATCHES))
+    with pytest.raises(ValueError, match="'a' has the input transform ScaleInput"):
+        eqx_quant.export_safetensors(tmp_path / "unfolded.safetensors", unfolded)
+
+
 def test_awq_errors():
     """ValueErrors naming the argument or the layer: a grid of fewer than two `alpha`s or two clipping ratios (which
     would do nothing), `max_shrink` outside [0, 1), a weight quantizer with a scale per input column, which `awq`
