@@ -22,8 +22,6 @@ from .nn._layers import AbstractQuantLayer, per_layer, stack_depth
 _FLOAT_LAYERS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
 # Layers with weights that `quantize` reaches only by tracing their products (`example=`): float otherwise.
 _TRACED_ONLY = (eqx.nn.ConvTranspose, eqx.nn.GRUCell, eqx.nn.LSTMCell)
-_FLOAT_KINDS = {"Linear", "Conv", "Conv1d", "Conv2d", "Conv3d", "Embedding", "ConvTranspose", "ConvTranspose1d",
-                "ConvTranspose2d", "ConvTranspose3d", "GRUCell", "LSTMCell"}  # fmt: skip
 
 
 def _layout(layout: Layout) -> str:
@@ -88,11 +86,18 @@ class Summary:
              "-" if r.stored_bytes is None else f"{r.stored_bytes:,}")
             for r in self.rows
         ]  # fmt: skip
-        quantized = sum(r.kind not in _FLOAT_KINDS for r in self.rows)
+        quantized = sum(_quantizes(r) for r in self.rows)
         ratio = self.stored_bytes / self.float_bytes if self.float_bytes else float("nan")
         cells.append(("total", f"{quantized} of {len(self.rows)} quantized", "", "", "", f"{self.float_bytes:,}",
                       f"{self.stored_bytes:,} ({ratio:.1%})"))  # fmt: skip
         return text_table(cells, numeric=(4, 5, 6))
+
+
+def _quantizes(row: SummaryRow) -> bool:
+    """Whether `row` quantizes anything: its weight, its input, or an operand of its product (whatever its kind: a
+    float subclass of a layer counts as float)."""
+    described = [row.weight, *row.input.rsplit(", then ", 1)[-1].split(" x ")]
+    return any(d not in ("float", "tied", "-") for d in described)
 
 
 def text_table(cells: list[tuple[str, ...]], numeric: tuple[int, ...]) -> str:
@@ -160,7 +165,8 @@ def summary(model: PyTree) -> Summary:
     input quantizers, the weight's bits per element, and the weight's bytes in float and as a converted model stores
     it (codes, scales and zero points), with the totals. A `ConvTranspose`, `GRUCell` or `LSTMCell` that is not
     traced (which [`eqx_quant.quantize`][] reaches only with `example=`) has a float row of its own, its bytes those
-    of its weights.
+    of its weights. Rows come in the model's order (the traced weights' last); the printed total counts those that
+    quantize a weight, an input or an operand.
 
     It reads only the model's structure and the shapes of its arrays (the stored sizes of a fake-quantized model are
     worked out without quantizing anything), so it is cheap for any model.
@@ -189,17 +195,20 @@ def summary(model: PyTree) -> Summary:
         print(table)
         ```
     """
-    types = _FLOAT_LAYERS + (AbstractQuantLayer, AbstractConvertedLayer, QuantEinsum)
-    rows = [_row(path, layer) for path, layer in nodes(model, types)]
     traced = nodes(model, (QuantTraced,))
-    for path, module in traced:
-        rows += _traced_rows(path, module)
     traced_weights = {".".join(p for p in (root, "model", leaf) if p)
                       for root, module in traced for leaf in module.weight_paths}  # fmt: skip
-    for path, layer in nodes(model, _TRACED_ONLY):
+    rows = []
+    for path, layer in nodes(model, _FLOAT_LAYERS + _TRACED_ONLY + (AbstractQuantLayer, AbstractConvertedLayer,
+                                                                        QuantEinsum)):  # fmt: skip
+        if not isinstance(layer, _TRACED_ONLY):
+            rows.append(_row(path, layer))
+            continue
         names = [name for name in ("weight", "weight_ih", "weight_hh") if hasattr(layer, name)]
         if not any(f"{path}.{name}" in traced_weights for name in names):  # else its traced weights have rows
             rows.append(_untraced_row(path, layer, [getattr(layer, name) for name in names]))
+    for path, module in traced:
+        rows += _traced_rows(path, module)
     return Summary(tuple(rows))
 
 

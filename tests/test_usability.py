@@ -251,12 +251,21 @@ def test_summary_lists_the_layers_quantize_reaches_only_by_tracing():
         0,
     )
     table = eqx_quant.summary(eqx_quant.quantize(model))
+    assert [r.path for r in table.rows] == ["up", "cell", "lin"]  # in the model's order
     rows = {r.path: r for r in table.rows}
     assert (rows["up"].kind, rows["up"].weight, rows["up"].input) == ("ConvTranspose2d", "float", "float")
     assert rows["up"].float_bytes == rows["up"].stored_bytes == 4 * 3 * 2 * 3 * 3
     assert rows["cell"].kind == "GRUCell" and rows["cell"].float_bytes == 4 * (15 * 4 + 15 * 5)
     assert rows["lin"].kind == "QuantLinear"
     assert "1 of 3 quantized" in str(table)
+
+    # The count goes by what a row quantizes, not by its kind's name: a float subclass of a layer counts as float.
+    class Mine(eqx.nn.Linear):
+        pass
+
+    assert "0 of 1 quantized" in str(eqx_quant.summary(init(lambda k: Mine(4, 2, key=k), 0)))
+    bare = eqx.tree_at(lambda m: (m.lin.weight_quant, m.lin.input_quant), eqx_quant.quantize(model), (None, None))
+    assert "0 of 3 quantized" in str(eqx_quant.summary(bare))  # a `QuantLinear` without quantizers
 
     # With `example=`: a traced weight has its own row; one kept float by a rule inside the traced model, a float row.
     class Traced(eqx.Module):
