@@ -43,6 +43,26 @@ def _check_flags(**flags: object) -> None:
             raise TypeError(f"`{name}` must be a bool, got {name}={flag!r}.")
 
 
+def _check_fold(fold: object) -> None:
+    if isinstance(fold, bool) or (isinstance(fold, str) and fold == "only"):
+        return
+    error = ValueError if isinstance(fold, str) else TypeError
+    raise error(f"`fold` must be True, False or 'only', got fold={fold!r}.")
+
+
+def _only_folded(targets: list, groups: list[Fold], what: str) -> list:
+    """The targets whose factors fold (`fold="only"`), or a `ValueError` if none does."""
+    folded = {path for g in groups for path in g.layers}
+    kept = [(path, layer) for path, layer in targets if path in folded]
+    if not kept:
+        raise ValueError(
+            f"None of the chosen layers {[path for path, _ in targets]} reads a normalisation's or a linear layer's "
+            f"output that its factors could fold into: `{what}(..., fold='only')` would change nothing. "
+            "`fold=True` gives such layers a multiplier of their own."
+        )
+    return kept
+
+
 def _quantized_input(target: TracedInput) -> bool:  # the traced weights SmoothQuant would smooth
     return target.input_quant is not None
 
@@ -169,7 +189,7 @@ def smoothquant(
     batches: Iterable[PyTree],
     *,
     alpha: float | Iterable[float] = 0.5,
-    fold: bool = True,
+    fold: bool | str = True,
     batched: bool = False,
     where: Where = None,
     progress: bool = False,
@@ -235,8 +255,11 @@ def smoothquant(
     - `alpha`: the migration strength in `[0, 1]`: 0 leaves the input as it is up to the weight's scale, 1 divides
         every input channel by its maximum. A sequence of such values is searched per layer (above; a group of
         layers folded into one normalisation searches one value, on the sum of its layers' errors).
-    - `fold`: fold `1 / s` into preceding normalisations and linear layers where the model allows it (above), or
-        give every layer its own multiplier.
+    - `fold`: `True` folds `1 / s` into preceding normalisations and linear layers where the model allows it
+        (above) and gives every other layer its own multiplier; `"only"` smooths only the layers whose factors
+        fold and leaves the others as they are (as SmoothQuant's paper smooths only the layers after a
+        normalisation), so that every layer stays plain and the model exports; `False` gives every layer its own
+        multiplier.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with an input
         quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
@@ -249,8 +272,9 @@ def smoothquant(
 
     `ValueError`, naming the layer, if no layer is chosen, a chosen layer has no input quantizer, is inside an
     `eqx.nn.Shared`, already has an input transform or holds a fitted quantizer (static, learned: the order above),
-    or is never called on the batches; `ValueError` for an `alpha` outside `[0, 1]` or an empty sequence of them;
-    `TypeError` for an `alpha` that is not a real number or a sequence of them.
+    or is never called on the batches, or with `fold="only"` if no chosen layer's factors fold; `ValueError` for an
+    `alpha` outside `[0, 1]` or an empty sequence of them; `TypeError` for an `alpha` that is not a real number or a
+    sequence of them; `TypeError` or `ValueError` for a `fold` other than `True`, `False` or `"only"`.
 
     **Warns:**
 
@@ -260,7 +284,8 @@ def smoothquant(
     """
     check_callable(model)
     alphas = _check_alphas(alpha)
-    _check_flags(batched=batched, progress=progress, fold=fold)
+    _check_flags(batched=batched, progress=progress)
+    _check_fold(fold)
     targets = _targets(model, where, lambda l: l.input_quant is not None, "smoothquant", "with an input quantizer",
                        _quantized_input)  # fmt: skip
     if len(alphas) > 1 or fold:
@@ -268,6 +293,9 @@ def smoothquant(
     found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
     layers = dict(targets)
     groups = _fold_groups(model, layers, batches[0], batched) if fold else []  # pyright: ignore[reportIndexIssue]
+    if fold == "only":
+        targets = _only_folded(targets, groups, "smoothquant")
+        layers = dict(targets)
     group_of = {path: g.layers for g in groups for path in g.layers}
     # The units that share one factor: a folded group (its layers share their input), or a layer alone.
     unit_of = {path: group_of.get(path, (path,)) for path, _ in targets}
@@ -301,16 +329,16 @@ def _place(
     targets: list[tuple[str, QuantLinear]],
     groups: list[Fold],
     unit_of: dict[str, tuple[str, ...]],
-    multipliers: dict[tuple[str, ...], Array],
+    multipliers: dict[tuple[str, ...], Array | None],
     weights: dict[str, Array],
 ) -> PyTree:
     """`model` with each target's new weight (which has absorbed the multiplier of its unit), and the multiplier
     folded into what makes the input of the units of `groups` (a normalisation's `γ` and `β`, or a preceding
-    layer's rows and bias), or else held by the layer as its `ScaleInput`."""
+    layer's rows and bias), or else held by the layer as its `ScaleInput` (none where the multiplier is `None`)."""
     folded = {path for g in groups for path in g.layers}
     done = {}
     for path, layer in targets:
-        if path in folded:
+        if path in folded or multipliers[unit_of[path]] is None:
             done[path] = eqx.tree_at(lambda l: l.layer.weight, layer, weights[path].astype(layer.layer.weight.dtype))
         else:
             done[path] = _with_transform(layer, ScaleInput(multipliers[unit_of[path]]), weights[path])
@@ -554,7 +582,7 @@ def awq(
     clip: bool = True,
     clip_grid: int = 20,
     max_shrink: float = 0.5,
-    fold: bool = False,
+    fold: bool | str = False,
     batched: bool = False,
     where: Where = None,
     progress: bool = False,
@@ -601,8 +629,11 @@ def awq(
     - `grid`: the number of `α` tried.
     - `clip`: whether to search the clipping range too.
     - `clip_grid`, `max_shrink`: the clipping ratios tried, `1 - i / clip_grid` for `i < max_shrink * clip_grid`.
-    - `fold`: fold `1 / s` into preceding normalisations and linear layers where the model allows it (above; the
-        first batch is traced to find them), or give every layer its own multiplier.
+    - `fold`: `True` folds `1 / s` into preceding normalisations and linear layers where the model allows it
+        (above; the first batch is traced to find them) and gives every other layer its own multiplier; `"only"`
+        scales only the layers whose factors fold and gives the others the clipping search alone, with no
+        multiplier, so that every layer stays plain and the model exports; `False` gives every layer its own
+        multiplier.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
         quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
@@ -616,8 +647,10 @@ def awq(
     `ValueError`, naming the layer, if no layer is chosen, a chosen layer has no weight quantizer or is inside an
     `eqx.nn.Shared`, already has an input transform, holds a fitted quantizer (run `awq` before `gptq`,
     `calibrate`, `learn_scales`), has a weight layout other than per
-    tensor, per row or per group of columns, or is never called on the batches; `ValueError` or `TypeError` for
-    `grid` (at least 2), `clip_grid` or `max_shrink` out of range (with `clip=True`, at least two ratios).
+    tensor, per row or per group of columns, or is never called on the batches, or with `fold="only"` and
+    `clip=False` if no chosen layer's factors fold; `ValueError` or `TypeError` for `grid` (at least 2),
+    `clip_grid` or `max_shrink` out of range (with `clip=True`, at least two ratios), or a `fold` other than
+    `True`, `False` or `"only"`.
 
     **Warns:**
 
@@ -632,7 +665,8 @@ def awq(
     max_shrink = check_real("max_shrink", max_shrink)
     if not 0 <= max_shrink < 1:
         raise ValueError(f"`max_shrink` must be in [0, 1), got max_shrink={max_shrink}.")
-    _check_flags(clip=clip, fold=fold, batched=batched, progress=progress)
+    _check_flags(clip=clip, batched=batched, progress=progress)
+    _check_fold(fold)
     shrinks = math.ceil(max_shrink * clip_grid - 1e-9)
     if clip and (clip_grid < 1 or shrinks < 2):  # only the ratio 1: no clipping
         raise ValueError(
@@ -647,9 +681,13 @@ def awq(
     ratios = jnp.asarray(1 - np.arange(max(shrinks, 1)) / max(clip_grid, 1), jnp.float32)
     layers = dict(targets)
     folds = _fold_groups(model, layers, batches[0], batched) if fold else []
+    if fold == "only" and not clip:  # the layers that do not fold would not change
+        targets = _only_folded(targets, folds, "awq")
     unit_of = {path: (path,) for path, _ in targets} | {path: g.layers for g in folds for path in g.layers}
+    folded = {g.layers for g in folds}
     multipliers, weights = {}, {}
     for unit in progress_bar(list(dict.fromkeys(unit_of.values())), progress, "awq (layers)"):
+        scaled_too = fold != "only" or unit in folded  # else the clipping alone, with no multiplier
         # The layers of a unit read one input: the first one's statistics are all of theirs.
         stack, n = layer_stack(layers[unit[0]]), layers[unit[0]].layer.in_features
         count = np.maximum(_stacked(means[unit[0]], "count", stack), 1)
@@ -660,14 +698,16 @@ def awq(
         for i in range(gram.shape[0]):
             g_i, m_i = jnp.asarray(gram[i], jnp.float32), jnp.asarray(x_mean[i], jnp.float32)
             quantizers = [layers[p].weight_quant for p in unit]
-            multiplier = _awq_scales(quantizers, [flat[p][i] for p in unit], g_i, m_i, grid)
+            multiplier = jnp.ones((n,), jnp.float32)
+            if scaled_too:
+                multiplier = _awq_scales(quantizers, [flat[p][i] for p in unit], g_i, m_i, grid)
             for p in unit:
                 w = (flat[p][i] / multiplier[None, :]).astype(jnp.float32)
                 if clip:
                     w = _awq_clip(layers[p].weight_quant, w, g_i, multiplier, column_groups[p], ratios)
                 scaled[p].append(w)
             found.append(multiplier)
-        multipliers[unit] = jnp.stack(found).reshape(stack + (n,))
+        multipliers[unit] = jnp.stack(found).reshape(stack + (n,)) if scaled_too else None
         weights.update({p: jnp.stack(scaled[p]).reshape(layers[p].layer.weight.shape) for p in unit})
     _warn_left_alone(model, where, "awq", _any)
     return _place(model, targets, folds, unit_of, multipliers, weights)

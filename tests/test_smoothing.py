@@ -646,6 +646,43 @@ def test_smoothquant_folds_only_into_a_layer_whose_rows_keep_their_own_scales():
     assert not np.array_equal(np.asarray(folded.fc1.layer.weight), np.asarray(model.fc1.weight))
 
 
+class _NormGelu(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.fc2(jax.nn.gelu(self.fc1(self.norm(x))))
+
+
+def test_smoothquant_fold_only_smooths_the_layers_that_fold(tmp_path):
+    """`fold="only"`: `fc1` (after the norm) is smoothed and folded, `fc2` (after GELU) is left exactly as it was, so
+    the converted model exports, where `fold=True` gives `fc2` a multiplier the exporters refuse; the float function
+    is unchanged up to rounding. With no layer that folds it is a ValueError, as is a `fold` of another value."""
+    model = init(
+        lambda k: _NormGelu(eqx.nn.LayerNorm(16), *(eqx.nn.Linear(16, 16, key=j) for j in jax.random.split(k))), 2
+    )
+    quantized = _w8a8(model)
+    only = eqx_quant.smoothquant(quantized, [X_PAIR], fold="only")
+    assert only.fc1.input_transform is None and only.fc2.input_transform is None
+    assert not np.array_equal(np.asarray(only.norm.weight), np.asarray(model.norm.weight))
+    assert_bitwise_equal(only.fc2.layer.weight, model.fc2.weight)
+    assert_bitwise_equal(only.fc2.layer.bias, model.fc2.bias)
+    restored = np.asarray(_apply(eqx_quant.float_model(only), X_PAIR))
+    np.testing.assert_allclose(restored, np.asarray(_apply(model, X_PAIR)), rtol=1e-5, atol=1e-5)
+    eqx_quant.export_safetensors(tmp_path / "only.safetensors", eqx_quant.convert(only))
+    every = eqx_quant.convert(eqx_quant.smoothquant(quantized, [X_PAIR]))
+    with pytest.raises(ValueError, match="'fc2' has the input transform ScaleInput"):
+        eqx_quant.export_safetensors(tmp_path / "every.safetensors", every)
+    fc2 = lambda path, layer: path == "fc2"  # noqa: E731
+    with pytest.raises(ValueError, match=r"None of the chosen layers \['fc2'\] .* fold='only'\)` would change nothing"):
+        eqx_quant.smoothquant(quantized, [X_PAIR], fold="only", where=fc2)
+    with pytest.raises(ValueError, match=re.escape("`fold` must be True, False or 'only', got fold='yes'.")):
+        eqx_quant.smoothquant(quantized, [X_PAIR], fold="yes")
+    with pytest.raises(ValueError, match=re.escape("`fold` must be True, False or 'only', got fold='Only'.")):
+        eqx_quant.awq(quantized, [X_PAIR], fold="Only")  # (other types: tests/unhooked/check_errors.py)
+
+
 class _NormLinearBare(eqx.Module):
     norm: eqx.nn.LayerNorm
     fc: eqx.nn.Linear
@@ -983,6 +1020,48 @@ def test_awq_folds_where_asked_with_one_search_per_shared_input(tmp_path):
     unfolded = eqx_quant.convert(eqx_quant.awq(q, AWQ_BATCHES))
     with pytest.raises(ValueError, match="'a' has the input transform ScaleInput"):
         eqx_quant.export_safetensors(tmp_path / "unfolded.safetensors", unfolded)
+
+
+class _AwqGelu(eqx.Module):
+    norm: eqx.nn.LayerNorm
+    a: eqx.nn.Linear
+    c: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.c(jax.nn.gelu(self.a(self.norm(x))))
+
+
+@pytest.mark.slow
+def test_awq_fold_only_clips_the_layers_that_do_not_fold(tmp_path):
+    """`fold="only"`: `a` (after the norm) is scaled, its factor folded; `c` (after GELU) is only clipped, with no
+    multiplier: each row and group at the ratio of least twin error on `c`'s inputs (GELU of `a`'s outputs with `a`'s
+    quantized weight). No layer keeps a transform and the converted model exports. With `clip=False` and no layer
+    that folds, it is a ValueError."""
+    model = init(
+        lambda k: _AwqGelu(eqx.nn.LayerNorm(64), *(eqx.nn.Linear(64, 64, key=j) for j in jax.random.split(k))), 5
+    )
+    q = eqx_quant.quantize(model, **eqx_quant.recipe("w4a16_g32"))
+    only = eqx_quant.awq(q, AWQ_BATCHES, fold="only")
+    assert only.a.input_transform is None and only.c.input_transform is None
+    assert not np.array_equal(np.asarray(only.norm.weight), np.asarray(model.norm.weight))
+    w_c, clipped = np.asarray(model.c.weight), np.asarray(only.c.layer.weight)
+    top = np.abs(w_c).reshape(64, 2, 32).max(axis=-1)
+    got = np.abs(clipped).reshape(64, 2, 32).max(axis=-1) / top
+    ratios = 1 - np.arange(10) / 20
+    index = np.argmin(np.abs(got[None] - ratios[:, None, None]), axis=0)
+    np.testing.assert_allclose(got, ratios[index], rtol=1e-6)
+    limit = np.repeat(np.abs(clipped).reshape(64, 2, 32).max(axis=-1), 32, axis=1)
+    assert_bitwise_equal(only.c.layer.weight, np.clip(w_c, -limit, limit))
+    h = np.asarray(jax.vmap(model.norm)(X_AWQ), np.float64)
+    x_c = _gelu(h @ _rtn(np.asarray(model.a.weight), 32).astype(np.float64).T + np.asarray(model.a.bias, np.float64))
+    errors = _awq_clip_errors(w_c, np.ones(64), x_c, 32, ratios)
+    chosen = np.take_along_axis(errors, index[None], axis=0)[0]
+    np.testing.assert_array_less(chosen, errors.min(axis=0) * (1 + 1e-4) + 1e-9)
+    assert np.any(index > 0)
+    eqx_quant.export_safetensors(tmp_path / "only.safetensors", eqx_quant.convert(only))
+    c = lambda path, layer: path == "c"  # noqa: E731
+    with pytest.raises(ValueError, match=r"None of the chosen layers \['c'\] .* `awq\(..., fold='only'\)`"):
+        eqx_quant.awq(q, AWQ_BATCHES, fold="only", clip=False, where=c)
 
 
 def test_awq_errors():
