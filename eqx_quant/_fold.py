@@ -344,7 +344,8 @@ def _through(eqn: Any, axes: list, reached: list, producers: dict) -> list | Non
             return [None] * len(eqn.outvars)
         return None
     if name in _ELEMENTWISE:
-        return [first]
+        floating = jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)
+        return [first] if floating else None  # a cast to integers rounds
     if name in ("mul", "div", "max") and len(followed) == 1 and shapes[followed[0]] == out_shape:
         other = eqn.invars[1 - followed[0]]
         if name == "mul" or (name == "div" and followed == [0]) or (name == "max" and _zero(other, producers)):

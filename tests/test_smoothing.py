@@ -589,12 +589,13 @@ class _Pair(eqx.Module):
             "two-producers": lambda: fc2(h * self.fc3(x)),
             "called-twice": lambda: fc2(jax.nn.relu(fc1(jax.nn.relu(h)))),
             "weight-read": lambda: fc2(jax.nn.relu(h)) + fc1.weight @ x,
+            "cast-to-integers": lambda: fc2((4 * h).astype(jnp.int32).astype(h.dtype)),
         }[self.how]()
 
 
 _FOLDS = ["relu", "gated", "divided", "relu-plus-itself", "split-and-merged"]
 _KEEPS = ["gelu", "bias-between", "also-residual", "reversed", "permuted", "two-producers", "called-twice"]
-_KEEPS += ["weight-read"]
+_KEEPS += ["weight-read", "cast-to-integers"]
 X_PAIR = X_BLOCK.reshape(-1, 16)
 
 
@@ -606,8 +607,8 @@ def _pair(how):
 def test_smoothquant_folds_into_a_linear_layer_only_where_the_factor_commutes(how):
     """With `fc2` chosen: its factor folds into `fc1`'s rows and bias through ReLU, a gate's
     product, a division, the sum of two such views and a reshape undone; not through GELU, a bias, a residual read of
-    `fc1`'s output, reversed or permuted channels, a product of two layers' outputs, a second call of `fc1`, or a read
-    of `fc1.weight`, where `fc1` keeps its arrays and `fc2` its multiplier. Either way the float function is
+    `fc1`'s output, reversed or permuted channels, a product of two layers' outputs, a second call of `fc1`, a read
+    of `fc1.weight` or a cast to integers, where `fc1` keeps its arrays and `fc2` its multiplier. Either way the float function is
     unchanged up to rounding."""
     model = _pair(how)
     chosen = lambda path, layer: path == "fc2"  # noqa: E731
