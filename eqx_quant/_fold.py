@@ -64,25 +64,37 @@ class _Mark(AbstractInputTransform):
         return weight
 
 
-_reads: list[set[int]] = []  # while `find_folds` traces a model: the producers whose attributes the model read
-
-
 class _Produces(eqx.Module):
-    """A layer whose output is marked, with its weight: used only to trace the model, never to run it. The model's
-    reads of the layer's attributes (`.weight` in a tied head, say) pass through to it and are recorded."""
+    """A layer whose output is marked, with its weight: used only to trace the model, never to run it. The layer it
+    wraps holds stand-ins (`jax.ShapeDtypeStruct`s) for its weight and bias, so that any read of them besides the
+    call (`tree_leaves` of the layer, its `.weight` in a tied head) reads a stand-in, which the walk counts; its
+    other attributes read through."""
 
     wrapped: QuantLinear
+    real_weight: Array  # names no model reads: `.weight` and `.bias` read through to the stand-ins
+    real_bias: Array | None
     index: int = eqx.field(static=True)
 
     def __call__(self, x: Array, *args: Any, **kwargs: Any) -> Array:
-        return _marker(_OUTPUT, self.index)(self.wrapped(x, *args, **kwargs), self.wrapped.layer.weight)
+        layer = eqx.tree_at(lambda l: l.layer.weight, self.wrapped, self.real_weight)
+        if self.real_bias is not None:
+            layer = eqx.tree_at(lambda l: l.layer.bias, layer, self.real_bias)
+        return _marker(_OUTPUT, self.index)(layer(x, *args, **kwargs), self.real_weight)
 
     def __getattr__(self, name: str) -> Any:
         if name == "wrapped" or name.startswith("_"):  # not set yet, or probed by Python (`inspect.signature`)
             raise AttributeError(name)
-        if _reads:
-            _reads[-1].add(self.index)
         return getattr(self.wrapped, name)
+
+
+def _produces(layer: QuantLinear, index: int) -> tuple[_Produces, list[jax.ShapeDtypeStruct]]:
+    """`layer` wrapped to mark its output, and the stand-ins of its weight and bias."""
+    inner = layer.layer
+    stand_ins = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (inner.weight, inner.bias) if a is not None]
+    wrapped = eqx.tree_at(lambda l: l.layer.weight, layer, stand_ins[0])
+    if inner.bias is not None:
+        wrapped = eqx.tree_at(lambda l: l.layer.bias, wrapped, stand_ins[1])
+    return _Produces(wrapped, inner.weight, inner.bias, index), stand_ins
 
 
 class Fold(NamedTuple):
@@ -174,36 +186,43 @@ def find_folds(
         factor per channel (`_through`) and nothing else reads it or what those operations make of it, and in a
         scan the producer's and the layers' weights are sliced together.
 
-    A layer reached from two sources is left out of both. Producers are marked by wrapping them: one whose
-    attributes the model reads besides calling it (its `.weight` in a tied head) is left out, and if the model cannot
-    be traced that way at all, no layer folds into a producer."""
+    A layer reached from two sources is left out of both, and so is a stack whose layers are not computed one at a
+    time (a scan stepping through their weights). Producers are marked by wrapping them: one whose weight or bias
+    the model reads besides calling it (`tree_leaves` of it, its `.weight` in a tied head) is left out, and if the
+    model cannot be traced that way at all, no layer folds into a producer."""
     producers = list(producers or [])
     index = {path: i for i, path in enumerate(targets)}
 
     def trace(produced: dict[str, int]):
+        stand_ins: dict[int, int] = {}  # the id of each stand-in, to its producer
+
         def mark(path: str, layer: QuantLinear) -> eqx.Module:
             if path in index:
                 marked = _Mark(layer.layer.weight, index[path])
                 layer = eqx.tree_at(lambda l: l.input_transform, layer, marked, is_leaf=lambda x: x is None)
-            return _Produces(layer, produced[path]) if path in produced else layer
+            if path not in produced:
+                return layer
+            wrapped, arrays = _produces(layer, produced[path])
+            stand_ins.update({id(a): produced[path] for a in arrays})
+            return wrapped
 
-        dynamic, static = eqx.partition(map_nodes(model, (QuantLinear,), mark), eqx.is_array)
+        is_input = lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
+        dynamic, static = eqx.partition(map_nodes(model, (QuantLinear,), mark), is_input)
 
         def call(d: PyTree, b: PyTree) -> PyTree:
             m = eqx.combine(d, static)
             return m(b) if batched else jax.vmap(m)(b)
 
-        paths = [path_string(p) for p, _ in jax.tree_util.tree_flatten_with_path(dynamic)[0]]
-        return jax.make_jaxpr(call)(dynamic, batch), paths
+        flat = jax.tree_util.tree_flatten_with_path(dynamic)[0]
+        owners = {path_string(p): stand_ins[id(leaf)] for p, leaf in flat if id(leaf) in stand_ins}
+        return jax.make_jaxpr(call)(dynamic, batch), [path_string(p) for p, _ in flat], owners
 
-    _reads.append(set())
     try:
-        closed, paths = trace({path: i for i, path in enumerate(producers)})
+        closed, paths, stand_ins = trace({path: i for i, path in enumerate(producers)})
     except Exception:  # the model reads a producer in a way the wrapper does not pass on: trace it without
         producers = []
-        closed, paths = trace({})
-    finally:
-        read_elsewhere = _reads.pop()
+        closed, paths, stand_ins = trace({})
+    ndims = {p: v.aval.ndim for v, p in zip(closed.jaxpr.invars, paths, strict=False)}
     top = {v: _Origin(p, v.aval.ndim - 1) for v, p in zip(closed.jaxpr.invars, paths, strict=False)}
     uses: dict[str, int] = {}  # per leaf: the reads of it (or of its views) other than views and sub-programs
     calls: dict[int, list[_Call]] = {}  # per target: the marks of its input
@@ -270,8 +289,13 @@ def find_folds(
             continue
         if all(c.weight is not None and c.weight.scans == origins[found.view].scans for c in layer_calls):
             folds.append(Fold(found.gamma, found.beta, tuple(layers)))
+    read_elsewhere = {i for path, i in stand_ins.items() if uses.get(path, 0)}
+
+    def one_at_a_time(weight: _Origin | None) -> bool:  # a call with one layer's weight, the stack scanned through
+        return weight is not None and len(weight.scans) == ndims[weight.path] - 2
+
     for i, produced in outputs.items():
-        if len(produced) != 1 or produced[0].weight is None or i in read_elsewhere:
+        if len(produced) != 1 or not one_at_a_time(produced[0].weight) or i in read_elsewhere:
             continue
         (out,) = produced
         reached = _follow(walks[out.walk][0], {out.value: (out.value.aval.ndim - 1,)}, top=True)
@@ -281,8 +305,8 @@ def find_folds(
         if all(
             len(calls.get(j, ())) == 1
             and any(calls[j][0].value is v for k, v in reached[0] if k == j)
-            and calls[j][0].weight is not None
-            and calls[j][0].weight.scans == out.weight.scans
+            and one_at_a_time(calls[j][0].weight)
+            and calls[j][0].weight.scans == out.weight.scans  # pyright: ignore[reportOptionalMemberAccess]
             for j in layers
         ):
             folds.append(Fold(None, None, tuple(targets[j] for j in layers), producers[i]))
@@ -294,7 +318,7 @@ def find_folds(
 
 
 # The operations that commute with a positive per-channel factor on one operand, keeping its channels where they are.
-_ELEMENTWISE = {"convert_element_type", "copy", "copy_p", "neg", "reduce_precision"}
+_ELEMENTWISE = {"convert_element_type", "copy", "neg", "reduce_precision"}
 _LOOPS = {"scan", "while", "cond"}
 
 
@@ -333,6 +357,8 @@ def _through(eqn: Any, axes: list, reached: list, producers: dict) -> list | Non
     """The channel axes of the outputs of `eqn`, given those of its inputs (`None` where an input is not followed),
     if it commutes with a positive per-channel factor on the followed inputs; `None` otherwise. A marked layer input
     is recorded in `reached`."""
+    if not eqn.outvars:  # an effect (a debug print, say): not followed
+        return None
     name, shapes = eqn.primitive.name, [v.aval.shape for v in eqn.invars]
     out_shape = eqn.outvars[0].aval.shape
     followed = [i for i, a in enumerate(axes) if a is not None]

@@ -232,7 +232,9 @@ def smoothquant(
         cover part of one row: no weight quantizer, or a dynamic one with float32 scales per row or per group along
         the rows (not one scale per tensor, nor the power-of-two or float16 scales of MX or GGML formats). Nothing
         else may read the preceding layer's output or what those operations make of it (a residual sum, GELU), nor
-        its attributes (its `.weight` in a tied head), and the model calls it and the layers once.
+        its weight or bias (its `.weight` in a tied head, `jax.tree_util.tree_leaves` of it); the model calls it and
+        the layers once, and in a stack one layer at a time (a scan stepping through their weights, not a
+        `jax.vmap` over them, under which an operation could mix the layers' outputs).
 
     Both are found by tracing the model on the first batch, and only where it is sure: every call of each of those
     layers reads that value (with the layer's input channels on its last axis), in the same program (not across a

@@ -561,6 +561,11 @@ def test_smoothquant_folds_into_the_linear_layer_before():
     np.testing.assert_allclose(columns * rows[:, 0], 1.0, rtol=4e-6)
 
 
+def _with_callback(y, h):
+    jax.debug.callback(lambda v: None, h)  # an operation without outputs that reads `h`
+    return y
+
+
 class _Pair(eqx.Module):
     """`fc1` (16 -> 16) before `fc2`, joined as `how` says; `fc3` and `c` for the cases that need them."""
 
@@ -590,12 +595,15 @@ class _Pair(eqx.Module):
             "called-twice": lambda: fc2(jax.nn.relu(fc1(jax.nn.relu(h)))),
             "weight-read": lambda: fc2(jax.nn.relu(h)) + fc1.weight @ x,
             "cast-to-integers": lambda: fc2((4 * h).astype(jnp.int32).astype(h.dtype)),
+            "leaves-read": lambda: fc2(jax.nn.relu(h)) + jax.tree_util.tree_leaves(fc1)[0] @ x,
+            "debug-callback": lambda: _with_callback(fc2(jax.nn.relu(h)), h),
+            "scanned-over": lambda: fc2(jax.lax.scan(lambda c, v: (c, v), jnp.float32(0), h)[1]),
         }[self.how]()
 
 
 _FOLDS = ["relu", "gated", "divided", "relu-plus-itself", "split-and-merged"]
 _KEEPS = ["gelu", "bias-between", "also-residual", "reversed", "permuted", "two-producers", "called-twice"]
-_KEEPS += ["weight-read", "cast-to-integers"]
+_KEEPS += ["weight-read", "cast-to-integers", "leaves-read", "debug-callback", "scanned-over"]
 X_PAIR = X_BLOCK.reshape(-1, 16)
 
 
@@ -605,11 +613,12 @@ def _pair(how):
 
 @pytest.mark.parametrize("how", slow_unless(["relu", "split-and-merged", "permuted", "two-producers"], _FOLDS + _KEEPS))
 def test_smoothquant_folds_into_a_linear_layer_only_where_the_factor_commutes(how):
-    """With `fc2` chosen: its factor folds into `fc1`'s rows and bias through ReLU, a gate's
-    product, a division, the sum of two such views and a reshape undone; not through GELU, a bias, a residual read of
-    `fc1`'s output, reversed or permuted channels, a product of two layers' outputs, a second call of `fc1`, a read
-    of `fc1.weight` or a cast to integers, where `fc1` keeps its arrays and `fc2` its multiplier. Either way the float function is
-    unchanged up to rounding."""
+    """With `fc2` chosen: its factor folds into `fc1`'s rows and bias through ReLU, a gate's product, a division, the
+    sum of two such views and a reshape undone; not through GELU, a bias, a residual read of `fc1`'s output,
+    reversed or permuted channels, a product of two layers' outputs, a second call of `fc1`, a read of `fc1.weight`
+    or of its leaves, a cast to integers, an effect reading it (a debug callback) or a scan along its channels
+    (one whose step returns no new value), where `fc1` keeps its arrays
+    and `fc2` its multiplier. Either way the float function is unchanged up to rounding."""
     model = _pair(how)
     chosen = lambda path, layer: path == "fc2"  # noqa: E731
     smoothed = eqx_quant.smoothquant(_w8a8(model), [X_PAIR], where=chosen)
@@ -627,6 +636,34 @@ def test_smoothquant_folds_into_a_linear_layer_only_where_the_factor_commutes(ho
         assert isinstance(fc2.input_transform, ScaleInput)
         assert_bitwise_equal(fc1.layer.weight, model.fc1.weight)
         assert_bitwise_equal(fc1.layer.bias, model.fc1.bias)
+    restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_PAIR))
+    np.testing.assert_allclose(restored, np.asarray(_apply(model, X_PAIR)), rtol=1e-5, atol=1e-5)
+
+
+class _Ensemble(eqx.Module):
+    """Two stacks of two layers computed all at once with `jax.vmap` (no scan): `how` pairs member `i` of `fc1s` with
+    member `i` of `fc2s`, or sums `fc1s`' outputs over the stack before `fc2s`."""
+
+    fc1s: eqx.nn.Linear
+    fc2s: eqx.nn.Linear
+    how: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        y = jax.nn.relu(jax.vmap(lambda f: f(x))(self.fc1s))  # (2, 16)
+        if self.how == "summed":
+            y = jnp.broadcast_to(jnp.sum(y, axis=0), y.shape)
+        return jax.vmap(lambda f, v: f(v))(self.fc2s, y)
+
+
+@pytest.mark.parametrize("how", slow_unless(["summed"], ["summed", "paired"]))
+def test_smoothquant_does_not_fold_a_stack_computed_all_at_once(how):
+    """A stack's members each have their own factor; computed all at once (`jax.vmap` over the stack, not a scan),
+    an operation may mix them (here a sum over the stack), so nothing folds, and the float function is unchanged."""
+    linears = lambda k: eqx.filter_vmap(lambda j: eqx.nn.Linear(16, 16, key=j))(jax.random.split(k))  # noqa: E731
+    model = init(lambda k: _Ensemble(linears(k), linears(jax.random.fold_in(k, 1)), how), 3)
+    smoothed = eqx_quant.smoothquant(_w8a8(model), [X_PAIR])
+    assert isinstance(smoothed.fc2s.input_transform, ScaleInput)
+    assert_bitwise_equal(smoothed.fc1s.layer.bias, model.fc1s.bias)
     restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_PAIR))
     np.testing.assert_allclose(restored, np.asarray(_apply(model, X_PAIR)), rtol=1e-5, atol=1e-5)
 
