@@ -70,7 +70,9 @@ def test_converted_w8a8_agrees_at_every_batch_size():
 def test_weight_only_layers_dequantize_one_weight_at_a_time(name):
     """Under `jit`, a converted weight-only model's dequantized weights are computed when their layers run: the
     program's temporary memory holds one of them, not all; its outputs and input gradients are the fake-quant
-    model's, bit for bit, batched or not, a NaN input included."""
+    model's, bit for bit, batched or not, a NaN input included, and so are those of a stack of copies of them (an
+    ensemble) run with `jax.vmap`, eagerly and under `jit` (where XLA sums the float ensemble's products in another
+    order than eagerly: each against the other model run the same way)."""
     # Three 64 x 64 layers (two groups of 32 per row for W4A16): computed at the start, the three dequantized weights
     # would all be alive at once, 3 * `one_weight` bytes of temporaries, and the bound below would fail.
     mlp = init(lambda key: eqx.nn.MLP(64, 64, 64, 2, activation=jax.nn.relu, key=key), 4)
@@ -94,6 +96,14 @@ def test_weight_only_layers_dequantize_one_weight_at_a_time(name):
     assert_bitwise_equal(*members)
     shared = [eqx.filter_vmap(lambda m: jax.vmap(m)(xs))(e) for e in ensembles]
     assert_bitwise_equal(*shared)
+    compiled = [eqx.filter_jit(eqx.filter_vmap(lambda m: jax.vmap(m)(xs)))(e) for e in ensembles]
+    assert_bitwise_equal(*compiled)
+    # Each example through every member, the members mapped inside the examples' map: a dependency of the stack of
+    # weights on the input would let XLA fuse it into their products and sum in another order.
+    inside = [
+        eqx.filter_jit(lambda e: jax.vmap(lambda x: eqx.filter_vmap(lambda m: m(x))(e))(xs))(e) for e in ensembles
+    ]
+    assert_bitwise_equal(*inside)
     loss = lambda model, x: jnp.sum(jnp.sin(jax.vmap(model)(x)))  # noqa: E731
     assert_bitwise_equal(jax.grad(loss, argnums=1)(converted, xs[::2]), jax.grad(loss, argnums=1)(fake, xs[::2]))
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_grid, integer_product, plan
-from .._misc import computed_before, one_program, read_through, whole_batch
+from .._misc import computed_before, one_program, read_through
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
 from ._layers import as_vector, check_input, check_matmul, check_transform, scalar_output
@@ -42,8 +42,9 @@ def _after(weight: Array, x: Array) -> Array:
     than float at batch 1. Computed when its layer runs, each dequantized weight reuses the previous one's memory.
 
     The dependency is a selection that changes no value: a weight entry that is NaN is replaced by NaN where the
-    first entry of `x` is NaN. Under `jax.vmap` it reads the first entry of the whole batch (`whole_batch`), so
-    that the weight stays one weight, not one per example. (`jax.lax.optimization_barrier` does not order XLA's CPU
+    first entry of `x` is NaN. Under `jax.vmap` it reads the first entry of the whole batch, so that the weight
+    stays one weight, not one per example; a weight mapped itself (a stack of layers run with `jax.vmap`) is taken
+    as it is. (`jax.lax.optimization_barrier` does not order XLA's CPU
     schedule.) Its derivative towards the weight is the identity. Other platforms than CPU take the weight as it
     is.
     """
@@ -69,7 +70,21 @@ def _select(weight: Array, x: Array) -> Array:
     return jax.lax.platform_dependent(weight, x, cpu=select, default=lambda weight, x: weight)
 
 
-_select_after = whole_batch(_select, batched_output=False)  # one weight, whatever the batch
+@jax.custom_batching.custom_vmap
+def _select_after(weight: Array, x: Array) -> Array:
+    return _select(weight, x)
+
+
+@_select_after.def_vmap
+def _select_after_rule(axis_size: int, in_batched: list[bool], weight: Array, x: Array) -> tuple[Array, bool]:
+    """Mapped over `x` alone: one weight for the whole batch, after its first entry. Mapped over the weight (one
+    per example: a stack of layers run with `jax.vmap`), the weight as it is: a selection of a stack of weights is
+    fused into their product by XLA's CPU compiler, which then sums in another order than the quantized layer's."""
+    del axis_size
+    weight_batched, x_batched = in_batched
+    if weight_batched:
+        return weight, True
+    return _select_after(weight, x), False
 
 
 class AbstractConvertedLayer(eqx.Module):
