@@ -171,9 +171,17 @@ def _inner(eqn: Any) -> Iterator[tuple[Any, list | None]]:
             yield jaxpr, [(i, False) for i in range(len(eqn.invars))] if followed else None
 
 
+class Found(NamedTuple):
+    """What `find_folds` finds: the folds, and the layers (of the targets and producers) whose weight or bias the
+    model reads besides calling them."""
+
+    folds: list[Fold]
+    read_elsewhere: frozenset[str]
+
+
 def find_folds(
     model: PyTree, targets: list[str], batch: PyTree, batched: bool, producers: list[str] | None = None
-) -> list[Fold]:
+) -> Found:
     """The groups of `targets` (paths of `QuantLinear` layers of `model`) whose input is a normalisation's output
     `a * γ (+ β)`, or the output of one of `producers` (paths of `QuantLinear` layers), that nothing else reads, found
     in the program of one call on `batch` (as calibration calls the model):
@@ -187,10 +195,12 @@ def find_folds(
         scan the producer's and the layers' weights are sliced together.
 
     A layer reached from two sources is left out of both, and so is a stack whose layers are not computed one at a
-    time (a scan stepping through their weights). Producers are marked by wrapping them: one whose weight or bias
-    the model reads besides calling it (`tree_leaves` of it, its `.weight` in a tied head) is left out, and if the
-    model cannot be traced that way at all, no layer folds into a producer."""
+    time (a scan stepping through their weights). Producers and targets are wrapped to count the reads of their
+    weights and biases besides their calls (`tree_leaves` of a layer, its `.weight` in a tied head): a producer
+    read so is left out, and those layers are returned. If the model cannot be traced with the wrappers at all, no
+    layer folds into a producer and no read is counted."""
     producers = list(producers or [])
+    wrapped = list(dict.fromkeys(producers + targets))  # the layers whose reads are counted
     index = {path: i for i, path in enumerate(targets)}
 
     def trace(produced: dict[str, int]):
@@ -218,9 +228,9 @@ def find_folds(
         return jax.make_jaxpr(call)(dynamic, batch), [path_string(p) for p, _ in flat], owners
 
     try:
-        closed, paths, stand_ins = trace({path: i for i, path in enumerate(producers)})
-    except Exception:  # the model reads a producer in a way the wrapper does not pass on: trace it without
-        producers = []
+        closed, paths, stand_ins = trace({path: i for i, path in enumerate(wrapped)})
+    except Exception:  # the model reads a layer in a way the wrapper does not pass on: trace it without
+        producers, wrapped = [], []
         closed, paths, stand_ins = trace({})
     ndims = {p: v.aval.ndim for v, p in zip(closed.jaxpr.invars, paths, strict=False)}
     top = {v: _Origin(p, v.aval.ndim - 1) for v, p in zip(closed.jaxpr.invars, paths, strict=False)}
@@ -237,6 +247,7 @@ def find_folds(
     def walk(jaxpr: Any, origins: dict) -> None:
         number = len(walks)
         walks.append((jaxpr, origins))
+        live = _live(jaxpr)[0]
         for eqn in jaxpr.eqns:
             viewed = [origins.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
             name, marked = eqn.primitive.name, _marked_layer(eqn)
@@ -244,6 +255,8 @@ def find_folds(
                 scope, i = marked
                 value = eqn.invars[0] if scope == _INPUT else eqn.outvars[0]
                 (calls if scope == _INPUT else outputs).setdefault(i, []).append(_Call(number, value, viewed[1]))
+                continue
+            if eqn not in live:  # its result is never used: its reads change nothing
                 continue
             if name == "convert_element_type" and viewed[0] is not None:
                 origins[eqn.outvars[0]] = viewed[0]
@@ -295,7 +308,9 @@ def find_folds(
         return weight is not None and len(weight.scans) == ndims[weight.path] - 2
 
     for i, produced in outputs.items():
-        if len(produced) != 1 or not one_at_a_time(produced[0].weight) or i in read_elsewhere:
+        if wrapped[i] not in producers or i in read_elsewhere:
+            continue
+        if len(produced) != 1 or not one_at_a_time(produced[0].weight):
             continue
         (out,) = produced
         reached = _follow(walks[out.walk][0], {out.value: (out.value.aval.ndim - 1,)}, top=True)
@@ -309,12 +324,43 @@ def find_folds(
             and calls[j][0].weight.scans == out.weight.scans  # pyright: ignore[reportOptionalMemberAccess]
             for j in layers
         ):
-            folds.append(Fold(None, None, tuple(targets[j] for j in layers), producers[i]))
+            folds.append(Fold(None, None, tuple(targets[j] for j in layers), wrapped[i]))
     claims: dict[str, int] = {}
     for f in folds:
         for layer in f.layers:
             claims[layer] = claims.get(layer, 0) + 1
-    return [f for f in folds if all(claims[layer] == 1 for layer in f.layers)]
+    unique = [f for f in folds if all(claims[layer] == 1 for layer in f.layers)]
+    return Found(unique, frozenset(wrapped[i] for i in read_elsewhere))
+
+
+def _live(jaxpr: Any) -> tuple[set, set]:
+    """The operations of `jaxpr` whose results the program uses (towards its outputs) or that have effects, and the
+    inputs of `jaxpr` they use. An operation holding programs uses the operands its programs use (a scan's carries
+    and a conditional's index always)."""
+    needed = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+    live = set()
+    for eqn in reversed(jaxpr.eqns):
+        if eqn.effects or any(v in needed for v in eqn.outvars):
+            live.add(eqn)
+            needed.update(_used_operands(eqn))
+    return live, {v for v in jaxpr.invars if v in needed}
+
+
+def _used_operands(eqn: Any) -> list:
+    """The operands of `eqn` that its computation uses: all, but those that its programs take and never use."""
+    operands = [v for v in eqn.invars if isinstance(v, jex.Var)]
+    subs = list(_inner(eqn))
+    if not subs or any(mapping is None for _, mapping in subs):
+        return operands
+    used, mapped = set(), set()
+    for sub, mapping in subs:
+        inputs = _live(sub)[1]
+        for v, operand in zip(sub.invars, mapping, strict=False):
+            if operand is not None:
+                mapped.add(operand[0])
+                if v in inputs:
+                    used.add(operand[0])
+    return [v for i, v in enumerate(eqn.invars) if isinstance(v, jex.Var) and (i in used or i not in mapped)]
 
 
 # The operations that commute with a positive per-channel factor on one operand, keeping its channels where they are.

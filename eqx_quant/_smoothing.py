@@ -246,6 +246,11 @@ def smoothquant(
     models agree bit for bit. Run it on the model from [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][]
     and [`eqx_quant.gptq`][], whose scales and Hessians then see the smoothed operands.
 
+    **Layers whose weight the model reads.** A layer whose weight or bias the model reads besides calling it (its
+    `.weight` in a tied head, `jax.tree_util.tree_leaves` of it; found on the model's program) would compute that
+    read with the transformed weight on an untransformed input: it is left as it is, with a warning, unless `where`
+    chooses it, which is a `ValueError`.
+
     **Non-finite data.** NaN and infinite calibration inputs count as zeros in the channels' maxima, with a
     warning that counts them per layer.
 
@@ -253,7 +258,7 @@ def smoothquant(
 
     - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
     - `batches`: an iterable of calibration inputs with a leading batch axis, as for [`eqx_quant.calibrate`][] (read
-        into a list first when `alpha` holds several values or `fold` is true).
+        into a list first: the model is traced on the first batch).
     - `alpha`: the migration strength in `[0, 1]`: 0 leaves the input as it is up to the weight's scale, 1 divides
         every input channel by its maximum. A sequence of such values is searched per layer (above; a group of
         layers folded into one normalisation searches one value, on the sum of its layers' errors).
@@ -282,6 +287,7 @@ def smoothquant(
 
     `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
     transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them). A
+    `UserWarning` naming the layers it leaves as they are because the model reads their weights (above). A
     `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
     """
     check_callable(model)
@@ -290,11 +296,11 @@ def smoothquant(
     _check_fold(fold)
     targets = _targets(model, where, lambda l: l.input_quant is not None, "smoothquant", "with an input quantizer",
                        _quantized_input)  # fmt: skip
-    if len(alphas) > 1 or fold:
-        batches = list(batches)  # read twice, or traced on its first batch
+    batches = list(batches)  # traced on its first batch, and read twice to search `alpha`
     found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
+    groups, read = _fold_groups(model, dict(targets), batches[0], batched, fold)
+    targets, groups = _leave_read_out(targets, groups, read, where, "smoothquant")
     layers = dict(targets)
-    groups = _fold_groups(model, layers, batches[0], batched) if fold else []  # pyright: ignore[reportIndexIssue]
     if fold == "only":
         targets = _only_folded(targets, groups, "smoothquant")
         layers = dict(targets)
@@ -354,21 +360,25 @@ def _place(
     return scale_leaves(_replace(model, done), leaf_factors)
 
 
-def _fold_groups(model: PyTree, layers: dict[str, QuantLinear], batch: PyTree, batched: bool) -> list[Fold]:
+def _fold_groups(
+    model: PyTree, layers: dict[str, QuantLinear], batch: PyTree, batched: bool, fold: bool | str
+) -> tuple[list[Fold], frozenset[str]]:
     """The groups of `layers` whose factors fold into a preceding normalisation's `γ` (and `β`), or into the rows
-    of a preceding linear layer: those of `find_folds` whose layers share their stack and input size, with `γ` of one
-    entry per channel per layer, or a producer of that stack and output size whose weight's rows keep their own
-    scales (`_rows_scale_alone`)."""
+    of a preceding linear layer (none unless `fold`): those of `find_folds` whose layers share their stack and input
+    size, with `γ` of one entry per channel per layer, or a producer of that stack and output size whose weight's
+    rows keep their own scales (`_rows_scale_alone`); and the layers whose weights the model reads besides calling
+    them."""
     leaves = jax.tree_util.tree_flatten_with_path(model)[0]
     shapes = {path_string(p): leaf.shape for p, leaf in leaves if eqx.is_array(leaf)}
     shared = [path for path, _ in nodes(model, (eqx.nn.Shared,))]
     everything = dict(nodes(model, (QuantLinear,)))
     producers = [
         path for path, layer in everything.items()
-        if not any(path == s or path.startswith(f"{s}.") for s in shared) and _rows_scale_alone(layer)
+        if fold and not any(path == s or path.startswith(f"{s}.") for s in shared) and _rows_scale_alone(layer)
     ]  # fmt: skip
+    found = find_folds(model, list(layers), batch, batched, producers)
     groups = []
-    for g in find_folds(model, list(layers), batch, batched, producers):
+    for g in found.folds if fold else []:
         stacks = {layer_stack(layers[p]) + (layers[p].layer.in_features,) for p in g.layers}
         if len(stacks) != 1:
             continue
@@ -379,7 +389,26 @@ def _fold_groups(model: PyTree, layers: dict[str, QuantLinear], batch: PyTree, b
                 groups.append(g)
         elif all(shapes.get(p) == stack for p in (g.gamma, g.beta) if p is not None):
             groups.append(g)
-    return groups
+    return groups, found.read_elsewhere
+
+
+def _leave_read_out(targets: list, groups: list[Fold], read: frozenset[str], where: Where, what: str):
+    """The targets and groups without the layers whose weights the model reads besides calling them (a tied head's
+    `layer.weight`), which a transform would leave computing with the transformed weight on the untransformed
+    input: left out with a warning where `where` is None, else a `ValueError`."""
+    chosen = [path for path, _ in targets if path in read]
+    if not chosen:
+        return targets, groups
+    why = (f"the model reads the weights of {chosen} besides calling them (their `.weight` in a tied head, say), "
+           f"which would then compute with the weight that `{what}` transforms, on an untransformed input")  # fmt: skip
+    if where is not None:
+        raise ValueError(f"Cannot transform the layers that `where` chooses: {why}. Exclude them with `where`.")
+    targets = [(path, layer) for path, layer in targets if path not in read]
+    if not targets:
+        raise ValueError(f"`{what}` would change nothing: {why}.")
+    warnings.warn(f"`{what}` leaves layers as they are: {why}. Choose the layers with `where` to silence this.",
+                  stacklevel=3)  # fmt: skip
+    return targets, [g for g in groups if not set(g.layers) & read]
 
 
 def _rows_scale_alone(layer: QuantLinear) -> bool:
@@ -620,6 +649,9 @@ def awq(
     smoothing of the inputs by `1 / s` also changes their rounding). Run it on the model from
     [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][] (AWQ then GPTQ combine).
 
+    **Layers whose weight the model reads** besides calling them are left as they are, as
+    [`eqx_quant.smoothquant`][] leaves them.
+
     **Non-finite data.** NaN and infinite calibration inputs are left out of the channels' means and count as
     zeros in the Gram matrices, with a warning that counts them per layer.
 
@@ -658,6 +690,7 @@ def awq(
 
     `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
     transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them). A
+    `UserWarning` naming the layers it leaves as they are because the model reads their weights (above). A
     `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
     """
     check_callable(model)
@@ -681,8 +714,9 @@ def awq(
     means = _statistics(model, targets, batches, batched, "channels", progress, "awq (statistics)")
     grams = _statistics(model, targets, batches, batched, "gram", progress, "awq (Gram matrices)")
     ratios = jnp.asarray(1 - np.arange(max(shrinks, 1)) / max(clip_grid, 1), jnp.float32)
+    folds, read = _fold_groups(model, dict(targets), batches[0], batched, fold)
+    targets, folds = _leave_read_out(targets, folds, read, where, "awq")
     layers = dict(targets)
-    folds = _fold_groups(model, layers, batches[0], batched) if fold else []
     if fold == "only" and not clip:  # the layers that do not fold would not change
         targets = _only_folded(targets, folds, "awq")
     unit_of = {path: (path,) for path, _ in targets} | {path: g.layers for g in folds for path in g.layers}
@@ -728,7 +762,10 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
     72, ...).
 
     Run it on the model from [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][]
-    (rotation then GPTQ combine).
+    (rotation then GPTQ combine). It takes no data, so it does not trace the model: a layer whose weight the model
+    reads besides calling it (its `.weight` in a tied head) would compute that read with the rotated weight on an
+    unrotated input. Leave such a layer out with `where` ([`eqx_quant.smoothquant`][] and [`eqx_quant.awq`][] find
+    and leave them out).
 
     **Arguments:**
 

@@ -721,6 +721,43 @@ def test_smoothquant_fold_only_smooths_the_layers_that_fold(tmp_path):
         eqx_quant.awq(quantized, [X_PAIR], fold="Only")  # (other types: tests/unhooked/check_errors.py)
 
 
+class _ReadsWeight(eqx.Module):
+    """`enc`'s weight is read again, transposed, besides its call (a tied decoder)."""
+
+    enc: eqx.nn.Linear
+    fc: eqx.nn.Linear
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.enc(x))
+        return self.fc(h) + self.enc.weight.T @ h
+
+
+def test_transforms_leave_out_layers_whose_weight_the_model_reads():
+    """A layer whose weight the model reads besides calling it would compute that read with the transformed weight:
+    `smoothquant` and `awq` leave it as it is with a warning naming it (and nothing folds into it), and refuse it
+    when `where` chooses it. The smoothed model's output error stays that of round to nearest's order, where
+    transforming `enc` made it hundreds of times larger."""
+    model = init(lambda k: _ReadsWeight(*(eqx.nn.Linear(16, 16, key=j) for j in jax.random.split(k))), 7)
+    quantized = _w8a8(model)
+    warning = r"`smoothquant` leaves layers as they are: the model reads the weights of \['enc'\] besides calling"
+    with pytest.warns(UserWarning, match=warning):
+        smoothed = eqx_quant.smoothquant(quantized, [X_PAIR])
+    assert smoothed.enc.input_transform is None and isinstance(smoothed.fc.input_transform, ScaleInput)
+    assert_bitwise_equal(smoothed.enc.layer.weight, model.enc.weight)
+    assert_bitwise_equal(smoothed.enc.layer.bias, model.enc.bias)
+    reference = _apply(model, X_PAIR)
+    plain_error = _rms(_apply(eqx_quant.calibrate(quantized, [X_PAIR]), X_PAIR), reference)
+    smoothed_error = _rms(_apply(eqx_quant.calibrate(smoothed, [X_PAIR]), X_PAIR), reference)
+    assert smoothed_error < 2 * plain_error, (smoothed_error, plain_error)
+    enc = lambda path, layer: path == "enc"  # noqa: E731
+    with pytest.raises(ValueError, match=r"reads the weights of \['enc'\] .* Exclude them with `where`"):
+        eqx_quant.smoothquant(quantized, [X_PAIR], where=enc)
+    w4 = eqx_quant.quantize(model, **eqx_quant.recipe("w4a16_g32", group_size=8))
+    with pytest.warns(UserWarning, match=r"`awq` leaves layers as they are: the model reads the weights of \['enc'\]"):
+        scaled = eqx_quant.awq(w4, [X_PAIR], fold=True)
+    assert_bitwise_equal(scaled.enc.layer.weight, model.enc.weight)
+
+
 class _NormLinearBare(eqx.Module):
     norm: eqx.nn.LayerNorm
     fc: eqx.nn.Linear
