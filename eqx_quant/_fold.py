@@ -7,6 +7,7 @@ model's program (its jaxpr), so that any model written that way is found: `eqx.n
 
 import functools
 import itertools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
@@ -204,7 +205,7 @@ def find_folds(
     index = {path: i for i, path in enumerate(targets)}
 
     def trace(produced: dict[str, int]):
-        stand_ins: dict[int, int] = {}  # the id of each stand-in, to its producer
+        owner_of: dict[int, int] = {}  # the id of each stand-in, to the index of its layer in `wrapped`
 
         def mark(path: str, layer: QuantLinear) -> eqx.Module:
             if path in index:
@@ -212,9 +213,9 @@ def find_folds(
                 layer = eqx.tree_at(lambda l: l.input_transform, layer, marked, is_leaf=lambda x: x is None)
             if path not in produced:
                 return layer
-            wrapped, arrays = _produces(layer, produced[path])
-            stand_ins.update({id(a): produced[path] for a in arrays})
-            return wrapped
+            wrapper, arrays = _produces(layer, produced[path])
+            owner_of.update({id(a): produced[path] for a in arrays})
+            return wrapper
 
         is_input = lambda x: eqx.is_array(x) or isinstance(x, jax.ShapeDtypeStruct)  # noqa: E731
         dynamic, static = eqx.partition(map_nodes(model, (QuantLinear,), mark), is_input)
@@ -224,12 +225,19 @@ def find_folds(
             return m(b) if batched else jax.vmap(m)(b)
 
         flat = jax.tree_util.tree_flatten_with_path(dynamic)[0]
-        owners = {path_string(p): stand_ins[id(leaf)] for p, leaf in flat if id(leaf) in stand_ins}
+        owners = {path_string(p): owner_of[id(leaf)] for p, leaf in flat if id(leaf) in owner_of}
         return jax.make_jaxpr(call)(dynamic, batch), [path_string(p) for p, _ in flat], owners
 
     try:
         closed, paths, stand_ins = trace({path: i for i, path in enumerate(wrapped)})
-    except Exception:  # the model reads a layer in a way the wrapper does not pass on: trace it without
+    except Exception as error:  # the model reads a layer in a way the wrapper does not pass on: trace it without
+        if wrapped:
+            warnings.warn(
+                f"The model could not be traced with its layers wrapped to see what reads them ({type(error).__name__}"
+                f": {error}). No layer's factors fold into a linear layer before it, and reads of a layer's weight "
+                "besides its call go unseen.",
+                stacklevel=4,
+            )
         producers, wrapped = [], []
         closed, paths, stand_ins = trace({})
     ndims = {p: v.aval.ndim for v, p in zip(closed.jaxpr.invars, paths, strict=False)}
@@ -365,7 +373,7 @@ def _used_operands(eqn: Any) -> list:
 
 # The operations that commute with a positive per-channel factor on one operand, keeping its channels where they are.
 _ELEMENTWISE = {"convert_element_type", "copy", "neg", "reduce_precision"}
-_LOOPS = {"scan", "while", "cond"}
+_CONTROL_FLOW = {"scan", "while", "cond"}
 
 
 def _follow(jaxpr: Any, tracked: dict, top: bool = False) -> tuple[list, dict] | None:
@@ -443,7 +451,7 @@ def _through(eqn: Any, axes: list, reached: list, producers: dict) -> list | Non
         return None if moved is None else [moved]
     if name == "dot_general":
         return _dot_general(eqn, followed[0], first)
-    if name in _LOOPS:
+    if name in _CONTROL_FLOW:
         return None
     subs = list(_inner(eqn))
     if len(subs) != 1 or subs[0][1] is None or len(subs[0][0].outvars) != len(eqn.outvars):

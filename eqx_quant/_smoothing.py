@@ -56,8 +56,8 @@ def _only_folded(targets: list, groups: list[Fold], what: str) -> list:
     kept = [(path, layer) for path, layer in targets if path in folded]
     if not kept:
         raise ValueError(
-            f"None of the chosen layers {[path for path, _ in targets]} reads a normalisation's or a linear layer's "
-            f"output that its factors could fold into: `{what}(..., fold='only')` would change nothing. "
+            f"None of the chosen layers {[path for path, _ in targets]} has factors that fold into a preceding "
+            f"normalisation or linear layer (see `fold`): `{what}(..., fold='only')` would change nothing. "
             "`fold=True` gives such layers a multiplier of their own."
         )
     return kept
@@ -279,7 +279,8 @@ def smoothquant(
 
     `ValueError`, naming the layer, if no layer is chosen, a chosen layer has no input quantizer, is inside an
     `eqx.nn.Shared`, already has an input transform or holds a fitted quantizer (static, learned: the order above),
-    or is never called on the batches, or with `fold="only"` if no chosen layer's factors fold; `ValueError` for an
+    or is never called on the batches, or with `fold="only"` if no chosen layer's factors fold, or if the model reads
+    the weight of every layer it would choose besides calling it (above); `ValueError` for an
     `alpha` outside `[0, 1]` or an empty sequence of them; `TypeError` for an `alpha` that is not a real number or a
     sequence of them; `TypeError` or `ValueError` for a `fold` other than `True`, `False` or `"only"`.
 
@@ -356,7 +357,7 @@ def _place(
         multiplier = multipliers[g.layers]
         leaf_factors.update({p: multiplier for p in (g.gamma, g.beta) if p is not None})
         if g.producer is not None:
-            done[g.producer] = _divide_rows(done.get(g.producer, everything[g.producer]), multiplier)
+            done[g.producer] = _scale_rows(done.get(g.producer, everything[g.producer]), multiplier)
     return scale_leaves(_replace(model, done), leaf_factors)
 
 
@@ -374,11 +375,13 @@ def _fold_groups(
     everything = dict(nodes(model, (QuantLinear,)))
     producers = [
         path for path, layer in everything.items()
-        if fold and not any(path == s or path.startswith(f"{s}.") for s in shared) and _rows_scale_alone(layer)
+        if not any(path == s or path.startswith(f"{s}.") for s in shared) and _rows_scale_alone(layer)
     ]  # fmt: skip
-    found = find_folds(model, list(layers), batch, batched, producers)
+    found = find_folds(model, list(layers), batch, batched, producers if fold else [])
+    if not fold:  # traced for the reads alone
+        return [], found.read_elsewhere
     groups = []
-    for g in found.folds if fold else []:
+    for g in found.folds:
         stacks = {layer_stack(layers[p]) + (layers[p].layer.in_features,) for p in g.layers}
         if len(stacks) != 1:
             continue
@@ -426,9 +429,9 @@ def _rows_scale_alone(layer: QuantLinear) -> bool:
     return tile != row if tile is not None else row in q.layout.channel_axes(shape)
 
 
-def _divide_rows(layer: QuantLinear, multiplier: Array) -> QuantLinear:
-    """`layer` computing its output times `multiplier` (one entry per output channel, per layer of a stack): its
-    weight's rows and its bias multiplied by it, in their dtypes."""
+def _scale_rows(layer: QuantLinear, multiplier: Array) -> QuantLinear:
+    """`layer` computing its output times `multiplier` (`1 / s`, one entry per output channel, per layer of a
+    stack): its weight's rows and its bias multiplied by it, in their dtypes."""
     inner = layer.layer
     weight = (inner.weight * multiplier[..., :, None].astype(inner.weight.dtype)).astype(inner.weight.dtype)
     if inner.bias is None:
@@ -640,7 +643,8 @@ def awq(
     normalisation or linear layer (see there), `1 / s` is folded the same way, and the layer holds no
     `ScaleInput`: it computes as a plain layer, which the exporters take. The layers that read one normalisation's
     output (a query, key and value projection) then share one `s`, searched on the sum of their errors, as AWQ's
-    paper searches them. Off by default: each layer's own search can only do as well or better on its own error,
+    paper searches them; layers that read different views of one layer's output (`b(relu(h))` and `c(h)`) keep
+    factors of their own. Off by default: each layer's own search can only do as well or better on its own error,
     at the cost of one product per input and of a layer the exporters refuse.
 
     The weight quantizer is applied as the layer applies it, so the search works for every weight format and
@@ -682,7 +686,8 @@ def awq(
     `eqx.nn.Shared`, already has an input transform, holds a fitted quantizer (run `awq` before `gptq`,
     `calibrate`, `learn_scales`), has a weight layout other than per
     tensor, per row or per group of columns, or is never called on the batches, or with `fold="only"` and
-    `clip=False` if no chosen layer's factors fold; `ValueError` or `TypeError` for `grid` (at least 2),
+    `clip=False` if no chosen layer's factors fold, or if the model reads the weight of every layer it would choose
+    besides calling it; `ValueError` or `TypeError` for `grid` (at least 2),
     `clip_grid` or `max_shrink` out of range (with `clip=True`, at least two ratios), or a `fold` other than
     `True`, `False` or `"only"`.
 
@@ -717,6 +722,18 @@ def awq(
     folds, read = _fold_groups(model, dict(targets), batches[0], batched, fold)
     targets, folds = _leave_read_out(targets, folds, read, where, "awq")
     layers = dict(targets)
+
+    def statistics(path: str) -> list[np.ndarray]:
+        stack = layer_stack(layers[path])
+        return [_stacked(means[path], name, stack) for name in ("channel_abssum", "count")] + [
+            _stacked(grams[path], "gram", stack)
+        ]
+
+    def one_input(group: Fold) -> bool:  # the layers read one value (after a norm), not two views of a layer's output
+        first = statistics(group.layers[0])
+        return all(all(map(np.array_equal, first, statistics(p))) for p in group.layers[1:])
+
+    folds = [g for g in folds if one_input(g)]  # the others' layers keep factors of their own
     if fold == "only" and not clip:  # the layers that do not fold would not change
         targets = _only_folded(targets, folds, "awq")
     unit_of = {path: (path,) for path, _ in targets} | {path: g.layers for g in folds for path in g.layers}
@@ -724,7 +741,7 @@ def awq(
     multipliers, weights = {}, {}
     for unit in progress_bar(list(dict.fromkeys(unit_of.values())), progress, "awq (layers)"):
         scaled_too = fold != "only" or unit in folded  # else the clipping alone, with no multiplier
-        # The layers of a unit read one input: the first one's statistics are all of theirs.
+        # The layers of a unit read one value (`one_input`): the first one's statistics are all of theirs.
         stack, n = layer_stack(layers[unit[0]]), layers[unit[0]].layer.in_features
         count = np.maximum(_stacked(means[unit[0]], "count", stack), 1)
         x_mean = (_stacked(means[unit[0]], "channel_abssum", stack) / count).reshape(-1, n)

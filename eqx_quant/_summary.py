@@ -96,7 +96,7 @@ class Summary:
 def _quantizes(row: SummaryRow) -> bool:
     """Whether `row` quantizes anything: its weight, its input, or an operand of its product (whatever its kind: a
     float subclass of a layer counts as float)."""
-    described = [row.weight, *row.input.rsplit(", then ", 1)[-1].split(" x ")]
+    described = [row.weight.removeprefix("tied, "), *row.input.rsplit(", then ", 1)[-1].split(" x ")]
     return any(d not in ("float", "tied", "-") for d in described)
 
 
@@ -145,7 +145,9 @@ def _layer_row(path: str, layer: Any) -> SummaryRow:
     if isinstance(layer, AbstractQuantLayer) and not isinstance(float_layer, eqx.nn.Embedding):
         inputs = describe_quantizer(layer.input_quant)
     if not eqx.is_array(weight):  # the placeholder of an `eqx.nn.Shared` tie: the weight is another layer's
-        return SummaryRow(path, kind, "tied", inputs, None, None, None)
+        quantizer = layer.weight_quant if isinstance(layer, AbstractQuantLayer) else None
+        tied = "tied" if quantizer is None else f"tied, {describe_quantizer(quantizer)}"  # quantized again here
+        return SummaryRow(path, kind, tied, inputs, None, None, None)
     float_bytes = weight.size * weight.dtype.itemsize
     if not isinstance(layer, AbstractQuantLayer):
         return SummaryRow(path, kind, "float", inputs, None, float_bytes, float_bytes)

@@ -585,6 +585,7 @@ class _Pair(eqx.Module):
             "divided": lambda: fc2(h / (1 + jnp.abs(x))),
             "relu-plus-itself": lambda: fc2(jax.nn.relu(h) + h),
             "split-and-merged": lambda: fc2(jnp.transpose(jnp.transpose(h.reshape(2, 8))).reshape(16)),
+            "weight-read-unused": lambda: (lambda unused: fc2(jax.nn.relu(h)))(jnp.sum(fc1.weight)),
             # Through operations that do not.
             "gelu": lambda: fc2(jax.nn.gelu(h)),
             "bias-between": lambda: fc2(h + self.c),
@@ -601,7 +602,7 @@ class _Pair(eqx.Module):
         }[self.how]()
 
 
-_FOLDS = ["relu", "gated", "divided", "relu-plus-itself", "split-and-merged"]
+_FOLDS = ["relu", "gated", "divided", "relu-plus-itself", "split-and-merged", "weight-read-unused"]
 _KEEPS = ["gelu", "bias-between", "also-residual", "reversed", "permuted", "two-producers", "called-twice"]
 _KEEPS += ["weight-read", "cast-to-integers", "leaves-read", "debug-callback", "scanned-over"]
 X_PAIR = X_BLOCK.reshape(-1, 16)
@@ -614,7 +615,8 @@ def _pair(how):
 @pytest.mark.parametrize("how", slow_unless(["relu", "split-and-merged", "permuted", "two-producers"], _FOLDS + _KEEPS))
 def test_smoothquant_folds_into_a_linear_layer_only_where_the_factor_commutes(how):
     """With `fc2` chosen: its factor folds into `fc1`'s rows and bias through ReLU, a gate's product, a division, the
-    sum of two such views and a reshape undone; not through GELU, a bias, a residual read of `fc1`'s output,
+    sum of two such views and a reshape undone, also where the model reads `fc1.weight` but drops what it computed;
+    not through GELU, a bias, a residual read of `fc1`'s output,
     reversed or permuted channels, a product of two layers' outputs, a second call of `fc1`, a read of `fc1.weight`
     or of its leaves, a cast to integers, an effect reading it (a debug callback) or a scan along its channels
     (one whose step returns no new value), where `fc1` keeps its arrays
@@ -1137,6 +1139,36 @@ def test_awq_fold_only_clips_the_layers_that_do_not_fold(tmp_path):
     c = lambda path, layer: path == "c"  # noqa: E731
     with pytest.raises(ValueError, match=r"None of the chosen layers \['c'\] .* `awq\(..., fold='only'\)`"):
         eqx_quant.awq(q, AWQ_BATCHES, fold="only", clip=False, where=c)
+
+
+class _TwoViews(eqx.Module):
+    fc1: eqx.nn.Linear
+    b: eqx.nn.Linear
+    c: eqx.nn.Linear
+
+    def __call__(self, x):
+        h = self.fc1(x)
+        return self.b(jax.nn.relu(h)) + self.c(h)
+
+
+def test_layers_reading_two_views_of_one_output_share_a_fold_in_smoothquant_only():
+    """`b` reads ReLU of `fc1`'s output and `c` the output itself. SmoothQuant folds both into `fc1`'s rows with one
+    factor (from the larger of their channels' maxima); AWQ, whose search needs one set of statistics per factor,
+    gives each its own multiplier, the one `fold=False` gives it, whatever the order of the layers."""
+    model = init(lambda k: _TwoViews(*(eqx.nn.Linear(16, 16, key=j) for j in jax.random.split(k, 3))), 11)
+    smoothed = eqx_quant.smoothquant(_w8a8(model), [X_PAIR])
+    assert smoothed.b.input_transform is None and smoothed.c.input_transform is None
+    rows = np.asarray(smoothed.fc1.layer.weight, np.float64) / (
+        np.asarray(model.fc1.weight) * np.asarray(smoothed.fc1.input_transform.multiplier)[None, :] ** -1
+    )
+    for name in ("b", "c"):
+        columns = np.asarray(getattr(smoothed, name).layer.weight, np.float64) / np.asarray(getattr(model, name).weight)
+        np.testing.assert_allclose(columns * rows[:, :1].T, 1.0, rtol=4e-6)
+    w4 = eqx_quant.quantize(model, **eqx_quant.recipe("w4a16_g32", group_size=8))
+    folded, separate = eqx_quant.awq(w4, [X_PAIR], fold=True), eqx_quant.awq(w4, [X_PAIR])
+    for name in ("b", "c"):
+        got = getattr(folded, name).input_transform.multiplier
+        assert_bitwise_equal(got, getattr(separate, name).input_transform.multiplier)
 
 
 def test_awq_errors():

@@ -249,12 +249,15 @@ def test_shared_tie_survives_quantize_training_and_convert(token_batches, tmp_pa
         eqx.filter_jit(lambda m, t: m(t))(converted, tokens), eqx.filter_jit(lambda m, t: m(t))(qmodel, tokens)
     )
     # Saved converted, it loads into the float model and into its shape skeleton; the summary names the head's
-    # input quantizer beside its tied weight.
+    # weight and input quantizers beside its tie, and counts it as quantized.
     converted = convert(calibrated)
     eqx_quant.save(tmp_path / "shared.eqx", converted)
     expected = eqx.filter_jit(lambda m, t: m(t))(converted, tokens)
     for like in (model, eqx.filter_eval_shape(SharedLM, jax.random.key(7))):
         loaded = eqx_quant.load(tmp_path / "shared.eqx", like)
         assert_bitwise_equal(eqx.filter_jit(lambda m, t: m(t))(loaded, tokens), expected)
-    (row,) = [r for r in eqx_quant.summary(converted).rows if r.path == "shared.pytree.1"]
-    assert (row.weight, row.input) == ("tied", "int8 static, per tensor")
+    table = eqx_quant.summary(converted)
+    (row,) = [r for r in table.rows if r.path == "shared.pytree.1"]
+    # The tied layer quantizes the other layer's (dequantized) weight again with its own quantizer.
+    assert (row.weight, row.input) == ("tied, int8 dynamic, per channel (axis 0)", "int8 static, per tensor")
+    assert f"{len(table.rows)} of {len(table.rows)} quantized" in str(table)
