@@ -18,6 +18,7 @@ import numpy as np
 from jax.extend import core as jex
 from jaxtyping import Array, PyTree
 
+from ._misc import reshape_blocks
 from ._tree import map_nodes, path_string
 from .nn._layers import QuantLinear
 from .nn._transforms import AbstractInputTransform
@@ -247,6 +248,7 @@ def find_folds(
     outputs: dict[int, list[_Call]] = {}  # per producer: the marks of its output
     walks: list[tuple[Any, dict]] = []  # each walk of a program (one may be walked at several call sites)
     scans = itertools.count()  # a number per scan operation walked
+    liveness: dict = {}  # `_live`'s answers, per program
 
     def read(origin: _Origin | None) -> None:
         if origin is not None:
@@ -255,7 +257,7 @@ def find_folds(
     def walk(jaxpr: Any, origins: dict) -> None:
         number = len(walks)
         walks.append((jaxpr, origins))
-        live = _live(jaxpr)[0]
+        live = _live(jaxpr, liveness)[0]
         for eqn in jaxpr.eqns:
             viewed = [origins.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
             name, marked = eqn.primitive.name, _marked_layer(eqn)
@@ -341,20 +343,22 @@ def find_folds(
     return Found(unique, frozenset(wrapped[i] for i in read_elsewhere))
 
 
-def _live(jaxpr: Any) -> tuple[set, set]:
+def _live(jaxpr: Any, memo: dict) -> tuple[set, set]:
     """The operations of `jaxpr` whose results the program uses (towards its outputs) or that have effects, and the
     inputs of `jaxpr` they use. An operation holding programs uses the operands its programs use (a scan's carries
-    and a conditional's index always)."""
-    needed = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
-    live = set()
-    for eqn in reversed(jaxpr.eqns):
-        if eqn.effects or any(v in needed for v in eqn.outvars):
-            live.add(eqn)
-            needed.update(_used_operands(eqn))
-    return live, {v for v in jaxpr.invars if v in needed}
+    and a conditional's index always). `memo` keeps the answer for each program (by its id, while it is alive)."""
+    if id(jaxpr) not in memo:
+        needed = {v for v in jaxpr.outvars if isinstance(v, jex.Var)}
+        live = set()
+        for eqn in reversed(jaxpr.eqns):
+            if eqn.effects or any(v in needed for v in eqn.outvars):
+                live.add(eqn)
+                needed.update(_used_operands(eqn, memo))
+        memo[id(jaxpr)] = live, {v for v in jaxpr.invars if v in needed}
+    return memo[id(jaxpr)]
 
 
-def _used_operands(eqn: Any) -> list:
+def _used_operands(eqn: Any, memo: dict) -> list:
     """The operands of `eqn` that its computation uses: all, but those that its programs take and never use."""
     operands = [v for v in eqn.invars if isinstance(v, jex.Var)]
     subs = list(_inner(eqn))
@@ -362,7 +366,7 @@ def _used_operands(eqn: Any) -> list:
         return operands
     used, mapped = set(), set()
     for sub, mapping in subs:
-        inputs = _live(sub)[1]
+        inputs = _live(sub, memo)[1]
         for v, operand in zip(sub.invars, mapping, strict=False):
             if operand is not None:
                 mapped.add(operand[0])
@@ -381,13 +385,13 @@ def _follow(jaxpr: Any, tracked: dict, top: bool = False) -> tuple[list, dict] |
     through `jaxpr`: the marked layer inputs they reach (`(index, value)` pairs) and, for a sub-program, the positions
     of its outputs they reach, with their axes; `None` if any operation reads one in a way that does not commute with
     a positive per-channel factor, or (`top`) the program returns one."""
-    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
     reached: list = []
     for eqn in jaxpr.eqns:
         axes = [tracked.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
         if all(a is None for a in axes):
             continue
-        out = _through(eqn, axes, reached, producers)
+        out = _through(eqn, axes, reached, made_by)
         if out is None:
             return None
         tracked.update({v: a for v, a in zip(eqn.outvars, out, strict=True) if a is not None})
@@ -397,17 +401,17 @@ def _follow(jaxpr: Any, tracked: dict, top: bool = False) -> tuple[list, dict] |
     return reached, returned
 
 
-def _zero(v: Any, producers: dict) -> bool:
+def _zero(v: Any, made_by: dict) -> bool:
     """Whether `v` is a literal 0, or a broadcast or cast of one."""
     if isinstance(v, jex.Literal):
         return bool(np.all(np.asarray(v.val) == 0))
-    eqn = producers.get(v)
+    eqn = made_by.get(v)
     if eqn is not None and eqn.primitive.name in ("broadcast_in_dim", "convert_element_type"):
-        return _zero(eqn.invars[0], producers)
+        return _zero(eqn.invars[0], made_by)
     return False
 
 
-def _through(eqn: Any, axes: list, reached: list, producers: dict) -> list | None:
+def _through(eqn: Any, axes: list, reached: list, made_by: dict) -> list | None:
     """The channel axes of the outputs of `eqn`, given those of its inputs (`None` where an input is not followed),
     if it commutes with a positive per-channel factor on the followed inputs; `None` otherwise. A marked layer input
     is recorded in `reached`."""
@@ -428,7 +432,7 @@ def _through(eqn: Any, axes: list, reached: list, producers: dict) -> list | Non
         return [first] if floating else None  # a cast to integers rounds
     if name in ("mul", "div", "max") and len(followed) == 1 and shapes[followed[0]] == out_shape:
         other = eqn.invars[1 - followed[0]]
-        if name == "mul" or (name == "div" and followed == [0]) or (name == "max" and _zero(other, producers)):
+        if name == "mul" or (name == "div" and followed == [0]) or (name == "max" and _zero(other, made_by)):
             return [first]
         return None
     if name in ("add", "sub", "add_any") and len(followed) == 2 and axes[0] == axes[1] and shapes[0] == shapes[1]:
@@ -488,22 +492,7 @@ def _reshaped(source: tuple, target: tuple, axes: tuple[int, ...]) -> tuple[int,
     if it mixes the channels with other axes."""
     if any(source[a] == 1 for a in axes):
         return None
-    left = [i for i, n in enumerate(source) if n != 1]
-    right = [j for j, n in enumerate(target) if n != 1]
-    blocks, i, j = [], 0, 0  # runs of axes of equal products
-    while i < len(left) and j < len(right):
-        into, outof = [left[i]], [right[j]]
-        size, other = source[left[i]], target[right[j]]
-        i, j = i + 1, j + 1
-        while size != other:
-            if size < other:
-                into.append(left[i])
-                size, i = size * source[left[i]], i + 1
-            else:
-                outof.append(right[j])
-                other, j = other * target[right[j]], j + 1
-        blocks.append((into, outof))
-    block = {a: (into, outof) for into, outof in blocks for a in into}
+    block = {a: (into, outof) for into, outof in reshape_blocks(source, target) for a in into}
     moved, k = [], 0
     while k < len(axes):
         into, outof = block[axes[k]]
@@ -528,7 +517,7 @@ def _affine(jaxpr: Any, value: Any, marks: int, origins: dict, uses: dict) -> _A
     """`value` as `a * γ + β` or `a * γ` in `jaxpr`, if it is read by the `marks` marked calls alone, each of `γ`,
     `β` a per-channel view of a leaf read by that operation alone, and the intermediate product read by the sum
     alone."""
-    producers = {v: e for e in jaxpr.eqns for v in e.outvars}
+    made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
     readers: dict = {}
     for v in [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars):
         if isinstance(v, jex.Var):
@@ -543,14 +532,14 @@ def _affine(jaxpr: Any, value: Any, marks: int, origins: dict, uses: dict) -> _A
             return None
         return o.path if all(d == 1 for d in v.aval.shape[:-1]) else None
 
-    eqn = producers.get(value)
+    eqn = made_by.get(value)
     beta = None
     if eqn is not None and eqn.primitive.name == "add":
         a, b = eqn.invars
         beta, product = (per_channel(b), a) if per_channel(b) is not None else (per_channel(a), b)
         if beta is None or not isinstance(product, jex.Var) or readers.get(product) != 1:
             return None
-        eqn = producers.get(product)
+        eqn = made_by.get(product)
     if eqn is None or eqn.primitive.name != "mul":
         return None
     for g in eqn.invars:

@@ -90,6 +90,27 @@ def whole_batch(fn: Callable[[Any, Array], Array], *, batched_output: bool) -> C
     return call
 
 
+def reshape_blocks(source: Sequence[int], target: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """A reshape from shape `source` to shape `target` as runs of axes of equal size: pairs `(into, outof)` of the
+    axes of `source` that merge or split into the axes of `target`, in order (axes of length 1 are in none)."""
+    left = [i for i, n in enumerate(source) if n != 1]
+    right = [j for j, n in enumerate(target) if n != 1]
+    blocks, i, j = [], 0, 0
+    while i < len(left) and j < len(right):
+        into, outof = [left[i]], [right[j]]
+        size, other = source[left[i]], target[right[j]]
+        i, j = i + 1, j + 1
+        while size != other:
+            if size < other:
+                into.append(left[i])
+                size, i = size * source[left[i]], i + 1
+            else:
+                outof.append(right[j])
+                other, j = other * target[right[j]], j + 1
+        blocks.append((into, outof))
+    return blocks
+
+
 def read_through(wrapper: object, field: str, name: str) -> Any:
     """The attribute `name` of the module that `wrapper` holds in `field`: what a wrapping module's `__getattr__`
     returns, so that it reads like the module it wraps. Private names and `field` itself (looked up before the

@@ -375,9 +375,9 @@ def _fold_groups(
     everything = dict(nodes(model, (QuantLinear,)))
     producers = [
         path for path, layer in everything.items()
-        if not any(path == s or path.startswith(f"{s}.") for s in shared) and _rows_scale_alone(layer)
+        if fold and not any(path == s or path.startswith(f"{s}.") for s in shared) and _rows_scale_alone(layer)
     ]  # fmt: skip
-    found = find_folds(model, list(layers), batch, batched, producers if fold else [])
+    found = find_folds(model, list(layers), batch, batched, producers)
     if not fold:  # traced for the reads alone
         return [], found.read_elsewhere
     groups = []
@@ -723,15 +723,17 @@ def awq(
     targets, folds = _leave_read_out(targets, folds, read, where, "awq")
     layers = dict(targets)
 
-    def statistics(path: str) -> list[np.ndarray]:
-        stack = layer_stack(layers[path])
-        return [_stacked(means[path], name, stack) for name in ("channel_abssum", "count")] + [
-            _stacked(grams[path], "gram", stack)
-        ]
+    # Per layer, over the calibration data (with the stack's axes in front): the sum of `|x|` per channel, the
+    # count of those, and the Gram matrix.
+    stats = {
+        path: tuple(_stacked(found, name, layer_stack(layer)) for found, name in
+                    ((means[path], "channel_abssum"), (means[path], "count"), (grams[path], "gram")))
+        for path, layer in targets
+    }  # fmt: skip
 
     def one_input(group: Fold) -> bool:  # the layers read one value (after a norm), not two views of a layer's output
-        first = statistics(group.layers[0])
-        return all(all(map(np.array_equal, first, statistics(p))) for p in group.layers[1:])
+        first = stats[group.layers[0]]
+        return all(all(map(np.array_equal, first, stats[p])) for p in group.layers[1:])
 
     folds = [g for g in folds if one_input(g)]  # the others' layers keep factors of their own
     if fold == "only" and not clip:  # the layers that do not fold would not change
@@ -743,14 +745,14 @@ def awq(
         scaled_too = fold != "only" or unit in folded  # else the clipping alone, with no multiplier
         # The layers of a unit read one value (`one_input`): the first one's statistics are all of theirs.
         stack, n = layer_stack(layers[unit[0]]), layers[unit[0]].layer.in_features
-        count = np.maximum(_stacked(means[unit[0]], "count", stack), 1)
-        x_mean = (_stacked(means[unit[0]], "channel_abssum", stack) / count).reshape(-1, n)
-        gram = _stacked(grams[unit[0]], "gram", stack).reshape(-1, n, n)
+        abssum, count, gram = stats[unit[0]]
+        x_mean = (abssum / np.maximum(count, 1)).reshape(-1, n)
+        gram = gram.reshape(-1, n, n)
         flat = {p: layers[p].layer.weight.reshape((-1,) + layers[p].layer.weight.shape[-2:]) for p in unit}
+        quantizers = [layers[p].weight_quant for p in unit]
         found, scaled = [], {p: [] for p in unit}
         for i in range(gram.shape[0]):
             g_i, m_i = jnp.asarray(gram[i], jnp.float32), jnp.asarray(x_mean[i], jnp.float32)
-            quantizers = [layers[p].weight_quant for p in unit]
             multiplier = jnp.ones((n,), jnp.float32)
             if scaled_too:
                 multiplier = _awq_scales(quantizers, [flat[p][i] for p in unit], g_i, m_i, grid)

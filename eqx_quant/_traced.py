@@ -24,7 +24,7 @@ from jaxtyping import PyTree
 from ._format import IntFormat
 from ._int_ops import INT32_MAX, any_float64, group_sums, integer_grid, opaque, sum_in_order
 from ._layout import Layout
-from ._misc import computed_before, flat, whole_batch
+from ._misc import computed_before, flat, reshape_blocks, whole_batch
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant
 from ._tree import path_string
@@ -134,23 +134,8 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkp
 
 def _reshape_axes(src: _View, shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> _View:
     """The view after a reshape: axes that merge or split share their leaf axes; unit axes hold none."""
-    kept_in = [i for i, n in enumerate(shape_in) if n != 1]
-    kept_out = [j for j, n in enumerate(shape_out) if n != 1]
     axes: list[tuple[int, ...]] = [()] * len(shape_out)
-    i = j = 0
-    while i < len(kept_in) or j < len(kept_out):
-        group_in, group_out = [kept_in[i]], [kept_out[j]]
-        size_in, size_out = shape_in[kept_in[i]], shape_out[kept_out[j]]
-        i, j = i + 1, j + 1
-        while size_in != size_out:
-            if size_in < size_out:
-                group_in.append(kept_in[i])
-                size_in *= shape_in[kept_in[i]]
-                i += 1
-            else:
-                group_out.append(kept_out[j])
-                size_out *= shape_out[kept_out[j]]
-                j += 1
+    for group_in, group_out in reshape_blocks(shape_in, shape_out):
         spanned = tuple(sorted({a for k in group_in for a in src.axes[k]}))
         for k in group_out:
             axes[k] = spanned

@@ -1099,46 +1099,39 @@ def test_awq_folds_where_asked_with_one_search_per_shared_input(tmp_path):
         eqx_quant.export_safetensors(tmp_path / "unfolded.safetensors", unfolded)
 
 
-class _AwqGelu(eqx.Module):
-    norm: eqx.nn.LayerNorm
-    a: eqx.nn.Linear
-    c: eqx.nn.Linear
-
-    def __call__(self, x):
-        return self.c(jax.nn.gelu(self.a(self.norm(x))))
-
-
 @pytest.mark.slow
 def test_awq_fold_only_clips_the_layers_that_do_not_fold(tmp_path):
-    """`fold="only"`: `a` (after the norm) is scaled, its factor folded; `c` (after GELU) is only clipped, with no
-    multiplier: each row and group at the ratio of least twin error on `c`'s inputs (GELU of `a`'s outputs with `a`'s
-    quantized weight). No layer keeps a transform and the converted model exports. With `clip=False` and no layer
-    that folds, it is a ValueError."""
+    """`fold="only"`: `fc1` (after the norm) is scaled, its factor folded; `fc2` (after GELU) is only clipped, with
+    no multiplier: each row and group at the ratio of least twin error on `fc2`'s inputs (GELU of `fc1`'s outputs
+    with `fc1`'s quantized weight). No layer keeps a transform and the converted model exports. With `clip=False`
+    and no layer that folds, it is a ValueError."""
     model = init(
-        lambda k: _AwqGelu(eqx.nn.LayerNorm(64), *(eqx.nn.Linear(64, 64, key=j) for j in jax.random.split(k))), 5
+        lambda k: _NormGelu(eqx.nn.LayerNorm(64), *(eqx.nn.Linear(64, 64, key=j) for j in jax.random.split(k))), 5
     )
     q = eqx_quant.quantize(model, **eqx_quant.recipe("w4a16_g32"))
     only = eqx_quant.awq(q, AWQ_BATCHES, fold="only")
-    assert only.a.input_transform is None and only.c.input_transform is None
+    assert only.fc1.input_transform is None and only.fc2.input_transform is None
     assert not np.array_equal(np.asarray(only.norm.weight), np.asarray(model.norm.weight))
-    w_c, clipped = np.asarray(model.c.weight), np.asarray(only.c.layer.weight)
-    top = np.abs(w_c).reshape(64, 2, 32).max(axis=-1)
+    w_2, clipped = np.asarray(model.fc2.weight), np.asarray(only.fc2.layer.weight)
+    top = np.abs(w_2).reshape(64, 2, 32).max(axis=-1)
     got = np.abs(clipped).reshape(64, 2, 32).max(axis=-1) / top
     ratios = 1 - np.arange(10) / 20
     index = np.argmin(np.abs(got[None] - ratios[:, None, None]), axis=0)
     np.testing.assert_allclose(got, ratios[index], rtol=1e-6)
     limit = np.repeat(np.abs(clipped).reshape(64, 2, 32).max(axis=-1), 32, axis=1)
-    assert_bitwise_equal(only.c.layer.weight, np.clip(w_c, -limit, limit))
+    assert_bitwise_equal(only.fc2.layer.weight, np.clip(w_2, -limit, limit))
     h = np.asarray(jax.vmap(model.norm)(X_AWQ), np.float64)
-    x_c = _gelu(h @ _rtn(np.asarray(model.a.weight), 32).astype(np.float64).T + np.asarray(model.a.bias, np.float64))
-    errors = _awq_clip_errors(w_c, np.ones(64), x_c, 32, ratios)
+    x_2 = _gelu(
+        h @ _rtn(np.asarray(model.fc1.weight), 32).astype(np.float64).T + np.asarray(model.fc1.bias, np.float64)
+    )
+    errors = _awq_clip_errors(w_2, np.ones(64), x_2, 32, ratios)
     chosen = np.take_along_axis(errors, index[None], axis=0)[0]
     np.testing.assert_array_less(chosen, errors.min(axis=0) * (1 + 1e-4) + 1e-9)
     assert np.any(index > 0)
     eqx_quant.export_safetensors(tmp_path / "only.safetensors", eqx_quant.convert(only))
-    c = lambda path, layer: path == "c"  # noqa: E731
-    with pytest.raises(ValueError, match=r"None of the chosen layers \['c'\] .* `awq\(..., fold='only'\)`"):
-        eqx_quant.awq(q, AWQ_BATCHES, fold="only", clip=False, where=c)
+    fc2 = lambda path, layer: path == "fc2"  # noqa: E731
+    with pytest.raises(ValueError, match=r"None of the chosen layers \['fc2'\] .* `awq\(..., fold='only'\)`"):
+        eqx_quant.awq(q, AWQ_BATCHES, fold="only", clip=False, where=fc2)
 
 
 class _TwoViews(eqx.Module):
