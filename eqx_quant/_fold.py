@@ -1,9 +1,10 @@
 """Where a per-channel factor on a layer's input can be folded into the model: layers whose input is a
 normalisation's output `a * γ` or `a * γ + β` (`γ`, `β` array leaves of the model, one entry per channel), read by
-those layers only; and layers whose input is a preceding linear layer's output seen through operations that commute
-with a positive per-channel factor (ReLU, a gate's product, attention's mixing of the tokens, reshapes). Found on the
-model's program (its jaxpr), so that any model written that way is found: `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`,
-`eqx.nn.MLP`, `eqx.nn.MultiheadAttention` and a model's own."""
+those layers only; and layers whose input is a preceding linear layer's output, or a part of its channels (the values
+of a fused query-key-value projection), seen through operations that commute with a positive per-channel factor
+(ReLU, a gate's product, attention's mixing of the tokens, reshapes). Found on the model's program (its jaxpr), so
+that any model written that way is found: `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`, `eqx.nn.MLP`,
+`eqx.nn.MultiheadAttention` and a model's own."""
 
 import functools
 import itertools
@@ -102,12 +103,14 @@ def _produces(layer: QuantLinear, index: int) -> tuple[_Produces, list[jax.Shape
 class Fold(NamedTuple):
     """Layers whose common input is `a * γ (+ β)` (the paths of the leaves `γ` and `β`, or None) or the output of
     the linear layer at `producer` (seen through operations that commute with a positive per-channel factor): the
-    paths of those and of the layers."""
+    paths of those and of the layers, and the producer's output channels (`rows` of its weight) that the layers'
+    input channels are, in order (None: all of them, in order)."""
 
     gamma: str | None
     beta: str | None
     layers: tuple[str, ...]
     producer: str | None = None
+    rows: tuple[int, ...] | None = None
 
 
 class _Origin(NamedTuple):
@@ -185,16 +188,17 @@ def find_folds(
     model: PyTree, targets: list[str], batch: PyTree, batched: bool, producers: list[str] | None = None
 ) -> Found:
     """The groups of `targets` (paths of `QuantLinear` layers of `model`) whose input is a normalisation's output
-    `a * γ (+ β)`, or the output of one of `producers` (paths of `QuantLinear` layers), that nothing else reads, found
-    in the program of one call on `batch` (as calibration calls the model):
+    `a * γ (+ β)`, or channels of the output of one of `producers` (paths of `QuantLinear` layers), that nothing else
+    reads, found in the program of one call on `batch` (as calibration calls the model):
 
     - after a normalisation, every call of each layer of a group reads that value (with its input channels on the
         value's last axis), `γ` and `β` are leaves of one entry per input channel read by that operation alone, and
         in a scan they are sliced together with the layers' weights;
-    - after a producer, the model calls the producer and each layer of the group once, the producer's output
-        reaches the layers' inputs (channels on their last axes) only through operations that commute with a positive
-        factor per channel (`_through`) and nothing else reads it or what those operations make of it, and in a
-        scan the producer's and the layers' weights are sliced together.
+    - after a producer, the model calls the producer and each layer of the group once, the layers' inputs (channels
+        on their last axes) are the same channels of the producer's output (all, or a part: `Fold.rows`) seen only
+        through operations that commute with a positive factor per channel (`_through`), nothing else reads those
+        channels or what those operations make of them (the other channels may be read in any way), and in a scan
+        the producer's and the layers' weights are sliced together.
 
     A layer reached from two sources is left out of both, and so is a stack whose layers are not computed one at a
     time (a scan stepping through their weights). Producers and targets are wrapped to count the reads of their
@@ -323,18 +327,31 @@ def find_folds(
         if len(produced) != 1 or not one_at_a_time(produced[0].weight):
             continue
         (out,) = produced
-        reached = _follow(walks[out.walk][0], {out.value: (out.value.aval.ndim - 1,)}, top=True)
-        if not reached:
-            continue
-        layers = sorted({j for j, _ in reached[0]})
-        if all(
-            len(calls.get(j, ())) == 1
-            and any(calls[j][0].value is v for k, v in reached[0] if k == j)
-            and one_at_a_time(calls[j][0].weight)
-            and calls[j][0].weight.scans == out.weight.scans  # pyright: ignore[reportOptionalMemberAccess]
-            for j in layers
-        ):
-            folds.append(Fold(None, None, tuple(targets[j] for j in layers), wrapped[i]))
+        n = out.value.aval.shape[-1]
+        spoilt = np.zeros(n, bool)
+        start = {out.value: _Track((out.value.aval.ndim - 1,), np.arange(n))}
+        readers = {}  # per part of the producer's channels, the layers reading it
+        found = _follow(walks[out.walk][0], start, spoilt, top=True)
+        for j, value, channels in found.reached:
+            call = calls[j][0]
+            if (
+                len(calls[j]) == 1
+                and call.value is value
+                and one_at_a_time(call.weight)
+                and (
+                    call.weight.scans == out.weight.scans  # pyright: ignore[reportOptionalMemberAccess]
+                )
+            ):
+                readers.setdefault(channels.tobytes(), (channels, set()))[1].add(j)
+            else:  # a layer that will not fold reads these channels: they must stay as they are
+                spoilt[channels] = True
+        counts = np.zeros(n, int)
+        for channels, _ in readers.values():
+            np.add.at(counts, channels, 1)
+        for channels, layers in readers.values():
+            if not spoilt[channels].any() and np.all(counts[channels] == 1):
+                rows = None if np.array_equal(channels, np.arange(n)) else tuple(channels.tolist())
+                folds.append(Fold(None, None, tuple(targets[j] for j in sorted(layers)), wrapped[i], rows))
     claims: dict[str, int] = {}
     for f in folds:
         for layer in f.layers:
@@ -378,103 +395,173 @@ def _used_operands(eqn: Any, memo: dict) -> list:
 # The operations that commute with a positive per-channel factor on one operand, keeping its channels where they are.
 _ELEMENTWISE = {"convert_element_type", "copy", "neg", "reduce_precision"}
 _CONTROL_FLOW = {"scan", "while", "cond"}
+_COMPARISONS = {"gt", "ge", "lt", "le", "eq", "ne"}  # with 0: a positive factor changes no sign
 
 
-def _follow(jaxpr: Any, tracked: dict, top: bool = False) -> tuple[list, dict] | None:
-    """Follows the values of `tracked` (each with the axes that hold a producer's channels, most significant first)
-    through `jaxpr`: the marked layer inputs they reach (`(index, value)` pairs) and, for a sub-program, the positions
-    of its outputs they reach, with their axes; `None` if any operation reads one in a way that does not commute with
-    a positive per-channel factor, or (`top`) the program returns one."""
+class _Track(NamedTuple):
+    """A followed value: its axes that hold a producer's channels (most significant first), and the producer's
+    channel at each position of those axes (an array of their sizes)."""
+
+    axes: tuple[int, ...]
+    channels: np.ndarray
+
+    def same(self, other: "_Track") -> bool:
+        return self.axes == other.axes and np.array_equal(self.channels, other.channels)
+
+
+class _Followed(NamedTuple):
+    """What `_follow` finds: the marked layer inputs reached (`(index, value, channels)`, the producer's channel of
+    each of the layer's input channels), and the program's outputs reached (by position)."""
+
+    reached: list
+    returned: dict
+
+
+def _follow(
+    jaxpr: Any, tracked: dict, spoilt: np.ndarray, zeros: frozenset = frozenset(), top: bool = False
+) -> _Followed:
+    """Follows the values of `tracked` (`_Track`s) through `jaxpr`, whose inputs `zeros` are zeros. An operation
+    that reads one in a way that does not commute with a positive per-channel factor spoils the channels it reads
+    (`spoilt`, a mask over the producer's channels), and so does (`top`) returning one. A value of spoilt channels
+    alone is no longer followed: they keep their values, and so does it."""
     made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
     reached: list = []
     for eqn in jaxpr.eqns:
-        axes = [tracked.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
-        if all(a is None for a in axes):
+        tracks = [tracked.get(v) if isinstance(v, jex.Var) else None for v in eqn.invars]
+        tracks = [None if t is None or spoilt[t.channels].all() else t for t in tracks]
+        if all(t is None for t in tracks):
             continue
-        out = _through(eqn, axes, reached, made_by)
+        out = _through(eqn, tracks, reached, spoilt, lambda v: _zero(v, made_by, zeros))
         if out is None:
-            return None
-        tracked.update({v: a for v, a in zip(eqn.outvars, out, strict=True) if a is not None})
+            for t in tracks:
+                if t is not None:
+                    spoilt[t.channels] = True
+            continue
+        tracked.update({v: t for v, t in zip(eqn.outvars, out, strict=True) if t is not None})
     returned = {i: tracked[v] for i, v in enumerate(jaxpr.outvars) if isinstance(v, jex.Var) and v in tracked}
-    if top and returned:
-        return None
-    return reached, returned
+    if top:
+        for t in returned.values():
+            spoilt[t.channels] = True
+        returned = {}
+    return _Followed(reached, returned)
 
 
-def _zero(v: Any, made_by: dict) -> bool:
-    """Whether `v` is a literal 0, or a broadcast or cast of one."""
+def _zero(v: Any, made_by: dict, zeros: frozenset) -> bool:
+    """Whether `v` is a literal 0, one of `zeros`, or a broadcast or cast of one."""
     if isinstance(v, jex.Literal):
         return bool(np.all(np.asarray(v.val) == 0))
+    if v in zeros:
+        return True
     eqn = made_by.get(v)
     if eqn is not None and eqn.primitive.name in ("broadcast_in_dim", "convert_element_type"):
-        return _zero(eqn.invars[0], made_by)
+        return _zero(eqn.invars[0], made_by, zeros)
     return False
 
 
-def _through(eqn: Any, axes: list, reached: list, made_by: dict) -> list | None:
-    """The channel axes of the outputs of `eqn`, given those of its inputs (`None` where an input is not followed),
-    if it commutes with a positive per-channel factor on the followed inputs; `None` otherwise. A marked layer input
-    is recorded in `reached`."""
+def _through(eqn: Any, tracks: list, reached: list, spoilt: np.ndarray, zero: Callable[[Any], bool]) -> list | None:
+    """The `_Track`s of the outputs of `eqn` (`None` where an output is not followed), given those of its inputs
+    (`None` where an input is not followed), if it commutes with a positive per-channel factor on the followed
+    inputs; `None` otherwise. A marked layer input is recorded in `reached`; a sub-program is followed with the
+    channels already `spoilt`; `zero(v)` tells whether an operand is zero."""
     if not eqn.outvars:  # an effect (a debug print, say): not followed
         return None
     name, shapes = eqn.primitive.name, [v.aval.shape for v in eqn.invars]
     out_shape = eqn.outvars[0].aval.shape
-    followed = [i for i, a in enumerate(axes) if a is not None]
-    first = axes[followed[0]]
+    followed = [i for i, t in enumerate(tracks) if t is not None]
+    first = tracks[followed[0]]
+    one = len(followed) == 1
     marked = _marked_layer(eqn)
     if marked is not None:
-        if marked[0] == _INPUT and followed == [0] and first == (len(shapes[0]) - 1,):
-            reached.append((marked[1], eqn.invars[0]))
+        if marked[0] == _INPUT and followed == [0] and first.axes == (len(shapes[0]) - 1,):
+            reached.append((marked[1], eqn.invars[0], first.channels))
             return [None] * len(eqn.outvars)
         return None
     if name in _ELEMENTWISE:
         floating = jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.floating)
         return [first] if floating else None  # a cast to integers rounds
-    if name in ("mul", "div", "max") and len(followed) == 1 and shapes[followed[0]] == out_shape:
+    if name in ("mul", "div", "max", "min") and one and shapes[followed[0]] == out_shape:
         other = eqn.invars[1 - followed[0]]
-        if name == "mul" or (name == "div" and followed == [0]) or (name == "max" and _zero(other, made_by)):
+        if name == "mul" or (name == "div" and followed == [0]) or (name in ("max", "min") and zero(other)):
             return [first]
         return None
-    if name in ("add", "sub", "add_any") and len(followed) == 2 and axes[0] == axes[1] and shapes[0] == shapes[1]:
+    if name in _COMPARISONS and one:
+        return [None] if zero(eqn.invars[1 - followed[0]]) else None  # a sign, which the factor keeps
+    if name == "select_n" and 0 not in followed:
+        cases = [i for i in range(1, len(tracks)) if i not in followed]
+        same = all(tracks[i].same(first) and shapes[i] == out_shape for i in followed)
+        return [first] if same and all(zero(eqn.invars[i]) for i in cases) else None
+    if name in ("add", "sub", "add_any") and len(followed) == 2 and first.same(tracks[1]) and shapes[0] == shapes[1]:
         return [first]  # both carry the same factor
-    if len(followed) != 1:
+    subs = list(_inner(eqn))
+    if subs:  # a call of a program (an inner `jax.jit`, a custom derivative's function): followed into it
+        if name in _CONTROL_FLOW or len(subs) != 1 or subs[0][1] is None or len(subs[0][0].outvars) != len(eqn.outvars):
+            return None
+        sub, operands = subs[0]
+        inner = {
+            v: tracks[position]
+            for v, (position, _) in zip(sub.invars, operands, strict=True)
+            if tracks[position] is not None
+        }
+        zeros = frozenset(
+            v for v, (position, _) in zip(sub.invars, operands, strict=True) if zero(eqn.invars[position])
+        )
+        found = _follow(sub, inner, spoilt, zeros)
+        reached.extend(found.reached)
+        return [found.returned.get(i) for i in range(len(eqn.outvars))]
+    if not one:
         return None
     if name == "transpose":
         permutation = list(eqn.params["permutation"])
-        return [tuple(permutation.index(a) for a in first)]
+        return [first._replace(axes=tuple(permutation.index(a) for a in first.axes))]
     if name == "broadcast_in_dim":
         dims = eqn.params["broadcast_dimensions"]
-        return [tuple(dims[a] for a in first)] if all(out_shape[dims[a]] == shapes[0][a] for a in first) else None
-    if name in ("squeeze", "reduce_sum"):
-        dropped = eqn.params["dimensions" if name == "squeeze" else "axes"]
-        if any(a in dropped for a in first):
+        if any(out_shape[dims[a]] != shapes[0][a] for a in first.axes):
             return None
-        return [tuple(a - sum(d < a for d in dropped) for a in first)]
+        return [first._replace(axes=tuple(dims[a] for a in first.axes))]
+    if name in ("squeeze", "reduce_sum", "reduce_max", "reduce_min"):
+        dropped = eqn.params["dimensions" if name == "squeeze" else "axes"]
+        if name != "squeeze" and any(a in dropped for a in first.axes):
+            return None  # a sum or maximum over channels
+        kept = _without_single(first, set(dropped))
+        return None if kept is None else [kept._replace(axes=tuple(a - sum(d < a for d in dropped) for a in kept.axes))]
     if name == "reshape" and eqn.params.get("dimensions") is None:
-        moved = _reshaped(shapes[0], out_shape, first)
-        return None if moved is None else [moved]
+        kept = _without_single(first, {a for a in first.axes if shapes[0][a] == 1})
+        moved = None if kept is None else _reshaped(shapes[0], out_shape, kept.axes)
+        return None if moved is None else [_Track(moved, kept.channels.reshape([out_shape[a] for a in moved]))]
+    if name == "slice":
+        strides = eqn.params["strides"] or (1,) * len(out_shape)
+        taken = tuple(
+            slice(eqn.params["start_indices"][a], eqn.params["limit_indices"][a], strides[a]) for a in first.axes
+        )
+        return [first._replace(channels=first.channels[taken])]
+    if name == "split":
+        axis, sizes = eqn.params["axis"], eqn.params["sizes"]
+        if axis not in first.axes:
+            return [first] * len(sizes)
+        j, starts = first.axes.index(axis), np.cumsum([0, *sizes])
+        return [
+            first._replace(channels=np.take(first.channels, range(a, b), axis=j)) for a, b in itertools.pairwise(starts)
+        ]
     if name == "dot_general":
         return _dot_general(eqn, followed[0], first)
-    if name in _CONTROL_FLOW:
-        return None
-    subs = list(_inner(eqn))
-    if len(subs) != 1 or subs[0][1] is None or len(subs[0][0].outvars) != len(eqn.outvars):
-        return None
-    sub, operands = subs[0]
-    inner = {v: axes[position] for v, (position, _) in zip(sub.invars, operands, strict=True) if axes[position]}
-    found = _follow(sub, inner)
-    if found is None:
-        return None
-    reached.extend(found[0])
-    return [found[1].get(i) for i in range(len(eqn.outvars))]
+    return None
 
 
-def _dot_general(eqn: Any, side: int, axes: tuple[int, ...]) -> list | None:
-    """The channel axes of a `dot_general`'s output, with those of operand `side` given (the other not followed):
-    the channels must not be contracted."""
+def _without_single(track: _Track, axes: set) -> _Track | None:
+    """`track` without those of `axes` that are its channel axes (each of size 1); `None` if none would be left."""
+    keep = [j for j, a in enumerate(track.axes) if a not in axes]
+    if not keep:
+        return None
+    gone = tuple(j for j in range(len(track.axes)) if j not in keep)
+    return _Track(tuple(track.axes[j] for j in keep), track.channels.squeeze(gone) if gone else track.channels)
+
+
+def _dot_general(eqn: Any, side: int, track: _Track) -> list | None:
+    """The `_Track` of a `dot_general`'s output, with that of operand `side` given (the other not followed): the
+    channels must not be contracted."""
     (contracting, batch) = [pair[side] for pair in eqn.params["dimension_numbers"]]
     ndims = [v.aval.ndim for v in eqn.invars]
-    if any(a in contracting for a in axes):
+    if any(a in contracting for a in track.axes):
         return None
     free = [
         [i for i in range(ndims[s]) if i not in eqn.params["dimension_numbers"][0][s]
@@ -483,7 +570,7 @@ def _dot_general(eqn: Any, side: int, axes: tuple[int, ...]) -> list | None:
     ]  # fmt: skip
     offset = len(batch) + (len(free[0]) if side == 1 else 0)
     position = {b: k for k, b in enumerate(batch)} | {f: offset + k for k, f in enumerate(free[side])}
-    return [tuple(position[a] for a in axes)]
+    return [track._replace(axes=tuple(position[a] for a in track.axes))]
 
 
 def _reshaped(source: tuple, target: tuple, axes: tuple[int, ...]) -> tuple[int, ...] | None:

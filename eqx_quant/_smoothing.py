@@ -225,14 +225,17 @@ def smoothquant(
         query, key and value projections after one norm, say) share one `s`, from the largest magnitudes of all
         their weights' columns.
     - *A preceding linear layer's output*, seen through operations that commute with a positive factor per channel:
-        ReLU, a product with another value (a gated MLP's `up` projection before `down`), the attention's mixing of
-        the tokens (the value projection before the output projection, through the reshapes into heads and back),
-        transposes and casts. The preceding layer's weight rows and bias are multiplied by `1 / s` (whether or not
-        `where` chooses it). Its quantization is unchanged up to rounding, which needs each of its weight's scales to
-        cover part of one row: no weight quantizer, or a dynamic one with float32 scales per row or per group along
-        the rows (not one scale per tensor, nor the power-of-two or float16 scales of MX or GGML formats). Nothing
-        else may read the preceding layer's output or what those operations make of it (a residual sum, GELU), nor
-        its weight or bias (its `.weight` in a tied head, `jax.tree_util.tree_leaves` of it); the model calls it and
+        ReLU (also leaky, or as a clip or a selection against 0), a product with another value (a gated MLP's `up`
+        projection before `down`), the attention's mixing of the tokens (the value projection before the output
+        projection, through the reshapes into heads and back), transposes and casts. The preceding layer's weight
+        rows and bias are multiplied by `1 / s` (whether or not `where` chooses it): all of them, or where the
+        layer reads one part of its channels (split, sliced or indexed off: the values of a fused query-key-value
+        projection), the rows of that part alone. Its quantization is unchanged up to rounding, which needs each of
+        its weight's scales to cover part of one row: no weight quantizer, or a dynamic one with float32 scales per
+        row or per group along the rows (not one scale per tensor, nor the power-of-two or float16 scales of MX or
+        GGML formats). Nothing else may read those channels of the preceding layer's output or what those
+        operations make of them (a residual sum, GELU; the other parts may be read in any way), nor the layer's
+        weight or bias (its `.weight` in a tied head, `jax.tree_util.tree_leaves` of it); the model calls it and
         the layers once, and in a stack one layer at a time (a scan stepping through their weights, not a
         `jax.vmap` over them, under which an operation could mix the layers' outputs).
 
@@ -357,7 +360,7 @@ def _place(
         multiplier = multipliers[g.layers]
         leaf_factors.update({p: multiplier for p in (g.gamma, g.beta) if p is not None})
         if g.producer is not None:
-            done[g.producer] = _scale_rows(done.get(g.producer, everything[g.producer]), multiplier)
+            done[g.producer] = _scale_rows(done.get(g.producer, everything[g.producer]), multiplier, g.rows)
     return scale_leaves(_replace(model, done), leaf_factors)
 
 
@@ -388,7 +391,8 @@ def _fold_groups(
         (stack,) = stacks
         if g.producer is not None:
             producer = everything[g.producer]
-            if layer_stack(producer) + (producer.layer.out_features,) == stack:
+            size = producer.layer.out_features if g.rows is None else len(g.rows)
+            if layer_stack(producer) + (size,) == stack:
                 groups.append(g)
         elif all(shapes.get(p) == stack for p in (g.gamma, g.beta) if p is not None):
             groups.append(g)
@@ -429,10 +433,14 @@ def _rows_scale_alone(layer: QuantLinear) -> bool:
     return tile != row if tile is not None else row in q.layout.channel_axes(shape)
 
 
-def _scale_rows(layer: QuantLinear, multiplier: Array) -> QuantLinear:
-    """`layer` computing its output times `multiplier` (`1 / s`, one entry per output channel, per layer of a
-    stack): its weight's rows and its bias multiplied by it, in their dtypes."""
+def _scale_rows(layer: QuantLinear, multiplier: Array, rows: tuple[int, ...] | None = None) -> QuantLinear:
+    """`layer` computing its output times `multiplier` (`1 / s`, per layer of a stack: one entry per output channel,
+    or per channel of `rows`, the others left as they are): its weight's rows and its bias multiplied by it, in their
+    dtypes."""
     inner = layer.layer
+    if rows is not None:
+        ones = jnp.ones((*multiplier.shape[:-1], inner.out_features), multiplier.dtype)
+        multiplier = ones.at[..., np.asarray(rows)].set(multiplier)
     weight = (inner.weight * multiplier[..., :, None].astype(inner.weight.dtype)).astype(inner.weight.dtype)
     if inner.bias is None:
         return eqx.tree_at(lambda l: l.layer.weight, layer, weight)

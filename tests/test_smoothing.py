@@ -642,6 +642,81 @@ def test_smoothquant_folds_into_a_linear_layer_only_where_the_factor_commutes(ho
     np.testing.assert_allclose(restored, np.asarray(_apply(model, X_PAIR)), rtol=1e-5, atol=1e-5)
 
 
+class _Fused(eqx.Module):
+    """`fc1` (16 -> 48, a fused projection) before `fc2` (16 -> 16), which reads a part of its output as `how`
+    says; `fc3` (16 -> 16) for the case that needs it."""
+
+    fc1: eqx.nn.Linear
+    fc2: eqx.nn.Linear
+    fc3: eqx.nn.Linear
+    how: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        fc2, h = self.fc2, self.fc1(x)
+        q, k, v = jnp.split(h, 3)
+        return {
+            # One part of the channels reaches `fc2` through operations that commute with the factor; the others
+            # are read in any way.
+            "split-values": lambda: fc2(
+                (jax.nn.softmax(jnp.sum(q.reshape(2, 8) * k.reshape(2, 8), -1))[:, None] * v.reshape(2, 8)).reshape(16)
+            ),
+            "gate-up": lambda: fc2(jax.nn.silu(h[:16]) * h[16:32]),
+            "head-indexed": lambda: fc2(h.reshape(3, 2, 8)[2].reshape(16)) + jnp.tanh(h[0]),
+            "where-relu": lambda: fc2(jnp.where(v > 0, v, 0.0)),
+            "leaky-relu": lambda: fc2(jax.nn.leaky_relu(v)),
+            "clipped-below": lambda: fc2(jnp.clip(v, 0)),
+            "masked": lambda: fc2(jnp.where(x > 0, v, 0.0)),
+            # Where the part `fc2` reads is also read otherwise, or is not one part.
+            "overlapping": lambda: fc2(h[8:24]) + jnp.sum(jax.nn.gelu(h[16:32])),
+            "two-parts-summed": lambda: fc2(q + k),
+            "thresholded": lambda: fc2(jnp.where(v > 1, v, 0.0)),
+            "relu6": lambda: fc2(jax.nn.relu6(v)),
+            "read-by-another-layer": lambda: fc2(v) + self.fc3(v),
+        }[self.how]()
+
+
+_FUSED_FOLDS = {"split-values": 32, "gate-up": 16, "head-indexed": 32, "where-relu": 32, "leaky-relu": 32}
+_FUSED_FOLDS |= {"clipped-below": 32, "masked": 32}  # the first row of the part `fc2` reads
+_FUSED_KEEPS = ["overlapping", "two-parts-summed", "thresholded", "relu6", "read-by-another-layer"]
+
+
+@pytest.mark.parametrize(
+    "how", slow_unless(["split-values", "clipped-below", "overlapping"], [*_FUSED_FOLDS, *_FUSED_KEEPS])
+)
+def test_smoothquant_folds_into_the_part_of_a_fused_layer_that_a_layer_reads(how):
+    """With `fc2` chosen: where it reads one part of the fused `fc1`'s output (a split, a slice, an index after a
+    reshape into parts) through operations that commute with the factor (also a select against a sign or a mask,
+    leaky ReLU, a clip from 0 below), and nothing else reads that part so, its factor folds into those rows of `fc1`
+    and their biases, and every other row stays bit for bit as it was; where the part is read otherwise (a GELU of
+    overlapping channels, a sum of two parts, a threshold other than 0, ReLU6, another layer), `fc1` keeps its arrays
+    and `fc2` its multiplier. Either way the float function is unchanged up to rounding."""
+    keys = jax.random.split(jax.random.key(4), 3)
+    model = _Fused(eqx.nn.Linear(16, 48, key=keys[0]), eqx.nn.Linear(16, 16, key=keys[1]),
+                   eqx.nn.Linear(16, 16, key=keys[2]), how)  # fmt: skip
+    chosen = lambda path, layer: path == "fc2"  # noqa: E731
+    smoothed = eqx_quant.smoothquant(_w8a8(model), [X_PAIR], where=chosen)
+    fc1, fc2 = smoothed.fc1, smoothed.fc2
+    if how in _FUSED_FOLDS:
+        part = np.arange(_FUSED_FOLDS[how], _FUSED_FOLDS[how] + 16)
+        others = np.setdiff1d(np.arange(48), part)
+        assert fc2.input_transform is None
+        assert_bitwise_equal(fc1.layer.weight[others], model.fc1.weight[others])
+        assert_bitwise_equal(fc1.layer.bias[others], model.fc1.bias[others])
+        rows = np.asarray(fc1.layer.weight[part], np.float64) / np.asarray(model.fc1.weight[part])
+        np.testing.assert_allclose(rows, np.broadcast_to(rows[:, :1], rows.shape), rtol=2e-6)
+        bias = np.asarray(fc1.layer.bias[part], np.float64) / np.asarray(model.fc1.bias[part])
+        np.testing.assert_allclose(bias, rows[:, 0], rtol=2e-6)
+        columns = np.asarray(fc2.layer.weight, np.float64) / np.asarray(model.fc2.weight)
+        np.testing.assert_allclose(columns * rows[:, 0], 1.0, rtol=4e-6)
+        assert not np.allclose(rows[:, 0], 1.0)
+    else:
+        assert isinstance(fc2.input_transform, ScaleInput)
+        assert_bitwise_equal(fc1.layer.weight, model.fc1.weight)
+        assert_bitwise_equal(fc1.layer.bias, model.fc1.bias)
+    restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_PAIR))
+    np.testing.assert_allclose(restored, np.asarray(_apply(model, X_PAIR)), rtol=1e-5, atol=1e-5)
+
+
 class _Ensemble(eqx.Module):
     """Two stacks of two layers computed all at once with `jax.vmap` (no scan): `how` pairs member `i` of `fc1s` with
     member `i` of `fc2s`, or sums `fc1s`' outputs over the stack before `fc2s`."""
@@ -833,7 +908,8 @@ def test_smoothquant_does_not_fold_into_layers_where_leaves_out():
 @pytest.mark.slow
 def test_smoothquant_folds_into_a_stacked_model_norm_and_searches_per_group():
     """A scanned decoder whose own RMSNorm multiplies by its weight last: `qkv` folds into `norm1`, `gate` and `up`
-    (one group: one factor) into `norm2`, and `down` into `up`'s rows, per layer of the stack; with several
+    (one group: one factor) into `norm2`, `down` into `up`'s rows and `out` into the rows of `qkv` that make the
+    values (the split of the fused projection is followed), per layer of the stack; with several
     `alpha`s the group chooses one; the float function is unchanged up to rounding; converted == fake-quant bit for
     bit."""
     lm = init(lambda k: DecoderLM(k), 7)
@@ -847,7 +923,13 @@ def test_smoothquant_folds_into_a_stacked_model_norm_and_searches_per_group():
     # `down` reads `silu(gate(u)) * up(u)`: it folds into `up`'s rows (`up` holds no bias), per layer of the stack.
     down = factor("down")[:, :1, :]  # (layers, 1, 2 * dim): `s`, the same in every row
     np.testing.assert_allclose(factor("down"), np.broadcast_to(down, factor("down").shape), rtol=2e-6)
-    columns = {"qkv": factor("qkv"), "gate": factor("gate"), "up": factor("up") * np.swapaxes(down, 1, 2)}
+    # `out` reads the values, `qkv`'s output channels from `2 * dim` on, through the attention: it folds into those
+    # rows of `qkv`, whose other rows keep only the columns' factor.
+    out = factor("out")[:, :1, :]
+    np.testing.assert_allclose(factor("out"), np.broadcast_to(out, factor("out").shape), rtol=2e-6)
+    undo = np.ones_like(factor("qkv")[:, :, :1])
+    undo[:, 32:] = np.swapaxes(out, 1, 2)
+    columns = {"qkv": factor("qkv") * undo, "gate": factor("gate"), "up": factor("up") * np.swapaxes(down, 1, 2)}
     for name, got in columns.items():
         assert getattr(blocks, name).input_transform is None
         np.testing.assert_allclose(got, np.broadcast_to(got[:, :1, :], got.shape), rtol=4e-6)
@@ -857,7 +939,7 @@ def test_smoothquant_folds_into_a_stacked_model_norm_and_searches_per_group():
     norm2 = np.asarray(blocks.norm2.weight, np.float64) / np.asarray(plain.norm2.weight)
     np.testing.assert_allclose(norm2 * factor("gate")[:, 0], 1.0, rtol=4e-6)
     assert blocks.down.input_transform is None
-    assert isinstance(blocks.out.input_transform, ScaleInput)  # after a fused projection split into q, k and v
+    assert blocks.out.input_transform is None
     float_out = np.asarray(_apply(lm, tokens))
     np.testing.assert_allclose(np.asarray(_apply(eqx_quant.float_model(smoothed), tokens)), float_out, atol=1e-4)
     fake = eqx_quant.calibrate(smoothed, [tokens])
