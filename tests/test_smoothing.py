@@ -1181,6 +1181,45 @@ def test_awq_folds_where_asked_with_one_search_per_shared_input(tmp_path):
         eqx_quant.export_safetensors(tmp_path / "unfolded.safetensors", unfolded)
 
 
+class _GateUp(eqx.Module):
+    """A fused gate-and-up projection (`gate_up`: the gate's rows, then the up projection's), SiLU gate, `down`."""
+
+    gate_up: eqx.nn.Linear
+    down: eqx.nn.Linear
+
+    def __call__(self, x):
+        g, u = jnp.split(self.gate_up(x), 2)
+        return self.down(jax.nn.silu(g) * u)
+
+
+@pytest.mark.slow
+def test_awq_folds_into_the_up_half_of_a_fused_gate_and_up_projection(tmp_path):
+    """`fold=True`: `down`'s multiplier (the twin's of least error on its inputs, from the quantized `gate_up`) is
+    folded into the up rows of `gate_up` alone; the gate's rows stay bit for bit, the float function is unchanged,
+    and with clipping the converted model equals the fake-quant one and exports."""
+    model = init(lambda k: _GateUp(eqx.nn.Linear(64, 128, key=k), eqx.nn.Linear(64, 64, key=jax.random.split(k)[1])), 5)
+    q = eqx_quant.quantize(model, **eqx_quant.recipe("w4a16_g32"))
+    folded = eqx_quant.awq(q, AWQ_BATCHES, clip=False, fold=True, where=lambda path, layer: path == "down")
+    assert folded.down.input_transform is None
+    w = np.asarray(model.gate_up.weight)
+    assert_bitwise_equal(folded.gate_up.layer.weight[:64], model.gate_up.weight[:64])
+    assert_bitwise_equal(folded.gate_up.layer.bias[:64], model.gate_up.bias[:64])
+    h = np.asarray(X_AWQ, np.float64) @ _rtn(w, 32).astype(np.float64).T + np.asarray(model.gate_up.bias, np.float64)
+    x_down = h[:, :64] / (1 + np.exp(-h[:, :64])) * h[:, 64:]
+    m = np.asarray(model.down.weight, np.float64)[0] / np.asarray(folded.down.layer.weight, np.float64)[0]
+    _assert_least_twin_error(m, np.asarray(model.down.weight), x_down, 32)
+    np.testing.assert_allclose(np.asarray(folded.gate_up.layer.weight[64:]), w[64:] * m[:, None], rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(folded.gate_up.layer.bias[64:]), np.asarray(model.gate_up.bias[64:]) * m,
+                               rtol=1e-5)  # fmt: skip
+    restored = np.asarray(_apply(eqx_quant.float_model(folded), X_AWQ))
+    np.testing.assert_allclose(restored, np.asarray(_apply(model, X_AWQ)), rtol=1e-5, atol=1e-5)
+    clipped = eqx_quant.awq(q, AWQ_BATCHES, fold="only")
+    converted = eqx_quant.convert(clipped)
+    _assert_converted_matches(clipped, converted, X_AWQ, eager=False)
+    eqx_quant.export_safetensors(tmp_path / "folded.safetensors", converted)
+    assert (tmp_path / "folded.safetensors").stat().st_size > 0
+
+
 @pytest.mark.slow
 def test_awq_fold_only_clips_the_layers_that_do_not_fold(tmp_path):
     """`fold="only"`: `fc1` (after the norm) is scaled, its factor folded; `fc2` (after GELU) is only clipped, with
