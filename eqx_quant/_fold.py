@@ -156,10 +156,16 @@ def _jaxprs(value: Any) -> Iterator[Any]:
         yield value
 
 
+# The operations whose program is called on their operands, one for one (an inner `jax.jit`, `jax.checkpoint`, a
+# custom derivative's function); not a reduction's or a window's program, which combines elements of one operand.
+_CALLS = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call", "custom_vjp_call",
+          "custom_vjp_call_jaxpr", "custom_vmap_call"}  # fmt: skip
+
+
 def _inner(eqn: Any) -> Iterator[tuple[Any, list | None]]:
     """The sub-programs of `eqn`, each with, per input, the position of the operand of `eqn` it takes and whether a
     scan slices it (None where no operand is taken as it is: a scan's carries); or with None where the operands are
-    not followed into it (a `while` loop's, and any program whose inputs are not the operands one for one)."""
+    not followed into it (a `while` loop's, a reduction's, and any other program but a call's, `_CALLS`)."""
     if eqn.primitive.name == "scan":
         consts, carries = eqn.params["num_consts"], eqn.params["num_carry"]
         operands: list = [(i, i >= consts + carries) for i in range(len(eqn.invars))]
@@ -172,7 +178,7 @@ def _inner(eqn: Any) -> Iterator[tuple[Any, list | None]]:
         return
     for value in eqn.params.values():
         for jaxpr in _jaxprs(value):
-            followed = eqn.primitive.name != "while" and len(jaxpr.invars) == len(eqn.invars)
+            followed = eqn.primitive.name in _CALLS and len(jaxpr.invars) == len(eqn.invars)
             yield jaxpr, [(i, False) for i in range(len(eqn.invars))] if followed else None
 
 
@@ -523,10 +529,10 @@ def _through(eqn: Any, tracks: list, reached: list, spoilt: np.ndarray, zero: Ca
         if name != "squeeze" and any(a in dropped for a in first.axes):
             return None  # a sum or maximum over channels
         kept = _without_single(first, set(dropped))
-        return None if kept is None else [kept._replace(axes=tuple(a - sum(d < a for d in dropped) for a in kept.axes))]
+        return [kept._replace(axes=tuple(a - sum(d < a for d in dropped) for a in kept.axes))]
     if name == "reshape" and eqn.params.get("dimensions") is None:
         kept = _without_single(first, {a for a in first.axes if shapes[0][a] == 1})
-        moved = None if kept is None else _reshaped(shapes[0], out_shape, kept.axes)
+        moved = _reshaped(shapes[0], out_shape, kept.axes)
         return None if moved is None else [_Track(moved, kept.channels.reshape([out_shape[a] for a in moved]))]
     if name == "slice":
         strides = eqn.params["strides"] or (1,) * len(out_shape)
@@ -547,11 +553,9 @@ def _through(eqn: Any, tracks: list, reached: list, spoilt: np.ndarray, zero: Ca
     return None
 
 
-def _without_single(track: _Track, axes: set) -> _Track | None:
-    """`track` without those of `axes` that are its channel axes (each of size 1); `None` if none would be left."""
+def _without_single(track: _Track, axes: set) -> _Track:
+    """`track` without those of `axes` that are its channel axes (each of size 1: one channel, then held by no axis)."""
     keep = [j for j, a in enumerate(track.axes) if a not in axes]
-    if not keep:
-        return None
     gone = tuple(j for j in range(len(track.axes)) if j not in keep)
     return _Track(tuple(track.axes[j] for j in keep), track.channels.squeeze(gone) if gone else track.channels)
 

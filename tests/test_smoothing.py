@@ -599,12 +599,13 @@ class _Pair(eqx.Module):
             "leaves-read": lambda: fc2(jax.nn.relu(h)) + jax.tree_util.tree_leaves(fc1)[0] @ x,
             "debug-callback": lambda: _with_callback(fc2(jax.nn.relu(h)), h),
             "scanned-over": lambda: fc2(jax.lax.scan(lambda c, v: (c, v), jnp.float32(0), h)[1]),
+            "window-product": lambda: fc2(jax.lax.reduce_window(h, 2.0, jax.lax.mul, (2,), (1,), "SAME")),
         }[self.how]()
 
 
 _FOLDS = ["relu", "gated", "divided", "relu-plus-itself", "split-and-merged", "weight-read-unused"]
 _KEEPS = ["gelu", "bias-between", "also-residual", "reversed", "permuted", "two-producers", "called-twice"]
-_KEEPS += ["weight-read", "cast-to-integers", "leaves-read", "debug-callback", "scanned-over"]
+_KEEPS += ["weight-read", "cast-to-integers", "leaves-read", "debug-callback", "scanned-over", "window-product"]
 X_PAIR = X_BLOCK.reshape(-1, 16)
 
 
@@ -618,8 +619,8 @@ def test_smoothquant_folds_into_a_linear_layer_only_where_the_factor_commutes(ho
     sum of two such views and a reshape undone, also where the model reads `fc1.weight` but drops what it computed;
     not through GELU, a bias, a residual read of `fc1`'s output,
     reversed or permuted channels, a product of two layers' outputs, a second call of `fc1`, a read of `fc1.weight`
-    or of its leaves, a cast to integers, an effect reading it (a debug callback) or a scan along its channels
-    (one whose step returns no new value), where `fc1` keeps its arrays
+    or of its leaves, a cast to integers, an effect reading it (a debug callback), a scan along its channels
+    (one whose step returns no new value) or a product over a window of channels, where `fc1` keeps its arrays
     and `fc2` its multiplier. Either way the float function is unchanged up to rounding."""
     model = _pair(how)
     chosen = lambda path, layer: path == "fc2"  # noqa: E731
@@ -666,18 +667,20 @@ class _Fused(eqx.Module):
             "leaky-relu": lambda: fc2(jax.nn.leaky_relu(v)),
             "clipped-below": lambda: fc2(jnp.clip(v, 0)),
             "masked": lambda: fc2(jnp.where(x > 0, v, 0.0)),
+            "gated-by-a-sign": lambda: fc2(v) * (v[0] > 0).astype(v.dtype),
             # Where the part `fc2` reads is also read otherwise, or is not one part.
             "overlapping": lambda: fc2(h[8:24]) + jnp.sum(jax.nn.gelu(h[16:32])),
             "two-parts-summed": lambda: fc2(q + k),
             "thresholded": lambda: fc2(jnp.where(v > 1, v, 0.0)),
             "relu6": lambda: fc2(jax.nn.relu6(v)),
             "read-by-another-layer": lambda: fc2(v) + self.fc3(v),
+            "window-maximum": lambda: fc2(jax.lax.reduce_window(v, 0.0, jax.lax.max, (3,), (1,), "SAME")),
         }[self.how]()
 
 
 _FUSED_FOLDS = {"split-values": 32, "gate-up": 16, "head-indexed": 32, "where-relu": 32, "leaky-relu": 32}
-_FUSED_FOLDS |= {"clipped-below": 32, "masked": 32}  # the first row of the part `fc2` reads
-_FUSED_KEEPS = ["overlapping", "two-parts-summed", "thresholded", "relu6", "read-by-another-layer"]
+_FUSED_FOLDS |= {"clipped-below": 32, "masked": 32, "gated-by-a-sign": 32}  # the first row of the part `fc2` reads
+_FUSED_KEEPS = ["overlapping", "two-parts-summed", "thresholded", "relu6", "read-by-another-layer", "window-maximum"]
 
 
 @pytest.mark.parametrize(
@@ -686,10 +689,11 @@ _FUSED_KEEPS = ["overlapping", "two-parts-summed", "thresholded", "relu6", "read
 def test_smoothquant_folds_into_the_part_of_a_fused_layer_that_a_layer_reads(how):
     """With `fc2` chosen: where it reads one part of the fused `fc1`'s output (a split, a slice, an index after a
     reshape into parts) through operations that commute with the factor (also a select against a sign or a mask,
-    leaky ReLU, a clip from 0 below), and nothing else reads that part so, its factor folds into those rows of `fc1`
-    and their biases, and every other row stays bit for bit as it was; where the part is read otherwise (a GELU of
-    overlapping channels, a sum of two parts, a threshold other than 0, ReLU6, another layer), `fc1` keeps its arrays
-    and `fc2` its multiplier. Either way the float function is unchanged up to rounding."""
+    leaky ReLU, a clip from 0 below; the output gated by the sign of one channel), and nothing else reads that part
+    so, its factor folds into those rows of `fc1` and their biases, and every other row stays bit for bit as it was;
+    where the part is read otherwise (a GELU of overlapping channels, a sum of two parts, a threshold other than 0,
+    ReLU6, another layer, a maximum over a window of channels), `fc1` keeps its arrays and `fc2` its multiplier.
+    Either way the float function is unchanged up to rounding."""
     keys = jax.random.split(jax.random.key(4), 3)
     model = _Fused(eqx.nn.Linear(16, 48, key=keys[0]), eqx.nn.Linear(16, 16, key=keys[1]),
                    eqx.nn.Linear(16, 16, key=keys[2]), how)  # fmt: skip
