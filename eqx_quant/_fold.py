@@ -604,10 +604,32 @@ class _Affine(NamedTuple):
     view: Any
 
 
+def _pooled(eqn: Any) -> bool:
+    """Whether `eqn` keeps the channels of its first operand on the last axis and commutes with a factor per channel
+    there: a sum, maximum or minimum over other axes, a division by a constant (a mean over tokens), a slice or
+    squeeze of other axes (a class token's row)."""
+    x = eqn.invars[0] if eqn.invars else None
+    if not isinstance(x, jex.Var) or x.aval.ndim == 0:
+        return False
+    name, last, params = eqn.primitive.name, x.aval.ndim - 1, eqn.params
+    if name in ("reduce_sum", "reduce_max", "reduce_min", "squeeze"):
+        return last not in params["axes" if name != "squeeze" else "dimensions"]
+    if name == "div":
+        return isinstance(eqn.invars[1], jex.Literal)
+    if name == "slice":
+        strides = params["strides"] or (1,) * (last + 1)
+        return (
+            params["start_indices"][last] == 0
+            and params["limit_indices"][last] == x.aval.shape[last]
+            and (strides[last] == 1)
+        )
+    return False
+
+
 def _affine(jaxpr: Any, value: Any, marks: int, origins: dict, uses: dict) -> _Affine | None:
-    """`value` as `a * γ + β` or `a * γ` in `jaxpr`, if it is read by the `marks` marked calls alone, each of `γ`,
-    `β` a per-channel view of a leaf read by that operation alone, and the intermediate product read by the sum
-    alone."""
+    """`value` as `a * γ + β` or `a * γ` in `jaxpr`, or as that pooled over other axes than the channels (`_pooled`,
+    each step read by the next alone), if it is read by the `marks` marked calls alone, each of `γ`, `β` a
+    per-channel view of a leaf read by that operation alone, and the intermediate product read by the sum alone."""
     made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
     readers: dict = {}
     for v in [v for e in jaxpr.eqns for v in e.invars] + list(jaxpr.outvars):
@@ -615,6 +637,12 @@ def _affine(jaxpr: Any, value: Any, marks: int, origins: dict, uses: dict) -> _A
             readers[v] = readers.get(v, 0) + 1
     if readers.get(value) != marks:
         return None  # something besides the chosen layers reads it
+    eqn = made_by.get(value)
+    while eqn is not None and _pooled(eqn):
+        value = eqn.invars[0]
+        if readers.get(value) != 1:
+            return None
+        eqn = made_by.get(value)
     last = value.aval.ndim - 1
 
     def per_channel(v: Any) -> str | None:
@@ -623,7 +651,6 @@ def _affine(jaxpr: Any, value: Any, marks: int, origins: dict, uses: dict) -> _A
             return None
         return o.path if all(d == 1 for d in v.aval.shape[:-1]) else None
 
-    eqn = made_by.get(value)
     beta = None
     if eqn is not None and eqn.primitive.name == "add":
         a, b = eqn.invars

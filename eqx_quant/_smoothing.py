@@ -220,8 +220,9 @@ def smoothquant(
     the model allows it, so that the layer computes as a plain layer (which the exporters take):
 
     - *A normalisation's output* `a * γ` or `a * γ + β` (`γ`, `β` arrays of the model with one entry per channel, per
-        layer of a stack: `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`, or a model's own normalisation written that way)
-        that nothing but the chosen layers reads: `1 / s` is folded into `γ` and `β`. The layers reading it (the
+        layer of a stack: `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`, or a model's own normalisation written that way),
+        or that output pooled over the tokens (their mean or maximum, the class token's row), that nothing but the
+        chosen layers reads: `1 / s` is folded into `γ` and `β`. The layers reading it (the
         query, key and value projections after one norm, say) share one `s`, from the largest magnitudes of all
         their weights' columns.
     - *A preceding linear layer's output*, seen through operations that commute with a positive factor per channel:

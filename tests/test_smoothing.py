@@ -519,6 +519,50 @@ def test_smoothquant_does_not_fold_where_folding_would_change_the_model(make):
     np.testing.assert_allclose(restored, float_out, rtol=1e-5, atol=1e-5)
 
 
+class _PooledHead(eqx.Module):
+    """A head reading the normalised tokens pooled as `how` says."""
+
+    norm: eqx.nn.LayerNorm
+    head: eqx.nn.Linear
+    how: str = eqx.field(static=True)
+
+    def __call__(self, h):
+        x = jax.vmap(self.norm)(h)
+        return {
+            "mean": lambda: self.head(jnp.mean(x, axis=0)),
+            "class-token": lambda: self.head(x[0]),
+            "maximum": lambda: self.head(jnp.max(x[1:], axis=0)),
+            "mean-read-twice": lambda: (lambda p: self.head(p) + jnp.sum(p))(jnp.mean(x, axis=0)),
+            "mean-plus-offset": lambda: self.head(jnp.mean(x, axis=0) + 1.0),
+        }[self.how]()
+
+
+_POOLED = ["mean", "class-token", "maximum", "mean-read-twice", "mean-plus-offset"]
+
+
+@pytest.mark.parametrize("how", slow_unless(["mean", "mean-read-twice"], _POOLED))
+def test_smoothquant_folds_into_a_norm_through_a_pooling_of_the_tokens(how):
+    """A head reading the normalised tokens' mean, the first token's row or their maximum folds into the norm's
+    weight and bias (pooling over the tokens commutes with a factor per channel); where the pooled value is read
+    again or offset, the head keeps its multiplier and the norm its arrays. Either way the float function is
+    unchanged up to rounding."""
+    model = init(lambda k: _PooledHead(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k), how), 6)
+    smoothed = eqx_quant.smoothquant(_w8a8(model), [X_BLOCK])
+    if how in _POOLED[:3]:
+        assert smoothed.head.input_transform is None
+        gain = np.asarray(smoothed.norm.weight, np.float64) / np.asarray(model.norm.weight)
+        np.testing.assert_allclose(np.asarray(smoothed.norm.bias) / np.asarray(model.norm.bias), gain, rtol=2e-6)
+        columns = np.asarray(smoothed.head.layer.weight, np.float64) / np.asarray(model.head.weight)
+        np.testing.assert_allclose(columns * gain, 1.0, rtol=4e-6)
+        assert not np.allclose(gain, 1.0)
+    else:
+        assert isinstance(smoothed.head.input_transform, ScaleInput)
+        assert_bitwise_equal(smoothed.norm.weight, model.norm.weight)
+        assert_bitwise_equal(smoothed.norm.bias, model.norm.bias)
+    restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_BLOCK))
+    np.testing.assert_allclose(restored, np.asarray(_apply(model, X_BLOCK)), rtol=1e-5, atol=1e-5)
+
+
 # --- folding into a preceding linear layer --------------------------------------------------------------------------
 
 
