@@ -399,7 +399,7 @@ def _used_operands(eqn: Any, memo: dict) -> list:
 
 
 # The operations that commute with a positive per-channel factor on one operand, keeping its channels where they are.
-_ELEMENTWISE = {"convert_element_type", "copy", "neg", "reduce_precision"}
+_ELEMENTWISE = {"convert_element_type", "copy", "neg", "abs", "reduce_precision"}
 _CONTROL_FLOW = {"scan", "while", "cond"}
 _COMPARISONS = {"gt", "ge", "lt", "le", "eq", "ne"}  # with 0: a positive factor changes no sign
 
@@ -492,6 +492,8 @@ def _through(eqn: Any, tracks: list, reached: list, spoilt: np.ndarray, zero: Ca
         return None
     if name in _COMPARISONS and one:
         return [None] if zero(eqn.invars[1 - followed[0]]) else None  # a sign, which the factor keeps
+    if name == "sign":
+        return [None]
     if name == "select_n" and 0 not in followed:
         cases = [i for i in range(1, len(tracks)) if i not in followed]
         same = all(tracks[i].same(first) and shapes[i] == out_shape for i in followed)

@@ -712,6 +712,7 @@ class _Fused(eqx.Module):
             "clipped-below": lambda: fc2(jnp.clip(v, 0)),
             "masked": lambda: fc2(jnp.where(x > 0, v, 0.0)),
             "gated-by-a-sign": lambda: fc2(v) * (v[0] > 0).astype(v.dtype),
+            "magnitude-and-sign": lambda: fc2(jnp.abs(v)) * jnp.sign(v[0]),
             # Where the part `fc2` reads is also read otherwise, or is not one part.
             "overlapping": lambda: fc2(h[8:24]) + jnp.sum(jax.nn.gelu(h[16:32])),
             "two-parts-summed": lambda: fc2(q + k),
@@ -722,8 +723,9 @@ class _Fused(eqx.Module):
         }[self.how]()
 
 
+# Where `fc2` folds: the first row of the part of `fc1` it reads.
 _FUSED_FOLDS = {"split-values": 32, "gate-up": 16, "head-indexed": 32, "where-relu": 32, "leaky-relu": 32}
-_FUSED_FOLDS |= {"clipped-below": 32, "masked": 32, "gated-by-a-sign": 32}  # the first row of the part `fc2` reads
+_FUSED_FOLDS |= {"clipped-below": 32, "masked": 32, "gated-by-a-sign": 32, "magnitude-and-sign": 32}
 _FUSED_KEEPS = ["overlapping", "two-parts-summed", "thresholded", "relu6", "read-by-another-layer", "window-maximum"]
 
 
@@ -733,11 +735,11 @@ _FUSED_KEEPS = ["overlapping", "two-parts-summed", "thresholded", "relu6", "read
 def test_smoothquant_folds_into_the_part_of_a_fused_layer_that_a_layer_reads(how):
     """With `fc2` chosen: where it reads one part of the fused `fc1`'s output (a split, a slice, an index after a
     reshape into parts) through operations that commute with the factor (also a select against a sign or a mask,
-    leaky ReLU, a clip from 0 below; the output gated by the sign of one channel), and nothing else reads that part
-    so, its factor folds into those rows of `fc1` and their biases, and every other row stays bit for bit as it was;
-    where the part is read otherwise (a GELU of overlapping channels, a sum of two parts, a threshold other than 0,
-    ReLU6, another layer, a maximum over a window of channels), `fc1` keeps its arrays and `fc2` its multiplier.
-    Either way the float function is unchanged up to rounding."""
+    leaky ReLU, a clip from 0 below, magnitudes; the output gated by the sign of one channel), and nothing else
+    reads that part so, its factor folds into those rows of `fc1` and their biases, and every other row stays bit
+    for bit as it was; where the part is read otherwise (a GELU of overlapping channels, a sum of two parts, a
+    threshold other than 0, ReLU6, another layer, a maximum over a window of channels), `fc1` keeps its arrays and
+    `fc2` its multiplier. Either way the float function is unchanged up to rounding."""
     keys = jax.random.split(jax.random.key(4), 3)
     model = _Fused(eqx.nn.Linear(16, 48, key=keys[0]), eqx.nn.Linear(16, 16, key=keys[1]),
                    eqx.nn.Linear(16, 16, key=keys[2]), how)  # fmt: skip
