@@ -221,14 +221,15 @@ def smoothquant(
 
     - *A normalisation's output* `a * γ` or `a * γ + β` (`γ`, `β` arrays of the model with one entry per channel, per
         layer of a stack: `eqx.nn.LayerNorm`, `eqx.nn.RMSNorm`, or a model's own normalisation written that way),
-        or that output pooled over the tokens (their mean or maximum, the class token's row), that nothing but the
-        chosen layers reads: `1 / s` is folded into `γ` and `β`. The layers reading it (the
-        query, key and value projections after one norm, say) share one `s`, from the largest magnitudes of all
-        their weights' columns.
+        or that output pooled over other axes than the channels (a sum, maximum or minimum over the tokens, a
+        division by a constant as in `jnp.mean`, a token's row: a classifier's head), that nothing but the chosen
+        layers reads: `1 / s` is folded into `γ` and `β`. The layers reading it (the query, key and value
+        projections after one norm, say) share one `s`, from the largest magnitudes of all their weights' columns.
     - *A preceding linear layer's output*, seen through operations that commute with a positive factor per channel:
-        ReLU (also leaky, or as a clip or a selection against 0), a product with another value (a gated MLP's `up`
-        projection before `down`), the attention's mixing of the tokens (the value projection before the output
-        projection, through the reshapes into heads and back), transposes and casts. The preceding layer's weight
+        ReLU (also leaky, or as a clip or a selection against 0), absolute values, a gate by a sign or by a
+        comparison with 0, a product with another value (a gated MLP's `up` projection before `down`), the
+        attention's mixing of the tokens (the value projection before the output projection, through the reshapes
+        into heads and back), transposes and casts. The preceding layer's weight
         rows and bias are multiplied by `1 / s` (whether or not `where` chooses it): all of them, or where the
         layer reads one part of its channels (split, sliced or indexed off: the values of a fused query-key-value
         projection), the rows of that part alone. Its quantization is unchanged up to rounding, which needs each of
