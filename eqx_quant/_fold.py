@@ -351,9 +351,9 @@ def find_folds(
                 readers.setdefault(channels.tobytes(), (channels, set()))[1].add(j)
             else:  # a layer that will not fold reads these channels: they must stay as they are
                 spoilt[channels] = True
-        counts = np.zeros(n, int)
+        counts = np.zeros(n, int)  # per channel, the groups reading it
         for channels, _ in readers.values():
-            np.add.at(counts, channels, 1)
+            counts[np.unique(channels)] += 1
         for channels, layers in readers.values():
             if not spoilt[channels].any() and np.all(counts[channels] == 1):
                 rows = None if np.array_equal(channels, np.arange(n)) else tuple(channels.tolist())
@@ -521,11 +521,12 @@ def _through(eqn: Any, tracks: list, reached: list, spoilt: np.ndarray, zero: Ca
     if name == "transpose":
         permutation = list(eqn.params["permutation"])
         return [first._replace(axes=tuple(permutation.index(a) for a in first.axes))]
-    if name == "broadcast_in_dim":
-        dims = eqn.params["broadcast_dimensions"]
-        if any(out_shape[dims[a]] != shapes[0][a] for a in first.axes):
-            return None
-        return [first._replace(axes=tuple(dims[a] for a in first.axes))]
+    if name == "broadcast_in_dim":  # a channel axis of length 1 spread along its axis: one channel, repeated
+        dims, kept = (
+            eqn.params["broadcast_dimensions"],
+            _without_single(first, {a for a in first.axes if shapes[0][a] == 1}),
+        )
+        return [kept._replace(axes=tuple(dims[a] for a in kept.axes))]
     if name in ("squeeze", "reduce_sum", "reduce_max", "reduce_min"):
         dropped = eqn.params["dimensions" if name == "squeeze" else "axes"]
         if name != "squeeze" and any(a in dropped for a in first.axes):
@@ -533,9 +534,7 @@ def _through(eqn: Any, tracks: list, reached: list, spoilt: np.ndarray, zero: Ca
         kept = _without_single(first, set(dropped))
         return [kept._replace(axes=tuple(a - sum(d < a for d in dropped) for a in kept.axes))]
     if name == "reshape" and eqn.params.get("dimensions") is None:
-        kept = _without_single(first, {a for a in first.axes if shapes[0][a] == 1})
-        moved = _reshaped(shapes[0], out_shape, kept.axes)
-        return None if moved is None else [_Track(moved, kept.channels.reshape([out_shape[a] for a in moved]))]
+        return [_reshaped(shapes[0], out_shape, first)]
     if name == "slice":
         strides = eqn.params["strides"] or (1,) * len(out_shape)
         taken = tuple(
@@ -579,23 +578,20 @@ def _dot_general(eqn: Any, side: int, track: _Track) -> list | None:
     return [track._replace(axes=tuple(position[a] for a in track.axes))]
 
 
-def _reshaped(source: tuple, target: tuple, axes: tuple[int, ...]) -> tuple[int, ...] | None:
-    """The axes of `target` that hold the channels held by `axes` of `source` (most significant first) after a
-    reshape, if the reshape only splits a channel axis or merges channel axes that are adjacent and in order; `None`
-    if it mixes the channels with other axes."""
-    if any(source[a] == 1 for a in axes):
-        return None
-    block = {a: (into, outof) for into, outof in reshape_blocks(source, target) for a in into}
-    moved, k = [], 0
-    while k < len(axes):
-        into, outof = block[axes[k]]
-        if len(into) == 1:  # one axis kept or split: its parts, in order
-            moved, k = moved + outof, k + 1
-        elif len(outof) == 1 and list(axes[k : k + len(into)]) == into:  # adjacent channel axes merged, in order
-            moved, k = moved + outof, k + len(into)
-        else:
-            return None
-    return tuple(moved)
+def _reshaped(source: tuple, target: tuple, track: _Track) -> _Track:
+    """`track` after a reshape of `source` into `target`: each run of axes that merge or split (`reshape_blocks`)
+    and hold a channel axis holds channels after it too. Its other axes (the query heads that a key's and a value's
+    heads are repeated over, say) repeat the channels along them: the factor is the same along them. The channel
+    axes come out in the order of their positions."""
+    track = _without_single(track, {a for a in track.axes if source[a] == 1})
+    order = sorted(track.axes)
+    channels = np.transpose(track.channels, [track.axes.index(a) for a in order])  # in the order of the positions
+    runs = [(into, outof) for into, outof in reshape_blocks(source, target) if set(into) & set(track.axes)]
+    inputs = [a for into, _ in runs for a in into]
+    spread = channels.reshape([source[a] if a in track.axes else 1 for a in inputs])
+    spread = np.broadcast_to(spread, [source[a] for a in inputs])
+    axes = tuple(b for _, outof in runs for b in outof)
+    return _Track(axes, spread.reshape([target[b] for b in axes]))
 
 
 class _Affine(NamedTuple):

@@ -232,7 +232,9 @@ def smoothquant(
         into heads and back), transposes and casts. The preceding layer's weight
         rows and bias are multiplied by `1 / s` (whether or not `where` chooses it): all of them, or where the
         layer reads one part of its channels (split, sliced or indexed off: the values of a fused query-key-value
-        projection), the rows of that part alone. Its quantization is unchanged up to rounding, which needs each of
+        projection), the rows of that part alone. Where the layer's input repeats a channel (grouped-query
+        attention's values repeated over the query heads), the copies share one factor, from their largest input
+        and weight magnitudes. Its quantization is unchanged up to rounding, which needs each of
         its weight's scales to cover part of one row: no weight quantizer, or a dynamic one with float32 scales per
         row or per group along the rows (not one scale per tensor, nor the power-of-two or float16 scales of MX or
         GGML formats). Nothing else may read those channels of the preceding layer's output or what those
@@ -314,11 +316,13 @@ def smoothquant(
     # The units that share one factor: a folded group (its layers share their input), or a layer alone.
     unit_of = {path: group_of.get(path, (path,)) for path, _ in targets}
     units = list(dict.fromkeys(unit_of.values()))
+    rows = {g.layers: g.rows for g in groups}
     x_maxes = {path: _stacked(found[path], "channel_absmax", layer_stack(layer)) for path, layer in targets}
     factors = {}
     for unit in units:
         x_max = np.max([x_maxes[p] for p in unit], axis=0).astype(np.float64)
         w_max = np.max([np.max(np.abs(np.asarray(layers[p].layer.weight, np.float64)), axis=-2) for p in unit], 0)
+        x_max, w_max = (_tied(m, rows.get(unit), np.maximum) for m in (x_max, w_max))
         factors[unit] = [smoothquant_factors(x_max, w_max, a) for a in alphas]
     chosen = {unit: options[0] for unit, options in factors.items()}
     if len(alphas) > 1:
@@ -418,6 +422,22 @@ def _leave_read_out(targets: list, groups: list[Fold], read: frozenset[str], whe
     warnings.warn(f"`{what}` leaves layers as they are: {why}. Choose the layers with `where` to silence this.",
                   stacklevel=3)  # fmt: skip
     return targets, [g for g in groups if not set(g.layers) & read]
+
+
+def _tied(values: np.ndarray, rows: tuple[int, ...] | None, pool: np.ufunc) -> np.ndarray:
+    """`values` (per input channel of a layer, on the last axis) made equal over the channels that are copies of one
+    channel of the layer whose rows take the factors (`rows` with repeats: grouped-query attention's values
+    repeated over the query heads), which must share one factor: their maximum (`pool=np.maximum`) or their mean
+    (`np.add`)."""
+    if rows is None or len(set(rows)) == len(rows):
+        return values
+    _, copy_of, counts = np.unique(np.asarray(rows), return_inverse=True, return_counts=True)
+    moved = np.moveaxis(np.asarray(values, np.float64), -1, 0)
+    pooled = np.full((len(counts), *moved.shape[1:]), -np.inf if pool is np.maximum else 0.0)
+    pool.at(pooled, copy_of, moved)
+    if pool is np.add:
+        pooled /= counts.reshape((-1,) + (1,) * (moved.ndim - 1))
+    return np.moveaxis(pooled[copy_of], 0, -1)
 
 
 def _rows_scale_alone(layer: QuantLinear) -> bool:
@@ -654,8 +674,9 @@ def awq(
     `ScaleInput`: it computes as a plain layer, which the exporters take. The layers that read one normalisation's
     output (a query, key and value projection) then share one `s`, searched on the sum of their errors, as AWQ's
     paper searches them; layers that read different views of one layer's output (`b(relu(h))` and `c(h)`) keep
-    factors of their own. Off by default: each layer's own search can only do as well or better on its own error,
-    at the cost of one product per input and of a layer the exporters refuse.
+    factors of their own; the copies of a repeated channel (grouped-query attention's values) share one factor,
+    searched on their mean input magnitude. Off by default: each layer's own search can only do as well or better
+    on its own error, at the cost of one product per input and of a layer the exporters refuse.
 
     The weight quantizer is applied as the layer applies it, so the search works for every weight format and
     layout: integer grids, FP4/FP6/FP8 with float32 scales, MX and NVFP4. The error it measures is the weight's:
@@ -746,6 +767,7 @@ def awq(
         return all(all(map(np.array_equal, first, stats[p])) for p in group.layers[1:])
 
     folds = [g for g in folds if one_input(g)]  # the others' layers keep factors of their own
+    fold_rows = {g.layers: g.rows for g in folds}
     if fold == "only" and not clip:  # the layers that do not fold would not change
         targets = _only_folded(targets, folds, "awq")
     unit_of = {path: (path,) for path, _ in targets} | {path: g.layers for g in folds for path in g.layers}
@@ -756,7 +778,7 @@ def awq(
         # The layers of a unit read one value (`one_input`): the first one's statistics are all of theirs.
         stack, n = layer_stack(layers[unit[0]]), layers[unit[0]].layer.in_features
         abssum, count, gram = stats[unit[0]]
-        x_mean = (abssum / np.maximum(count, 1)).reshape(-1, n)
+        x_mean = _tied((abssum / np.maximum(count, 1)).reshape(-1, n), fold_rows.get(unit), np.add)
         gram = gram.reshape(-1, n, n)
         flat = {p: layers[p].layer.weight.reshape((-1,) + layers[p].layer.weight.shape[-2:]) for p in unit}
         quantizers = [layers[p].weight_quant for p in unit]

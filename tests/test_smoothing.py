@@ -634,8 +634,8 @@ class _Pair(eqx.Module):
             "gelu": lambda: fc2(jax.nn.gelu(h)),
             "bias-between": lambda: fc2(h + self.c),
             "also-residual": lambda: fc2(jax.nn.relu(h)) + h,
-            "reversed": lambda: fc2(h[::-1]),
             "permuted": lambda: fc2(jnp.transpose(h.reshape(2, 8)).reshape(16)),
+            "reversed": lambda: fc2(h[::-1]),
             "two-producers": lambda: fc2(h * self.fc3(x)),
             "called-twice": lambda: fc2(jax.nn.relu(fc1(jax.nn.relu(h)))),
             "weight-read": lambda: fc2(jax.nn.relu(h)) + fc1.weight @ x,
@@ -647,8 +647,9 @@ class _Pair(eqx.Module):
         }[self.how]()
 
 
-_FOLDS = ["relu", "gated", "divided", "relu-plus-itself", "split-and-merged", "weight-read-unused"]
-_KEEPS = ["gelu", "bias-between", "also-residual", "reversed", "permuted", "two-producers", "called-twice"]
+_FOLDS = ["relu", "gated", "divided", "relu-plus-itself", "split-and-merged", "weight-read-unused", "permuted"]
+_KEEPS = ["gelu", "bias-between", "also-residual", "reversed", "two-producers", "called-twice"]
+_PERMUTED = np.arange(16).reshape(2, 8).T.ravel()  # the channel of `fc1` that `fc2`'s input channel `j` is
 _KEEPS += ["weight-read", "cast-to-integers", "leaves-read", "debug-callback", "scanned-over", "window-product"]
 X_PAIR = X_BLOCK.reshape(-1, 16)
 
@@ -660,12 +661,12 @@ def _pair(how):
 @pytest.mark.parametrize("how", slow_unless(["relu", "split-and-merged", "permuted", "two-producers"], _FOLDS + _KEEPS))
 def test_smoothquant_folds_into_a_linear_layer_only_where_the_factor_commutes(how):
     """With `fc2` chosen: its factor folds into `fc1`'s rows and bias through ReLU, a gate's product, a division, the
-    sum of two such views and a reshape undone, also where the model reads `fc1.weight` but drops what it computed;
-    not through GELU, a bias, a residual read of `fc1`'s output,
-    reversed or permuted channels, a product of two layers' outputs, a second call of `fc1`, a read of `fc1.weight`
-    or of its leaves, a cast to integers, an effect reading it (a debug callback), a scan along its channels
-    (one whose step returns no new value) or a product over a window of channels, where `fc1` keeps its arrays
-    and `fc2` its multiplier. Either way the float function is unchanged up to rounding."""
+    sum of two such views, a reshape undone and one that permutes the channels (each factor into the row of the
+    channel it multiplies), also where the model reads `fc1.weight` but drops what it computed; not through GELU, a
+    bias, a residual read of `fc1`'s output, reversed channels, a product of two layers' outputs, a second call of
+    `fc1`, a read of `fc1.weight` or of its leaves, a cast to integers, an effect reading it (a debug callback), a
+    scan along its channels (one whose step returns no new value) or a product over a window of channels, where
+    `fc1` keeps its arrays and `fc2` its multiplier. Either way the float function is unchanged up to rounding."""
     model = _pair(how)
     chosen = lambda path, layer: path == "fc2"  # noqa: E731
     smoothed = eqx_quant.smoothquant(_w8a8(model), [X_PAIR], where=chosen)
@@ -677,7 +678,8 @@ def test_smoothquant_folds_into_a_linear_layer_only_where_the_factor_commutes(ho
         bias = np.asarray(fc1.layer.bias, np.float64) / np.asarray(model.fc1.bias)
         np.testing.assert_allclose(bias, rows[:, 0], rtol=2e-6)
         columns = np.asarray(fc2.layer.weight, np.float64) / np.asarray(model.fc2.weight)
-        np.testing.assert_allclose(columns * rows[:, 0], 1.0, rtol=4e-6)
+        order = _PERMUTED if how == "permuted" else np.arange(16)
+        np.testing.assert_allclose(columns * rows[order, 0], 1.0, rtol=4e-6)
         assert not np.allclose(rows[:, 0], 1.0)
     else:
         assert isinstance(fc2.input_transform, ScaleInput)
@@ -765,6 +767,74 @@ def test_smoothquant_folds_into_the_part_of_a_fused_layer_that_a_layer_reads(how
         assert_bitwise_equal(fc1.layer.bias, model.fc1.bias)
     restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_PAIR))
     np.testing.assert_allclose(restored, np.asarray(_apply(model, X_PAIR)), rtol=1e-5, atol=1e-5)
+
+
+class _Grouped(eqx.Module):
+    """Grouped-query attention over one token: `v` makes 2 heads of 8 values, each repeated over 2 of the 4 query
+    heads (`jnp.repeat`), weighted per query head by a softmax of `q`, then `o`."""
+
+    q: eqx.nn.Linear
+    v: eqx.nn.Linear
+    o: eqx.nn.Linear
+
+    def __call__(self, x):
+        heads = jnp.repeat(self.v(x).reshape(2, 8), 2, axis=0)
+        return self.o((jax.nn.softmax(self.q(x))[:, None] * heads).reshape(32))
+
+
+def _grouped(key):
+    q, v, o = jax.random.split(key, 3)
+    return _Grouped(eqx.nn.Linear(32, 4, key=q), eqx.nn.Linear(32, 16, key=v), eqx.nn.Linear(32, 32, key=o))
+
+
+GROUPED = init(_grouped, 8)
+GROUPED_ROWS = np.arange(32).reshape(4, 8) // 16 * 8 + np.arange(8)  # the channel of `v` each input of `o` repeats
+X_GROUPED = X_AWQ[:, :32]
+
+
+def test_smoothquant_folds_grouped_query_attention_with_one_factor_per_repeated_channel():
+    """`o` reads each of `v`'s channels repeated over two query heads: its factor folds into `v`'s rows, one per
+    channel of `v`, shared by its copies: SmoothQuant's formula on the largest input and weight magnitudes of the
+    copies (the twin, from the per-copy factors that `fold=False` gives `o`). The float function is unchanged, and
+    the converted model equals the fake-quant one bit for bit."""
+    chosen = lambda path, layer: path == "o"  # noqa: E731
+    q8 = _w8a8(GROUPED)
+    smoothed = eqx_quant.smoothquant(q8, [X_GROUPED], where=chosen)
+    assert smoothed.o.input_transform is None
+    rows = np.asarray(smoothed.v.layer.weight, np.float64) / np.asarray(GROUPED.v.weight)
+    np.testing.assert_allclose(rows, np.broadcast_to(rows[:, :1], rows.shape), rtol=2e-6)
+    np.testing.assert_allclose(np.asarray(smoothed.v.layer.bias) / np.asarray(GROUPED.v.bias), rows[:, 0], rtol=2e-6)
+    columns = np.asarray(smoothed.o.layer.weight, np.float64)[0] / np.asarray(GROUPED.o.weight)[0]
+    copies = GROUPED_ROWS.ravel()
+    np.testing.assert_allclose(columns * rows[copies, 0], 1.0, rtol=4e-6)
+    # The twin: from each copy's own factor `s_j = sqrt(x_j / w_j)` (alpha 0.5), `x_j = s_j² w_j`; one factor per
+    # channel of `v` from the copies' largest `x` and `w`.
+    own = 1 / np.asarray(eqx_quant.smoothquant(q8, [X_GROUPED], where=chosen, fold=False).o.input_transform.multiplier,
+                         np.float64)  # fmt: skip
+    w = np.max(np.abs(np.asarray(GROUPED.o.weight, np.float64)), axis=0)
+    x = own**2 * w
+    shared = [np.sqrt(x[copies == c].max() / w[copies == c].max()) for c in range(16)]
+    np.testing.assert_allclose(columns, np.asarray(shared)[copies], rtol=1e-5)
+    assert len(np.unique(np.round(own / np.asarray(shared)[copies], 6))) > 1  # the copies' own factors differ
+    restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_GROUPED))
+    np.testing.assert_allclose(restored, np.asarray(_apply(GROUPED, X_GROUPED)), rtol=1e-5, atol=1e-5)
+    fake = eqx_quant.calibrate(smoothed, [X_GROUPED])
+    _assert_converted_matches(fake, eqx_quant.convert(fake), X_GROUPED, eager=False)
+
+
+@pytest.mark.slow
+def test_awq_folds_grouped_query_attention_with_one_factor_per_repeated_channel():
+    """AWQ (`fold=True`) searches `o`'s multiplier on the copies' mean input magnitudes, shared by each channel's
+    copies and folded into `v`'s rows; the float function is unchanged."""
+    q4 = eqx_quant.quantize(GROUPED, **eqx_quant.recipe("w4a16_g32"))
+    folded = eqx_quant.awq(q4, [X_GROUPED], clip=False, fold=True, where=lambda path, layer: path == "o")
+    assert folded.o.input_transform is None
+    rows = np.asarray(folded.v.layer.weight, np.float64)[:, 0] / np.asarray(GROUPED.v.weight)[:, 0]
+    columns = np.asarray(folded.o.layer.weight, np.float64)[0] / np.asarray(GROUPED.o.weight)[0]
+    np.testing.assert_allclose(columns * rows[GROUPED_ROWS.ravel()], 1.0, rtol=4e-6)  # `o` divided, `v` multiplied
+    assert not np.allclose(rows, rows[0])
+    restored = np.asarray(_apply(eqx_quant.float_model(folded), X_GROUPED))
+    np.testing.assert_allclose(restored, np.asarray(_apply(GROUPED, X_GROUPED)), rtol=1e-5, atol=1e-5)
 
 
 class _Ensemble(eqx.Module):
