@@ -333,21 +333,15 @@ def find_folds(
         if len(produced) != 1 or not one_at_a_time(produced[0].weight):
             continue
         (out,) = produced
+        scans = out.weight.scans  # pyright: ignore[reportOptionalMemberAccess]
         n = out.value.aval.shape[-1]
         spoilt = np.zeros(n, bool)
         start = {out.value: _Track((out.value.aval.ndim - 1,), np.arange(n))}
         readers = {}  # per part of the producer's channels, the layers reading it
-        found = _follow(walks[out.walk][0], start, spoilt, top=True)
-        for j, value, channels in found.reached:
-            call = calls[j][0]
-            if (
-                len(calls[j]) == 1
-                and call.value is value
-                and one_at_a_time(call.weight)
-                and (
-                    call.weight.scans == out.weight.scans  # pyright: ignore[reportOptionalMemberAccess]
-                )
-            ):
+        for j, value, channels in _follow(walks[out.walk][0], start, spoilt, top=True).reached:
+            (call, *more) = calls[j]
+            stepped = one_at_a_time(call.weight) and call.weight.scans == scans  # pyright: ignore[reportOptionalMemberAccess]
+            if not more and call.value is value and stepped:
                 readers.setdefault(channels.tobytes(), (channels, set()))[1].add(j)
             else:  # a layer that will not fold reads these channels: they must stay as they are
                 spoilt[channels] = True

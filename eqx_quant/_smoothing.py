@@ -229,19 +229,19 @@ def smoothquant(
         ReLU (also leaky, or as a clip or a selection against 0), absolute values, a gate by a sign or by a
         comparison with 0, a product with another value (a gated MLP's `up` projection before `down`), the
         attention's mixing of the tokens (the value projection before the output projection, through the reshapes
-        into heads and back), transposes and casts. The preceding layer's weight
-        rows and bias are multiplied by `1 / s` (whether or not `where` chooses it): all of them, or where the
-        layer reads one part of its channels (split, sliced or indexed off: the values of a fused query-key-value
-        projection), the rows of that part alone. Where the layer's input repeats a channel (grouped-query
-        attention's values repeated over the query heads), the copies share one factor, from their largest input
-        and weight magnitudes. Its quantization is unchanged up to rounding, which needs each of
-        its weight's scales to cover part of one row: no weight quantizer, or a dynamic one with float32 scales per
-        row or per group along the rows (not one scale per tensor, nor the power-of-two or float16 scales of MX or
-        GGML formats). Nothing else may read those channels of the preceding layer's output or what those
-        operations make of them (a residual sum, GELU; the other parts may be read in any way), nor the layer's
-        weight or bias (its `.weight` in a tied head, `jax.tree_util.tree_leaves` of it); the model calls it and
-        the layers once, and in a stack one layer at a time (a scan stepping through their weights, not a
-        `jax.vmap` over them, under which an operation could mix the layers' outputs).
+        into heads and back), transposes and casts. The preceding layer's weight rows and bias are multiplied by
+        `1 / s` (whether or not `where` chooses it): all of them, or where the layer reads one part of its channels
+        (split, sliced or indexed off: the values of a fused query-key-value projection), the rows of that part
+        alone. Where the layer's input repeats a channel (grouped-query attention's values repeated over the query
+        heads), the copies share one factor, from their largest input and weight magnitudes. Its quantization is
+        unchanged up to rounding, which needs each of its weight's scales to cover part of one row: no weight
+        quantizer, or a dynamic one with float32 scales per row or per group along the rows (not one scale per
+        tensor, nor the power-of-two or float16 scales of MX or GGML formats). Nothing else may read those channels
+        of the preceding layer's output or what those operations make of them (a residual sum, GELU; the other parts
+        may be read in any way), nor the layer's weight or bias (its `.weight` in a tied head,
+        `jax.tree_util.tree_leaves` of it); the model calls it and the layers once, and in a stack one layer at a
+        time (a scan stepping through their weights, not a `jax.vmap` over them, under which an operation could mix
+        the layers' outputs).
 
     Both are found by tracing the model on the first batch, and only where it is sure: every call of each of those
     layers reads that value (with the layer's input channels on its last axis), in the same program (not across a

@@ -605,6 +605,31 @@ def test_smoothquant_folds_into_the_linear_layer_before():
     np.testing.assert_allclose(columns * rows[:, 0], 1.0, rtol=4e-6)
 
 
+def _assert_folded(producer, consumer, plain_producer, plain_consumer, part, reads):
+    """Asserts that `consumer` (smoothed from `plain_consumer`) folded its factors into the rows `part` of `producer`
+    (from `plain_producer`): each of those rows and its bias times one factor, not all 1; column `j` of `consumer`
+    times the factor of the row its input channel `j` is (`part[reads[j]]`) equal to 1; every other row and bias
+    bit for bit as it was."""
+    assert consumer.input_transform is None
+    others = np.setdiff1d(np.arange(plain_producer.weight.shape[0]), part)
+    assert_bitwise_equal(producer.layer.weight[others], plain_producer.weight[others])
+    assert_bitwise_equal(producer.layer.bias[others], plain_producer.bias[others])
+    rows = np.asarray(producer.layer.weight[part], np.float64) / np.asarray(plain_producer.weight[part])
+    np.testing.assert_allclose(rows, np.broadcast_to(rows[:, :1], rows.shape), rtol=2e-6)
+    bias = np.asarray(producer.layer.bias[part], np.float64) / np.asarray(plain_producer.bias[part])
+    np.testing.assert_allclose(bias, rows[:, 0], rtol=2e-6)
+    columns = np.asarray(consumer.layer.weight, np.float64) / np.asarray(plain_consumer.weight)
+    np.testing.assert_allclose(columns * rows[reads, 0], 1.0, rtol=4e-6)
+    assert not np.allclose(rows[:, 0], 1.0)
+
+
+def _assert_kept(producer, consumer, plain_producer):
+    """Asserts that `consumer` keeps its multiplier and `producer` its arrays, bit for bit."""
+    assert isinstance(consumer.input_transform, ScaleInput)
+    assert_bitwise_equal(producer.layer.weight, plain_producer.weight)
+    assert_bitwise_equal(producer.layer.bias, plain_producer.bias)
+
+
 def _with_callback(y, h):
     jax.debug.callback(lambda v: None, h)  # an operation without outputs that reads `h`
     return y
@@ -630,11 +655,11 @@ class _Pair(eqx.Module):
             "relu-plus-itself": lambda: fc2(jax.nn.relu(h) + h),
             "split-and-merged": lambda: fc2(jnp.transpose(jnp.transpose(h.reshape(2, 8))).reshape(16)),
             "weight-read-unused": lambda: (lambda unused: fc2(jax.nn.relu(h)))(jnp.sum(fc1.weight)),
+            "permuted": lambda: fc2(jnp.transpose(h.reshape(2, 8)).reshape(16)),
             # Through operations that do not.
             "gelu": lambda: fc2(jax.nn.gelu(h)),
             "bias-between": lambda: fc2(h + self.c),
             "also-residual": lambda: fc2(jax.nn.relu(h)) + h,
-            "permuted": lambda: fc2(jnp.transpose(h.reshape(2, 8)).reshape(16)),
             "reversed": lambda: fc2(h[::-1]),
             "two-producers": lambda: fc2(h * self.fc3(x)),
             "called-twice": lambda: fc2(jax.nn.relu(fc1(jax.nn.relu(h)))),
@@ -672,19 +697,9 @@ def test_smoothquant_folds_into_a_linear_layer_only_where_the_factor_commutes(ho
     smoothed = eqx_quant.smoothquant(_w8a8(model), [X_PAIR], where=chosen)
     fc1, fc2 = smoothed.fc1, smoothed.fc2
     if how in _FOLDS:
-        assert fc2.input_transform is None
-        rows = np.asarray(fc1.layer.weight, np.float64) / np.asarray(model.fc1.weight)
-        np.testing.assert_allclose(rows, np.broadcast_to(rows[:, :1], rows.shape), rtol=2e-6)
-        bias = np.asarray(fc1.layer.bias, np.float64) / np.asarray(model.fc1.bias)
-        np.testing.assert_allclose(bias, rows[:, 0], rtol=2e-6)
-        columns = np.asarray(fc2.layer.weight, np.float64) / np.asarray(model.fc2.weight)
-        order = _PERMUTED if how == "permuted" else np.arange(16)
-        np.testing.assert_allclose(columns * rows[order, 0], 1.0, rtol=4e-6)
-        assert not np.allclose(rows[:, 0], 1.0)
+        _assert_folded(fc1, fc2, model.fc1, model.fc2, np.arange(16), _PERMUTED if how == "permuted" else np.arange(16))
     else:
-        assert isinstance(fc2.input_transform, ScaleInput)
-        assert_bitwise_equal(fc1.layer.weight, model.fc1.weight)
-        assert_bitwise_equal(fc1.layer.bias, model.fc1.bias)
+        _assert_kept(fc1, fc2, model.fc1)
     restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_PAIR))
     np.testing.assert_allclose(restored, np.asarray(_apply(model, X_PAIR)), rtol=1e-5, atol=1e-5)
 
@@ -750,21 +765,9 @@ def test_smoothquant_folds_into_the_part_of_a_fused_layer_that_a_layer_reads(how
     fc1, fc2 = smoothed.fc1, smoothed.fc2
     if how in _FUSED_FOLDS:
         part = np.arange(_FUSED_FOLDS[how], _FUSED_FOLDS[how] + 16)
-        others = np.setdiff1d(np.arange(48), part)
-        assert fc2.input_transform is None
-        assert_bitwise_equal(fc1.layer.weight[others], model.fc1.weight[others])
-        assert_bitwise_equal(fc1.layer.bias[others], model.fc1.bias[others])
-        rows = np.asarray(fc1.layer.weight[part], np.float64) / np.asarray(model.fc1.weight[part])
-        np.testing.assert_allclose(rows, np.broadcast_to(rows[:, :1], rows.shape), rtol=2e-6)
-        bias = np.asarray(fc1.layer.bias[part], np.float64) / np.asarray(model.fc1.bias[part])
-        np.testing.assert_allclose(bias, rows[:, 0], rtol=2e-6)
-        columns = np.asarray(fc2.layer.weight, np.float64) / np.asarray(model.fc2.weight)
-        np.testing.assert_allclose(columns * rows[:, 0], 1.0, rtol=4e-6)
-        assert not np.allclose(rows[:, 0], 1.0)
+        _assert_folded(fc1, fc2, model.fc1, model.fc2, part, np.arange(16))
     else:
-        assert isinstance(fc2.input_transform, ScaleInput)
-        assert_bitwise_equal(fc1.layer.weight, model.fc1.weight)
-        assert_bitwise_equal(fc1.layer.bias, model.fc1.bias)
+        _assert_kept(fc1, fc2, model.fc1)
     restored = np.asarray(_apply(eqx_quant.float_model(smoothed), X_PAIR))
     np.testing.assert_allclose(restored, np.asarray(_apply(model, X_PAIR)), rtol=1e-5, atol=1e-5)
 
@@ -800,13 +803,9 @@ def test_smoothquant_folds_grouped_query_attention_with_one_factor_per_repeated_
     chosen = lambda path, layer: path == "o"  # noqa: E731
     q8 = _w8a8(GROUPED)
     smoothed = eqx_quant.smoothquant(q8, [X_GROUPED], where=chosen)
-    assert smoothed.o.input_transform is None
-    rows = np.asarray(smoothed.v.layer.weight, np.float64) / np.asarray(GROUPED.v.weight)
-    np.testing.assert_allclose(rows, np.broadcast_to(rows[:, :1], rows.shape), rtol=2e-6)
-    np.testing.assert_allclose(np.asarray(smoothed.v.layer.bias) / np.asarray(GROUPED.v.bias), rows[:, 0], rtol=2e-6)
-    columns = np.asarray(smoothed.o.layer.weight, np.float64)[0] / np.asarray(GROUPED.o.weight)[0]
     copies = GROUPED_ROWS.ravel()
-    np.testing.assert_allclose(columns * rows[copies, 0], 1.0, rtol=4e-6)
+    _assert_folded(smoothed.v, smoothed.o, GROUPED.v, GROUPED.o, np.arange(16), copies)
+    columns = np.asarray(smoothed.o.layer.weight, np.float64)[0] / np.asarray(GROUPED.o.weight)[0]
     # The twin: from each copy's own factor `s_j = sqrt(x_j / w_j)` (alpha 0.5), `x_j = s_j² w_j`; one factor per
     # channel of `v` from the copies' largest `x` and `w`.
     own = 1 / np.asarray(eqx_quant.smoothquant(q8, [X_GROUPED], where=chosen, fold=False).o.input_transform.multiplier,
