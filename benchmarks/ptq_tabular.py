@@ -1,9 +1,11 @@
 """Post-training quantization of small classifiers trained on raw tabular data, where a few input features are
 orders of magnitude larger than the others: what SmoothQuant, AWQ, Hadamard rotations and GPTQ recover.
 
-Run with `python benchmarks/ptq_tabular.py [--preset {full,smoke}] [--out DIR]` (default: the full preset, results
-in `benchmarks/results/`). It needs the `examples` extra (optax, scikit-learn). For each data set of the preset
-(`wine`, `breast_cancer`, bundled with scikit-learn), it
+Run with `python benchmarks/ptq_tabular.py [--preset {full,smoke}] [--out DIR] [--traced]` (default: the full
+preset, results in `benchmarks/results/`; `--traced` quantizes each trained MLP's twin written with bare arrays,
+`x @ W.T + b`, through `quantize(..., example=)`, and writes `ptq_tabular_{preset}_traced.json`). It needs the
+`examples` extra (optax, scikit-learn). For each data set of the preset (`wine`, `breast_cancer`, bundled with
+scikit-learn), it
 
 1. splits the data 70/30, stratified, with a fixed seed, and leaves the features as they are (no standardisation:
    wine's proline reaches 1680 next to features of 0.1 to 10, the cancer data's areas 4254 next to smoothness of
@@ -78,12 +80,15 @@ PRESETS = {
 # --------------------------------------------------------------------------------------------------- configurations
 
 
+_FIRST = ("layers.0", "model.weights.0")  # the first layer's path, and its weight's in the bare twin (`--traced`)
+
+
 def _hidden(path: str, layer: eqx.Module) -> bool:
-    return path != "layers.0"  # 13 and 30 input features cannot be rotated; the hidden layers' 64 can
+    return path not in _FIRST  # 13 and 30 input features cannot be rotated; the hidden layers' 64 can
 
 
 def _first(path: str, layer: eqx.Module) -> bool:
-    return path == "layers.0"
+    return path in _FIRST
 
 
 ALPHAS = tuple(i / 10 for i in range(11))  # SmoothQuant's candidates when each layer searches its own
@@ -156,9 +161,31 @@ def rules(bits: int) -> list[eqx_quant.Rule]:
     return [eqx_quant.Rule(".*", weight=eqx_quant.LayerQuantizer(bits), input=eqx_quant.DynamicFakeQuant(8))]
 
 
-def quantized(model: eqx.nn.MLP, config: Config, batches: list, seed: int) -> Any:
-    """The fake-quantized model of `config`, calibrated (and solved) on `batches`."""
-    qmodel = eqx_quant.quantize(model, rules=rules(config.bits))
+class BareMLP(eqx.Module):
+    """The MLP with its weights as bare arrays, `x @ W.T + b`: what a model from another package looks like, which
+    `quantize(..., example=)` quantizes by tracing (`--traced`)."""
+
+    weights: list
+    biases: list
+
+    def __call__(self, x):
+        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
+            x = x @ w.T + b
+            x = jax.nn.relu(x) if i < len(self.weights) - 1 else x
+        return x
+
+
+def bare(model: eqx.nn.MLP) -> BareMLP:
+    return BareMLP([layer.weight for layer in model.layers], [layer.bias for layer in model.layers])
+
+
+def quantized(model: eqx.nn.MLP, config: Config, batches: list, seed: int, traced: bool = False) -> Any:
+    """The fake-quantized model of `config`, calibrated (and solved) on `batches`; with `traced`, of the model's bare
+    twin, its products found by tracing."""
+    if traced:
+        qmodel = eqx_quant.quantize(bare(model), rules=rules(config.bits), example=(batches[0][0],))
+    else:
+        qmodel = eqx_quant.quantize(model, rules=rules(config.bits))
     if config.transform is not None:
         qmodel = TRANSFORMS[config.transform](qmodel, batches, seed)
     if config.calibrated:
@@ -234,7 +261,7 @@ def scores(out: np.ndarray, reference: np.ndarray, labels: np.ndarray) -> dict[s
     }
 
 
-def run_dataset(name: str, preset: Preset, say: Callable[[str], None]) -> dict:
+def run_dataset(name: str, preset: Preset, say: Callable[[str], None], traced: bool = False) -> dict:
     """Every row of one data set, per seed and averaged over the seeds, with the targets."""
     data = load(name)
     batches = [jnp.asarray(data.x_train)]  # calibration: the whole training split, one batch
@@ -252,7 +279,7 @@ def run_dataset(name: str, preset: Preset, say: Callable[[str], None]) -> dict:
         )
         for config in configs:
             start = time.perf_counter()
-            qmodel = quantized(model, config, batches, seed)
+            qmodel = quantized(model, config, batches, seed, traced)
             converted = eqx_quant.convert(qmodel)
             fake, out = np.asarray(logits(qmodel, x_test)), np.asarray(logits(converted, x_test))
             # The library's promise: the converted (integer) model computes exactly what the fake-quantized one does.
@@ -368,17 +395,25 @@ def target_lines(name: str, dataset: dict) -> list[str]:
 # ------------------------------------------------------------------------------------------------------------- run
 
 
-def run(preset: str | Preset, out: pathlib.Path = RESULTS, *, log: Callable[[str], None] | None = print) -> dict:
-    """Runs the benchmark and writes `out/ptq_tabular_{preset}.json`; returns what it wrote."""
+def run(
+    preset: str | Preset,
+    out: pathlib.Path = RESULTS,
+    *,
+    log: Callable[[str], None] | None = print,
+    traced: bool = False,
+) -> dict:
+    """Runs the benchmark and writes `out/ptq_tabular_{preset}.json` (`..._traced.json` for the bare twins); returns
+    what it wrote."""
     if isinstance(preset, str):
         if preset not in PRESETS:
             raise ValueError(f"`preset` must be one of {sorted(PRESETS)}, got {preset!r}.")
         preset = PRESETS[preset]
     say = log if log is not None else (lambda line: None)
     start = time.perf_counter()
-    datasets = {name: run_dataset(name, preset, say) for name in preset.datasets}
+    datasets = {name: run_dataset(name, preset, say, traced) for name in preset.datasets}
     results = {
         "preset": dataclasses.asdict(preset),
+        "traced": traced,
         "split": {"test_size": TEST_SIZE, "seed": SPLIT_SEED, "stratified": True},
         "machine": {
             "jax": jax.__version__,
@@ -394,23 +429,29 @@ def run(preset: str | Preset, out: pathlib.Path = RESULTS, *, log: Callable[[str
         "seconds": time.perf_counter() - start,
     }
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"ptq_tabular_{preset.name}.json").write_text(json.dumps(results, indent=1))
+    (out / _file(preset.name, traced)).write_text(json.dumps(results, indent=1))
     return results
+
+
+def _file(preset: str, traced: bool) -> str:
+    return f"ptq_tabular_{preset}{'_traced' if traced else ''}.json"
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="full")
     parser.add_argument("--out", type=pathlib.Path, default=RESULTS, help="folder for ptq_tabular_{preset}.json")
+    twin = "quantize each MLP's bare twin (`x @ W.T + b`) by tracing, `quantize(..., example=)`"
+    parser.add_argument("--traced", action="store_true", help=twin)
     args = parser.parse_args(argv)
     print(f"jax {jax.__version__}, backend {jax.default_backend()}, {jax.devices()[0].device_kind}")
-    results = run(args.preset, args.out)
+    results = run(args.preset, args.out, traced=args.traced)
     for name, dataset in results["datasets"].items():
         print()
         print(table(name, dataset))
         print()
         print("\n".join(target_lines(name, dataset)))
-    print(f"\n{results['seconds']:.0f} s; wrote {args.out / f'ptq_tabular_{args.preset}.json'}")
+    print(f"\n{results['seconds']:.0f} s; wrote {args.out / _file(args.preset, args.traced)}")
     return results
 
 

@@ -177,15 +177,20 @@ class _Observer(AbstractQuantizer):
         return x
 
     def product_input(self, x: Array, contracted: tuple[int, ...]) -> Array:
-        """Observes `x` as the activation operand of a traced product summing over its axes `contracted`: for
-        `"gram"`, the Gram matrix of its rows (the contracted axes flattened, the others counting rows), GPTQ's
-        Hessian of the product; other statistics as `__call__`."""
-        if self.statistic != "gram":
-            return self(x)
-        if self.index.ndim:
-            return self(x)  # the error of a stack observed at once
+        """Observes `x` as the activation operand of a traced product summing over its axes `contracted`, as the
+        rows of a linear layer's input: the contracted axes flattened in that order into its channels, the others
+        counting rows. `"gram"`: the Gram matrix of the rows, GPTQ's Hessian of the product; `"channels"`: the
+        statistics per channel; a function: applied to each row; other statistics: of the whole of `x`."""
+        if self.index.ndim or self.statistic in ("stats", "hist"):
+            return self(x)  # the whole tensor's statistics, or the error of a stack observed at once
         rows = jnp.moveaxis(x, contracted, tuple(range(-len(contracted), 0)))
         rows = rows.reshape(-1, math.prod(x.shape[a] for a in contracted))
+        if self.statistic == "channels":
+            self(rows)
+            return x
+        if self.statistic != "gram":  # a function of one input vector, as a layer's observer sees it
+            jax.vmap(self)(rows)
+            return x
         rows = jax.lax.stop_gradient(rows).astype(jnp.float32)
         nonfinite = _count_nonfinite(rows)
         rows = finite_or(rows, 0.0)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 import os
 import secrets
 import struct
@@ -146,6 +147,9 @@ def _modules(model: PyTree, name: str) -> list[dict[str, Any]]:
             transform = getattr(module, "input_transform", None)
             if transform is not None:  # its arrays are saved with the others; its type says how to rebuild it
                 record["input_transform"] = type(transform).__name__
+            transforms = getattr(module, "input_transforms", ())
+            if any(t is not None for t in transforms):  # a traced weight's, alike
+                record["input_transforms"] = [None if t is None else type(t).__name__ for t in transforms]
             kinds.setdefault(json.dumps(record, sort_keys=True), record | {"paths": []})["paths"].append(path)
     return list(kinds.values())
 
@@ -406,8 +410,14 @@ def _rebuilt_traced(like: PyTree, records: list, quantizer: Callable, tensors: d
                   for j in range(len(indices)))  # fmt: skip
     pairings = [None if p is None else tuple(p) for p in record["pairings"]]
     per_token = record.get("per_token")  # files written before it: inputs as they are
+    leaves = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(like)[0]}
+    kinds = record.get("input_transforms") or [None] * len(paths)
+    transforms = [
+        None if kind is None else _empty_transform(kind, stack + (math.prod(leaves[path].shape[a] for a in pairing),))
+        for kind, path, stack, pairing in zip(kinds, paths, stacks, pairings, strict=True)
+    ]
     return QuantTraced(model, weights, inputs, paths, stacks, matmuls, pairs, indices, record.get("product_count"),
-                       pairings, per_token)  # fmt: skip
+                       pairings, per_token, transforms)  # fmt: skip
 
 
 def _empty_transform(kind: str | None, shape: tuple[int, ...]) -> AbstractInputTransform | None:

@@ -17,18 +17,17 @@ from jaxtyping import Array, PyTree
 from ._fold import Fold, find_folds, scale_leaves
 from ._misc import FLOAT32_TINY, check_int, check_real, check_where
 from ._observe import (
-    TracedInput,
     check_callable,
     check_called,
     fold as fold_statistics,
     layer_stack,
     progress_bar,
-    traced_inputs,
     warn_convolutions_left,
     warns_of_nonfinite,
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_or
+from ._traced_layers import TracedLayer, put_traced, traced_layers
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear
 from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput, absorbed, hadamard_order
@@ -63,64 +62,47 @@ def _only_folded(targets: list, groups: list[Fold], what: str) -> list:
     return kept
 
 
-def _quantized_input(target: TracedInput) -> bool:  # the traced weights SmoothQuant would smooth
-    return target.input_quant is not None
-
-
-def _any(target: TracedInput) -> bool:  # those that AWQ and rotations would transform
-    return True
-
-
-def _left_alone(model: PyTree, what: str, reached: Callable[[TracedInput], bool]) -> str:
-    """A sentence naming the traced weights (of `quantize(..., example=)`) that `reached` keeps, which the algorithm
-    `what` leaves as they are since it transforms layers only; `""` if there are none."""
-    bare = [name for name, target in traced_inputs(model) if reached(target)]
-    if not bare:
-        return ""
-    return (
-        f" `{what}` transforms eqx_quant.nn.QuantLinear layers only, not the traced weights {bare} (quantized with "
-        "`example=`); `gptq` and `autoround` solve traced weights too."
-    )
-
-
-def _warn_left_alone(model: PyTree, where: Where, what: str, reached: Callable[[TracedInput], bool]) -> None:
-    """Warns, once `what` has transformed the layers of `model` it chose by default, of the traced weights it left
-    as they are."""
-    message = _left_alone(model, what, reached) if where is None else ""
-    if message:
-        warnings.warn(
-            f"Traced weights are left as they are:{message} Choose the layers with `where` to silence this.",
-            stacklevel=3,
-        )
+def _warn_left_alone(left: dict[str, str], what: str) -> None:
+    """Warns of the traced weights that `what` would have chosen by default but leaves as they are, with why."""
+    if left:
+        reasons = "; ".join(f"{name!r} {why}" for name, why in left.items())
+        warnings.warn(f"`{what}` leaves traced weights as they are: {reasons}. Choose the weights with `where` to "
+                      "silence this.", stacklevel=4)  # fmt: skip
 
 
 def _targets(
     model: PyTree,
     where: Where,
-    default: Callable[[QuantLinear], bool],
+    default: Callable[[AbstractQuantizer | None, AbstractQuantizer | None], bool],
     what: str,
     wanted: str,
-    reached: Callable[[TracedInput], bool],
-):
-    """The `QuantLinear` layers the algorithm `what` transforms: those `where` selects, else those `default` keeps
-    (`wanted` says which, in the errors); each checked. Layers inside an `eqx.nn.Shared` are left out by default and
-    refused when `where` selects them: a tie would carry one side's transformed weight to the other, untransformed,
-    side. Where none is chosen, the error names the traced weights that `reached` keeps (those the algorithm would
-    transform if it reached traced weights)."""
+    batch: PyTree | None = None,
+    batched: bool = False,
+) -> tuple[list[tuple[str, QuantLinear]], list[tuple[str, QuantLinear]], dict[str, TracedLayer]]:
+    """The `QuantLinear` layers the algorithm `what` transforms, and the traced weights (of `quantize(...,
+    example=)`) as layers (see `traced_layers`, which traces the model on `batch`) with where they lie: those `where`
+    selects, else those whose quantizers `default(weight_quant, input_quant)` keeps (`wanted` says which, in the
+    errors); each checked. Layers inside an `eqx.nn.Shared` are left out by default and refused when `where` selects
+    them: a tie would carry one side's transformed weight to the other, untransformed, side. Traced weights that
+    cannot be transformed are left out with a warning by default, and refused when `where` selects them."""
     check_where(where)
+    traced, where_of, left = traced_layers(model, where, default, what, batch, batched)
     shared = {path for path, _ in nodes(model, (eqx.nn.Shared,))}
     tied = lambda path: any(path == s or path.startswith(f"{s}.") for s in shared)  # noqa: E731
     chosen = nodes(model, (QuantLinear,))
+    layer_default = lambda l: default(l.weight_quant, l.input_quant)  # noqa: E731
     if where is None:
-        chosen = [(p, l) for p, l in chosen if default(l) and not tied(p)]
+        chosen = [(p, l) for p, l in chosen if layer_default(l) and not tied(p)]
     else:
         chosen = [(p, l) for p, l in chosen if where(p, l)]
-    if not chosen:
+    if not chosen and not traced:
         selection = "that `where` selects" if where is not None else wanted
+        unusable = "".join(f" Traced weight {name!r} {why}." for name, why in left.items())
         raise ValueError(
-            f"`model` has no eqx_quant.nn.QuantLinear {selection}: `{what}` would change nothing."
-            + _left_alone(model, what, reached)
+            f"`model` has no eqx_quant.nn.QuantLinear {selection}, nor a traced weight (of `quantize(..., "
+            f"example=)`) that it can transform: `{what}` would change nothing.{unusable}"
         )
+    _warn_left_alone(left, what)
     for path, layer in chosen:
         name = path or "(the model itself)"
         if tied(path):
@@ -128,12 +110,16 @@ def _targets(
                 f"Layer {name!r} is inside an `eqx.nn.Shared`: `{what}` cannot transform a layer whose weight a tie "
                 "may share with another. Exclude it with `where`."
             )
-        if not default(layer):
+        if not layer_default(layer):
             raise ValueError(f"Layer {name!r} is not a layer {wanted}, so `{what}` would do nothing for it. "
                              "Exclude it with `where`.")  # fmt: skip
         _check_layer(path, layer, what)
-    warn_convolutions_left(model, where, what, default)
-    return chosen
+    for name, layer in traced:
+        if not default(layer.weight_quant, layer.input_quant):
+            raise ValueError(f"Traced weight {name!r} is not a traced weight {wanted}, so `{what}` would do nothing "
+                             "for it. Exclude it with `where`.")  # fmt: skip
+    warn_convolutions_left(model, where, what, layer_default)
+    return chosen, traced, where_of
 
 
 def _check_layer(path: str, layer: QuantLinear, what: str) -> None:
@@ -179,7 +165,10 @@ def _with_transform(layer: QuantLinear, transform: AbstractInputTransform, weigh
     )
 
 
-def _replace(model: PyTree, done: dict[str, QuantLinear]) -> PyTree:
+def _replace(model: PyTree, done: dict[str, QuantLinear], where_of: dict[str, TracedLayer]) -> PyTree:
+    """`model` with the layers of `done` in place, those named in `where_of` put back as traced weights."""
+    traced = {name: layer for name, layer in done.items() if name in where_of}
+    model = put_traced(model, where_of, traced) if traced else model
     return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))
 
 
@@ -258,6 +247,15 @@ def smoothquant(
     read with the transformed weight on an untransformed input: it is left as it is, with a warning, unless `where`
     chooses it, which is a `ValueError`.
 
+    **Traced weights** (of [`eqx_quant.quantize`][] with `example=`: products the model writes with its own arrays)
+    are smoothed as layers are: each weight's products are one layer, its channels the axes they sum over (flattened
+    in the order of the weight's `pairings`; for a scanned stack, per layer), the multiplier held by the
+    [`eqx_quant.nn.QuantTraced`][] (its `input_transforms`) and applied to each product's input before the input
+    quantizer, the weight scaled along those axes. They never fold. A traced weight is left as it is, with a warning
+    by default and a `ValueError` where `where` chooses it, if the model reads it otherwise than as the weight of
+    `dot_general`s summing over those axes whole (a tied embedding's gather; found on the first batch), its products
+    do not pair its summed axes one to one with their input's (a convolution), or its quantizers are not dynamic.
+
     **Non-finite data.** NaN and infinite calibration inputs count as zeros in the channels' maxima, with a
     warning that counts them per layer.
 
@@ -275,8 +273,10 @@ def smoothquant(
         normalisation), so that every layer stays plain and the model exports; `False` gives every layer its own
         multiplier.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
-    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with an input
-        quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
+    - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights, named
+        `model.<path>` with the leaf array), or `None` for every `QuantLinear` with an input quantizer (outside any
+        `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side) and every traced weight
+        with one.
 
     **Returns:**
 
@@ -284,34 +284,35 @@ def smoothquant(
 
     **Raises:**
 
-    `ValueError`, naming the layer, if no layer is chosen, a chosen layer has no input quantizer, is inside an
-    `eqx.nn.Shared`, already has an input transform or holds a fitted quantizer (static, learned: the order above),
-    or is never called on the batches, or with `fold="only"` if no chosen layer's factors fold, or if the model reads
-    the weight of every layer it would choose besides calling it (above); `ValueError` for an
+    `ValueError`, naming the layer, if no layer or traced weight is chosen, a chosen layer has no input quantizer, is
+    inside an `eqx.nn.Shared`, already has an input transform or holds a fitted quantizer (static, learned: the
+    order above), or is never called on the batches, or a chosen traced weight cannot be smoothed (above), or with
+    `fold="only"` if no chosen layer's factors fold, or if the model reads the weight of every layer it would choose
+    besides calling it (above), or if `batches` is empty; `ValueError` for an
     `alpha` outside `[0, 1]` or an empty sequence of them; `TypeError` for an `alpha` that is not a real number or a
     sequence of them; `TypeError` or `ValueError` for a `fold` other than `True`, `False` or `"only"`.
 
     **Warns:**
 
-    `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
-    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them). A
-    `UserWarning` naming the layers it leaves as they are because the model reads their weights (above). A
-    `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
+    `UserWarning` naming the layers and traced weights it leaves as they are because the model reads their weights
+    (above). A `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
     """
     check_callable(model)
     alphas = _check_alphas(alpha)
     _check_flags(batched=batched, progress=progress)
     _check_fold(fold)
-    targets = _targets(model, where, lambda l: l.input_quant is not None, "smoothquant", "with an input quantizer",
-                       _quantized_input)  # fmt: skip
     batches = list(batches)  # traced on its first batch, and read twice to search `alpha`
-    found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
-    groups, read = _fold_groups(model, dict(targets), batches[0], batched, fold)
-    targets, groups = _leave_read_out(targets, groups, read, where, "smoothquant")
-    layers = dict(targets)
+    if not batches:
+        raise ValueError("`batches` is empty: calibration needs at least one batch.")
+    targets, traced, where_of = _targets(model, where, lambda w, x: x is not None, "smoothquant",
+                                         "with an input quantizer", batches[0], batched)  # fmt: skip
+    groups, read = _fold_groups(model, dict(targets), batches[0], batched, fold) if targets else ([], frozenset())
+    targets, groups = _leave_read_out(targets, groups, read, where, "smoothquant", bool(traced))
     if fold == "only":
-        targets = _only_folded(targets, groups, "smoothquant")
-        layers = dict(targets)
+        targets, traced = _only_folded(targets, groups, "smoothquant"), []
+    targets += traced
+    layers = dict(targets)
+    found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
     group_of = {path: g.layers for g in groups for path in g.layers}
     # The units that share one factor: a folded group (its layers share their input), or a layer alone.
     unit_of = {path: group_of.get(path, (path,)) for path, _ in targets}
@@ -338,8 +339,7 @@ def smoothquant(
             chosen[unit] = np.take_along_axis(options, best[..., None, None], axis=len(stack))[..., 0, :]
     multipliers = {unit: jnp.asarray(1 / factor, jnp.float32) for unit, factor in chosen.items()}
     weights = {path: ScaleInput(multipliers[unit_of[path]]).absorb(layer.layer.weight) for path, layer in targets}
-    _warn_left_alone(model, where, "smoothquant", _quantized_input)
-    return _place(model, targets, groups, unit_of, multipliers, weights)
+    return _place(model, targets, groups, unit_of, multipliers, weights, where_of)
 
 
 def _place(
@@ -349,10 +349,12 @@ def _place(
     unit_of: dict[str, tuple[str, ...]],
     multipliers: dict[tuple[str, ...], Array | None],
     weights: dict[str, Array],
+    where_of: dict[str, TracedLayer],
 ) -> PyTree:
     """`model` with each target's new weight (which has absorbed the multiplier of its unit), and the multiplier
     folded into what makes the input of the units of `groups` (a normalisation's `γ` and `β`, or a preceding
-    layer's rows and bias), or else held by the layer as its `ScaleInput` (none where the multiplier is `None`)."""
+    layer's rows and bias), or else held by the layer as its `ScaleInput` (none where the multiplier is `None`).
+    The targets at `where_of` are traced weights as layers, put back into their traced model."""
     folded = {path for g in groups for path in g.layers}
     done = {}
     for path, layer in targets:
@@ -367,7 +369,7 @@ def _place(
         leaf_factors.update({p: multiplier for p in (g.gamma, g.beta) if p is not None})
         if g.producer is not None:
             done[g.producer] = _scale_rows(done.get(g.producer, everything[g.producer]), multiplier, g.rows)
-    return scale_leaves(_replace(model, done), leaf_factors)
+    return scale_leaves(_replace(model, done, where_of), leaf_factors)
 
 
 def _fold_groups(
@@ -405,10 +407,12 @@ def _fold_groups(
     return groups, found.read_elsewhere
 
 
-def _leave_read_out(targets: list, groups: list[Fold], read: frozenset[str], where: Where, what: str):
+def _leave_read_out(targets: list, groups: list[Fold], read: frozenset[str], where: Where, what: str,
+                    others: bool = False):  # fmt: skip
     """The targets and groups without the layers whose weights the model reads besides calling them (a tied head's
     `layer.weight`), which a transform would leave computing with the transformed weight on the untransformed
-    input: left out with a warning where `where` is None, else a `ValueError`."""
+    input: left out with a warning where `where` is None, else a `ValueError` (also where no target is left and
+    there are no `others`, traced weights, to transform)."""
     chosen = [path for path, _ in targets if path in read]
     if not chosen:
         return targets, groups
@@ -417,7 +421,7 @@ def _leave_read_out(targets: list, groups: list[Fold], read: frozenset[str], whe
     if where is not None:
         raise ValueError(f"Cannot transform the layers that `where` chooses: {why}. Exclude them with `where`.")
     targets = [(path, layer) for path, layer in targets if path not in read]
-    if not targets:
+    if not targets and not others:
         raise ValueError(f"`{what}` would change nothing: {why}.")
     warnings.warn(f"`{what}` leaves layers as they are: {why}. Choose the layers with `where` to silence this.",
                   stacklevel=3)  # fmt: skip
@@ -687,6 +691,10 @@ def awq(
     **Layers whose weight the model reads** besides calling them are left as they are, as
     [`eqx_quant.smoothquant`][] leaves them.
 
+    **Traced weights** (of `quantize(..., example=)`) are scaled and clipped as layers are, as
+    [`eqx_quant.smoothquant`][] smooths them (see there): a weight per index of its other axes is a row, tiles
+    along its one summed axis are groups; the multiplier is held by the `QuantTraced`.
+
     **Non-finite data.** NaN and infinite calibration inputs are left out of the channels' means and count as
     zeros in the Gram matrices, with a warning that counts them per layer.
 
@@ -704,8 +712,9 @@ def awq(
         multiplier, so that every layer stays plain and the model exports; `False` gives every layer its own
         multiplier.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
-    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
-        quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
+    - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights), or
+        `None` for every `QuantLinear` with a weight quantizer (outside any `eqx.nn.Shared`, whose tie would carry
+        the transformed weight to its other side) and every traced weight with one.
 
     **Returns:**
 
@@ -713,8 +722,9 @@ def awq(
 
     **Raises:**
 
-    `ValueError`, naming the layer, if no layer is chosen, a chosen layer has no weight quantizer or is inside an
-    `eqx.nn.Shared`, already has an input transform, holds a fitted quantizer (run `awq` before `gptq`,
+    `ValueError`, naming the layer, if no layer or traced weight is chosen, a chosen traced weight cannot be
+    transformed (as for [`eqx_quant.smoothquant`][]), `batches` is empty, a chosen layer has no weight quantizer or
+    is inside an `eqx.nn.Shared`, already has an input transform, holds a fitted quantizer (run `awq` before `gptq`,
     `calibrate`, `learn_scales`), has a weight layout other than per
     tensor, per row or per group of columns, or is never called on the batches, or with `fold="only"` and
     `clip=False` if no chosen layer's factors fold, or if the model reads the weight of every layer it would choose
@@ -724,10 +734,8 @@ def awq(
 
     **Warns:**
 
-    `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
-    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them). A
-    `UserWarning` naming the layers it leaves as they are because the model reads their weights (above). A
-    `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
+    `UserWarning` naming the layers and traced weights it leaves as they are because the model reads their weights
+    (above). A `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
     """
     check_callable(model)
     grid, clip_grid = check_int("grid", grid), check_int("clip_grid", clip_grid)
@@ -744,14 +752,18 @@ def awq(
             f"`clip=True` needs at least two clipping ratios, `1 - i / clip_grid` for `i < max_shrink * clip_grid`; "
             f"got clip_grid={clip_grid}, max_shrink={max_shrink}."
         )
-    targets = _targets(model, where, lambda l: l.weight_quant is not None, "awq", "with a weight quantizer", _any)
-    column_groups = {path: _awq_group(path, layer) for path, layer in targets}
     batches = list(batches)  # read twice: the channels' means, then the Gram matrices
+    if not batches:
+        raise ValueError("`batches` is empty: calibration needs at least one batch.")
+    targets, traced, where_of = _targets(model, where, lambda w, x: w is not None, "awq", "with a weight quantizer",
+                                         batches[0], batched)  # fmt: skip
+    column_groups = {path: _awq_group(path, layer) for path, layer in targets + traced}
+    folds, read = _fold_groups(model, dict(targets), batches[0], batched, fold) if targets else ([], frozenset())
+    targets, folds = _leave_read_out(targets, folds, read, where, "awq", bool(traced))
+    targets += traced
     means = _statistics(model, targets, batches, batched, "channels", progress, "awq (statistics)")
     grams = _statistics(model, targets, batches, batched, "gram", progress, "awq (Gram matrices)")
     ratios = jnp.asarray(1 - np.arange(max(shrinks, 1)) / max(clip_grid, 1), jnp.float32)
-    folds, read = _fold_groups(model, dict(targets), batches[0], batched, fold)
-    targets, folds = _leave_read_out(targets, folds, read, where, "awq")
     layers = dict(targets)
 
     # Per layer, over the calibration data (with the stack's axes in front): the sum of `|x|` per channel, the
@@ -796,11 +808,12 @@ def awq(
             found.append(multiplier)
         multipliers[unit] = jnp.stack(found).reshape(stack + (n,)) if scaled_too else None
         weights.update({p: jnp.stack(scaled[p]).reshape(layers[p].layer.weight.shape) for p in unit})
-    _warn_left_alone(model, where, "awq", _any)
-    return _place(model, targets, folds, unit_of, multipliers, weights)
+    return _place(model, targets, folds, unit_of, multipliers, weights, where_of)
 
 
-def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
+def rotate(
+    model: PyTree, *, key: Array, where: Where = None, batch: PyTree | None = None, batched: bool = False
+) -> PyTree:
     r"""Randomized Hadamard rotations of linear layers' inputs (as in QuaRot, Ashkboos et al., NeurIPS 2024): outliers
     spread over all channels before rounding.
 
@@ -813,17 +826,26 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
     72, ...).
 
     Run it on the model from [`eqx_quant.quantize`][], before [`eqx_quant.calibrate`][] and [`eqx_quant.gptq`][]
-    (rotation then GPTQ combine). It takes no data, so it does not trace the model: a layer whose weight the model
-    reads besides calling it (its `.weight` in a tied head) would compute that read with the rotated weight on an
-    unrotated input. Leave such a layer out with `where` ([`eqx_quant.smoothquant`][] and [`eqx_quant.awq`][] find
-    and leave them out).
+    (rotation then GPTQ combine). It needs no data, so it does not trace the model for its layers: a layer whose
+    weight the model reads besides calling it (its `.weight` in a tied head) would compute that read with the
+    rotated weight on an unrotated input. Leave such a layer out with `where` ([`eqx_quant.smoothquant`][] and
+    [`eqx_quant.awq`][] find and leave them out).
+
+    **Traced weights** (of `quantize(..., example=)`) are rotated over the axes their products sum over, flattened
+    (as [`eqx_quant.smoothquant`][] smooths them; their size must be one `rotate` can rotate), the rotation held by
+    the `QuantTraced`. With `batch` (one calibration batch), the model is traced on it to find the traced weights it
+    reads besides their products, which are left out as `smoothquant` leaves them; without it, only the traced
+    weights `where` chooses are rotated, and a call that reads one otherwise is a `ValueError`.
 
     **Arguments:**
 
     - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
     - `key`: a JAX PRNG key (`jax.random.key(0)`) for the signs.
-    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a quantizer
-        (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side).
+    - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights), or
+        `None` for every `QuantLinear` with a quantizer (outside any `eqx.nn.Shared`, whose tie would carry the
+        transformed weight to its other side) and, given `batch`, every traced weight with one.
+    - `batch`, `batched`: one calibration batch, as an element of [`eqx_quant.calibrate`][]'s `batches` with its
+        `batched`, on which the model is traced to choose its traced weights (above); `None` for none.
 
     **Returns:**
 
@@ -831,26 +853,30 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
 
     **Raises:**
 
-    `ValueError`, naming the layer, if no layer is chosen, or a chosen layer has no quantizer, is inside an
-    `eqx.nn.Shared`, has an input size that cannot be rotated, already has an input transform or holds a fitted
-    quantizer; `TypeError` for a `key` that is not a PRNG key.
+    `ValueError`, naming the layer, if no layer or traced weight is chosen, or a chosen layer has no quantizer, is
+    inside an `eqx.nn.Shared`, has an input size that cannot be rotated, already has an input transform or holds a
+    fitted quantizer, or a chosen traced weight cannot be transformed; `TypeError` for a `key` that is not a PRNG
+    key or a `batched` that is not a bool.
 
     **Warns:**
 
-    `UserWarning` naming the model's traced weights (from `quantize(..., example=)`) if `where` is not given: this
-    transforms layers only and leaves them as they are (with no layer chosen, the `ValueError` names them).
+    `UserWarning` naming the traced weights it leaves as they are, with why (no `batch`, say), if `where` is not
+    given.
     """
     if not (isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
         raise TypeError(f"`key` must be a JAX PRNG key (`jax.random.key(0)`), got key={key!r}.")
-    has_quantizer = lambda l: l.weight_quant is not None or l.input_quant is not None  # noqa: E731
-    targets = _targets(model, where, has_quantizer, "rotate", "with a quantizer", _any)
+    has_quantizer = lambda w, x: w is not None or x is not None  # noqa: E731
+    _check_flags(batched=batched)
+    targets, traced, where_of = _targets(model, where, has_quantizer, "rotate", "with a quantizer", batch, batched)
+    targets += traced
     for path, layer in targets:
         n = layer.layer.in_features
         if n < 2 or hadamard_order(n) is None:  # pyright: ignore[reportArgumentType]  (one feature: a sign flip)
+            size = f"Traced weight {path!r} sums over {n} channels" if path in where_of else (
+                f"Layer {path!r} has in_features={n}")  # fmt: skip
             raise ValueError(
-                f"Layer {path!r} has in_features={n}, which `rotate` cannot rotate: it needs a power of two (2 or "
-                "more), or m * 2**k with m - 1 a prime ≡ 3 (mod 4) (12, 20, 24, 44, ...). Exclude the layer with "
-                "`where`."
+                f"{size}, which `rotate` cannot rotate: it needs a power of two (2 or more), or m * 2**k with m - 1 a "
+                "prime ≡ 3 (mod 4) (12, 20, 24, 44, ...). Exclude it with `where`."
             )
     done = {}
     for i, (path, layer) in enumerate(targets):
@@ -858,5 +884,4 @@ def rotate(model: PyTree, *, key: Array, where: Where = None) -> PyTree:
         signs = jax.random.rademacher(jax.random.fold_in(key, i), shape, dtype=jnp.int8)
         transform = RotateInput(signs)
         done[path] = _with_transform(layer, transform, absorbed(transform, layer.layer.weight))
-    _warn_left_alone(model, where, "rotate", _any)
-    return _replace(model, done)
+    return _replace(model, done, where_of)

@@ -119,9 +119,13 @@ def _with_transform(row: SummaryRow, layer: Any) -> SummaryRow:
     transform = getattr(layer, "input_transform", None)
     if transform is None:
         return row
-    extra = sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(transform))
+    extra = _transform_bytes(transform)
     stored = None if row.stored_bytes is None else row.stored_bytes + extra
     return dataclasses.replace(row, input=f"{type(transform).__name__}, then {row.input}", stored_bytes=stored)
+
+
+def _transform_bytes(transform: Any) -> int:
+    return sum(leaf.size * leaf.dtype.itemsize for leaf in jax.tree.leaves(transform))
 
 
 def _row(path: str, layer: Any) -> SummaryRow:
@@ -227,25 +231,28 @@ def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
     leaves = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(
         traced.model, is_leaf=lambda x: isinstance(x, QuantizedArray))[0]}  # fmt: skip
     rows = []
-    for leaf_path, quantizer, inputs in zip(
-        traced.weight_paths, traced.weight_quants, traced.input_quants, strict=True
+    for leaf_path, quantizer, inputs, transform in zip(
+        traced.weight_paths, traced.weight_quants, traced.input_quants, traced.input_transforms, strict=True
     ):
-        weight = leaves[leaf_path]
+        weight, extra = leaves[leaf_path], 0
         name = ".".join(p for p in (path, "model", leaf_path) if p)
         inputs = describe_quantizer(inputs)
+        if transform is not None:  # named before the input quantizer, its arrays counted as stored (as a layer's)
+            extra = _transform_bytes(transform)
+            inputs = f"{type(transform).__name__}, then {inputs}"
         if isinstance(weight, QuantizedArray):
             float_bytes = math.prod(weight.shape) * np.dtype(weight.dtype).itemsize
             rows.append(SummaryRow(name, "traced (converted)", f"{weight.format.name}, {_layout(weight.layout)}",
-                                   inputs, weight.format.bits, float_bytes, weight.nbytes))  # fmt: skip
+                                   inputs, weight.format.bits, float_bytes, weight.nbytes + extra))  # fmt: skip
             continue
         float_bytes = weight.size * weight.dtype.itemsize
         if not isinstance(quantizer, AbstractFakeQuantizer):
             rows.append(SummaryRow(name, "traced", describe_quantizer(quantizer), inputs, None, float_bytes,
-                                   float_bytes))  # fmt: skip
+                                   float_bytes + extra))  # fmt: skip
             continue
         stored = eqx.filter_eval_shape(lambda q, w: q.quantize_array(w), quantizer, weight)
         rows.append(SummaryRow(name, "traced", describe_quantizer(quantizer), inputs, quantizer.format.bits,
-                               float_bytes, _nbytes(stored)))  # fmt: skip
+                               float_bytes, _nbytes(stored) + extra))  # fmt: skip
     for k, (lhs, rhs) in zip(traced.product_indices, traced.product_quants, strict=True):
         name = ".".join(p for p in (path, f"products.{k}") if p)
         operands = f"{describe_quantizer(lhs)} x {describe_quantizer(rhs)}"

@@ -312,6 +312,96 @@ def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], where: _Where
     return [derived] * len(eqn.outvars)
 
 
+def _whole_product(eqn: Any, views: list[_View | None], watched: dict[int, tuple]) -> int | None:
+    """The watched leaf that a product equation multiplies as an input transform of it needs (or `None`): a
+    `dot_general` summing over the leaf's contracted axes whole, paired one to one with its input's as `watched`
+    says."""
+    use = _product(eqn, views, _Where())
+    if use is None or use.primitive != "dot_general" or use.leaf not in watched or use.pairing is None:
+        return None
+    shape, pairing = watched[use.leaf]
+    side = 0 if views[0] is not None else 1
+    view = views[side]
+    dims = eqn.params["dimension_numbers"][0][side]
+    whole = all(eqn.invars[side].aval.shape[d] == shape[view.axes[d][0]] for d in dims)  # pyright: ignore
+    return use.leaf if whole and pairing is not None and sorted(use.pairing) == sorted(pairing) else None
+
+
+def _strays(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple], bad: set[int]) -> list:
+    """Adds to `bad` the watched leaves that `jaxpr` reads otherwise than through views (not reversed, nor padded)
+    into whole products (`_whole_product`); returns the views of its outputs."""
+    env: dict[Any, _View | None] = dict(zip(jaxpr.invars, views, strict=True))
+    read = lambda v: None if isinstance(v, jcore.Literal) else env.get(v)  # noqa: E731
+    leaves = lambda vs: {v.leaf for v in vs if v is not None and v.leaf in watched}  # noqa: E731
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        outs: list[_View | None] = [None] * len(eqn.outvars)
+        mine, name = leaves(ins), eqn.primitive.name
+        sub = _sub_jaxpr(eqn)
+        if not mine:
+            pass
+        elif name in _PRODUCTS:
+            bad |= mine - {_whole_product(eqn, ins, watched)}
+        elif name == "scan":  # a weight carried from step to step is read unseen: only constants and slices are
+            consts, carried = eqn.params["num_consts"], eqn.params["num_carry"]
+            bad |= leaves(ins[consts : consts + carried])
+            bad |= leaves(_strays(eqn.params["jaxpr"].jaxpr, _scan_views(eqn, ins), watched, bad))
+        elif name == "cond":
+            for branch in eqn.params["branches"]:
+                bad |= leaves(_strays(branch.jaxpr, ins[1:], watched, bad))
+        elif name in _CALLS and sub is not None:
+            n = len(sub.jaxpr.invars)
+            bad |= leaves(_strays(sub.jaxpr, ins[len(ins) - n :] if n else [], watched, bad))
+        elif len(eqn.outvars) == 1 and name not in _REORDERING and not leaves(ins[1:]):
+            out = _view_after(eqn, ins)
+            if out is not None and out.axes is not None and not _splits_summed(ins[0], out, watched):
+                outs = [out]
+            else:
+                bad |= mine
+        else:
+            bad |= mine
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+_REORDERING = frozenset({"rev", "pad", "reduce_precision"})  # reverse, shift or round a weight's entries
+
+
+def _splits_summed(view: _View | None, out: _View, watched: dict[int, tuple]) -> bool:
+    """Whether a view spreads one of a watched weight's summed axes over several axes: their pieces could then be
+    put back together in another order (a transpose between two reshapes), which the views do not record."""
+    if view is None or out.leaf not in watched or out.axes is None:
+        return False
+    summed = set(watched[out.leaf][1] or ())
+    return any(sum(a in axes for axes in out.axes) > 1 for a in summed)
+
+
+def stray_reads(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]) -> set[int]:
+    """The leaves of `watched` (program inputs, each with its shape and the contracted axes of its products) that
+    the program reads otherwise than as the weight of `dot_general`s summing over those axes whole (through
+    transposes, reshapes that keep those axes, casts, slices of other axes, scans, conds and calls), or returns:
+    where the weight's transformed value would be read with no transform of the other operand."""
+    bad: set[int] = set()
+    outs = _strays(jaxpr, views, watched, bad)
+    return bad | {v.leaf for v in outs if v is not None and v.leaf in watched}
+
+
+_probes: list[dict[str, bool]] = []  # `probe_reads`: by traced weight path, whether its reads are products alone
+
+
+class probe_reads:
+    """A context in which each call of a [`eqx_quant.nn.QuantTraced`][] records, by traced weight path, whether the
+    program reads the weight as the weight of whole products alone (`stray_reads`): whether an input transform of
+    its products would keep the model's function. Traced, say by `eqx.filter_eval_shape`, inside it."""
+
+    def __enter__(self) -> dict[str, bool]:
+        _probes.append({})
+        return _probes[-1]
+
+    def __exit__(self, *exc: object) -> None:
+        _probes.pop()
+
+
 class Codes(NamedTuple):
     """What an integer product needs of a weight view besides its value: its integer levels, its scales broadcast
     to its shape, and where its levels are NaN (`None`: nowhere). Structural operations apply to them as to the
@@ -333,17 +423,19 @@ class IntWeight(NamedTuple):
 
 
 class Inputs(NamedTuple):
-    """For each leaf (by program input), the input quantizer of its products and the stack axes its arrays carry; the
+    """For each leaf (by program input), the input transform and quantizer of its products and the stack axes their
+    arrays carry; the
     leaves whose input quantizers are per token (laid out at each product); for the leaves whose products may compute
     on integers, their grid (`IntWeight`); the quantizers of
     the products of two activations to quantize, and the equations that hold them, each by its chain of equation ids
     (see `evaluate`)."""
 
-    quantizers: dict[int, tuple[Any, int]]
+    quantizers: dict[int, tuple[Any, int]]  # by leaf: `(input transform, input quantizer)`, and the stack's depth
     tokens: frozenset[int]
     integer: dict[int, IntWeight]
     products: dict[tuple[int, ...], tuple[Any, Any]]
     holders: frozenset[tuple[int, ...]]
+    pairings: dict[int, tuple[int, ...] | None] = {}  # by leaf: its contracted axes in the order its inputs' are laid
 
 
 _CODES_SAME = frozenset({"copy", "copy_p", "optimization_barrier"})
@@ -502,13 +594,16 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
     use = _product(eqn, views, _Where())
     assert use is not None
     side = 1 if views[0] is not None else 0  # the activation's
-    quantizer = inputs.quantizers[use.leaf][0]
+    transform, quantizer = inputs.quantizers[use.leaf][0]
     if use.leaf in inputs.tokens and isinstance(quantizer, DynamicFakeQuant) and use.primitive == "dot_general":
         tokens = free_axes(ins[side].ndim, use.input_contracted)  # this call's
         quantizer = dataclasses.replace(quantizer, layout=Layout(axes=tokens))
     ins = list(ins)
+    contracted = _laid_out(use, inputs.pairings.get(use.leaf))
+    if transform is not None:
+        ins[side] = apply_transform(transform, ins[side], contracted)
     if hasattr(quantizer, "product_input"):  # an observer that wants to know the contraction (GPTQ's Hessian)
-        ins[side] = quantizer.product_input(ins[side], use.input_contracted)  # pyright: ignore
+        ins[side] = quantizer.product_input(ins[side], contracted)  # pyright: ignore
     elif quantizer is not None:
         weight_codes, weight = codes[1 - side], inputs.integer.get(use.leaf)
         if (
@@ -526,6 +621,35 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
                 return y.astype(eqn.outvars[0].aval.dtype)
         ins[side] = quantizer(ins[side])
     return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+
+
+def _laid_out(use: _Use, pairing: tuple[int, ...] | None) -> tuple[int, ...]:
+    """The axes of a product's activation operand that it sums over, in the order `pairing` (the weight's contracted
+    axes as the traced weight's inputs are laid out: `QuantTraced.pairings`) pairs them, where this product pairs
+    the same axes; else as the product lists them."""
+    if pairing is None or use.pairing is None or sorted(use.pairing) != sorted(pairing):
+        return use.input_contracted
+    return tuple(use.input_contracted[use.pairing.index(a)] for a in pairing)
+
+
+def apply_transform(transform: Any, x: Any, contracted: tuple[int, ...]) -> Any:
+    """An input transform (of the channels of a traced weight's inputs, flattened in the order of `contracted`) on
+    the activation operand `x` of a product summing over its axes `contracted`."""
+    n = len(contracted)
+    moved = jnp.moveaxis(x, contracted, tuple(range(-n, 0)))
+    flat = moved.reshape(moved.shape[: moved.ndim - n] + (-1,))
+    if flat.shape[-1] != transform_size(transform):
+        raise ValueError(
+            f"A traced weight's input transform {type(transform).__name__} acts on {transform_size(transform)} "
+            f"channels, but one of its products sums over {flat.shape[-1]} (axes {contracted} of an input of shape "
+            f"{x.shape}): the model computes another product with the weight than the one it was transformed for."
+        )
+    return jnp.moveaxis(transform(flat).reshape(moved.shape), tuple(range(-n, 0)), contracted)
+
+
+def transform_size(transform: Any) -> int:
+    """The number of channels an input transform acts on (the last axis of its arrays)."""
+    return jax.tree.leaves(transform)[0].shape[-1]
 
 
 def _symmetric_integer(quantizer: object, tiles: bool = False) -> bool:
@@ -881,6 +1005,13 @@ class QuantTraced(eqx.Module):
         quantizer has one scale per index of exactly those axes of the example's first product (as
         [`eqx_quant.LayerQuantizer`][]`(..., per_token=True)` makes it); its own layout is then that product's.
         Convolutions keep the quantizer as it is.
+    - `input_transforms`: for each traced weight, an input transform `T` of its products' activation operand (from
+        [`eqx_quant.smoothquant`][], [`eqx_quant.awq`][] or [`eqx_quant.rotate`][]), applied before its input
+        quantizer, or `None`. It acts on the axes the products sum over, flattened in the order of the weight's
+        `pairings` (with a stack's leading axes, stepped through with the weight), as a layer's transform acts on
+        its input features; the weight leaf holds `W T⁻¹` along those axes (see [`eqx_quant.float_model`][]). A call
+        in which the program reads such a weight otherwise than as the weight of `dot_general`s summing over those
+        axes whole (a gather of a tied embedding, say) is a `ValueError`: that read would see the transformed weight.
     """
 
     model: PyTree
@@ -894,6 +1025,7 @@ class QuantTraced(eqx.Module):
     product_count: int | None = eqx.field(static=True)
     pairings: tuple[tuple[int, ...] | None, ...] = eqx.field(static=True)
     per_token: tuple[bool, ...] = eqx.field(static=True)
+    input_transforms: tuple[Any, ...]
 
     def __init__(
         self,
@@ -908,9 +1040,10 @@ class QuantTraced(eqx.Module):
         product_count: int | None = None,
         pairings: Sequence[tuple[int, ...] | None] | None = None,
         per_token: Sequence[bool] | None = None,
+        input_transforms: Sequence[Any] | None = None,
     ):
-        """**Arguments:** the fields, in order; by default `stacks` is `()`, `matmuls` `"int"` and `per_token` `False`
-        for every weight, and no product of two activations is quantized."""
+        """**Arguments:** the fields, in order; by default `stacks` is `()`, `matmuls` `"int"`, `per_token` `False`
+        and `input_transforms` `None` for every weight, and no product of two activations is quantized."""
         self.model = model
         self.weight_quants = tuple(weight_quants)
         self.input_quants = tuple(input_quants)
@@ -925,15 +1058,30 @@ class QuantTraced(eqx.Module):
             tuple(None if p is None else tuple(p) for p in pairings) if pairings is not None else (None,) * n
         )
         self.per_token = tuple(bool(t) for t in per_token) if per_token is not None else (False,) * n
+        self.input_transforms = tuple(input_transforms) if input_transforms is not None else (None,) * n
 
     def __check_init__(self):
+        from .nn._transforms import AbstractInputTransform  # here: `eqx_quant.nn` imports this module
+
         counts = [len(self.weight_paths), len(self.weight_quants), len(self.input_quants), len(self.stacks),
-                  len(self.matmuls), len(self.pairings), len(self.per_token)]  # fmt: skip
+                  len(self.matmuls), len(self.pairings), len(self.per_token), len(self.input_transforms)]  # fmt: skip
         if len(set(counts)) != 1:
             raise ValueError(
-                "`weight_paths`, `weight_quants`, `input_quants`, `stacks`, `matmuls`, `pairings` and `per_token` must "
-                f"have one entry per traced weight, got {counts}."
+                "`weight_paths`, `weight_quants`, `input_quants`, `stacks`, `matmuls`, `pairings`, `per_token` and "
+                f"`input_transforms` must have one entry per traced weight, got {counts}."
             )
+        for path, transform, pairing in zip(self.weight_paths, self.input_transforms, self.pairings, strict=True):
+            if transform is None:
+                continue
+            if not isinstance(transform, AbstractInputTransform):
+                raise TypeError(
+                    f"`input_transforms` must hold input transforms or None, got {transform!r} for {path!r}."
+                )
+            if pairing is None:
+                raise ValueError(
+                    f"Traced weight {path!r} has an input transform but no `pairings` entry: the transform needs to "
+                    "know how its products lay out the axes they sum over."
+                )
         for matmul in self.matmuls:
             if matmul not in ("int", "float"):
                 raise ValueError(f"`matmuls` must hold 'int' or 'float', got {matmul!r}.")
@@ -970,10 +1118,13 @@ class QuantTraced(eqx.Module):
                 bounds[path] = IntWeight(_bound(source.format), layout.group_size, axis, length)  # pyright: ignore
             # The value passes a conditional in every case: a product that computes in float reads it (one without
             # an integer input, or after a cast), and XLA would fuse its computation into that product and sum it
-            # in an order that differs between the fake-quant and the converted model.
+            # in an order that differs between the fake-quant and the converted model. So do the integer products'
+            # scales: a static quantizer's are constants, which XLA would multiply with the input's constant scale
+            # first, rounding otherwise than the converted model's stored scales.
             if isinstance(leaf, QuantizedArray):
                 if integer:
-                    codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), _full_scale(leaf), None)
+                    scale = computed_before(_full_scale(leaf), leaf.scale)
+                    codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), scale, None)
                 return computed_before(leaf.dequantize(), leaf.scale)
             quantizer = self.weight_quants[i]
             if quantizer is None:
@@ -981,11 +1132,35 @@ class QuantTraced(eqx.Module):
             if not integer:
                 return computed_before(quantizer(leaf), leaf)
             value, array, nan = quantizer.fake_quant_and_array(leaf)  # pyright: ignore[reportAttributeAccessIssue]
-            codes[path] = Codes(array.values.reshape(leaf.shape), _full_scale(array), nan.reshape(leaf.shape))
+            scale = computed_before(_full_scale(array), leaf)
+            codes[path] = Codes(array.values.reshape(leaf.shape), scale, nan.reshape(leaf.shape))
             return computed_before(value, leaf)
 
         is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
         return jax.tree_util.tree_map_with_path(replace, self.model, is_leaf=is_stored), codes, bounds
+
+    def _check_reads(self, jaxpr: Any, views: list[_View | None], owner: dict[int, int], leaves: list) -> None:
+        """Raises if the program reads a weight with an input transform otherwise than through its products; inside
+        `probe_reads`, records for every traced weight whether it does."""
+        watched = {
+            i: (jnp.shape(leaves[i]), self.pairings[k])
+            for i, k in owner.items()
+            if _probes or self.input_transforms[k] is not None
+        }
+        if not watched:
+            return
+        stray = stray_reads(jaxpr, views, watched)
+        for i, k in owner.items():
+            path = self.weight_paths[k]
+            if _probes:
+                _probes[-1][path] = _probes[-1].get(path, True) and i not in stray
+            if i in stray and self.input_transforms[k] is not None:
+                raise ValueError(
+                    f"Traced weight {path!r} has an input transform ({type(self.input_transforms[k]).__name__}), "
+                    "but this call reads the weight otherwise than as the weight of products summing over its "
+                    f"contracted axes {self.pairings[k]} whole (a gather, arithmetic, a slice or reversal of those "
+                    "axes, another pairing): that read would see the transformed weight on an untransformed input."
+                )
 
     def _activation_products(self, jaxpr: Any, views: list[_View | None]) -> tuple[dict, frozenset]:
         """The quantizers of the products of two activations to quantize, by the chain of ids of their equation and
@@ -1015,11 +1190,24 @@ class QuantTraced(eqx.Module):
 
     def float_model(self) -> PyTree:
         """`model` with its traced weights as float arrays again: the float leaves, or the stored codes
-        dequantized."""
-        index = set(self.weight_paths)
+        dequantized; a weight with an input transform `T` becomes `W T` along its contracted axes, the weight that
+        computes on the input what the transformed weight computes on `T x` (the weight it was made from, to
+        rounding error)."""
+        index = {path: i for i, path in enumerate(self.weight_paths)}
         is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
-        dequantized = lambda p, x: x.dequantize() if is_stored(x) and path_string(p) in index else x  # noqa: E731
-        return jax.tree_util.tree_map_with_path(dequantized, self.model, is_leaf=is_stored)
+
+        def restored(key_path: Any, leaf: Any) -> Any:
+            i = index.get(path_string(key_path))
+            if i is None:
+                return leaf
+            leaf = leaf.dequantize() if is_stored(leaf) else leaf
+            transform = self.input_transforms[i]
+            if transform is None:
+                return leaf
+            depth, pairing = len(self.stacks[i]), self.pairings[i]
+            return from_matrix(transform.restore(as_matrix(leaf, depth, pairing)), leaf.shape, depth, pairing)
+
+        return jax.tree_util.tree_map_with_path(restored, self.model, is_leaf=is_stored)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """`model(*args, **kwargs)` with the traced weights and their products' inputs quantized."""
@@ -1041,11 +1229,15 @@ class QuantTraced(eqx.Module):
                     integer[i] = bounds[path]
             else:  # the model's other arrays: their products are not products of two activations
                 views.append(_leaf_view(leaf, i, layer=True) if path is not None and _candidate(leaf) else None)
-        quantizers = {leaf: (self.input_quants[k], len(self.stacks[k])) for leaf, k in owner.items()}
+        quantizers = {
+            leaf: ((self.input_transforms[k], self.input_quants[k]), len(self.stacks[k])) for leaf, k in owner.items()
+        }
         closed = traced.jaxpr
+        self._check_reads(closed.jaxpr, views, owner, traced.leaves)
         products, holders = self._activation_products(closed.jaxpr, views)
         tokens = frozenset(leaf for leaf, k in owner.items() if self.per_token[k])
-        inputs = Inputs(quantizers, tokens, integer, products, holders)
+        pairings = {leaf: self.pairings[k] for leaf, k in owner.items()}
+        inputs = Inputs(quantizers, tokens, integer, products, holders, pairings)
         outs = evaluate(closed.jaxpr, closed.consts, traced.leaves, views, held, inputs)
         out_dynamic, out_static = traced.out
         return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_dynamic), outs), out_static)
@@ -1057,8 +1249,26 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
                   weight_paths=traced.weight_paths, stacks=traced.stacks, matmuls=traced.matmuls,
                   product_quants=traced.product_quants, product_indices=traced.product_indices,
                   product_count=traced.product_count, pairings=traced.pairings,
-                  per_token=traced.per_token)  # fmt: skip
+                  per_token=traced.per_token, input_transforms=traced.input_transforms)  # fmt: skip
     return QuantTraced(**(fields | changes))
+
+
+def as_matrix(weight: Any, depth: int, pairing: tuple[int, ...]) -> Any:
+    """A traced weight as a stack of linear layers' weights `(*stack, rows, columns)`: its contracted leaf axes
+    `pairing` last, in that order, flattened into the columns; its other axes after the stack's `depth` leading
+    ones flattened into the rows."""
+    n = len(pairing)
+    moved = jnp.moveaxis(weight, pairing, tuple(range(-n, 0)))
+    columns = math.prod(weight.shape[a] for a in pairing)
+    return moved.reshape(weight.shape[:depth] + (-1, columns))
+
+
+def from_matrix(matrix: Any, shape: tuple[int, ...], depth: int, pairing: tuple[int, ...]) -> Any:
+    """The inverse of `as_matrix`: the weight of `shape` from its matrix."""
+    n = len(pairing)
+    others = tuple(shape[a] for a in range(len(shape)) if a not in pairing)
+    moved = matrix.reshape(others + tuple(shape[a] for a in pairing))
+    return jnp.moveaxis(moved, tuple(range(-n, 0)), pairing)
 
 
 def _full_scale(array: QuantizedArray) -> Any:

@@ -6,7 +6,10 @@ import json
 import pathlib
 import sys
 
+import jax.numpy as jnp
 import pytest
+
+import eqx_quant
 
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parent.parent / "benchmarks"
@@ -110,3 +113,35 @@ def test_refuses_an_unknown_preset(tmp_path):
     with pytest.raises(ValueError, match="`preset`"):
         ptq.run("huge", tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_traced_twins_score_as_the_layers_do(smoke, tmp_path):
+    """`--traced`: the MLPs written with bare arrays (`x @ W.T + b`), quantized by tracing and transformed by the same
+    algorithms, score as the layers do: the same accuracies, and logits' errors within 1e-4 of each other (SmoothQuant
+    multiplies a traced weight's input where it folds a hidden layer's factors into the layer before)."""
+    _, layers, _ = smoke
+    traced = ptq.run("smoke", tmp_path, log=None, traced=True)
+    assert traced["traced"] is True and layers["traced"] is False
+    assert json.loads((tmp_path / "ptq_tabular_smoke_traced.json").read_text()) == json.loads(json.dumps(traced))
+    ours, theirs = (d["datasets"]["wine"]["rows"] for d in (traced, layers))
+    assert [r["name"] for r in ours] == [r["name"] for r in theirs]
+    for a, b in zip(ours, theirs, strict=True):
+        assert a["accuracy"] == b["accuracy"], a["name"]
+        assert a["rel_error"] == pytest.approx(b["rel_error"], abs=1e-4), a["name"]
+        if a["name"] != "float":
+            assert a["per_seed"][0]["converted_equals_fake"] is True
+
+
+@pytest.mark.slow
+def test_a_traced_twin_with_static_weight_scales_converts_bit_for_bit():
+    """A regression case of the full preset: wine's seed-0 MLP written with bare arrays, SmoothQuant with α searched
+    per layer, calibrated, then GPTQ (static scales for the weights and the inputs). Its converted logits are the
+    fake-quant model's bit for bit under `jit`: the weights' constant scales once met the inputs' constant scale
+    first there, and the logits differed in the last bit."""
+    data = ptq.load("wine")
+    model, _ = ptq.train(data, ptq.PRESETS["full"], 0)
+    config = ptq._config("W4A8 SmoothQuant, alpha per layer + GPTQ")
+    fake = ptq.quantized(model, config, [jnp.asarray(data.x_train)], 0, traced=True)
+    x = jnp.asarray(data.x_test)
+    assert (ptq.logits(fake, x) == ptq.logits(eqx_quant.convert(fake), x)).all()

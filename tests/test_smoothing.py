@@ -970,9 +970,8 @@ def test_smoothquant_folds_in_a_traced_model():
     model = init(lambda k: _NormLinearBare(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k), jnp.ones((4, 16))), 8)
     x = X_BLOCK.reshape(-1, 16)
     quantized = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(x[0],))
-    with pytest.warns(UserWarning, match=r"not the traced weights \['model.head'\]"):
-        smoothed = eqx_quant.smoothquant(quantized, [x])
-    assert_bitwise_equal(smoothed.model.head, model.head)  # left as it was
+    smoothed = eqx_quant.smoothquant(quantized, [x])
+    assert isinstance(smoothed.input_transforms[0], ScaleInput)  # the traced head: a multiplier of its own
     assert smoothed.model.fc.input_transform is None
     assert not np.array_equal(smoothed.model.norm.weight, model.norm.weight)
     restored = np.asarray(_apply(eqx_quant.float_model(smoothed), x))
@@ -981,39 +980,21 @@ def test_smoothquant_folds_in_a_traced_model():
     _assert_converted_matches(fake, eqx_quant.convert(fake), x, eager=False)
 
 
-class _Bare(eqx.Module):
-    w: jax.Array
-
-    def __call__(self, x):
-        return self.w @ x
-
-
-def test_transforms_name_the_traced_weights_they_leave_alone():
-    """`smoothquant`, `awq` and `rotate` transform linear layers only: with traced weights alone, a ValueError names
-    them (and the solvers that take them); beside layers, a warning does, unless `where` chooses the layers."""
+def test_transforms_beside_traced_weights_check_the_layers_first():
+    """Beside traced weights, `where` chooses layers alone (a traced weight is named `model.<path>`), and a chosen
+    layer's error names it: weight-only rules give SmoothQuant nothing, layers or traced weights, to smooth."""
     x = X_BLOCK.reshape(-1, 16)
-    bare = eqx_quant.quantize(_Bare(jnp.ones((4, 16))), **eqx_quant.recipe("w8a8"), example=(x[0],))
-    for transform in (
-        lambda m, **kw: eqx_quant.smoothquant(m, [x], **kw),
-        lambda m, **kw: eqx_quant.awq(m, [x], **kw),
-        lambda m, **kw: eqx_quant.rotate(m, key=jax.random.key(0), **kw),
-    ):
-        with pytest.raises(ValueError, match=r"not the traced weights \['model.w'\].*`gptq` and `autoround`"):
-            transform(bare)
     model = init(lambda k: _NormLinearBare(eqx.nn.LayerNorm(16), eqx.nn.Linear(16, 16, key=k), jnp.ones((4, 16))), 8)
     mixed = eqx_quant.quantize(model, **eqx_quant.recipe("w4a16_g32", group_size=8), example=(x[0],))
-    with pytest.warns(UserWarning, match=r"`awq` transforms .* not the traced weights \['model.head'\]"):
-        eqx_quant.awq(mixed, [x])
-    chosen = eqx_quant.awq(mixed, [x], where=lambda path, layer: path == "model.fc")  # no warning: an error here
+    chosen = eqx_quant.awq(mixed, [x], where=lambda path, layer: path == "model.fc")
     assert_bitwise_equal(chosen.model.head, model.head)
-    # Weight-only, no product has an input quantizer for SmoothQuant: the error names no traced weight.
-    with pytest.raises(ValueError, match="with an input quantizer: `smoothquant` would change nothing.$"):
+    assert chosen.input_transforms == (None,)
+    with pytest.raises(ValueError, match="with an input quantizer, nor a traced weight .* `smoothquant` would change"):
         eqx_quant.smoothquant(mixed, [x])
-    # A chosen layer's error comes first: no warning is raised before it.
     w8a8 = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(x[0],))
     smoothed = eqx_quant.smoothquant(w8a8, [x], fold=False, where=lambda path, layer: path == "model.fc")
     with pytest.raises(ValueError, match=r"'model.fc' already has the input transform ScaleInput"):
-        eqx_quant.rotate(smoothed, key=jax.random.key(0))
+        eqx_quant.rotate(smoothed, key=jax.random.key(0), batch=x)
 
 
 @pytest.mark.slow

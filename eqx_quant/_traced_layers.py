@@ -1,0 +1,160 @@
+"""Traced weights as linear layers: the products of a traced weight (of [`eqx_quant.nn.QuantTraced`][]) seen as one
+linear layer on the matrix `as_matrix` lays the weight out as, so that the per-layer input transforms (SmoothQuant,
+AWQ, rotations) apply to them; and their results put back into the traced model."""
+
+import dataclasses
+from collections.abc import Callable
+from typing import NamedTuple
+
+import equinox as eqx
+import jax
+from jaxtyping import PyTree
+
+from ._layout import Layout
+from ._qarray import QuantizedArray
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant
+from ._traced import QuantTraced, as_matrix, from_matrix, probe_reads, replaced
+from ._tree import map_nodes, nodes, path_string
+from .nn._layers import QuantLinear
+
+
+class TracedLayer(NamedTuple):
+    """A traced weight chosen for an input transform: where it lives, and how it lies as a matrix."""
+
+    root: str  # the QuantTraced's path in the model
+    index: int  # the weight's index in it
+    path: str  # the leaf's path in the QuantTraced's model
+    depth: int  # the stack axes a scan steps through
+    pairing: tuple[int, ...]  # the contracted leaf axes, in the order of the matrix's columns
+    shape: tuple[int, ...]
+
+
+def _matrix_quantizer(quantizer: AbstractQuantizer | None, shape: tuple[int, ...], depth: int,
+                      pairing: tuple[int, ...]) -> AbstractQuantizer | None | bool:  # fmt: skip
+    """The traced weight's quantizer as the matrix's (one layer of a stack's, as a stacked layer's quantizer sees
+    it): per tensor (per layer of a stack), per row (per index of the weight's other axes) or in tiles along the
+    columns (its one contracted axis); `False` where the quantizer's layout is none of those or it is not a dynamic
+    quantizer."""
+    if quantizer is None:
+        return None
+    if not isinstance(quantizer, DynamicFakeQuant) or quantizer.layout.stacked:
+        return False
+    layout, ndim = quantizer.layout, len(shape)
+    axes = tuple(sorted(a % ndim for a in layout.axes))
+    if layout.group_size is None and axes == tuple(range(depth)):
+        return dataclasses.replace(quantizer, layout=Layout())
+    if layout.group_size is None and axes == tuple(a for a in range(ndim) if a not in pairing):
+        return dataclasses.replace(quantizer, layout=Layout(axes=(0,)))
+    if layout.group_size is not None and not axes and (layout.group_axis % ndim,) == pairing:
+        return dataclasses.replace(quantizer, layout=Layout(group_size=layout.group_size, group_axis=-1))
+    return False
+
+
+def _reads(model: PyTree, batch: PyTree, batched: bool) -> dict[str, bool]:
+    """By traced weight path, whether the model's call on `batch` reads the weight as the weight of whole products
+    alone (traced, not run)."""
+    with probe_reads() as found:
+        eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), model, batch)
+    return found
+
+
+def traced_layers(
+    model: PyTree,
+    where: Callable | None,
+    default: Callable[[AbstractQuantizer | None, AbstractQuantizer | None], bool],
+    what: str,
+    batch: PyTree | None,
+    batched: bool,
+) -> tuple[list[tuple[str, QuantLinear]], dict[str, TracedLayer], dict[str, str]]:
+    """The traced weights of `model` that `what` transforms, each as a stack of linear layers (named
+    `<root>.model.<path>`, its weight the matrix of `as_matrix`, its quantizers the traced weight's), where they lie;
+    and the traced weights left as they are, with why. Chosen: those `where(name, weight)` selects, else those whose
+    quantizers `default(weight_quant, input_quant)` keeps. A chosen weight that cannot be transformed is a
+    `ValueError` if `where` chose it, else left out with its reason. `batch` is traced to find the weights the model
+    reads besides their products; without it (`None`), only the weights `where` chooses are taken, on trust (a
+    call that reads one otherwise is then a `ValueError`), and the others are left out."""
+    found = [(root, traced, i) for root, traced in nodes(model, (QuantTraced,))
+             for i in range(len(traced.weight_paths))]  # fmt: skip
+    reads = _reads(model, batch, batched) if batch is not None and found else {}
+    chosen, where_of, left = [], {}, {}
+    for root, traced, i in found:
+        path = traced.weight_paths[i]
+        name = ".".join(p for p in (root, "model", path) if p)
+        leaf = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(
+            traced.model, is_leaf=lambda x: isinstance(x, QuantizedArray))[0]}[path]  # fmt: skip
+        weight_quant, input_quant = traced.weight_quants[i], traced.input_quants[i]
+        if where is not None:
+            if not where(name, leaf):
+                continue
+        elif not default(weight_quant, input_quant):
+            continue
+        depth, pairing = len(traced.stacks[i]), traced.pairings[i]
+        shape = tuple(getattr(leaf, "shape", ()))
+        matrix_quant = _matrix_quantizer(weight_quant, shape, depth, pairing) if pairing is not None else False
+        why = None
+        if isinstance(leaf, QuantizedArray):
+            why = "is stored as codes (converted): transform the model before `convert`"
+        elif pairing is None:
+            why = ("has products that do not pair the axes they sum over one to one with their input's (a "
+                   "convolution, a reshape merging summed axes)")  # fmt: skip
+        elif traced.input_transforms[i] is not None:
+            why = f"already has the input transform {type(traced.input_transforms[i]).__name__}"
+        elif input_quant is not None and not isinstance(input_quant, DynamicFakeQuant):
+            why = (f"has the input quantizer {type(input_quant).__name__}, whose scales were fitted to the input as "
+                   "it is: run "
+                   f"`{what}` before `calibrate`")  # fmt: skip
+        elif matrix_quant is False:
+            layout = getattr(weight_quant, "layout", None)
+            why = (f"has the weight quantizer {type(weight_quant).__name__} (layout {layout}); `{what}` needs a "
+                   "dynamic one (before `gptq`, "
+                   "`learn_scales`), per tensor (per layer of a stack), per index of the weight's axes that its "
+                   "products do not sum over, or in tiles along the one axis they sum over")  # fmt: skip
+        elif batch is None and where is None:
+            why = "is taken only where `where` chooses it or a `batch` is given to find how the model reads it"
+        elif batch is not None and not reads.get(path, False):
+            why = ("is read by the model otherwise than as the weight of products summing over its contracted axes "
+                   "whole (a tied embedding's gather, arithmetic, a slice, reversal or split of those axes, a scan's "
+                   "carry), or never on the batches: that read would see the transformed weight")  # fmt: skip
+        if why is not None:
+            if where is not None:
+                raise ValueError(f"Traced weight {name!r} {why}; `{what}` cannot transform it. Exclude it with "
+                                 "`where`.")  # fmt: skip
+            left[name] = why
+            continue
+        weight = as_matrix(leaf, depth, pairing)
+        skeleton = eqx.filter_eval_shape(eqx.nn.Linear, weight.shape[-1], weight.shape[-2], use_bias=False,
+                                         key=jax.random.key(0))  # fmt: skip
+        linear = eqx.tree_at(lambda l: l.weight, skeleton, weight)
+        chosen.append((name, QuantLinear(linear, weight_quant=matrix_quant, input_quant=input_quant)))
+        where_of[name] = TracedLayer(root, i, path, depth, pairing, shape)
+    return chosen, where_of, left
+
+
+def put_traced(model: PyTree, where_of: dict[str, TracedLayer], done: dict[str, QuantLinear]) -> PyTree:
+    """`model` with each traced weight of `done` (named as `traced_layers` names them) holding its layer's weight,
+    laid out as the leaf, and its input transform."""
+    by_root: dict[str, dict[int, tuple[TracedLayer, QuantLinear]]] = {}
+    for name, layer in done.items():
+        place = where_of[name]
+        by_root.setdefault(place.root, {})[place.index] = (place, layer)
+
+    def put(root: str, traced: QuantTraced) -> QuantTraced:
+        mine = by_root.get(root, {})
+        if not mine:
+            return traced
+        paths = {place.path: (place, layer) for place, layer in mine.values()}
+
+        def leaf(key_path, x):
+            found = paths.get(path_string(key_path))
+            if found is None:
+                return x
+            place, layer = found
+            return from_matrix(layer.layer.weight, place.shape, place.depth, place.pairing).astype(x.dtype)
+
+        transforms = list(traced.input_transforms)
+        for i, (_, layer) in mine.items():
+            transforms[i] = layer.input_transform
+        inner = jax.tree_util.tree_map_with_path(leaf, traced.model)
+        return replaced(traced, model=inner, input_transforms=transforms)
+
+    return map_nodes(model, (QuantTraced,), put)

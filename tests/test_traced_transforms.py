@@ -1,0 +1,290 @@
+"""SmoothQuant, AWQ and rotations on traced weights (`quantize(..., example=)`): the products a model writes with its
+own arrays (`x @ w`, `w @ x.T`, `jnp.einsum` over several axes, a scanned stack) transformed as linear layers are, the
+transform held by the `QuantTraced` and applied to each product's input before its quantizer."""
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.linalg
+
+import eqx_quant
+from eqx_quant.nn import RotateInput, ScaleInput
+
+from .helpers import assert_bitwise_equal, init
+
+
+RNG = np.random.default_rng(7)
+# Tokens of 16 channels, one an outlier: what SmoothQuant is for.
+X = jnp.asarray(RNG.standard_normal((6, 5, 16)).astype(np.float32) * np.where(np.arange(16) == 3, 40, 1))
+
+
+class _Products(eqx.Module):
+    """Three products of the tokens `x` (T, 16), each laying out the summed axes its own way."""
+
+    a: jax.Array  # (16, 8): `x @ a`, summed over a's axis 0
+    b: jax.Array  # (8, 16): `b @ x.T`, summed over b's axis 1, the input's axis 0
+    c: jax.Array  # (4, 4, 8): summed over its axes 0 and 1, the input's channels split in two
+
+    def __call__(self, x):
+        y = x @ self.a + (self.b @ x.T).T
+        return y + jnp.einsum("thd,hdo->to", x.reshape(-1, 4, 4), self.c)
+
+
+PRODUCTS = init(lambda k: _Products(*(jax.random.normal(k, s) for s in ((16, 8), (8, 16), (4, 4, 8)))), 1)
+# The same model written with linear layers (no bias), for the traced weights to smooth as layers do.
+_LINEARS = [
+    eqx.tree_at(lambda l: l.weight, eqx.nn.Linear(16, 8, use_bias=False, key=jax.random.key(0)), w)
+    for w in (PRODUCTS.a.T, PRODUCTS.b, PRODUCTS.c.reshape(16, 8).T)
+]
+
+
+class _Layers(eqx.Module):
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+    c: eqx.nn.Linear
+
+    def __call__(self, x):
+        return jax.vmap(lambda v: self.a(v) + self.b(v) + self.c(v))(x)
+
+
+LAYERS = _Layers(*_LINEARS)
+
+
+class _Scanned(eqx.Module):
+    """A stack of residual blocks run with `jax.lax.scan`, its weights bare arrays with the layers in front."""
+
+    w: jax.Array  # (L, 16, 16)
+    v: jax.Array  # (L, 4, 4, 16)
+
+    def __call__(self, x):
+        def block(h, weights):
+            w, v = weights
+            h = h + jnp.tanh(h @ w)
+            return h + jnp.einsum("thd,hdo->to", h.reshape(-1, 4, 4), v) / 4, None
+
+        return jax.lax.scan(block, x, (self.w, self.v))[0]
+
+
+SCANNED = init(lambda k: _Scanned(jax.random.normal(k, (3, 16, 16)) / 4, jax.random.normal(k, (3, 4, 4, 16))), 2)
+
+
+class _Tied(eqx.Module):
+    """A tied embedding (gathered, and the head's weight) around a bare projection."""
+
+    embedding: jax.Array  # (20, 16)
+    w: jax.Array  # (16, 16)
+
+    def __call__(self, tokens):
+        return (self.embedding[tokens] @ self.w) @ self.embedding.T
+
+
+@eqx.filter_jit
+def _apply(model, x):
+    return jax.vmap(model)(x)
+
+
+def _rel(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _columns(weight, axes):
+    """A weight as rows by columns, its summed `axes` last (in that order) flattened into the columns: NumPy."""
+    moved = np.moveaxis(np.asarray(weight, np.float64), axes, tuple(range(-len(axes), 0)))
+    return moved.reshape(-1, int(np.prod([np.shape(weight)[a] for a in axes])))
+
+
+def test_smoothquant_smooths_each_traced_product_against_a_numpy_twin():
+    """Each traced weight gets `s_j = max|x_j|^α / max|w_j|^(1-α)` over the channels its products sum over (an
+    einsum's two summed axes flattened in its order), computed here in float64 from the tokens and the float weight:
+    the multiplier is `1 / s` and the leaf holds `w * s` along those axes. The smoothed model computes the float
+    function, and computes as the same model written with linear layers, smoothed, does."""
+    q = eqx_quant.quantize(PRODUCTS, **eqx_quant.recipe("w8a8"), example=(X[0],))
+    smoothed = eqx_quant.smoothquant(q, [X], alpha=0.6)
+    x_max = np.max(np.abs(np.asarray(X, np.float64)).reshape(-1, 16), axis=0)
+    order = {}  # by weight, the input's channels in the order of the weight's summed axes (its `pairings`)
+    for name, summed in (("a", (0,)), ("b", (1,)), ("c", (0, 1))):
+        i = smoothed.weight_paths.index(name)
+        axes = smoothed.pairings[i]
+        assert sorted(axes) == list(summed)
+        # The input's channels split as the weight's summed axes, then laid out in the pairing's order.
+        grid = np.arange(16).reshape([PRODUCTS.c.shape[a] for a in summed] if len(summed) > 1 else (16,))
+        order[name] = np.transpose(grid, [summed.index(a) for a in axes]).ravel()
+        w = getattr(PRODUCTS, name)
+        w_max = np.max(np.abs(_columns(w, axes)), axis=0)
+        s = x_max[order[name]] ** 0.6 / w_max**0.4
+        transform = smoothed.input_transforms[i]
+        assert isinstance(transform, ScaleInput)
+        np.testing.assert_allclose(np.asarray(transform.multiplier), 1 / s, rtol=2e-7)
+        scaled = _columns(getattr(smoothed.model, name), axes)
+        np.testing.assert_allclose(scaled, _columns(w, axes) * s, rtol=5e-7)
+    want = _apply(PRODUCTS, X)
+    assert _rel(_apply(eqx_quant.float_model(smoothed), X), want) < 1e-6
+    assert _rel(_apply(smoothed, X), want) < _rel(_apply(q, X), want) / 2
+    # The same products as linear layers: the same factors, the same quantized outputs.
+    layers = eqx_quant.smoothquant(eqx_quant.quantize(LAYERS, **eqx_quant.recipe("w8a8")), [X], alpha=0.6)
+    for name in ("a", "b", "c"):
+        multiplier = getattr(layers, name).input_transform.multiplier[order[name]]
+        assert_bitwise_equal(smoothed.input_transforms[smoothed.weight_paths.index(name)].multiplier, multiplier)
+    np.testing.assert_allclose(_apply(smoothed, X), _apply(layers, X), rtol=1e-5, atol=1e-4)
+
+
+def test_a_smoothed_scanned_stack_converts_saves_and_loads_bit_for_bit(tmp_path):
+    """A scanned stack of bare weights: one multiplier per layer, stepped through with the weights; smoothquant →
+    calibrate → convert computes the fake-quant bits (compiled and eager), `save`/`load` keep them, and
+    `float_model` restores the float function."""
+    q = eqx_quant.quantize(SCANNED, **eqx_quant.recipe("w8a8"), example=(X[0],))
+    smoothed = eqx_quant.smoothquant(q, [X])
+    assert [t.multiplier.shape for t in smoothed.input_transforms] == [(3, 16), (3, 16)]
+    # Each layer's own factors: the layers' inputs differ, so their multipliers do.
+    assert not np.array_equal(smoothed.input_transforms[0].multiplier[0], smoothed.input_transforms[0].multiplier[1])
+    want = _apply(SCANNED, X)
+    assert _rel(_apply(eqx_quant.float_model(smoothed), X), want) < 1e-6
+    fake = eqx_quant.calibrate(smoothed, [X])
+    converted = eqx_quant.convert(fake)
+    assert_bitwise_equal(_apply(converted, X), _apply(fake, X))
+    assert_bitwise_equal(jax.vmap(converted)(X[:2]), jax.vmap(fake)(X[:2]))
+    assert _rel(_apply(fake, X), want) < _rel(_apply(eqx_quant.calibrate(q, [X]), X), want)
+    eqx_quant.save(tmp_path / "m.eqxq", converted)
+    loaded = eqx_quant.load(tmp_path / "m.eqxq", SCANNED)
+    assert_bitwise_equal(_apply(loaded, X), _apply(converted, X))
+    rows = {row.path: row for row in eqx_quant.summary(converted).rows}
+    assert rows["model.w"].input.startswith("ScaleInput, then int8")
+
+
+def test_transforms_leave_out_traced_weights_the_model_reads_besides_their_products():
+    """A tied embedding is gathered besides being the head's weight: left out with a warning naming it (the
+    projection is smoothed), a `ValueError` when `where` chooses it; a weight given a transform anyway makes the call
+    a `ValueError`."""
+    model = init(lambda k: _Tied(jax.random.normal(k, (20, 16)), jax.random.normal(k, (16, 16)) / 4), 3)
+    tokens = jnp.asarray(RNG.integers(0, 20, (4, 6)))
+    q = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(tokens[0],))
+    with pytest.warns(UserWarning, match=r"leaves traced weights as they are: 'model.embedding' is read by the model"):
+        smoothed = eqx_quant.smoothquant(q, [tokens])
+    i = smoothed.weight_paths.index("embedding")
+    assert smoothed.input_transforms[i] is None
+    assert_bitwise_equal(smoothed.model.embedding, model.embedding)
+    assert isinstance(smoothed.input_transforms[smoothed.weight_paths.index("w")], ScaleInput)
+    assert _rel(_apply(eqx_quant.float_model(smoothed), tokens), _apply(model, tokens)) < 1e-6
+    with pytest.raises(ValueError, match=r"Traced weight 'model.embedding' is read by the model otherwise"):
+        eqx_quant.awq(q, [tokens], where=lambda path, weight: path == "model.embedding")
+    # Without data, `rotate` takes the traced weights `where` chooses on trust; the call then refuses the gather.
+    with pytest.raises(ValueError, match=r"`rotate` would change nothing\. Traced weight 'model.w' is taken "
+                                         "only where `where` chooses it or a `batch` is given"):  # fmt: skip
+        eqx_quant.rotate(q, key=jax.random.key(0))
+    rotated = eqx_quant.rotate(q, key=jax.random.key(0), where=lambda path, weight: True)
+    with pytest.raises(ValueError, match=r"Traced weight 'embedding' has an input transform \(RotateInput\)"):
+        _apply(rotated, tokens)
+
+
+class _Carried(eqx.Module):
+    """The weight carried through a scan's steps: read there as the carry, unseen as the weight."""
+
+    w: jax.Array  # (16, 16)
+
+    def __call__(self, x):
+        def step(carry, _):
+            h, w = carry
+            return (h @ w, w * 1.0), None
+
+        return jax.lax.scan(step, (x @ self.w, self.w), None, length=2)[0][0]
+
+
+class _Shuffled(eqx.Module):
+    """The summed axis split in two, the halves swapped, merged back: the rows of the weight permuted."""
+
+    w: jax.Array  # (16, 16)
+
+    def __call__(self, x):
+        return x @ self.w.reshape(4, 4, 16).transpose(1, 0, 2).reshape(16, 16)
+
+
+class _Rounded(eqx.Module):
+    """The weight rounded to fewer bits before its product: a read that does not commute with a scale."""
+
+    w: jax.Array  # (16, 16)
+
+    def __call__(self, x):
+        return x @ jax.lax.reduce_precision(self.w, exponent_bits=5, mantissa_bits=2)
+
+
+@pytest.mark.parametrize("make", [_Carried, _Shuffled, _Rounded])
+def test_transforms_refuse_weights_read_through_a_scan_carry_a_shuffle_or_a_rounding(make):
+    """Reads of a weight that its views do not see whole and in order (carried through a scan; a summed axis split
+    and put back in another order; rounded): smoothing it would change the model's function, so it is refused."""
+    model = make(jnp.asarray(RNG.standard_normal((16, 16)).astype(np.float32)))
+    q = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(X[0],))
+    with pytest.raises(ValueError, match=r"Traced weight 'model.w' is read by the model otherwise"):
+        eqx_quant.smoothquant(q, [X])
+
+
+def test_traced_transforms_are_checked():
+    """`QuantTraced` checks its `input_transforms`; a transform of the wrong size fails at the call, naming the
+    sizes; `smoothquant` refuses a traced weight with fitted input scales or a transform already."""
+    q = eqx_quant.quantize(PRODUCTS, **eqx_quant.recipe("w8a8"), example=(X[0],))
+    with pytest.raises(ValueError, match="one entry per traced weight"):
+        eqx_quant.nn.QuantTraced(q.model, q.weight_quants, q.input_quants, q.weight_paths, input_transforms=())
+    n = len(q.weight_paths)
+    with pytest.raises(TypeError, match=r"`input_transforms` must hold input transforms or None, got 2.0"):
+        eqx_quant.nn.QuantTraced(q.model, q.weight_quants, q.input_quants, q.weight_paths, pairings=q.pairings,
+                                 input_transforms=(2.0,) * n)  # fmt: skip
+    ones = ScaleInput(jnp.ones(16))
+    with pytest.raises(ValueError, match=r"'a' has an input transform but no `pairings` entry"):
+        eqx_quant.nn.QuantTraced(q.model, q.weight_quants, q.input_quants, q.weight_paths,
+                                 input_transforms=(ones,) * n)  # fmt: skip
+    wrong = eqx_quant.nn.QuantTraced(q.model, q.weight_quants, q.input_quants, q.weight_paths, pairings=q.pairings,
+                                     input_transforms=(ScaleInput(jnp.ones(12)),) * n)  # fmt: skip
+    with pytest.raises(ValueError, match=r"acts on 12 channels, but one of its products sums over 16"):
+        jax.vmap(wrong)(X[:1])
+    calibrated = eqx_quant.calibrate(q, [X])
+    with pytest.raises(ValueError, match=r"'model.a' has the input quantizer .* run `smoothquant` before `calibrate`"):
+        eqx_quant.smoothquant(calibrated, [X], where=lambda path, weight: path == "model.a")
+    smoothed = eqx_quant.smoothquant(q, [X])
+    with pytest.raises(ValueError, match=r"'model.b' already has the input transform ScaleInput"):
+        eqx_quant.rotate(smoothed, key=jax.random.key(0), where=lambda path, weight: path == "model.b")
+
+
+@pytest.mark.slow
+def test_awq_and_gptq_on_traced_weights_as_on_the_same_linear_layers():
+    """AWQ on the traced products finds the multipliers it finds on the same model written with linear layers, and
+    the same outputs; AWQ then GPTQ converts bit for bit."""
+    rules = eqx_quant.recipe("w4a16_g32", group_size=8)
+    with pytest.warns(UserWarning, match=r"'c': its product sums over 2 of its axes .* one scale per channel"):
+        plain = eqx_quant.quantize(PRODUCTS, **rules, example=(X[0],))
+    scaled = eqx_quant.awq(plain, [X], clip=False)  # scaling alone keeps the float function
+    layers = eqx_quant.awq(eqx_quant.quantize(LAYERS, **rules), [X], clip=False)
+    for name in ("a", "b"):  # `c` sums over two axes: one scale per channel, not tiles (a layer would tile)
+        np.testing.assert_allclose(scaled.input_transforms[scaled.weight_paths.index(name)].multiplier,
+                                   getattr(layers, name).input_transform.multiplier, rtol=1e-5)  # fmt: skip
+    want = _apply(PRODUCTS, X)
+    assert _rel(_apply(eqx_quant.float_model(scaled), X), want) < 1e-6
+    traced = eqx_quant.awq(plain, [X])
+    assert _rel(_apply(traced, X), want) < _rel(_apply(plain, X), want)
+    solved = eqx_quant.gptq(traced, [X])
+    assert_bitwise_equal(_apply(eqx_quant.convert(solved), X), _apply(solved, X))
+
+
+@pytest.mark.slow
+def test_rotate_rotates_traced_weights_with_the_hadamard_transform():
+    """`rotate` gives each traced weight `R = H D / sqrt(n)` over the channels its products sum over: the leaf holds
+    `W Rᵀ` (checked against the dense Hadamard matrix in float64), the float function is unchanged, and the
+    converted model computes the fake-quant bits."""
+    with pytest.warns(UserWarning, match=r"'v': its product sums over 2 of its axes .* one scale per channel"):
+        q = eqx_quant.quantize(SCANNED, **eqx_quant.recipe("w4a8_g32", group_size=8), example=(X[0],))
+    rotated = eqx_quant.rotate(q, key=jax.random.key(4), batch=X)
+    h = scipy.linalg.hadamard(16).astype(np.float64)  # Sylvester's: 16 is a power of two
+    for name in ("w", "v"):
+        i = rotated.weight_paths.index(name)
+        axes = tuple(a - 1 for a in rotated.pairings[i])  # one layer's summed axes, in the columns' order
+        transform = rotated.input_transforms[i]
+        assert isinstance(transform, RotateInput)
+        for layer in range(3):
+            r = h * np.asarray(transform.signs[layer], np.float64)[None, :] / 4
+            original = _columns(getattr(SCANNED, name)[layer], axes)
+            np.testing.assert_allclose(_columns(getattr(rotated.model, name)[layer], axes), original @ r.T,
+                                       rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert _rel(_apply(eqx_quant.float_model(rotated), X), _apply(SCANNED, X)) < 1e-6
+    fake = eqx_quant.calibrate(rotated, [X])
+    assert_bitwise_equal(_apply(eqx_quant.convert(fake), X), _apply(fake, X))
