@@ -132,11 +132,16 @@ _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkp
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})  # fmt: skip
 
 
-def _reshape_axes(src: _View, shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> _View:
-    """The view after a reshape: axes that merge or split share their leaf axes; unit axes hold none."""
+def _reshape_axes(src: _View, shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> _View | None:
+    """The view after a reshape: axes that merge or split share their leaf axes; unit axes hold none. `None` where
+    it merges axes that hold parts of one leaf axis: those parts may have been put in another order in between (a
+    transpose between two reshapes), which a view does not record."""
     axes: list[tuple[int, ...]] = [()] * len(shape_out)
     for group_in, group_out in reshape_blocks(shape_in, shape_out):
-        spanned = tuple(sorted({a for k in group_in for a in src.axes[k]}))
+        parts = [a for k in group_in for a in src.axes[k]]
+        if len(parts) != len(set(parts)):
+            return None
+        spanned = tuple(sorted(set(parts)))
         for k in group_out:
             axes[k] = spanned
     return src._replace(axes=tuple(axes))
@@ -185,7 +190,9 @@ def _view_after(eqn: Any, views: list[_View | None]) -> _View | None:
         where = {d: i for i, d in enumerate(params["broadcast_dimensions"])}
         return src._replace(axes=tuple(src.axes[where[k]] if k in where else () for k in range(len(params["shape"]))))
     if name == "reshape" and params.get("dimensions") is None:
-        return _reshape_axes(src, tuple(eqn.invars[0].aval.shape), tuple(params["new_sizes"]))
+        reshaped = _reshape_axes(src, tuple(eqn.invars[0].aval.shape), tuple(params["new_sizes"]))
+        if reshaped is not None:
+            return reshaped
     return _derived(eqn, views)
 
 
@@ -902,8 +909,9 @@ def find_products(model: PyTree, call: Callable[[PyTree], Any], layers: Sequence
         if use.primitive == "unfollowed":
             found.problems.setdefault(path, (product, (
                 f"The weight {path!r} reaches a product through operations that are not views of it (a "
-                "concatenation, a gather, arithmetic, or a reshape that merges a summed axis with a kept one): no "
-                "scale layout follows the product from the leaf. Leave it out of the rules (a rule "
+                "concatenation, a gather, arithmetic, a reshape that merges a summed axis with a kept one, or one "
+                "that puts back together the parts of an axis that an earlier reshape split): no scale layout "
+                "follows the product from the leaf. Leave it out of the rules (a rule "
                 f"`Rule({path!r}, weight=None, input=None)` before the others keeps it float)."
             )))  # fmt: skip
         elif use.loop:

@@ -1033,6 +1033,7 @@ def test_a_call_that_takes_another_path_than_the_example():
         quantized(x, x)
 
 
+@pytest.mark.slow
 def test_learn_scales_after_gptq_keeps_the_outputs():
     model, _, args = CASES["scan_stack"]
     solved = eqx_quant.gptq(_quantized("scan_stack"), [_normal(8, 8)], sequential=False)
@@ -1108,6 +1109,7 @@ class _LinearThenBare(eqx.Module):
         return self.w @ self.fc(x)
 
 
+@pytest.mark.slow
 def test_learned_layer_quantizers_beside_traced_weights():
     """With `learned=True`, a layer's weight reaches its product through its learned quantizer's arithmetic on the
     weight and its scales, all arrays of the layer: none of them is taken for a traced weight. The model is the one
@@ -1172,3 +1174,20 @@ def test_block_inputs_tile_the_contracted_axis_of_every_call():
     np.testing.assert_allclose(one(tokens), expected, rtol=1e-6, atol=1e-6)
     batch = eqx_quant.quantize(model, **eqx_quant.recipe("mxfp4"), example=(tokens,))
     np.testing.assert_allclose(batch(tokens[0]), expected[0], rtol=1e-6, atol=1e-6)
+
+
+class _Shuffled(eqx.Module):
+    w: jax.Array  # (32, 16)
+
+    def __call__(self, x):
+        return x @ self.w.reshape(4, 8, 16).transpose(1, 0, 2).reshape(32, 16)
+
+
+def test_a_weight_whose_summed_axis_is_split_and_merged_again_is_not_a_view():
+    """Splitting the summed axis, transposing the parts and merging them puts the rows in another order: the leaf's
+    tiles along that axis are no longer the product's (the integer product used other tiles' scales), so the weight
+    is refused, naming it."""
+    x = jnp.ones((2, 32))
+    model = _Shuffled(jnp.ones((32, 16)))
+    with pytest.raises(ValueError, match=r"The weight 'w' reaches a product .* puts back together the parts of an"):
+        eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x[0],))
