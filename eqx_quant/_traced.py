@@ -361,7 +361,7 @@ def _strays(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]
             bad |= leaves(_strays(sub.jaxpr, ins[len(ins) - n :] if n else [], watched, bad))
         elif len(eqn.outvars) == 1 and name not in _REORDERING and not leaves(ins[1:]):
             out = _view_after(eqn, ins)
-            if out is not None and out.axes is not None and not _splits_summed(ins[0], out, watched):
+            if out is not None and out.axes is not None:
                 outs = [out]
             else:
                 bad |= mine
@@ -372,15 +372,6 @@ def _strays(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]
 
 
 _REORDERING = frozenset({"rev", "pad", "reduce_precision"})  # reverse, shift or round a weight's entries
-
-
-def _splits_summed(view: _View | None, out: _View, watched: dict[int, tuple]) -> bool:
-    """Whether a view spreads one of a watched weight's summed axes over several axes: their pieces could then be
-    put back together in another order (a transpose between two reshapes), which the views do not record."""
-    if view is None or out.leaf not in watched or out.axes is None:
-        return False
-    summed = set(watched[out.leaf][1] or ())
-    return any(sum(a in axes for axes in out.axes) > 1 for a in summed)
 
 
 def stray_reads(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]) -> set[int]:
