@@ -83,11 +83,11 @@ PRESETS = {
 _FIRST = ("layers.0", "model.weights.0")  # the first layer's path, and its weight's in the bare twin (`--traced`)
 
 
-def _hidden(path: str, layer: eqx.Module) -> bool:
+def _hidden(path: str, layer: Any) -> bool:  # a layer, or a traced weight's array
     return path not in _FIRST  # 13 and 30 input features cannot be rotated; the hidden layers' 64 can
 
 
-def _first(path: str, layer: eqx.Module) -> bool:
+def _first(path: str, layer: Any) -> bool:
     return path in _FIRST
 
 

@@ -29,7 +29,7 @@ from ._observe import (
 )
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
-from ._traced import QuantTraced, replaced
+from ._traced import QuantTraced, as_matrix, from_matrix, replaced
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear, per_layer
 
@@ -394,19 +394,13 @@ def _leaves(model: PyTree) -> dict[str, Any]:
     return {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stored)[0]}
 
 
-def _as_matrix(weight: Array, axes: tuple[int, ...]) -> Array:
-    """One layer's weight as GPTQ's `(rows, columns)`: the contracted axes last, in the order the products pair them
-    with their input's (whose Gram matrix flattens them in that order), the others flattened into rows."""
-    moved = jnp.moveaxis(weight, axes, tuple(range(-len(axes), 0)))
-    return moved.reshape(-1, math.prod(weight.shape[a] for a in axes))
-
-
 def _from_matrix(solution: tuple, shape: tuple[int, ...], axes: tuple[int, ...], group_size: int | None) -> tuple:
-    """A solver's `(weight, compact scales, tensor scale)` on `_as_matrix`'s matrix, in the layer weight's layout."""
+    """A solver's `(weight, compact scales, tensor scale)` on `as_matrix`'s matrix of one layer's weight (its
+    contracted axes last, in the order the products pair them with their input's, whose Gram matrix flattens them in
+    that order), in the layer weight's layout."""
     weight, compact, t = solution
     others = tuple(n for i, n in enumerate(shape) if i not in axes)
-    weight = weight.reshape(others + tuple(shape[a] for a in axes))
-    weight = jnp.moveaxis(weight, tuple(range(-len(axes), 0)), axes)
+    weight = from_matrix(weight, shape, 0, axes)
     if group_size is None:
         compact = compact.reshape(others)
     else:  # one contracted axis, in tiles
@@ -469,7 +463,7 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
         for t in targets:
             for k in range(layers(t)):
                 hessian = jnp.asarray(grams[t.name][k]["gram"])
-                result = solve[t.name](_as_matrix(flat[t.name][k], t.axes), hessian)
+                result = solve[t.name](as_matrix(flat[t.name][k], 0, t.axes), hessian)
                 parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
     else:
         chosen = {(t.root, t.index) for t in targets}
@@ -497,7 +491,7 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
         for t, k in progress_bar(steps, progress, f"{name} (layers)"):
             grams = fold(current, observed([t]), batches, batched, "gram")
             check_called(observed([t]), grams)
-            result = solve[t.name](_as_matrix(flat[t.name][k], t.axes), jnp.asarray(grams[t.name][k]["gram"]))
+            result = solve[t.name](as_matrix(flat[t.name][k], 0, t.axes), jnp.asarray(grams[t.name][k]["gram"]))
             parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
             flat[t.name] = flat[t.name].at[k].set(parts[t.name][k][0])
             traced = dict(nodes(current, (QuantTraced,)))[t.root]

@@ -7,6 +7,7 @@ import math
 import numbers
 import warnings
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -27,13 +28,14 @@ from ._observe import (
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_or
+from ._traced import QuantTraced
 from ._traced_layers import TracedLayer, put_traced, traced_layers
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear
 from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput, absorbed, hadamard_order
 
 
-Where = Callable[[str, eqx.Module], bool] | None
+Where = Callable[[str, Any], bool] | None  # `f(path, layer)`, and `f(name, weight)` for a traced weight
 
 
 def _check_flags(**flags: object) -> None:
@@ -56,8 +58,8 @@ def _only_folded(targets: list, groups: list[Fold], what: str) -> list:
     if not kept:
         raise ValueError(
             f"None of the chosen layers {[path for path, _ in targets]} has factors that fold into a preceding "
-            f"normalisation or linear layer (see `fold`): `{what}(..., fold='only')` would change nothing. "
-            "`fold=True` gives such layers a multiplier of their own."
+            f"normalisation or linear layer (see `fold`; traced weights never fold): `{what}(..., fold='only')` "
+            "would change nothing. `fold=True` gives such layers a multiplier of their own."
         )
     return kept
 
@@ -66,8 +68,9 @@ def _warn_left_alone(left: dict[str, str], what: str) -> None:
     """Warns of the traced weights that `what` would have chosen by default but leaves as they are, with why."""
     if left:
         reasons = "; ".join(f"{name!r} {why}" for name, why in left.items())
+        # The caller of `what`: past this, `_targets`, `what` and (but for `rotate`) its `warns_of_nonfinite`.
         warnings.warn(f"`{what}` leaves traced weights as they are: {reasons}. Choose the weights with `where` to "
-                      "silence this.", stacklevel=4)  # fmt: skip
+                      "silence this.", stacklevel=4 if what == "rotate" else 5)  # fmt: skip
 
 
 def _targets(
@@ -78,15 +81,17 @@ def _targets(
     wanted: str,
     batch: PyTree | None = None,
     batched: bool = False,
+    traced_too: bool = True,
 ) -> tuple[list[tuple[str, QuantLinear]], list[tuple[str, QuantLinear]], dict[str, TracedLayer]]:
     """The `QuantLinear` layers the algorithm `what` transforms, and the traced weights (of `quantize(...,
     example=)`) as layers (see `traced_layers`, which traces the model on `batch`) with where they lie: those `where`
     selects, else those whose quantizers `default(weight_quant, input_quant)` keeps (`wanted` says which, in the
     errors); each checked. Layers inside an `eqx.nn.Shared` are left out by default and refused when `where` selects
     them: a tie would carry one side's transformed weight to the other, untransformed, side. Traced weights that
-    cannot be transformed are left out with a warning by default, and refused when `where` selects them."""
+    cannot be transformed are left out with a warning by default, and refused when `where` selects them; none is
+    chosen unless `traced_too`."""
     check_where(where)
-    traced, where_of, left = traced_layers(model, where, default, what, batch, batched)
+    traced, where_of, left = traced_layers(model, where, default, what, batch, batched) if traced_too else ([], {}, {})
     shared = {path for path, _ in nodes(model, (eqx.nn.Shared,))}
     tied = lambda path: any(path == s or path.startswith(f"{s}.") for s in shared)  # noqa: E731
     chosen = nodes(model, (QuantLinear,))
@@ -98,6 +103,8 @@ def _targets(
     if not chosen and not traced:
         selection = "that `where` selects" if where is not None else wanted
         unusable = "".join(f" Traced weight {name!r} {why}." for name, why in left.items())
+        if not traced_too and nodes(model, (QuantTraced,)):
+            unusable += " Traced weights never fold: `fold='only'` leaves them as they are."
         raise ValueError(
             f"`model` has no eqx_quant.nn.QuantLinear {selection}, nor a traced weight (of `quantize(..., "
             f"example=)`) that it can transform: `{what}` would change nothing.{unusable}"
@@ -251,10 +258,13 @@ def smoothquant(
     are smoothed as layers are: each weight's products are one layer, its channels the axes they sum over (flattened
     in the order of the weight's `pairings`; for a scanned stack, per layer), the multiplier held by the
     [`eqx_quant.nn.QuantTraced`][] (its `input_transforms`) and applied to each product's input before the input
-    quantizer, the weight scaled along those axes. They never fold. A traced weight is left as it is, with a warning
-    by default and a `ValueError` where `where` chooses it, if the model reads it otherwise than as the weight of
-    `dot_general`s summing over those axes whole (a tied embedding's gather; found on the first batch), its products
-    do not pair its summed axes one to one with their input's (a convolution), or its quantizers are not dynamic.
+    quantizer, the weight scaled along those axes. They never fold (`fold="only"` leaves them as they are). A traced
+    weight is left as it is, with a warning by default and a `ValueError` where `where` chooses it, if the model
+    reads it otherwise than as the weight of `dot_general`s summing over those axes whole, or not at all (a tied
+    embedding's gather, a scan's carry; found on the first batch), if its products do not pair its summed axes one
+    to one with their input's (a convolution), if its quantizers are not dynamic or its weight quantizer's scales
+    are not per tensor (per layer of a stack), per index of its other axes or in tiles along its one summed axis, if
+    it has an input transform already, or if it is stored as codes (converted).
 
     **Non-finite data.** NaN and infinite calibration inputs count as zeros in the channels' maxima, with a
     warning that counts them per layer.
@@ -294,8 +304,9 @@ def smoothquant(
 
     **Warns:**
 
-    `UserWarning` naming the layers and traced weights it leaves as they are because the model reads their weights
-    (above). A `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
+    `UserWarning` naming the layers it leaves as they are because the model reads their weights, and one naming the
+    traced weights it leaves as they are, with why (above). A `UserWarning` counting, per layer, the calibration
+    inputs that are NaN or infinite.
     """
     check_callable(model)
     alphas = _check_alphas(alpha)
@@ -305,11 +316,11 @@ def smoothquant(
     if not batches:
         raise ValueError("`batches` is empty: calibration needs at least one batch.")
     targets, traced, where_of = _targets(model, where, lambda w, x: x is not None, "smoothquant",
-                                         "with an input quantizer", batches[0], batched)  # fmt: skip
+                                         "with an input quantizer", batches[0], batched, fold != "only")  # fmt: skip
     groups, read = _fold_groups(model, dict(targets), batches[0], batched, fold) if targets else ([], frozenset())
     targets, groups = _leave_read_out(targets, groups, read, where, "smoothquant", bool(traced))
     if fold == "only":
-        targets, traced = _only_folded(targets, groups, "smoothquant"), []
+        targets = _only_folded(targets, groups, "smoothquant")
     targets += traced
     layers = dict(targets)
     found = _statistics(model, targets, batches, batched, "channels", progress, "smoothquant")
@@ -734,8 +745,9 @@ def awq(
 
     **Warns:**
 
-    `UserWarning` naming the layers and traced weights it leaves as they are because the model reads their weights
-    (above). A `UserWarning` counting, per layer, the calibration inputs that are NaN or infinite.
+    `UserWarning` naming the layers it leaves as they are because the model reads their weights, and one naming the
+    traced weights it leaves as they are, with why (as [`eqx_quant.smoothquant`][] does). A `UserWarning` counting,
+    per layer, the calibration inputs that are NaN or infinite.
     """
     check_callable(model)
     grid, clip_grid = check_int("grid", grid), check_int("clip_grid", clip_grid)
@@ -756,7 +768,7 @@ def awq(
     if not batches:
         raise ValueError("`batches` is empty: calibration needs at least one batch.")
     targets, traced, where_of = _targets(model, where, lambda w, x: w is not None, "awq", "with a weight quantizer",
-                                         batches[0], batched)  # fmt: skip
+                                         batches[0], batched, fold != "only" or clip)  # fmt: skip
     column_groups = {path: _awq_group(path, layer) for path, layer in targets + traced}
     folds, read = _fold_groups(model, dict(targets), batches[0], batched, fold) if targets else ([], frozenset())
     targets, folds = _leave_read_out(targets, folds, read, where, "awq", bool(traced))

@@ -334,9 +334,11 @@ def _whole_product(eqn: Any, views: list[_View | None], watched: dict[int, tuple
     return use.leaf if whole and pairing is not None and sorted(use.pairing) == sorted(pairing) else None
 
 
-def _strays(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple], bad: set[int]) -> list:
-    """Adds to `bad` the watched leaves that `jaxpr` reads otherwise than through views (not reversed, nor padded)
-    into whole products (`_whole_product`); returns the views of its outputs."""
+def _strays(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple], bad: set[int],
+            used: set[int]) -> list:  # fmt: skip
+    """Adds to `bad` the watched leaves that `jaxpr` reads otherwise than through views (not reversed, padded or
+    rounded) into whole products (`_whole_product`), and to `used` those it reads in such products; returns the views
+    of its outputs."""
     env: dict[Any, _View | None] = dict(zip(jaxpr.invars, views, strict=True))
     read = lambda v: None if isinstance(v, jcore.Literal) else env.get(v)  # noqa: E731
     leaves = lambda vs: {v.leaf for v in vs if v is not None and v.leaf in watched}  # noqa: E731
@@ -348,17 +350,20 @@ def _strays(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]
         if not mine:
             pass
         elif name in _PRODUCTS:
-            bad |= mine - {_whole_product(eqn, ins, watched)}
+            whole = _whole_product(eqn, ins, watched)
+            bad |= {leaf for leaf in mine if leaf != whole}
+            if whole is not None:
+                used.add(whole)
         elif name == "scan":  # a weight carried from step to step is read unseen: only constants and slices are
             consts, carried = eqn.params["num_consts"], eqn.params["num_carry"]
             bad |= leaves(ins[consts : consts + carried])
-            bad |= leaves(_strays(eqn.params["jaxpr"].jaxpr, _scan_views(eqn, ins), watched, bad))
+            bad |= leaves(_strays(eqn.params["jaxpr"].jaxpr, _scan_views(eqn, ins), watched, bad, used))
         elif name == "cond":
             for branch in eqn.params["branches"]:
-                bad |= leaves(_strays(branch.jaxpr, ins[1:], watched, bad))
+                bad |= leaves(_strays(branch.jaxpr, ins[1:], watched, bad, used))
         elif name in _CALLS and sub is not None:
             n = len(sub.jaxpr.invars)
-            bad |= leaves(_strays(sub.jaxpr, ins[len(ins) - n :] if n else [], watched, bad))
+            bad |= leaves(_strays(sub.jaxpr, ins[len(ins) - n :] if n else [], watched, bad, used))
         elif len(eqn.outvars) == 1 and name not in _REORDERING and not leaves(ins[1:]):
             out = _view_after(eqn, ins)
             if out is not None and out.axes is not None:
@@ -374,14 +379,16 @@ def _strays(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]
 _REORDERING = frozenset({"rev", "pad", "reduce_precision"})  # reverse, shift or round a weight's entries
 
 
-def stray_reads(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]) -> set[int]:
+def stray_reads(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]) -> tuple[set[int], set[int]]:
     """The leaves of `watched` (program inputs, each with its shape and the contracted axes of its products) that
     the program reads otherwise than as the weight of `dot_general`s summing over those axes whole (through
     transposes, reshapes that keep those axes, casts, slices of other axes, scans, conds and calls), or returns:
-    where the weight's transformed value would be read with no transform of the other operand."""
+    where the weight's transformed value would be read with no transform of the other operand; and those it reads
+    in such products."""
     bad: set[int] = set()
-    outs = _strays(jaxpr, views, watched, bad)
-    return bad | {v.leaf for v in outs if v is not None and v.leaf in watched}
+    used: set[int] = set()
+    outs = _strays(jaxpr, views, watched, bad, used)
+    return bad | {v.leaf for v in outs if v is not None and v.leaf in watched}, used
 
 
 _probes: list[dict[str, bool]] = []  # `probe_reads`: by traced weight path, whether its reads are products alone
@@ -433,7 +440,7 @@ class Inputs(NamedTuple):
     integer: dict[int, IntWeight]
     products: dict[tuple[int, ...], tuple[Any, Any]]
     holders: frozenset[tuple[int, ...]]
-    pairings: dict[int, tuple[int, ...] | None] = {}  # by leaf: its contracted axes in the order its inputs' are laid
+    pairings: dict[int, tuple[int, ...] | None]  # by leaf: its contracted axes in the order its inputs' are laid
 
 
 _CODES_SAME = frozenset({"copy", "copy_p", "optimization_barrier"})
@@ -1148,17 +1155,18 @@ class QuantTraced(eqx.Module):
         }
         if not watched:
             return
-        stray = stray_reads(jaxpr, views, watched)
+        stray, used = stray_reads(jaxpr, views, watched)
         for i, k in owner.items():
             path = self.weight_paths[k]
-            if _probes:
-                _probes[-1][path] = _probes[-1].get(path, True) and i not in stray
+            if _probes:  # read in whole products, and in no other way, by every call
+                _probes[-1][path] = _probes[-1].get(path, True) and i in used and i not in stray
             if i in stray and self.input_transforms[k] is not None:
                 raise ValueError(
                     f"Traced weight {path!r} has an input transform ({type(self.input_transforms[k]).__name__}), "
                     "but this call reads the weight otherwise than as the weight of products summing over its "
-                    f"contracted axes {self.pairings[k]} whole (a gather, arithmetic, a slice or reversal of those "
-                    "axes, another pairing): that read would see the transformed weight on an untransformed input."
+                    f"contracted axes {self.pairings[k]} whole (a gather, arithmetic, a reversal, padding or rounding "
+                    "of it, a slice of those axes, another pairing): that read would see the transformed weight on "
+                    "an untransformed input."
                 )
 
     def _activation_products(self, jaxpr: Any, views: list[_View | None]) -> tuple[dict, frozenset]:
@@ -1192,10 +1200,12 @@ class QuantTraced(eqx.Module):
         dequantized; a weight with an input transform `T` becomes `W T` along its contracted axes, the weight that
         computes on the input what the transformed weight computes on `T x` (the weight it was made from, to
         rounding error)."""
+        from .nn._transforms import restored  # here: `eqx_quant.nn` imports this module
+
         index = {path: i for i, path in enumerate(self.weight_paths)}
         is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
 
-        def restored(key_path: Any, leaf: Any) -> Any:
+        def float_leaf(key_path: Any, leaf: Any) -> Any:
             i = index.get(path_string(key_path))
             if i is None:
                 return leaf
@@ -1204,9 +1214,9 @@ class QuantTraced(eqx.Module):
             if transform is None:
                 return leaf
             depth, pairing = len(self.stacks[i]), self.pairings[i]
-            return from_matrix(transform.restore(as_matrix(leaf, depth, pairing)), leaf.shape, depth, pairing)
+            return from_matrix(restored(transform, as_matrix(leaf, depth, pairing)), leaf.shape, depth, pairing)
 
-        return jax.tree_util.tree_map_with_path(restored, self.model, is_leaf=is_stored)
+        return jax.tree_util.tree_map_with_path(float_leaf, self.model, is_leaf=is_stored)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """`model(*args, **kwargs)` with the traced weights and their products' inputs quantized."""

@@ -77,11 +77,13 @@ def traced_layers(
              for i in range(len(traced.weight_paths))]  # fmt: skip
     reads = _reads(model, batch, batched) if batch is not None and found else {}
     chosen, where_of, left = [], {}, {}
+    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    leaves = {root: {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(traced.model, is_stored)[0]}
+              for root, traced, _ in found}  # fmt: skip
     for root, traced, i in found:
         path = traced.weight_paths[i]
         name = ".".join(p for p in (root, "model", path) if p)
-        leaf = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(
-            traced.model, is_leaf=lambda x: isinstance(x, QuantizedArray))[0]}[path]  # fmt: skip
+        leaf = leaves[root][path]
         weight_quant, input_quant = traced.weight_quants[i], traced.input_quants[i]
         if where is not None:
             if not where(name, leaf):

@@ -10,6 +10,7 @@ import pytest
 import scipy.linalg
 
 import eqx_quant
+from eqx_quant._traced import replaced
 from eqx_quant.nn import RotateInput, ScaleInput
 
 from .helpers import assert_bitwise_equal, init
@@ -152,6 +153,8 @@ def test_a_smoothed_scanned_stack_converts_saves_and_loads_bit_for_bit(tmp_path)
     assert_bitwise_equal(_apply(loaded, X), _apply(converted, X))
     rows = {row.path: row for row in eqx_quant.summary(converted).rows}
     assert rows["model.w"].input.startswith("ScaleInput, then int8")
+    bare = {row.path: row for row in eqx_quant.summary(replaced(converted, input_transforms=(None, None))).rows}
+    assert rows["model.w"].stored_bytes == bare["model.w"].stored_bytes + 3 * 16 * 4  # the float32 multipliers
 
 
 def test_transforms_leave_out_traced_weights_the_model_reads_besides_their_products():
@@ -225,6 +228,64 @@ def test_transforms_refuse_weights_read_through_a_scan_carry_a_split_or_a_roundi
         eqx_quant.smoothquant(q, [X])
 
 
+class _Narrow(eqx.Module):
+    w: jax.Array  # (10, 8): no Hadamard matrix of 10
+
+    def __call__(self, x):
+        return x[:, :10] @ self.w
+
+
+class _Sometimes(eqx.Module):
+    """`u` is used only on five tokens: the example's, not the calibration batches'."""
+
+    a: jax.Array  # (16, 8)
+    u: jax.Array  # (16, 8)
+
+    def __call__(self, x):
+        y = x @ self.a
+        return y + x @ self.u if x.shape[0] == 5 else y
+
+
+def test_a_traced_weight_the_batches_never_use_is_left_out():
+    """A traced weight that the calibration batches never reach has no statistics: left as it is with a warning,
+    the others smoothed."""
+    model = _Sometimes(*(jnp.asarray(RNG.standard_normal((16, 8)).astype(np.float32)) for _ in range(2)))
+    q = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(X[0],))
+    with pytest.warns(UserWarning, match=r"'model.u' is read by the model otherwise .* or never on the batches"):
+        smoothed = eqx_quant.smoothquant(q, [X[:, :2]])
+    assert isinstance(smoothed.input_transforms[smoothed.weight_paths.index("a")], ScaleInput)
+    assert smoothed.input_transforms[smoothed.weight_paths.index("u")] is None
+    assert_bitwise_equal(smoothed.model.u, model.u)
+
+
+class _Repaired(eqx.Module):
+    """A product that pairs the weight's two summed axes in one order on five tokens, in the other otherwise."""
+
+    c: jax.Array  # (4, 4, 8)
+
+    def __call__(self, x):
+        grid = x.reshape(-1, 4, 4)
+        if x.shape[0] == 5:
+            return jnp.einsum("thd,hdo->to", grid, self.c)
+        return jax.lax.dot_general(grid.swapaxes(1, 2), self.c, (((2, 1), (0, 1)), ((), ())))
+
+
+def test_a_call_that_pairs_the_summed_axes_otherwise_lays_the_transform_out_alike():
+    """The transform follows the weight's `pairings`, whatever order a call's product lists the summed axes in: on six
+    tokens (the other order) the smoothed model still computes the float function, and the calibration observes
+    the channels in the same order (the same input scale either way)."""
+    model = _Repaired(jnp.asarray(RNG.standard_normal((4, 4, 8)).astype(np.float32)))
+    q = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(X[0],))
+    smoothed = eqx_quant.smoothquant(q, [X])
+    six = jnp.concatenate([X, X[:, :1]], axis=1)
+    restored = _apply(eqx_quant.float_model(smoothed), six)
+    assert _rel(restored, _apply(model, six)) < 1e-6
+    unquantized = replaced(smoothed, weight_quants=(None,), input_quants=(None,))  # the transform alone
+    assert _rel(_apply(unquantized, six), _apply(model, six)) < 1e-6
+    five, other = eqx_quant.calibrate(smoothed, [X]), eqx_quant.calibrate(smoothed, [six])
+    assert five.input_quants[0].scale == pytest.approx(other.input_quants[0].scale, rel=1e-6)
+
+
 def test_traced_transforms_are_checked():
     """`QuantTraced` checks its `input_transforms`; a transform of the wrong size fails at the call, naming the
     sizes; `smoothquant` refuses a traced weight with fitted input scales or a transform already."""
@@ -243,12 +304,29 @@ def test_traced_transforms_are_checked():
                                      input_transforms=(ScaleInput(jnp.ones(12)),) * n)  # fmt: skip
     with pytest.raises(ValueError, match=r"acts on 12 channels, but one of its products sums over 16"):
         jax.vmap(wrong)(X[:1])
-    calibrated = eqx_quant.calibrate(q, [X])
-    with pytest.raises(ValueError, match=r"'model.a' has the input quantizer .* run `smoothquant` before `calibrate`"):
-        eqx_quant.smoothquant(calibrated, [X], where=lambda path, weight: path == "model.a")
+    with pytest.raises(ValueError, match=r"would change nothing\. Traced weights never fold: `fold='only'` leaves"):
+        eqx_quant.smoothquant(q, [X], fold="only")
     smoothed = eqx_quant.smoothquant(q, [X])
     with pytest.raises(ValueError, match=r"'model.b' already has the input transform ScaleInput"):
         eqx_quant.rotate(smoothed, key=jax.random.key(0), where=lambda path, weight: path == "model.b")
+    narrow = eqx_quant.quantize(_Narrow(jnp.ones((10, 8))), **eqx_quant.recipe("w8a8"), example=(X[0],))
+    with pytest.raises(ValueError, match=r"Traced weight 'model.w' sums over 10 channels, which `rotate` cannot"):
+        eqx_quant.rotate(narrow, key=jax.random.key(0), batch=X)
+
+
+@pytest.mark.slow
+def test_transforms_refuse_traced_weights_fitted_or_stored_already():
+    """A traced weight whose input scales were calibrated, whose weight scales GPTQ fitted, or that is stored as codes
+    is refused where `where` chooses it, naming why."""
+    q = eqx_quant.quantize(PRODUCTS, **eqx_quant.recipe("w8a8"), example=(X[0],))
+    calibrated = eqx_quant.calibrate(q, [X])
+    a = lambda path, weight: path == "model.a"  # noqa: E731
+    with pytest.raises(ValueError, match=r"'model.a' has the input quantizer .* run `smoothquant` before `calibrate`"):
+        eqx_quant.smoothquant(calibrated, [X], where=a)
+    with pytest.raises(ValueError, match=r"'model.a' is stored as codes \(converted\)"):
+        eqx_quant.awq(eqx_quant.convert(calibrated), [X], where=a)
+    with pytest.raises(ValueError, match=r"'model.a' has the weight quantizer FakeQuant .* needs a dynamic one"):
+        eqx_quant.smoothquant(eqx_quant.gptq(q, [X]), [X], where=a)
 
 
 @pytest.mark.slow
@@ -272,10 +350,10 @@ def test_awq_and_gptq_on_traced_weights_as_on_the_same_linear_layers():
 
 
 @pytest.mark.slow
-def test_rotate_rotates_traced_weights_with_the_hadamard_transform():
+def test_rotate_rotates_traced_weights_with_the_hadamard_transform(tmp_path):
     """`rotate` gives each traced weight `R = H D / sqrt(n)` over the channels its products sum over: the leaf holds
     `W Rᵀ` (checked against the dense Hadamard matrix in float64), the float function is unchanged, and the
-    converted model computes the fake-quant bits."""
+    converted model computes the fake-quant bits (compiled and eager), and saves and loads."""
     with pytest.warns(UserWarning, match=r"'v': its product sums over 2 of its axes .* one scale per channel"):
         q = eqx_quant.quantize(SCANNED, **eqx_quant.recipe("w4a8_g32", group_size=8), example=(X[0],))
     rotated = eqx_quant.rotate(q, key=jax.random.key(4), batch=X)
@@ -292,4 +370,8 @@ def test_rotate_rotates_traced_weights_with_the_hadamard_transform():
                                        rtol=1e-5, atol=1e-6)  # fmt: skip
     assert _rel(_apply(eqx_quant.float_model(rotated), X), _apply(SCANNED, X)) < 1e-6
     fake = eqx_quant.calibrate(rotated, [X])
-    assert_bitwise_equal(_apply(eqx_quant.convert(fake), X), _apply(fake, X))
+    converted = eqx_quant.convert(fake)
+    assert_bitwise_equal(_apply(converted, X), _apply(fake, X))
+    assert_bitwise_equal(jax.vmap(converted)(X[:2]), jax.vmap(fake)(X[:2]))
+    eqx_quant.save(tmp_path / "rotated.eqxq", converted)
+    assert_bitwise_equal(_apply(eqx_quant.load(tmp_path / "rotated.eqxq", SCANNED), X), _apply(converted, X))

@@ -114,6 +114,8 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.rotate(eqx_quant.quantize(mlp), key=0)),
         (TypeError, "`where` must be a function `f(path, layer)` or None, got where='layers.0'.",
          lambda: eqx_quant.rotate(eqx_quant.quantize(mlp), key=jax.random.key(0), where="layers.0")),
+        (TypeError, "`batched` must be a bool, got batched='yes'.",
+         lambda: eqx_quant.rotate(eqx_quant.quantize(mlp), key=jax.random.key(0), batched="yes")),
         (TypeError, "`act_order` must be a bool, got act_order=1.",
          lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), iter(()), act_order=1)),
         (TypeError, "`damp` must be a real number, got '0.1' of type str.",
