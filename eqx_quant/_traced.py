@@ -1129,7 +1129,7 @@ class QuantTraced(eqx.Module):
             # first, rounding otherwise than the converted model's stored scales.
             if isinstance(leaf, QuantizedArray):
                 if integer:
-                    scale = computed_before(_full_scale(leaf), leaf.scale)
+                    scale = _full_scale(leaf, leaf.scale)
                     codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), scale, None)
                 return computed_before(leaf.dequantize(), leaf.scale)
             quantizer = self.weight_quants[i]
@@ -1138,7 +1138,7 @@ class QuantTraced(eqx.Module):
             if not integer:
                 return computed_before(quantizer(leaf), leaf)
             value, array, nan = quantizer.fake_quant_and_array(leaf)  # pyright: ignore[reportAttributeAccessIssue]
-            scale = computed_before(_full_scale(array), leaf)
+            scale = _full_scale(array, leaf)
             codes[path] = Codes(array.values.reshape(leaf.shape), scale, nan.reshape(leaf.shape))
             return computed_before(value, leaf)
 
@@ -1280,9 +1280,11 @@ def from_matrix(matrix: Any, shape: tuple[int, ...], depth: int, pairing: tuple[
     return jnp.moveaxis(moved, tuple(range(-n, 0)), pairing)
 
 
-def _full_scale(array: QuantizedArray) -> Any:
-    """The float32 scales of an integer array broadcast to its shape."""
-    return jnp.broadcast_to(array.scale, array.view_shape).reshape(array.shape)
+def _full_scale(array: QuantizedArray, anchor: Any = None) -> Any:
+    """The float32 scales of an integer array broadcast to its shape; with an `anchor`, computed before (see
+    `computed_before`), so that XLA does not fold them with other constants."""
+    scale = array.scale if anchor is None else computed_before(array.scale, anchor)
+    return jnp.broadcast_to(scale, array.view_shape).reshape(array.shape)
 
 
 def trace_call(example: object) -> Callable[[PyTree], Any]:
