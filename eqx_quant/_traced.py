@@ -26,7 +26,7 @@ from ._int_ops import INT32_MAX, any_float64, group_sums, integer_grid, opaque, 
 from ._layout import Layout
 from ._misc import computed_before, flat, reshape_blocks, whole_batch
 from ._qarray import QuantizedArray
-from ._quantizers import AbstractQuantizer, DynamicFakeQuant
+from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
 from ._tree import path_string
 
 
@@ -1125,11 +1125,11 @@ class QuantTraced(eqx.Module):
             # The value passes a conditional in every case: a product that computes in float reads it (one without
             # an integer input, or after a cast), and XLA would fuse its computation into that product and sum it
             # in an order that differs between the fake-quant and the converted model. So do the integer products'
-            # scales: a static quantizer's are constants, which XLA would multiply with the input's constant scale
-            # first, rounding otherwise than the converted model's stored scales.
+            # scales of a static quantizer: constants, which XLA would multiply with the input's constant scale
+            # first, rounding otherwise than with the converted model's stored scales.
             if isinstance(leaf, QuantizedArray):
                 if integer:
-                    scale = _full_scale(leaf, leaf.scale)
+                    scale = _full_scale(leaf)
                     codes[path] = Codes(leaf.unpacked().reshape(leaf.shape), scale, None)
                 return computed_before(leaf.dequantize(), leaf.scale)
             quantizer = self.weight_quants[i]
@@ -1138,7 +1138,7 @@ class QuantTraced(eqx.Module):
             if not integer:
                 return computed_before(quantizer(leaf), leaf)
             value, array, nan = quantizer.fake_quant_and_array(leaf)  # pyright: ignore[reportAttributeAccessIssue]
-            scale = _full_scale(array, leaf)
+            scale = _full_scale(array, leaf if isinstance(quantizer, FakeQuant) else None)
             codes[path] = Codes(array.values.reshape(leaf.shape), scale, nan.reshape(leaf.shape))
             return computed_before(value, leaf)
 
