@@ -319,6 +319,9 @@ def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], where: _Where
     return [derived] * len(eqn.outvars)
 
 
+_REORDERING = frozenset({"rev", "pad", "reduce_precision"})  # reverse, shift or round a weight's entries
+
+
 def _whole_product(eqn: Any, views: list[_View | None], watched: dict[int, tuple]) -> int | None:
     """The watched leaf that a product equation multiplies as an input transform of it needs (or `None`): a
     `dot_general` summing over the leaf's contracted axes whole, paired one to one with its input's as `watched`
@@ -376,9 +379,6 @@ def _strays(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]
     return [read(v) for v in jaxpr.outvars]
 
 
-_REORDERING = frozenset({"rev", "pad", "reduce_precision"})  # reverse, shift or round a weight's entries
-
-
 def stray_reads(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tuple]) -> tuple[set[int], set[int]]:
     """The leaves of `watched` (program inputs, each with its shape and the contracted axes of its products) that
     the program reads otherwise than as the weight of `dot_general`s summing over those axes whole (through
@@ -429,11 +429,10 @@ class IntWeight(NamedTuple):
 
 class Inputs(NamedTuple):
     """For each leaf (by program input), the input transform and quantizer of its products and the stack axes their
-    arrays carry; the
-    leaves whose input quantizers are per token (laid out at each product); for the leaves whose products may compute
-    on integers, their grid (`IntWeight`); the quantizers of
-    the products of two activations to quantize, and the equations that hold them, each by its chain of equation ids
-    (see `evaluate`)."""
+    arrays carry; the leaves whose input quantizers are per token (laid out at each product); for the leaves whose
+    products may compute on integers, their grid (`IntWeight`); the quantizers of the products of two activations
+    to quantize, and the equations that hold them, each by its chain of equation ids (see `evaluate`); and each
+    leaf's `pairings` entry."""
 
     quantizers: dict[int, tuple[Any, int]]  # by leaf: `(input transform, input quantizer)`, and the stack's depth
     tokens: frozenset[int]

@@ -228,6 +228,13 @@ def test_transforms_refuse_weights_read_through_a_scan_carry_a_split_or_a_roundi
         eqx_quant.smoothquant(q, [X])
 
 
+class _Plain(eqx.Module):
+    w: jax.Array  # (16, 8)
+
+    def __call__(self, x):  # any leading axes: one example's tokens, or a whole batch of them
+        return x @ self.w
+
+
 class _Narrow(eqx.Module):
     w: jax.Array  # (10, 8): no Hadamard matrix of 10
 
@@ -309,6 +316,11 @@ def test_traced_transforms_are_checked():
     smoothed = eqx_quant.smoothquant(q, [X])
     with pytest.raises(ValueError, match=r"'model.b' already has the input transform ScaleInput"):
         eqx_quant.rotate(smoothed, key=jax.random.key(0), where=lambda path, weight: path == "model.b")
+    # A batch the model takes whole (`batched=True`) finds the same weights as one it maps over.
+    plain = eqx_quant.quantize(_Plain(jnp.ones((16, 8))), **eqx_quant.recipe("w8a8"), example=(X[0],))
+    whole = eqx_quant.rotate(plain, key=jax.random.key(0), batch=X, batched=True)
+    assert_bitwise_equal(whole.input_transforms[0].signs, eqx_quant.rotate(plain, key=jax.random.key(0), batch=X)
+                         .input_transforms[0].signs)  # fmt: skip
     narrow = eqx_quant.quantize(_Narrow(jnp.ones((10, 8))), **eqx_quant.recipe("w8a8"), example=(X[0],))
     with pytest.raises(ValueError, match=r"Traced weight 'model.w' sums over 10 channels, which `rotate` cannot"):
         eqx_quant.rotate(narrow, key=jax.random.key(0), batch=X)
