@@ -64,10 +64,18 @@ def _only_folded(targets: list, groups: list[Fold], what: str) -> list:
     return kept
 
 
+def _left_text(left: dict[str, str]) -> str:
+    """The traced weights left out, grouped by why: `'a', 'b' {why}; 'c' {why}`."""
+    names: dict[str, list[str]] = {}
+    for name, why in left.items():
+        names.setdefault(why, []).append(repr(name))
+    return "; ".join(f"{', '.join(group)} {why}" for why, group in names.items())
+
+
 def _warn_left_alone(left: dict[str, str], what: str) -> None:
     """Warns of the traced weights that `what` would have chosen by default but leaves as they are, with why."""
     if left:
-        reasons = "; ".join(f"{name!r} {why}" for name, why in left.items())
+        reasons = _left_text(left)
         # The caller of `what`: past this, `_targets`, `what` and (but for `rotate`) its `warns_of_nonfinite`.
         warnings.warn(f"`{what}` leaves traced weights as they are: {reasons}. Choose the weights with `where` to "
                       "silence this.", stacklevel=4 if what == "rotate" else 5)  # fmt: skip
@@ -102,7 +110,7 @@ def _targets(
         chosen = [(p, l) for p, l in chosen if where(p, l)]
     if not chosen and not traced:
         selection = "that `where` selects" if where is not None else wanted
-        unusable = "".join(f" Traced weight {name!r} {why}." for name, why in left.items())
+        unusable = f" Traced weights left out: {_left_text(left)}." if left else ""
         if not traced_too and nodes(model, (QuantTraced,)):
             unusable += " Traced weights never fold: `fold='only'` leaves them as they are."
         raise ValueError(

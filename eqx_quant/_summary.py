@@ -231,12 +231,16 @@ def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
     leaves = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(
         traced.model, is_leaf=lambda x: isinstance(x, QuantizedArray))[0]}  # fmt: skip
     rows = []
-    for leaf_path, quantizer, inputs, transform in zip(
-        traced.weight_paths, traced.weight_quants, traced.input_quants, traced.input_transforms, strict=True
-    ):
+    for leaf_path, quantizer, inputs, transform, per_token in zip(
+        traced.weight_paths, traced.weight_quants, traced.input_quants, traced.input_transforms, traced.per_token,
+        strict=True,
+    ):  # fmt: skip
         weight, extra = leaves[leaf_path], 0
         name = ".".join(p for p in (path, "model", leaf_path) if p)
-        inputs = describe_quantizer(inputs)
+        if per_token and isinstance(inputs, DynamicFakeQuant):  # laid out at each product: one scale per token
+            inputs = describe_quantizer(dataclasses.replace(inputs, layout=Layout())).replace("per tensor", "per token")
+        else:
+            inputs = describe_quantizer(inputs)
         if transform is not None:  # named before the input quantizer, its arrays counted as stored (as a layer's)
             extra = _transform_bytes(transform)
             inputs = f"{type(transform).__name__}, then {inputs}"

@@ -391,15 +391,16 @@ def stray_reads(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tu
     return bad | {v.leaf for v in outs if v is not None and v.leaf in watched}, used
 
 
-_probes: list[dict[str, bool]] = []  # `probe_reads`: by traced weight path, whether its reads are products alone
+_probes: list[dict[str, str | None]] = []  # `probe_reads`: by traced weight path, why it cannot be transformed
 
 
 class probe_reads:
     """A context in which each call of a [`eqx_quant.nn.QuantTraced`][] records, by traced weight path, whether the
-    program reads the weight as the weight of whole products alone (`stray_reads`): whether an input transform of
-    its products would keep the model's function. Traced, say by `eqx.filter_eval_shape`, inside it."""
+    program reads the weight as the weight of whole products alone (`stray_reads`), so that an input transform of
+    its products would keep the model's function: `None` if so, else `"stray"` (read otherwise) or `"unused"` (in
+    no product). Traced, say by `eqx.filter_eval_shape`, inside it."""
 
-    def __enter__(self) -> dict[str, bool]:
+    def __enter__(self) -> dict[str, str | None]:
         _probes.append({})
         return _probes[-1]
 
@@ -1158,7 +1159,8 @@ class QuantTraced(eqx.Module):
         for i, k in owner.items():
             path = self.weight_paths[k]
             if _probes:  # read in whole products, and in no other way, by every call
-                _probes[-1][path] = _probes[-1].get(path, True) and i in used and i not in stray
+                why = "stray" if i in stray else None if i in used else "unused"
+                _probes[-1][path] = _probes[-1].get(path) or why
             if i in stray and self.input_transforms[k] is not None:
                 raise ValueError(
                     f"Traced weight {path!r} has an input transform ({type(self.input_transforms[k]).__name__}), "

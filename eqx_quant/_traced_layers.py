@@ -50,9 +50,9 @@ def _matrix_quantizer(quantizer: AbstractQuantizer | None, shape: tuple[int, ...
     return False
 
 
-def _reads(model: PyTree, batch: PyTree, batched: bool) -> dict[str, bool]:
+def _reads(model: PyTree, batch: PyTree, batched: bool) -> dict[str, str | None]:
     """By traced weight path, whether the model's call on `batch` reads the weight as the weight of whole products
-    alone (traced, not run)."""
+    alone (traced, not run): see `probe_reads`."""
     with probe_reads() as found:
         eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), model, batch)
     return found
@@ -113,10 +113,12 @@ def traced_layers(
                    "products do not sum over, or in tiles along the one axis they sum over")  # fmt: skip
         elif batch is None and where is None:
             why = "is taken only where `where` chooses it or a `batch` is given to find how the model reads it"
-        elif batch is not None and not reads.get(path, False):
+        elif batch is not None and reads.get(path, "unused") == "stray":
             why = ("is read by the model otherwise than as the weight of products summing over its contracted axes "
-                   "whole (a tied embedding's gather, arithmetic, a slice, reversal or split of those axes, a scan's "
-                   "carry), or never on the batches: that read would see the transformed weight")  # fmt: skip
+                   "whole (a tied embedding's gather, arithmetic, a reversal, padding or rounding of it, a slice or "
+                   "split of those axes, a scan's carry): that read would see the transformed weight")  # fmt: skip
+        elif batch is not None and reads.get(path, "unused") == "unused":
+            why = "is in none of the products that the model computes on the first batch: it has no statistics"
         if why is not None:
             if where is not None:
                 raise ValueError(f"Traced weight {name!r} {why}; `{what}` cannot transform it. Exclude it with "

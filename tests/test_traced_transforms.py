@@ -174,8 +174,9 @@ def test_transforms_leave_out_traced_weights_the_model_reads_besides_their_produ
     with pytest.raises(ValueError, match=r"Traced weight 'model.embedding' is read by the model otherwise"):
         eqx_quant.awq(q, [tokens], where=lambda path, weight: path == "model.embedding")
     # Without data, `rotate` takes the traced weights `where` chooses on trust; the call then refuses the gather.
-    with pytest.raises(ValueError, match=r"`rotate` would change nothing\. Traced weight 'model.w' is taken "
-                                         "only where `where` chooses it or a `batch` is given"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"`rotate` would change nothing\. Traced weights left out: "
+                                         r"'model.w', 'model.embedding' is taken only where `where` chooses it or a "
+                                         "`batch` is given"):  # fmt: skip
         eqx_quant.rotate(q, key=jax.random.key(0))
     rotated = eqx_quant.rotate(q, key=jax.random.key(0), where=lambda path, weight: True)
     with pytest.raises(ValueError, match=r"Traced weight 'embedding' has an input transform \(RotateInput\)"):
@@ -224,7 +225,7 @@ def test_transforms_refuse_weights_read_through_a_scan_carry_a_split_or_a_roundi
     in two; rounded): smoothing it would change the model's function, so it is refused."""
     model = make(jnp.asarray(RNG.standard_normal((16, 16)).astype(np.float32)))
     q = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(X[0],))
-    with pytest.raises(ValueError, match=f"Traced weight 'model.w' {why}"):
+    with pytest.raises(ValueError, match=f"Traced weights left out: 'model.w' {why}"):
         eqx_quant.smoothquant(q, [X])
 
 
@@ -258,7 +259,7 @@ def test_a_traced_weight_the_batches_never_use_is_left_out():
     the others smoothed."""
     model = _Sometimes(*(jnp.asarray(RNG.standard_normal((16, 8)).astype(np.float32)) for _ in range(2)))
     q = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(X[0],))
-    with pytest.warns(UserWarning, match=r"'model.u' is read by the model otherwise .* or never on the batches"):
+    with pytest.warns(UserWarning, match=r"'model.u' is in none of the products that the model computes on the fir"):
         smoothed = eqx_quant.smoothquant(q, [X[:, :2]])
     assert isinstance(smoothed.input_transforms[smoothed.weight_paths.index("a")], ScaleInput)
     assert smoothed.input_transforms[smoothed.weight_paths.index("u")] is None
@@ -297,6 +298,8 @@ def test_traced_transforms_are_checked():
     """`QuantTraced` checks its `input_transforms`; a transform of the wrong size fails at the call, naming the
     sizes; `smoothquant` refuses a traced weight with fitted input scales or a transform already."""
     q = eqx_quant.quantize(PRODUCTS, **eqx_quant.recipe("w8a8"), example=(X[0],))
+    # Dynamic inputs per token are laid out at each product: `summary` says so, not the layout they were written with.
+    assert {row.input for row in eqx_quant.summary(q).rows} == {"int8 dynamic, per token"}
     with pytest.raises(ValueError, match="one entry per traced weight"):
         eqx_quant.nn.QuantTraced(q.model, q.weight_quants, q.input_quants, q.weight_paths, input_transforms=())
     n = len(q.weight_paths)
