@@ -14,7 +14,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import check_scale_method, gptq_solve
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, check_real, check_where
+from ._misc import FLOAT32_TINY, check_real, check_where, where_traced
 from ._observe import (
     TracedInput,
     check_callable,
@@ -233,8 +233,9 @@ def gptq(
         diagonal), for weights on float32-scaled grids (integers, FP8, FP6, FP4); formats with block scales (MX,
         NVFP4, GGML) raise a `ValueError` naming the format (exclude those layers with `where`).
     - `batched`: as for [`eqx_quant.calibrate`][].
-    - `where`: a predicate `f(path, layer)` choosing the layers, or `None` for every `QuantLinear` with a weight
-        quantizer.
+    - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights of
+        `quantize(..., example=)`, named `model.<path>`, with the leaf array in place of a layer), or `None` for every
+        `QuantLinear` and traced weight with a weight quantizer.
     - `progress`: show progress bars over the batches and over the layers (tqdm's when it is installed).
 
     **Returns:**
@@ -359,7 +360,11 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_T
         target = target._replace(root=root)
         path, quantizer = traced.weight_paths[target.index], traced.weight_quants[target.index]
         weight = _leaves(traced.model)[path]
-        if quantizer is None or not eqx.is_array(weight) or (where is not None and not where(full, weight)):
+        if (
+            quantizer is None
+            or not eqx.is_array(weight)
+            or (where is not None and not where_traced(where, full, weight))
+        ):
             continue
         layout, ndim, depth = getattr(quantizer, "layout", None), weight.ndim, len(target.stack)
         contracted: set[int] = set()

@@ -30,6 +30,19 @@ def check_where(where: object) -> None:
         raise TypeError(f"`where` must be a function `f(path, layer)` or None, got where={where!r}.")
 
 
+def where_traced(where: Callable, name: str, weight: object) -> bool:
+    """`where(name, weight)` for a traced weight (an array where a layer's predicate expects a layer): a predicate
+    that reads a layer's attributes fails on it with a `TypeError` that says so."""
+    try:
+        return bool(where(name, weight))
+    except AttributeError as error:
+        raise TypeError(
+            f"`where` raised {error!r} on the traced weight {name!r}, which it receives as `where(name, weight)` with "
+            "the weight's array in place of a layer. Check `isinstance(layer, eqx.Module)` before reading a layer's "
+            "attributes."
+        ) from error
+
+
 def check_real(name: str, value: object) -> float:
     """Returns `value` as a Python `float`, or raises a `TypeError` naming `name`.
 

@@ -11,6 +11,7 @@ import jax
 from jaxtyping import PyTree
 
 from ._layout import Layout
+from ._misc import where_traced
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant
 from ._traced import QuantTraced, as_matrix, from_matrix, probe_reads, replaced
@@ -86,7 +87,7 @@ def traced_layers(
         leaf = leaves[root][path]
         weight_quant, input_quant = traced.weight_quants[i], traced.input_quants[i]
         if where is not None:
-            if not where(name, leaf):
+            if not where_traced(where, name, leaf):
                 continue
         elif not default(weight_quant, input_quant):
             continue

@@ -314,6 +314,10 @@ def test_traced_transforms_are_checked():
                                      input_transforms=(ScaleInput(jnp.ones(12)),) * n)  # fmt: skip
     with pytest.raises(ValueError, match=r"acts on 12 channels, but one of its products sums over 16"):
         jax.vmap(wrong)(X[:1])
+    # A predicate written for layers meets the traced weights' arrays: a TypeError that says so.
+    for algorithm in (eqx_quant.smoothquant, eqx_quant.gptq):
+        with pytest.raises(TypeError, match=r"`where` raised AttributeError.* on the traced weight 'model.a'"):
+            algorithm(q, [X], where=lambda path, layer: layer.layer.in_features == 16)
     with pytest.raises(ValueError, match=r"would change nothing\. Traced weights never fold: `fold='only'` leaves"):
         eqx_quant.smoothquant(q, [X], fold="only")
     smoothed = eqx_quant.smoothquant(q, [X])
