@@ -41,6 +41,7 @@ import optax
 import sklearn
 from sklearn.datasets import load_breast_cancer, load_wine
 from sklearn.model_selection import train_test_split
+from traced import BareMLP  # the benchmarks' own twin of an MLP, beside this file
 
 import eqx_quant
 
@@ -161,21 +162,9 @@ def rules(bits: int) -> list[eqx_quant.Rule]:
     return [eqx_quant.Rule(".*", weight=eqx_quant.LayerQuantizer(bits), input=eqx_quant.DynamicFakeQuant(8))]
 
 
-class BareMLP(eqx.Module):
-    """The MLP with its weights as bare arrays, `x @ W.T + b`: what a model from another package looks like, which
-    `quantize(..., example=)` quantizes by tracing (`--traced`)."""
-
-    weights: list
-    biases: list
-
-    def __call__(self, x):
-        for i, (w, b) in enumerate(zip(self.weights, self.biases, strict=True)):
-            x = x @ w.T + b
-            x = jax.nn.relu(x) if i < len(self.weights) - 1 else x
-        return x
-
-
 def bare(model: eqx.nn.MLP) -> BareMLP:
+    """The MLP's twin written with bare arrays, `x @ W.T + b`, which `quantize(..., example=)` quantizes by tracing
+    (`--traced`)."""
     return BareMLP([layer.weight for layer in model.layers], [layer.bias for layer in model.layers])
 
 

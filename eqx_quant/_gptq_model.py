@@ -27,9 +27,8 @@ from ._observe import (
     warn_convolutions_left,
     warns_of_nonfinite,
 )
-from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
-from ._traced import QuantTraced, as_matrix, from_matrix, replaced
+from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, replaced
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear, per_layer
 
@@ -359,7 +358,7 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_T
         full = ".".join(p for p in (root, inner) if p)
         target = target._replace(root=root)
         path, quantizer = traced.weight_paths[target.index], traced.weight_quants[target.index]
-        weight = _leaves(traced.model)[path]
+        weight = leaves_by_path(traced.model)[path]
         if (
             quantizer is None
             or not eqx.is_array(weight)
@@ -392,11 +391,6 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_T
         targets.append(_TracedTarget(full, target.root, target.index, path, target.stack, weight, fmt,
                                      layout.group_size, axes))  # fmt: skip
     return targets
-
-
-def _leaves(model: PyTree) -> dict[str, Any]:
-    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
-    return {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stored)[0]}
 
 
 def _from_matrix(solution: tuple, shape: tuple[int, ...], axes: tuple[int, ...], group_size: int | None) -> tuple:
@@ -475,7 +469,7 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
 
         def bypass(root: str, traced: QuantTraced) -> QuantTraced:
             weights, inputs = list(traced.weight_quants), list(traced.input_quants)
-            leaves = _leaves(traced.model)
+            leaves = leaves_by_path(traced.model)
             for i in range(len(weights)):
                 if (root, i) in chosen:
                     stack = traced.stacks[i]

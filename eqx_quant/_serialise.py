@@ -21,7 +21,7 @@ from ._layout import Layout
 from ._qarray import QuantizedArray, quantize_array
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant, PassthroughClip
 from ._scales import Scales
-from ._traced import QuantTraced
+from ._traced import QuantTraced, leaves_by_path
 from ._tree import map_nodes, path_string, unique_nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._converted import AbstractConvertedLayer, ConvertedConv, ConvertedEmbedding, ConvertedLinear
@@ -410,7 +410,7 @@ def _rebuilt_traced(like: PyTree, records: list, quantizer: Callable, tensors: d
                   for j in range(len(indices)))  # fmt: skip
     pairings = [None if p is None else tuple(p) for p in record["pairings"]]
     per_token = record.get("per_token")  # files written before it: inputs as they are
-    leaves = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(like)[0]}
+    leaves = leaves_by_path(like)
     kinds = record.get("input_transforms") or [None] * len(paths)
     transforms = [
         None if kind is None else _empty_transform(kind, stack + (math.prod(leaves[path].shape[a] for a in pairing),))

@@ -99,7 +99,8 @@ def _targets(
     cannot be transformed are left out with a warning by default, and refused when `where` selects them; none is
     chosen unless `traced_too`."""
     check_where(where)
-    traced, where_of, left = traced_layers(model, where, default, what, batch, batched) if traced_too else ([], {}, {})
+    traced, where_of, left = traced_layers(model, where, default, what, wanted, batch, batched) if traced_too else (
+        [], {}, {})  # fmt: skip
     shared = {path for path, _ in nodes(model, (eqx.nn.Shared,))}
     tied = lambda path: any(path == s or path.startswith(f"{s}.") for s in shared)  # noqa: E731
     chosen = nodes(model, (QuantLinear,))
@@ -129,10 +130,6 @@ def _targets(
             raise ValueError(f"Layer {name!r} is not a layer {wanted}, so `{what}` would do nothing for it. "
                              "Exclude it with `where`.")  # fmt: skip
         _check_layer(path, layer, what)
-    for name, layer in traced:
-        if not default(layer.weight_quant, layer.input_quant):
-            raise ValueError(f"Traced weight {name!r} is not a traced weight {wanted}, so `{what}` would do nothing "
-                             "for it. Exclude it with `where`.")  # fmt: skip
     warn_convolutions_left(model, where, what, layer_default)
     return chosen, traced, where_of
 

@@ -12,8 +12,8 @@ from jaxtyping import PyTree
 from ._layout import Layout
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
-from ._traced import QuantTraced
-from ._tree import nodes, path_string
+from ._traced import QuantTraced, leaves_by_path
+from ._tree import nodes
 from .nn._converted import AbstractConvertedLayer
 from .nn._einsum import QuantEinsum
 from .nn._layers import AbstractQuantLayer, per_layer, stack_depth
@@ -228,8 +228,7 @@ def _untraced_row(path: str, layer: Any, weights: list[Any]) -> SummaryRow:
 
 def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
     """A row per traced weight of a [`eqx_quant.nn.QuantTraced`][] at `path`, named by the leaf's path in it."""
-    leaves = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(
-        traced.model, is_leaf=lambda x: isinstance(x, QuantizedArray))[0]}  # fmt: skip
+    leaves = leaves_by_path(traced.model)
     rows = []
     for leaf_path, quantizer, inputs, transform, per_token in zip(
         traced.weight_paths, traced.weight_quants, traced.input_quants, traced.input_transforms, traced.per_token,
@@ -238,7 +237,7 @@ def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
         weight, extra = leaves[leaf_path], 0
         name = ".".join(p for p in (path, "model", leaf_path) if p)
         if per_token and isinstance(inputs, DynamicFakeQuant):  # laid out at each product: one scale per token
-            inputs = describe_quantizer(dataclasses.replace(inputs, layout=Layout())).replace("per tensor", "per token")
+            inputs = f"{inputs.format.name} dynamic, per token"
         else:
             inputs = describe_quantizer(inputs)
         if transform is not None:  # named before the input quantizer, its arrays counted as stored (as a layer's)

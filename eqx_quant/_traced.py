@@ -1263,6 +1263,13 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
     return QuantTraced(**(fields | changes))
 
 
+def leaves_by_path(model: PyTree) -> dict[str, Any]:
+    """The leaves of `model` by path, a stored [`eqx_quant.QuantizedArray`][] as one leaf: a traced model's weights
+    as `weight_paths` names them."""
+    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    return {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(model, is_leaf=is_stored)[0]}
+
+
 def as_matrix(weight: Any, depth: int, pairing: tuple[int, ...]) -> Any:
     """A traced weight as a stack of linear layers' weights `(*stack, rows, columns)`: its contracted leaf axes
     `pairing` last, in that order, flattened into the columns; its other axes after the stack's `depth` leading

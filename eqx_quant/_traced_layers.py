@@ -4,7 +4,7 @@ AWQ, rotations) apply to them; and their results put back into the traced model.
 
 import dataclasses
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import equinox as eqx
 import jax
@@ -14,7 +14,7 @@ from ._layout import Layout
 from ._misc import where_traced
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant
-from ._traced import QuantTraced, as_matrix, from_matrix, probe_reads, replaced
+from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_reads, replaced
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear
 
@@ -59,79 +59,90 @@ def _reads(model: PyTree, batch: PyTree, batched: bool) -> dict[str, str | None]
     return found
 
 
+def _why_left(traced: QuantTraced, i: int, leaf: Any, matrix_quant: Any, reads: dict[str, str | None] | None,
+              where: Callable | None, what: str) -> str | None:  # fmt: skip
+    """Why `what` cannot transform the traced weight `i` (whose leaf is `leaf`, whose matrix's quantizer is
+    `matrix_quant`, read by the model as `reads` says: `None` if not traced), or `None` if it can."""
+    transform, input_quant, weight_quant = traced.input_transforms[i], traced.input_quants[i], traced.weight_quants[i]
+    if isinstance(leaf, QuantizedArray):
+        return "is stored as codes (converted): transform the model before `convert`"
+    if traced.pairings[i] is None:
+        return ("has products that do not pair the axes they sum over one to one with their input's (a convolution, "
+                "a reshape merging summed axes)")  # fmt: skip
+    if transform is not None:
+        return f"already has the input transform {type(transform).__name__}"
+    if input_quant is not None and not isinstance(input_quant, DynamicFakeQuant):
+        return (f"has the input quantizer {type(input_quant).__name__}, whose scales were fitted to the input as it "
+                f"is: run `{what}` before `calibrate`")  # fmt: skip
+    if matrix_quant is False:
+        layout = getattr(weight_quant, "layout", None)
+        return (f"has the weight quantizer {type(weight_quant).__name__} (layout {layout}); `{what}` needs a "
+                "dynamic one (before `gptq`, `learn_scales`), per tensor (per layer of a stack), per index of the "
+                "weight's axes that its products do not sum over, or in tiles along the one axis they sum "
+                "over")  # fmt: skip
+    if reads is None and where is not None:  # no batch: on trust where `where` chose it
+        return None
+    if reads is None:
+        return "is taken only where `where` chooses it or a `batch` is given to find how the model reads it"
+    read = reads.get(traced.weight_paths[i], "unused")
+    if read == "stray":
+        return ("is read by the model otherwise than as the weight of products summing over its contracted axes whole "
+                "(a tied embedding's gather, arithmetic, a reversal, padding or rounding of it, a slice or split of "
+                "those axes, a scan's carry): that read would see the transformed weight")  # fmt: skip
+    if read == "unused":
+        return "is in none of the products that the model computes on the first batch: it has no statistics"
+    return None
+
+
 def traced_layers(
     model: PyTree,
     where: Callable | None,
     default: Callable[[AbstractQuantizer | None, AbstractQuantizer | None], bool],
     what: str,
+    wanted: str,
     batch: PyTree | None,
     batched: bool,
 ) -> tuple[list[tuple[str, QuantLinear]], dict[str, TracedLayer], dict[str, str]]:
     """The traced weights of `model` that `what` transforms, each as a stack of linear layers (named
     `<root>.model.<path>`, its weight the matrix of `as_matrix`, its quantizers the traced weight's), where they lie;
     and the traced weights left as they are, with why. Chosen: those `where(name, weight)` selects, else those whose
-    quantizers `default(weight_quant, input_quant)` keeps. A chosen weight that cannot be transformed is a
-    `ValueError` if `where` chose it, else left out with its reason. `batch` is traced to find the weights the model
-    reads besides their products; without it (`None`), only the weights `where` chooses are taken, on trust (a
-    call that reads one otherwise is then a `ValueError`), and the others are left out."""
+    quantizers `default(weight_quant, input_quant)` keeps (`wanted` says which, in the errors). A chosen weight that
+    cannot be transformed (`_why_left`) is a `ValueError` if `where` chose it, else left out with its reason. `batch`
+    is traced to find the weights the model reads besides their products; without it (`None`), only the weights
+    `where` chooses are taken, on trust (a call that reads one otherwise is then a `ValueError`), and the others are
+    left out."""
     found = [(root, traced, i) for root, traced in nodes(model, (QuantTraced,))
              for i in range(len(traced.weight_paths))]  # fmt: skip
-    reads = _reads(model, batch, batched) if batch is not None and found else {}
+    reads = _reads(model, batch, batched) if batch is not None and found else None
+    leaves = {root: leaves_by_path(traced.model) for root, traced, _ in found}
     chosen, where_of, left = [], {}, {}
-    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
-    leaves = {root: {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(traced.model, is_stored)[0]}
-              for root, traced, _ in found}  # fmt: skip
     for root, traced, i in found:
         path = traced.weight_paths[i]
         name = ".".join(p for p in (root, "model", path) if p)
         leaf = leaves[root][path]
         weight_quant, input_quant = traced.weight_quants[i], traced.input_quants[i]
-        if where is not None:
-            if not where_traced(where, name, leaf):
-                continue
-        elif not default(weight_quant, input_quant):
+        if where is None and not default(weight_quant, input_quant):
             continue
-        depth, pairing = len(traced.stacks[i]), traced.pairings[i]
-        shape = tuple(getattr(leaf, "shape", ()))
+        if where is not None and not where_traced(where, name, leaf):
+            continue
+        if not default(weight_quant, input_quant):  # chosen by `where`
+            raise ValueError(f"Traced weight {name!r} is not a traced weight {wanted}, so `{what}` would do nothing "
+                             "for it. Exclude it with `where`.")  # fmt: skip
+        depth, pairing, shape = len(traced.stacks[i]), traced.pairings[i], tuple(getattr(leaf, "shape", ()))
         matrix_quant = _matrix_quantizer(weight_quant, shape, depth, pairing) if pairing is not None else False
-        why = None
-        if isinstance(leaf, QuantizedArray):
-            why = "is stored as codes (converted): transform the model before `convert`"
-        elif pairing is None:
-            why = ("has products that do not pair the axes they sum over one to one with their input's (a "
-                   "convolution, a reshape merging summed axes)")  # fmt: skip
-        elif traced.input_transforms[i] is not None:
-            why = f"already has the input transform {type(traced.input_transforms[i]).__name__}"
-        elif input_quant is not None and not isinstance(input_quant, DynamicFakeQuant):
-            why = (f"has the input quantizer {type(input_quant).__name__}, whose scales were fitted to the input as "
-                   "it is: run "
-                   f"`{what}` before `calibrate`")  # fmt: skip
-        elif matrix_quant is False:
-            layout = getattr(weight_quant, "layout", None)
-            why = (f"has the weight quantizer {type(weight_quant).__name__} (layout {layout}); `{what}` needs a "
-                   "dynamic one (before `gptq`, "
-                   "`learn_scales`), per tensor (per layer of a stack), per index of the weight's axes that its "
-                   "products do not sum over, or in tiles along the one axis they sum over")  # fmt: skip
-        elif batch is None and where is None:
-            why = "is taken only where `where` chooses it or a `batch` is given to find how the model reads it"
-        elif batch is not None and reads.get(path, "unused") == "stray":
-            why = ("is read by the model otherwise than as the weight of products summing over its contracted axes "
-                   "whole (a tied embedding's gather, arithmetic, a reversal, padding or rounding of it, a slice or "
-                   "split of those axes, a scan's carry): that read would see the transformed weight")  # fmt: skip
-        elif batch is not None and reads.get(path, "unused") == "unused":
-            why = "is in none of the products that the model computes on the first batch: it has no statistics"
+        why = _why_left(traced, i, leaf, matrix_quant, reads, where, what)
         if why is not None:
             if where is not None:
                 raise ValueError(f"Traced weight {name!r} {why}; `{what}` cannot transform it. Exclude it with "
                                  "`where`.")  # fmt: skip
             left[name] = why
             continue
-        weight = as_matrix(leaf, depth, pairing)
+        weight = as_matrix(leaf, depth, pairing)  # pyright: ignore[reportArgumentType]
         skeleton = eqx.filter_eval_shape(eqx.nn.Linear, weight.shape[-1], weight.shape[-2], use_bias=False,
                                          key=jax.random.key(0))  # fmt: skip
         linear = eqx.tree_at(lambda l: l.weight, skeleton, weight)
         chosen.append((name, QuantLinear(linear, weight_quant=matrix_quant, input_quant=input_quant)))
-        where_of[name] = TracedLayer(root, i, path, depth, pairing, shape)
+        where_of[name] = TracedLayer(root, i, path, depth, pairing, shape)  # pyright: ignore[reportArgumentType]
     return chosen, where_of, left
 
 

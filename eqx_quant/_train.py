@@ -15,8 +15,8 @@ from ._misc import FLOAT32_TINY, is_concrete, one_program
 from ._observe import layer_stack
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._rules import float_model
-from ._traced import QuantTraced, replaced
-from ._tree import map_nodes, nodes, path_string
+from ._traced import QuantTraced, leaves_by_path, replaced
+from ._tree import map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._einsum import QuantEinsum
 from .nn._layers import AbstractQuantLayer, per_layer
@@ -288,7 +288,7 @@ def learn_scales(model: PyTree) -> PyTree:
 
     def learn_traced(root: str, module: QuantTraced) -> QuantTraced:
         # A traced weight's quantizer covers its whole leaf (a stack's layers are among its channels).
-        leaves = {path_string(p): x for p, x in jax.tree_util.tree_flatten_with_path(module.model)[0]}
+        leaves = leaves_by_path(module.model)
         weights = [
             one_program(functools.partial(_learned_like, q))(leaves[path])
             if _is_learnable(q) and path in leaves and eqx.is_array(leaves[path]) else q
