@@ -21,7 +21,14 @@ from eqx_quant import (
     int_range,
 )
 
-from .helpers import assert_bitwise_equal, assert_trees_equal, np_absmax_scale, reference_fake_quant, sum_to_shape
+from .helpers import (
+    assert_bitwise_equal,
+    assert_trees_equal,
+    np_absmax_scale,
+    reference_fake_quant,
+    slow_unless,
+    sum_to_shape,
+)
 
 
 _TINY = np.finfo(np.float32).tiny
@@ -831,7 +838,7 @@ def test_learned_init_from(bits, signed, narrow):
     np.testing.assert_allclose(q.scale, expected, rtol=1e-6)
 
 
-@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("bits", slow_unless([4], [2, 4, 8]))
 def test_learned_init_from_absmax_is_round_to_nearest(bits):
     # A NumPy reference of the scale (max|x| / qmax per channel, which the dynamic quantizer may nudge up by a few
     # ulps), and the quantizer's output against the dynamic one's, eagerly and stacked (NaN entries ignored).

@@ -955,6 +955,7 @@ def test_a_jit_helper_called_twice_keeps_each_calls_quantizers():
     np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_multihead_attention_and_a_bare_weight():
     class Block(eqx.Module):
         attention: eqx.nn.MultiheadAttention
