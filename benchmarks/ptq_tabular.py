@@ -67,11 +67,9 @@ class Preset:
     configs: tuple[str, ...] | None = None  # the rows of `CONFIGS` by name; None for all
 
 
-# The smoke preset's rows: the premise, SmoothQuant at 8 bits (inputs calibrated both ways), and GPTQ at 4 bits with
-# and without it.
-SMOKE_CONFIGS = (
-    "W8A8 RTN", "W8A8 SmoothQuant 0.5", "W8A8 SmoothQuant 0.5, MSE inputs", "W4A8 GPTQ", "W4A8 SmoothQuant 0.5 + GPTQ"
-)  # fmt: skip
+# The smoke preset's rows: the premise, SmoothQuant at 8 bits (inputs calibrated both ways), and SmoothQuant with
+# GPTQ at 4 bits.
+SMOKE_CONFIGS = ("W8A8 RTN", "W8A8 SmoothQuant 0.5", "W8A8 SmoothQuant 0.5, MSE inputs", "W4A8 SmoothQuant 0.5 + GPTQ")
 PRESETS = {
     "smoke": Preset("smoke", ("wine",), (0,), steps=500, configs=SMOKE_CONFIGS),
     "full": Preset("full", ("wine", "breast_cancer"), (0, 1, 2), steps=3000),

@@ -12,6 +12,8 @@ from gguf import GGMLQuantizationType as T
 import eqx_quant
 from eqx_quant import DynamicFakeQuant, FakeQuant
 
+from .helpers import slow_unless
+
 
 F32 = np.float32
 TYPES = {"q8_0": T.Q8_0, "q4_0": T.Q4_0, "q5_0": T.Q5_0}
@@ -45,7 +47,7 @@ def random_rows(seed, rows=8, blocks=4):
     return (x * np.exp(rng.uniform(-14, 7, (rows, blocks, 1))).repeat(32, -1).reshape(x.shape)).astype(F32)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", slow_unless(["q8_0", "q5_0"], NAMES))
 def test_random_rows_bit_for_bit(name):
     x = random_rows(0)
     q = quantizer(name)
@@ -152,7 +154,7 @@ def test_block_smaller_than_float32_normals_gives_zeros():
         np.testing.assert_array_equal(np.asarray(quantizer(name)(jnp.asarray(x))), reference(x, name))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", slow_unless(["q4_0"], NAMES))
 def test_stacked_weights(name):
     # Layers stacked with `eqx.filter_vmap`: each layer's weight is quantized on its own, as `gguf` does its rows.
     keys = jax.random.split(jax.random.key(0), 3)

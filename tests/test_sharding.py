@@ -28,8 +28,8 @@ def _run(args: list[str], devices: int, timeout: float) -> subprocess.CompletedP
 
 
 # Five core checks run in the default tier (CI's): a W8A8 training step against one device, the integer forward and
-# the conversion on the mesh, calibration, and per-tensor statistics under `shard_map`. The rest are slow.
-_CORE = "mlp-static or per_tensor_statistics or calibrate_sharded"
+# the conversion on the mesh, calibration (of the MLP), and per-tensor statistics under `shard_map`. The rest are slow.
+_CORE = "mlp-static or per_tensor_statistics or calibrate_sharded_model_matches_single_device[mlp]"
 
 
 @pytest.mark.parametrize("part", ["core", pytest.param("rest", marks=pytest.mark.slow)])

@@ -317,7 +317,7 @@ def test_grouped_integer_product_against_numpy():
     np.testing.assert_allclose(np.asarray(_call(floated, (x,), {})), np.asarray(fake), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["bare_mlp", "scan_stack", "message_passing"])
+@pytest.mark.parametrize("name", slow_unless(["bare_mlp", "scan_stack"], ["bare_mlp", "scan_stack", "message_passing"]))
 def test_converted_matches_fake_quant_bit_for_bit(name):
     quantized = _quantized(name)
     args = CASES[name][2]
@@ -353,7 +353,7 @@ class Transposed(eqx.Module):
         return x @ self.w.T
 
 
-@pytest.mark.parametrize("recipe", ["w4a16_g32", "w8a16", "fp8"])
+@pytest.mark.parametrize("recipe", slow_unless(["w4a16_g32", "fp8"], ["w4a16_g32", "w8a16", "fp8"]))
 def test_float_products_convert_bit_for_bit(recipe):
     # A matrix-vector product of a transposed weight on the float path, which XLA on CPU sums differently when the
     # weight's computation is fused into it: without `materialised`, the fake-quant and converted models differed in

@@ -296,17 +296,21 @@ def test_explicit_axes_row_parallel_needs_an_output_sharding_like_float():
                 train_step(model, *batch_8, explicit=True)
 
 
-def test_calibrate_sharded_model_matches_single_device():
-    x, _ = batch("convnet")
+@pytest.mark.parametrize("kind", ["mlp", "convnet"])
+def test_calibrate_sharded_model_matches_single_device(kind):
+    x, _ = batch(kind)
     batches = [x[:8], x[8:]]
-    single = eqx_quant.calibrate(quantized("convnet", "dynamic"), batches)
-    sharded_batches = [jax.device_put(b, NamedSharding(AUTO, P("data", None, None, None))) for b in batches]
-    sharded = eqx_quant.calibrate(quantized("convnet", "dynamic", AUTO), sharded_batches)
-    for a, b in zip(layers_of(sharded, AbstractQuantLayer), layers_of(single, AbstractQuantLayer), strict=True):
+    single = eqx_quant.calibrate(quantized(kind, "dynamic"), batches)
+    spec = P("data", *([None] * (x.ndim - 1)))
+    before = quantized(kind, "dynamic", AUTO)
+    sharded = eqx_quant.calibrate(before, [jax.device_put(b, NamedSharding(AUTO, spec)) for b in batches])
+    layers = [layers_of(m, AbstractQuantLayer) for m in (sharded, single, before)]
+    for a, b, c in zip(*layers, strict=True):
         # The statistics are those of float activations, whose sums depend on the layout: equal up to rounding.
         assert (a.input_quant.qmin, a.input_quant.qmax) == (b.input_quant.qmin, b.input_quant.qmax)
         np.testing.assert_allclose(a.input_quant.scale, b.input_quant.scale, rtol=1e-6)
-        assert a.layer.weight.sharding.spec == P("model", *([None] * (a.layer.weight.ndim - 1)))
+        # The weights keep their layout, split along the model axis.
+        assert a.layer.weight.sharding.spec == c.layer.weight.sharding.spec and "model" in a.layer.weight.sharding.spec
 
 
 def test_shard_map_per_tensor_statistics_with_axis_name():
