@@ -2,6 +2,7 @@
 
 import functools
 import math
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, Literal, NamedTuple
 
@@ -29,6 +30,7 @@ from ._observe import (
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, replaced
+from ._traced_layers import traced_reads
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear, per_layer
 
@@ -234,7 +236,10 @@ def gptq(
     - `batched`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights of
         `quantize(..., example=)`, named `model.<path>`, with the leaf array in place of a layer), or `None` for every
-        `QuantLinear` and traced weight with a weight quantizer.
+        `QuantLinear` and traced weight with a weight quantizer, except the traced weights that the model reads
+        otherwise than as the weight of its products (a tied embedding's lookup, found by tracing the model on the
+        first batch): their Hessians see the products alone, so they are left to their weight quantizers, with a
+        warning naming them.
     - `progress`: show progress bars over the batches and over the layers (tqdm's when it is installed).
 
     **Returns:**
@@ -294,6 +299,27 @@ def solve_weights(
             make_solve(fmt, group_size)
         except ValueError as error:
             raise ValueError(f"{what}: {error}") from None
+    if traced and where is None:
+        batches = list(batches)  # the first one traced here, all read below
+        tied = []
+        if batches:
+            try:
+                reads = traced_reads(model, batches[0], batched)
+            except Exception as error:
+                error.add_note(first_batch_note(batches, batches[0], batched))
+                raise
+            tied = [t.name for t in traced if reads.get(t.path) == "stray"]
+            traced = [t for t in traced if t.name not in tied]
+        if tied:
+            what = (
+                f"`{name}` leaves out the traced weights {tied}, which the model also reads otherwise than as the "
+                "weight of its products (a tied embedding's lookup), as their Hessians see the products alone and "
+                "the solution may serve the other reads worse than round to nearest. Choose them with `where` to "
+                "solve them anyway."
+            )
+            if not layers and not traced:
+                raise ValueError(f"`{name}` would change nothing: {what}")
+            warnings.warn(what, stacklevel=4)  # the caller of the public function (under `warns_of_nonfinite`)
     if traced:
         batches = list(batches)  # read by both
         if layers:

@@ -51,7 +51,7 @@ def _matrix_quantizer(quantizer: AbstractQuantizer | None, shape: tuple[int, ...
     return False
 
 
-def _reads(model: PyTree, batch: PyTree, batched: bool) -> dict[str, str | None]:
+def traced_reads(model: PyTree, batch: PyTree, batched: bool) -> dict[str, str | None]:
     """By traced weight path, whether the model's call on `batch` reads the weight as the weight of whole products
     alone (traced, not run): see `probe_reads`."""
     with probe_reads() as found:
@@ -113,7 +113,7 @@ def traced_layers(
     left out."""
     found = [(root, traced, i) for root, traced in nodes(model, (QuantTraced,))
              for i in range(len(traced.weight_paths))]  # fmt: skip
-    reads = _reads(model, batch, batched) if batch is not None and found else None
+    reads = traced_reads(model, batch, batched) if batch is not None and found else None
     leaves = {root: leaves_by_path(traced.model) for root, traced, _ in found}
     chosen, where_of, left = [], {}, {}
     for root, traced, i in found:

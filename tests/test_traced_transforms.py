@@ -2,6 +2,8 @@
 own arrays (`x @ w`, `w @ x.T`, `jnp.einsum` over several axes, a scanned stack) transformed as linear layers are, the
 transform held by the `QuantTraced` and applied to each product's input before its quantizer."""
 
+import functools
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -13,7 +15,7 @@ import eqx_quant
 from eqx_quant._traced import replaced
 from eqx_quant.nn import RotateInput, ScaleInput
 
-from .helpers import assert_bitwise_equal, init
+from .helpers import assert_bitwise_equal, init, slow_unless
 
 
 RNG = np.random.default_rng(7)
@@ -181,6 +183,30 @@ def test_transforms_leave_out_traced_weights_the_model_reads_besides_their_produ
     rotated = eqx_quant.rotate(q, key=jax.random.key(0), where=lambda path, weight: True)
     with pytest.raises(ValueError, match=r"Traced weight 'embedding' has an input transform \(RotateInput\)"):
         _apply(rotated, tokens)
+
+
+@pytest.mark.parametrize("name", slow_unless(["gptq"], ["gptq", "autoround"]))
+def test_weight_solvers_leave_out_a_traced_weight_the_model_reads_besides_its_products(name):
+    """`gptq` and `autoround` solve a weight from its products' inputs alone: a tied embedding, gathered besides, is
+    left at round to nearest with a warning naming it (the other weights solved as when `where` chooses them alone),
+    unless `where` chooses it; with nothing else to solve, a `ValueError`."""
+    solve = eqx_quant.gptq if name == "gptq" else functools.partial(eqx_quant.autoround, steps=2)
+    model = init(lambda k: _Tied(jax.random.normal(k, (20, 16)), jax.random.normal(k, (16, 16)) / 4), 3)
+    tokens = jnp.asarray(RNG.integers(0, 20, (4, 6)))
+    q = eqx_quant.quantize(model, **eqx_quant.recipe("w4a16_g32", group_size=16), example=(tokens[0],))
+    e, w = q.weight_paths.index("embedding"), q.weight_paths.index("w")
+    with pytest.warns(UserWarning, match=rf"`{name}` leaves out the traced weights \['model.embedding'\], which"):
+        solved = solve(q, [tokens])
+    assert solved.weight_quants[e] is q.weight_quants[e]
+    assert_bitwise_equal(solved.model.embedding, model.embedding)
+    assert isinstance(solved.weight_quants[w], eqx_quant.FakeQuant)
+    assert_bitwise_equal(solved.model.w, solve(q, [tokens], where=lambda path, weight: path == "model.w").model.w)
+    chosen = solve(q, [tokens], where=lambda path, weight: True)  # no warning: chosen, it is solved
+    assert isinstance(chosen.weight_quants[e], eqx_quant.FakeQuant)
+    assert not np.array_equal(chosen.model.embedding, model.embedding)
+    tied_only = replaced(q, weight_quants=[q.weight_quants[i] if i == e else None for i in range(2)])
+    with pytest.raises(ValueError, match=rf"`{name}` would change nothing: `{name}` leaves out the traced weights"):
+        solve(tied_only, [tokens])
 
 
 class _Carried(eqx.Module):
