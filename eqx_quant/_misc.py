@@ -302,6 +302,19 @@ def across_shards(axis_name: AxisName | None, maxima: tuple[Array, ...], minima:
         raise _unbound(axis_name, error) from error
 
 
+@jax.custom_jvp
+def value_computed_before(value: Array, anchor: Array) -> Array:
+    """`computed_before(value, anchor)`, whose derivative is the identity towards `value` with no conditional: the
+    gradients of a training step do not pass through one."""
+    return computed_before(value, anchor)
+
+
+@value_computed_before.defjvp
+def _value_computed_before_jvp(primals, tangents):
+    (value, anchor), (value_dot, _) = primals, tangents
+    return value_computed_before(value, anchor), value_dot
+
+
 def computed_before(value: Array, anchor: Array) -> Array:
     """`value`, computed before the operations that read it: returned by a conditional whose two branches both return
     it.

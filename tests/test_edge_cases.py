@@ -408,3 +408,25 @@ def test_passthrough_clip_bounds_are_not_bools():
     # types: tests/unhooked/check_errors.py).
     with pytest.raises(TypeError, match="`hi` must be a real number, got True"):
         eqx_quant.PassthroughClip(0.0, True)
+
+
+@pytest.mark.parametrize("recipe", ["fp8", "w4a16_g32"])
+def test_a_layer_with_one_output_converts_bit_for_bit_one_example_at_a_time(recipe):
+    """A linear layer with one output (`out_features` 1 or `"scalar"`) on the float path, called on one example:
+    XLA sums its product as elementwise products into which it fuses the weight's computation, which differs
+    between the fake-quantized and the dequantized weight. Both are computed before the product, so the two layers
+    sum alike, eagerly and compiled, as on a batch."""
+    rng = np.random.default_rng(3)
+    xs = jnp.asarray(rng.standard_normal((6, 32)).astype(np.float32))
+    call = eqx.filter_jit(lambda layer, x: layer(x))
+    for out in ("scalar", 1):
+        layer = eqx.nn.Linear(32, out, key=jax.random.key(0))
+        quantized = eqx_quant.quantize(layer, **eqx_quant.recipe(recipe))
+        converted = eqx_quant.convert(quantized)
+        for run in (lambda m, x: m(x), call):
+            assert_bitwise_equal(np.stack([run(converted, x) for x in xs]), np.stack([run(quantized, x) for x in xs]))
+        # The float function of the fake-quantized operands (FP8 inputs too for "fp8"), one example at a time.
+        inputs = quantized.input_quant or (lambda x: x)
+        fake = eqx.tree_at(lambda l: l.weight, layer, quantized.weight)
+        want = np.stack([np.asarray(fake(inputs(x))) for x in xs])
+        np.testing.assert_allclose(np.stack([np.asarray(call(quantized, x)) for x in xs]), want, rtol=1e-6, atol=1e-6)

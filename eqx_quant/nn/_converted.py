@@ -9,7 +9,7 @@ from .._int_ops import integer_grid, integer_product, plan
 from .._misc import computed_before, one_program, read_through
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
-from ._layers import as_vector, check_input, check_matmul, check_transform, scalar_output
+from ._layers import as_vector, check_input, check_matmul, check_transform, scalar_output, single_output
 from ._transforms import AbstractInputTransform
 
 
@@ -128,6 +128,8 @@ class AbstractConvertedLayer(eqx.Module):
 
     def _float_path(self, x: Array, key: PRNGKeyArray | None) -> Array:
         weight = _after(self.weight, x)
+        if single_output(weight):  # computed before the product, as the quantized layer's weight is
+            weight = computed_before(weight, self.qweight.scale)
         if self.input_quant is not None:
             x = self.input_quant(x)
         return self._with_weight(weight)(x, key=key)  # pyright: ignore[reportCallIssue]

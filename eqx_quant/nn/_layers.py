@@ -15,7 +15,7 @@ from .._backward import (
     straight_through,
 )
 from .._int_ops import LinearSpec, any_float64, integer_forward, integer_grid, plan
-from .._misc import computed_before, one_program, read_through
+from .._misc import computed_before, one_program, read_through, value_computed_before
 from .._qarray import nan_levels
 from .._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._transforms import AbstractInputTransform
@@ -118,7 +118,22 @@ class AbstractQuantLayer(eqx.Module):
     def _float_path(self, x, key):
         if self.input_quant is not None:
             x = self.input_quant(x)
-        return self.quantized_layer()(x, key=key)  # pyright: ignore[reportCallIssue]
+        layer = self.quantized_layer()
+        if self.weight_quant is not None and single_output(layer.weight):  # pyright: ignore
+            weight = value_computed_before(layer.weight, self.layer.weight)  # pyright: ignore
+            layer = eqx.tree_at(lambda l: l.weight, layer, weight)
+        return layer(x, key=key)  # pyright: ignore[reportCallIssue]
+
+
+def single_output(weight: Any) -> bool:
+    """Whether a layer's weight has a single output channel (a linear layer's `out_features` 1 or `"scalar"`).
+
+    Then XLA computes the layer's product of one example as a sum of elementwise products, into which it fuses the
+    computation of the weight: the fake-quantized weight and the converted layer's dequantized one, computed by
+    different operations, made sums differing in the last bit. Both layers then compute the weight before the
+    product (`computed_before`), where the sums are alike. Other shapes take a dot product, which reads its
+    operands as computed."""
+    return eqx.is_array(weight) and weight.ndim >= 1 and weight.shape[0] == 1
 
 
 def check_unquantized_backward(layer: "QuantLinear | QuantConv") -> None:
