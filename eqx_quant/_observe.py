@@ -324,6 +324,17 @@ def check_callable(model: PyTree) -> None:
         )
 
 
+def check_examples(batch: PyTree, i: int) -> None:
+    """A `ValueError` for a batch of no examples (an array of it with a leading axis of length 0), whose statistics
+    would be reductions over nothing."""
+    empty = [f"{a.dtype}{list(a.shape)}" for a in jax.tree.leaves(batch) if getattr(a, "ndim", 0) and a.shape[0] == 0]
+    if empty:
+        raise ValueError(
+            f"`batches` holds a batch of no examples: batch {i} has arrays {', '.join(empty)}, whose leading (batch) "
+            "axis has length 0. Leave such batches out."
+        )
+
+
 def first_batch_note(batches: object, batch: PyTree, batched: bool) -> str:
     """What the algorithms do with a batch, added to an error raised on the first one."""
     leaves = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__, batch)
@@ -345,8 +356,9 @@ def fold(
     observed = observe(model, targets, statistic, data, num_bins)
     recording = _Recording()
     seen = False
-    for batch in progress_bar(batches, progress, description):
+    for i, batch in enumerate(progress_bar(batches, progress, description)):
         first, seen = not seen, True
+        check_examples(batch, i)
         _active.append(recording)
         try:
             jax.block_until_ready(_calibration_step(observed, batch, batched))

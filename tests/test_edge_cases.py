@@ -430,3 +430,28 @@ def test_a_layer_with_one_output_converts_bit_for_bit_one_example_at_a_time(reci
         fake = eqx.tree_at(lambda l: l.weight, layer, quantized.weight)
         want = np.stack([np.asarray(fake(inputs(x))) for x in xs])
         np.testing.assert_allclose(np.stack([np.asarray(call(quantized, x)) for x in xs]), want, rtol=1e-6, atol=1e-6)
+
+
+def test_calibration_data_without_examples_is_a_clear_error():
+    """No batches, or a batch of no examples (a leading axis of length 0, among others or alone), is a `ValueError`
+    naming `batches` in every function that reads calibration data, not an error of a reduction over nothing."""
+    mlp = eqx.nn.MLP(4, 3, 16, 1, key=jax.random.key(0))
+    w8a8 = eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a8"))
+    w4 = eqx_quant.quantize(mlp, **eqx_quant.recipe("w4a16_g32", group_size=4))
+    readers = {
+        "calibrate": lambda b: eqx_quant.calibrate(w8a8, b),
+        "smoothquant": lambda b: eqx_quant.smoothquant(w8a8, b),
+        "awq": lambda b: eqx_quant.awq(w4, b),
+        "gptq": lambda b: eqx_quant.gptq(w4, b),
+        "gptq in one pass": lambda b: eqx_quant.gptq(w4, b, sequential=False),
+        "autoround": lambda b: eqx_quant.autoround(w4, b, steps=1),
+        "auto_recipe": lambda b: eqx_quant.auto_recipe(mlp, b, average_bits=8, candidates=("int8", "int4")),
+    }
+    none = r"`batches` holds a batch of no examples: batch {} has arrays float32\[0, 4\], whose leading"
+    for read in readers.values():
+        with pytest.raises(ValueError, match=r"`batches` is empty"):
+            read([])
+        with pytest.raises(ValueError, match=none.format(0)):
+            read([jnp.zeros((0, 4))])
+    with pytest.raises(ValueError, match=none.format(1)):
+        eqx_quant.calibrate(w8a8, [jnp.ones((3, 4)), jnp.zeros((0, 4))])
