@@ -215,7 +215,8 @@ def smoothquant(
     second pass over `batches`, evaluating every candidate at once (memory: a quantized copy of each layer's weight
     per candidate); each layer is measured on the inputs of the unsmoothed model before it, and ties go to the
     first candidate given. SmoothQuant's paper searches one `α` for the whole model on its end task; here each
-    layer's own output is the measure.
+    layer's own output is the measure, whose least error need not be the model's: compare the result with a single
+    `α` on held-out data (the [PTQ guide](../how-to/ptq.md) has measurements).
 
     **Where `1 / s` goes.** With `fold=True` (the default), it is folded into what makes the layer's input, where
     the model allows it, so that the layer computes as a plain layer (which the exporters take):
