@@ -13,6 +13,7 @@ from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import Format, as_format, float_format
 from ._int_ops import integer_grid
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
+from ._summary import _TRACED_ONLY
 from ._traced import QuantTraced, TracedProduct, find_products, trace_call, weight_layout
 from ._tree import map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
@@ -493,7 +494,9 @@ def quantize(
     weight's per tensor, channel or tile (and `matmul="int"`), as linear layers do, else in floating point
     on the quantized operands (a `backward` of the rule is an error there). With a `products` rule, the products of
     two activations that the call computes (`jnp.einsum` attention) are quantized too: they are named `products.0`,
-    `products.1`, ... in the order the program computes them.
+    `products.1`, ... in the order the program computes them. Without `example=`, the layers with weights that only
+    tracing reaches (`eqx.nn.ConvTranspose`, `eqx.nn.GRUCell`, `eqx.nn.LSTMCell`) stay in floating point, with a
+    warning naming them.
 
     **Arguments:**
 
@@ -673,6 +676,16 @@ def quantize(
                 "The configuration gives products quantizers, but `model` has no eqx_quant.nn.Einsum nor "
                 f"eqx.nn.MultiheadAttention, {found}."
             )
+    untraced = [
+        f"{path or '(the model itself)'!r} ({type(layer).__name__})" for path, layer in nodes(model, _TRACED_ONLY)
+    ]
+    if untraced and example is None:
+        warnings.warn(
+            f"`quantize` leaves in floating point the layers it quantizes only by tracing their products: "
+            f"{', '.join(untraced)}. Pass `example=` (an example call of the model) to quantize them too; filter "
+            "this warning where they should stay float.",
+            stacklevel=2,
+        )
     reached = [path for path, layer in done if reaches(path, layer)]
     if reached:
         warnings.warn(
