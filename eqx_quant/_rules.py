@@ -126,10 +126,11 @@ class LayerQuantizer:
         tileable = blocks or isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding))
         ggml = fmt.scale == "float16"
         if group is not None and not fits and tileable and not (ggml and isinstance(layer, eqx.nn.Conv)):
-            instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else "gets one scale per output channel"
+            per = "tensor" if self.input else "output channel"
+            instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else f"gets one scale per {per}"
             warnings.warn(
-                f"Layer {path!r}: its contraction does not split into tiles of {group}, so it {instead} "
-                f"instead of {fmt.name} in tiles of {group}.",
+                f"Layer {path!r}: its contraction does not split into tiles of {group}, so its "
+                f"{'input' if self.input else 'weight'} {instead} instead of {fmt.name} in tiles of {group}.",
                 stacklevel=2,
             )
         if ggml and (not fits or isinstance(layer, eqx.nn.Conv)):

@@ -205,7 +205,7 @@ def test_formats_and_recipes():
     k = jax.random.split(jax.random.key(0), 4)
     model = {"a": eqx.nn.Linear(64, 8, key=k[0]), "b": eqx.nn.Linear(40, 8, key=k[1]),
              "c": eqx.nn.Conv2d(32, 4, 3, key=k[2]), "d": eqx.nn.Linear(32, 8, key=k[3])}  # fmt: skip
-    with pytest.warns(UserWarning, match="'b': its contraction does not split into tiles of 32, so it stays float"):
+    with pytest.warns(UserWarning, match="'b': its contraction does not split into tiles of 32, so its weight stays float"):
         quantized = eqx_quant.quantize(model, **eqx_quant.recipe("q4_0", keep="d"))
     assert quantized["a"].weight_quant.format.name == "q4_0" and quantized["a"].input_quant is None
     assert quantized["b"].weight_quant is None and quantized["c"].weight_quant is None
