@@ -15,7 +15,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._format import GGML_BLOCK, MX_BLOCK, NVFP4_BLOCK, Format, format_named
 from ._misc import check_int
-from ._observe import check_examples
+from ._observe import checked
 from ._quantizers import AbstractQuantizer
 from ._rules import LayerQuantizer, Rule, quantize
 from ._summary import _FLOAT_LAYERS, describe_quantizer, summary, text_table
@@ -393,9 +393,7 @@ def auto_recipe(
         else (lambda m, batch, ref: _distance(kind, m(batch) if batched else jax.vmap(m)(batch), ref))
     )
     reference_of = eqx.filter_jit(lambda m, b: None if callable(loss) else (m(b) if batched else jax.vmap(m)(b)))
-    batches = list(batches)
-    for i, batch in enumerate(batches):
-        check_examples(batch, i)
+    batches = list(batches) if callable(loss) else checked(batches)  # a loss of its own reads batches its own way
     data = [(batch, reference_of(model, batch)) for batch in batches]
     if not data:
         raise ValueError("`batches` is empty: give at least one batch of inputs.")

@@ -20,6 +20,7 @@ from ._observe import (
     TracedInput,
     check_callable,
     check_called,
+    checked,
     first_batch_note,
     fold,
     layer_stack,
@@ -300,7 +301,7 @@ def solve_weights(
         except ValueError as error:
             raise ValueError(f"{what}: {error}") from None
     if traced and where is None:
-        batches = list(batches)  # the first one traced here, all read below
+        batches = checked(batches)  # the first one traced here, all read below
         tied = []
         if batches:
             try:
@@ -321,7 +322,7 @@ def solve_weights(
                 raise ValueError(f"`{name}` would change nothing: {what}")
             warnings.warn(what, stacklevel=4)  # the caller of the public function (under `warns_of_nonfinite`)
     if traced:
-        batches = list(batches)  # read by both
+        batches = checked(batches)  # read by both
         if layers:
             model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
         return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
@@ -472,7 +473,7 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
     matrix over the axes they sum over, the solver on the weight as a matrix, and the solution put back with a fixed
     quantizer of its scales. Sequential: in the order the program first uses them (the weights of one stack
     interleaved layer by layer), each on the outputs of those already solved."""
-    batches = list(batches)
+    batches = checked(batches)
     if not batches:
         raise ValueError("`batches` is empty: calibration needs at least one batch.")
     solve = {t.name: make_solve(t.fmt, t.group_size) for t in targets}
@@ -547,7 +548,7 @@ def _put(model: PyTree, path: str, weight: Array, done: Array) -> PyTree:
 def _sequential(model, layers, solve, batches, batched, progress, name) -> dict[str, tuple]:
     """Sequential GPTQ: per layer (and per layer of a stack) in call order, its Hessian on the outputs of the layers
     already quantized, then its solution put in place. Returns `(weight, compact scales, tensor scale)` by path."""
-    batches = list(batches)
+    batches = checked(batches)
     if not batches:
         raise ValueError("`batches` is empty: calibration needs at least one batch.")
     stacks = {path: layer_stack(layer) for path, layer in layers}

@@ -325,14 +325,23 @@ def check_callable(model: PyTree) -> None:
 
 
 def check_examples(batch: PyTree, i: int) -> None:
-    """A `ValueError` for a batch of no examples (an array of it with a leading axis of length 0), whose statistics
-    would be reductions over nothing."""
-    empty = [f"{a.dtype}{list(a.shape)}" for a in jax.tree.leaves(batch) if getattr(a, "ndim", 0) and a.shape[0] == 0]
-    if empty:
+    """A `ValueError` for a batch of no examples (every array of it with a leading axis of length 0), whose
+    statistics would be reductions over nothing."""
+    arrays = [a for a in jax.tree.leaves(batch) if getattr(a, "ndim", 0)]
+    if arrays and all(a.shape[0] == 0 for a in arrays):
+        shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in arrays)
         raise ValueError(
-            f"`batches` holds a batch of no examples: batch {i} has arrays {', '.join(empty)}, whose leading (batch) "
-            "axis has length 0. Leave such batches out."
+            f"`batches` holds a batch of no examples: batch {i} has arrays {shapes}, whose leading (batch) axis has "
+            "length 0. Leave such batches out."
         )
+
+
+def checked(batches: Iterable[PyTree]) -> list[PyTree]:
+    """`batches` as a list, each batch checked to hold examples (`check_examples`)."""
+    batches = list(batches)
+    for i, batch in enumerate(batches):
+        check_examples(batch, i)
+    return batches
 
 
 def first_batch_note(batches: object, batch: PyTree, batched: bool) -> str:

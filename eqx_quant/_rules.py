@@ -13,8 +13,7 @@ from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import Format, as_format, float_format
 from ._int_ops import integer_grid
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
-from ._summary import _TRACED_ONLY
-from ._traced import QuantTraced, TracedProduct, find_products, trace_call, weight_layout
+from ._traced import TRACED_ONLY, QuantTraced, TracedProduct, find_products, trace_call, weight_layout
 from ._tree import map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._einsum import Einsum, QuantEinsum
@@ -123,11 +122,11 @@ class LayerQuantizer:
         assert isinstance(fmt, Format)  # made one by `__post_init__`
         blocks = fmt.scale != "float32"
         fits = group is not None and _tiles_fit(layer, group)
-        tileable = blocks or isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding))
+        # Tiles of a float32-scaled grid: a linear layer's or an embedding's weight (an input takes one scale).
+        tileable = blocks or (isinstance(layer, (eqx.nn.Linear, eqx.nn.Embedding)) and not self.input)
         ggml = fmt.scale == "float16"
         if group is not None and not fits and tileable and not (ggml and isinstance(layer, eqx.nn.Conv)):
-            per = "tensor" if self.input else "output channel"
-            instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else f"gets one scale per {per}"
+            instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else "gets one scale per output channel"
             warnings.warn(
                 f"Layer {path!r}: its contraction does not split into tiles of {group}, so its "
                 f"{'input' if self.input else 'weight'} {instead} instead of {fmt.name} in tiles of {group}.",
@@ -497,7 +496,7 @@ def quantize(
     two activations that the call computes (`jnp.einsum` attention) are quantized too: they are named `products.0`,
     `products.1`, ... in the order the program computes them. Without `example=`, the layers with weights that only
     tracing reaches (`eqx.nn.ConvTranspose`, `eqx.nn.GRUCell`, `eqx.nn.LSTMCell`) stay in floating point, with a
-    warning naming them.
+    warning naming them where the configuration's patterns reach their weights (`cell.weight_ih`).
 
     **Arguments:**
 
@@ -677,16 +676,20 @@ def quantize(
                 "The configuration gives products quantizers, but `model` has no eqx_quant.nn.Einsum nor "
                 f"eqx.nn.MultiheadAttention, {found}."
             )
-    untraced = [
-        f"{path or '(the model itself)'!r} ({type(layer).__name__})" for path, layer in nodes(model, _TRACED_ONLY)
-    ]
-    if untraced and example is None:
-        warnings.warn(
-            f"`quantize` leaves in floating point the layers it quantizes only by tracing their products: "
-            f"{', '.join(untraced)}. Pass `example=` (an example call of the model) to quantize them too; filter "
-            "this warning where they should stay float.",
-            stacklevel=2,
-        )
+    if example is None and not callable(where):  # a predicate chooses for itself, and reads layers of its own kind
+        untraced = [
+            f"{path or 'the model itself'!r} ({type(node).__name__})"
+            for path, node in nodes(model, (*TRACED_ONLY, QuantTraced))  # not inside a traced model
+            if isinstance(node, TRACED_ONLY)
+            and any(reaches(".".join(p for p in (path, w) if p), node) for w in ("weight", "weight_ih", "weight_hh"))
+        ]
+        if untraced:
+            warnings.warn(
+                f"`quantize` leaves in floating point the layers it quantizes only by tracing their products: "
+                f"{', '.join(untraced)}. Pass `example=` (an example call of the model) to quantize them too, or "
+                "leave them out of the configuration's patterns.",
+                stacklevel=2,
+            )
     reached = [path for path, layer in done if reaches(path, layer)]
     if reached:
         warnings.warn(

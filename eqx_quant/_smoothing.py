@@ -20,6 +20,7 @@ from ._misc import FLOAT32_TINY, check_int, check_real, check_where
 from ._observe import (
     check_callable,
     check_called,
+    checked,
     fold as fold_statistics,
     layer_stack,
     progress_bar,
@@ -318,7 +319,7 @@ def smoothquant(
     alphas = _check_alphas(alpha)
     _check_flags(batched=batched, progress=progress)
     _check_fold(fold)
-    batches = list(batches)  # traced on its first batch, and read twice to search `alpha`
+    batches = checked(batches)  # traced on its first batch, and read twice to search `alpha`
     if not batches:
         raise ValueError("`batches` is empty: calibration needs at least one batch.")
     targets, traced, where_of = _targets(model, where, lambda w, x: x is not None, "smoothquant",
@@ -770,7 +771,7 @@ def awq(
             f"`clip=True` needs at least two clipping ratios, `1 - i / clip_grid` for `i < max_shrink * clip_grid`; "
             f"got clip_grid={clip_grid}, max_shrink={max_shrink}."
         )
-    batches = list(batches)  # read twice: the channels' means, then the Gram matrices
+    batches = checked(batches)  # read twice: the channels' means, then the Gram matrices
     if not batches:
         raise ValueError("`batches` is empty: calibration needs at least one batch.")
     targets, traced, where_of = _targets(model, where, lambda w, x: w is not None, "awq", "with a weight quantizer",

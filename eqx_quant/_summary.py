@@ -12,7 +12,7 @@ from jaxtyping import PyTree
 from ._layout import Layout
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
-from ._traced import QuantTraced, leaves_by_path
+from ._traced import TRACED_ONLY, QuantTraced, leaves_by_path
 from ._tree import nodes
 from .nn._converted import AbstractConvertedLayer
 from .nn._einsum import QuantEinsum
@@ -20,8 +20,6 @@ from .nn._layers import AbstractQuantLayer, per_layer, stack_depth
 
 
 _FLOAT_LAYERS = (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding)
-# Layers with weights that `quantize` reaches only by tracing their products (`example=`): float otherwise.
-_TRACED_ONLY = (eqx.nn.ConvTranspose, eqx.nn.GRUCell, eqx.nn.LSTMCell)
 
 
 def _layout(layout: Layout) -> str:
@@ -205,9 +203,9 @@ def summary(model: PyTree) -> Summary:
     traced_weights = {".".join(p for p in (root, "model", leaf) if p)
                       for root, module in traced for leaf in module.weight_paths}  # fmt: skip
     rows = []
-    for path, layer in nodes(model, _FLOAT_LAYERS + _TRACED_ONLY + (AbstractQuantLayer, AbstractConvertedLayer,
+    for path, layer in nodes(model, _FLOAT_LAYERS + TRACED_ONLY + (AbstractQuantLayer, AbstractConvertedLayer,
                                                                         QuantEinsum)):  # fmt: skip
-        if not isinstance(layer, _TRACED_ONLY):
+        if not isinstance(layer, TRACED_ONLY):
             rows.append(_row(path, layer))
             continue
         names = [name for name in ("weight", "weight_ih", "weight_hh") if hasattr(layer, name)]
@@ -219,7 +217,7 @@ def summary(model: PyTree) -> Summary:
 
 
 def _untraced_row(path: str, layer: Any, weights: list[Any]) -> SummaryRow:
-    """The float row of a layer of `_TRACED_ONLY` whose `weights` are not traced."""
+    """The float row of a layer of `TRACED_ONLY` whose `weights` are not traced."""
     if not all(eqx.is_array(w) for w in weights):  # the placeholder of an `eqx.nn.Shared` tie
         return SummaryRow(path, type(layer).__name__, "tied", "float", None, None, None)
     size = sum(w.size * w.dtype.itemsize for w in weights)

@@ -391,6 +391,10 @@ def stray_reads(jaxpr: Any, views: Sequence[_View | None], watched: dict[int, tu
     return bad | {v.leaf for v in outs if v is not None and v.leaf in watched}, used
 
 
+# Layers with weights that `quantize` reaches only by tracing their products (`example=`): float otherwise.
+TRACED_ONLY = (eqx.nn.ConvTranspose, eqx.nn.GRUCell, eqx.nn.LSTMCell)
+
+
 _probes: list[dict[str, str | None]] = []  # `probe_reads`: by traced weight path, why it cannot be transformed
 
 

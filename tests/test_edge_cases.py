@@ -19,7 +19,7 @@ from hypothesis import given, settings
 
 import eqx_quant
 
-from .helpers import assert_bitwise_equal
+from .helpers import assert_bitwise_equal, slow_unless
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -410,26 +410,32 @@ def test_passthrough_clip_bounds_are_not_bools():
         eqx_quant.PassthroughClip(0.0, True)
 
 
-@pytest.mark.parametrize("recipe", ["fp8", "w4a16_g32"])
+@pytest.mark.parametrize("recipe", slow_unless(["fp8", "q4_0"], ["fp8", "w4a16_g32", "q4_0"]))
 def test_a_layer_with_one_output_converts_bit_for_bit_one_example_at_a_time(recipe):
     """A linear layer with one output (`out_features` 1 or `"scalar"`) on the float path, called on one example:
     XLA sums its product as elementwise products into which it fuses the weight's computation, which differs
     between the fake-quantized and the dequantized weight. Both are computed before the product, so the two layers
-    sum alike, eagerly and compiled, as on a batch."""
+    sum alike, eagerly, compiled and mapped; the gradients are those of the float layer on the fake-quantized
+    operands."""
     rng = np.random.default_rng(3)
     xs = jnp.asarray(rng.standard_normal((6, 32)).astype(np.float32))
     call = eqx.filter_jit(lambda layer, x: layer(x))
+    mapped = eqx.filter_jit(lambda layer, x: jax.vmap(layer)(x))
     for out in ("scalar", 1):
         layer = eqx.nn.Linear(32, out, key=jax.random.key(0))
         quantized = eqx_quant.quantize(layer, **eqx_quant.recipe(recipe))
         converted = eqx_quant.convert(quantized)
         for run in (lambda m, x: m(x), call):
             assert_bitwise_equal(np.stack([run(converted, x) for x in xs]), np.stack([run(quantized, x) for x in xs]))
-        # The float function of the fake-quantized operands (FP8 inputs too for "fp8"), one example at a time.
+        assert_bitwise_equal(mapped(converted, xs), mapped(quantized, xs))
+        # The float function of the fake-quantized operands (FP8 inputs too for "fp8"), one example at a time, and
+        # its gradient towards the input (the straight-through estimator's where nothing saturates).
         inputs = quantized.input_quant or (lambda x: x)
         fake = eqx.tree_at(lambda l: l.weight, layer, quantized.weight)
         want = np.stack([np.asarray(fake(inputs(x))) for x in xs])
         np.testing.assert_allclose(np.stack([np.asarray(call(quantized, x)) for x in xs]), want, rtol=1e-6, atol=1e-6)
+        grad = jax.grad(lambda x, m: jnp.sum(m(x)))(xs[0], quantized)
+        np.testing.assert_allclose(grad, jnp.reshape(quantized.weight, (32,)), rtol=0, atol=0)
 
 
 def test_calibration_data_without_examples_is_a_clear_error():
@@ -455,3 +461,18 @@ def test_calibration_data_without_examples_is_a_clear_error():
             read([jnp.zeros((0, 4))])
     with pytest.raises(ValueError, match=none.format(1)):
         eqx_quant.calibrate(w8a8, [jnp.ones((3, 4)), jnp.zeros((0, 4))])
+
+    # A batch of several arrays, the model called on it whole: it holds no examples when none of its arrays has any
+    # along the leading axis (a scalar has none); an array of length 0 beside others (an empty cache) is data.
+    class Batched(eqx.Module):
+        mlp: eqx.Module
+
+        def __call__(self, batch):
+            return jax.vmap(self.mlp)(batch["x"]) * batch["t"] + jnp.sum(batch["cache"])
+
+    model = Batched(w8a8)
+    empty = {"x": jnp.zeros((0, 4)), "t": jnp.float32(2), "cache": jnp.zeros((0, 2))}
+    with pytest.raises(ValueError, match=r"batch 0 has arrays float32\[0, 2\], float32\[0, 4\], whose leading"):
+        eqx_quant.smoothquant(model, [empty], batched=True)
+    calibrated = eqx_quant.calibrate(model, [empty | {"x": jnp.ones((3, 4))}], batched=True)
+    assert isinstance(calibrated.mlp.layers[0].input_quant, eqx_quant.FakeQuant)

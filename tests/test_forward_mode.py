@@ -121,7 +121,7 @@ _JVP_CASES = [
 
 @pytest.mark.parametrize(
     "format, zero_point, two_level",
-    slow_unless([("uint4", True, False), ("q4_0", False, False)], _JVP_CASES),
+    slow_unless([("uint4", True, False), ("float4_e2m1fn", False, True), ("q4_0", False, False)], _JVP_CASES),
 )
 def test_reverse_mode_through_the_jvp_rule_is_the_custom_vjp_bit_for_bit(format, zero_point, two_level):
     fmt = as_format("nvfp4") if two_level else as_format(format)

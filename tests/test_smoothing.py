@@ -496,12 +496,12 @@ _UNFOLDABLE = {
     "name", slow_unless(["output-read-twice", "stack-misaligned", "token-mixing"], list(_UNFOLDABLE))
 )
 def test_smoothquant_does_not_fold_where_folding_would_change_the_model(name):
-    make = _UNFOLDABLE[name]
     """Nothing is folded where that would change what the model computes: the normalisation's output read besides
     the layer (a residual sum), the layer called on another input too, the gain read again, a scan that pairs each
     normalisation with another layer of the stack, one compiled program called with two gains, the layer called
     again inside a loop, or a layer mapped along the tokens of a normalised `(tokens, channels)` input. The layer
     keeps its multiplier, the normalisations their weights, and the float function is unchanged up to rounding."""
+    make = _UNFOLDABLE[name]
     model = init(make, 6)
     x = X_SQUARE if isinstance(model, _TokenMixer) else X_BLOCK
     smoothed = eqx_quant.smoothquant(_w8a8(model), [x])

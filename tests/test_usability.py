@@ -254,6 +254,9 @@ def test_summary_lists_the_layers_quantize_reaches_only_by_tracing():
     untraced = r"only by tracing their products: 'up' \(ConvTranspose2d\), 'cell' \(GRUCell\)\. Pass `example=`"
     with pytest.warns(UserWarning, match=untraced):
         quantized = eqx_quant.quantize(model)
+    # Not where the configuration does not reach their weights (an unexpected warning fails this test).
+    eqx_quant.quantize(model, [eqx_quant.Rule("lin", weight=DynamicFakeQuant(8))])
+    eqx_quant.quantize(model, where="lin")
     table = eqx_quant.summary(quantized)
     assert [r.path for r in table.rows] == ["up", "cell", "lin"]  # in the model's order
     rows = {r.path: r for r in table.rows}

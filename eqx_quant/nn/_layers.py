@@ -126,9 +126,10 @@ class AbstractQuantLayer(eqx.Module):
 
 
 def single_output(weight: Any) -> bool:
-    """Whether a layer's weight has a single output channel (a linear layer's `out_features` 1 or `"scalar"`).
+    """Whether a layer's weight has a single output channel (a linear layer's `out_features` 1 or `"scalar"`, a
+    convolution's one output channel).
 
-    Then XLA computes the layer's product of one example as a sum of elementwise products, into which it fuses the
+    Then XLA may compute the layer's product of one example as a sum of elementwise products, into which it fuses the
     computation of the weight: the fake-quantized weight and the converted layer's dequantized one, computed by
     different operations, made sums differing in the last bit. Both layers then compute the weight before the
     product (`computed_before`), where the sums are alike. Other shapes take a dot product, which reads its
