@@ -300,33 +300,39 @@ def solve_weights(
             make_solve(fmt, group_size)
         except ValueError as error:
             raise ValueError(f"{what}: {error}") from None
-    if traced and where is None:
-        batches = checked(batches)  # the first one traced here, all read below
-        tied = []
-        if batches:
-            try:
-                reads = traced_reads(model, batches[0], batched)
-            except Exception as error:
-                error.add_note(first_batch_note(batches, batches[0], batched))
-                raise
-            tied = [t.name for t in traced if reads.get(t.path) == "stray"]
-            traced = [t for t in traced if t.name not in tied]
-        if tied:
-            what = (
-                f"`{name}` leaves out the traced weights {tied}, which the model also reads otherwise than as the "
-                "weight of its products (a tied embedding's lookup), as their Hessians see the products alone and "
-                "the solution may serve the other reads worse than round to nearest. Choose them with `where` to "
-                "solve them anyway."
-            )
-            if not layers and not traced:
-                raise ValueError(f"`{name}` would change nothing: {what}")
-            warnings.warn(what, stacklevel=4)  # the caller of the public function (under `warns_of_nonfinite`)
     if traced:
-        batches = checked(batches)  # read by both
+        batches = checked(batches)  # the first traced to find the tied weights, all read by each solver
+        if where is None:
+            traced = _without_tied(model, traced, bool(layers), batches, batched, name)
+    if traced:
         if layers:
             model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
         return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
     return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
+
+
+def _without_tied(model, traced, layers, batches, batched, name) -> list:
+    """The `traced` targets but those the model reads otherwise than as the weight of their products (a tied
+    embedding's lookup, found by tracing it on the first batch), which are left out with a warning: their Hessians
+    see the products alone. A `ValueError` where that leaves nothing to solve (no `layers` either)."""
+    try:
+        reads = traced_reads(model, batches[0], batched)
+    except Exception as error:
+        error.add_note(first_batch_note(batches, batches[0], batched))
+        raise
+    tied = [t.name for t in traced if reads.get(t.path) == "stray"]
+    if not tied:
+        return traced
+    kept = [t for t in traced if t.name not in tied]
+    what = (
+        f"`{name}` leaves out the traced weights {tied}, which the model also reads otherwise than as the weight of "
+        "its products (a tied embedding's lookup), as their Hessians see the products alone and the solution may "
+        "serve the other reads worse than round to nearest. Choose them with `where` to solve them anyway."
+    )
+    if not layers and not kept:
+        raise ValueError(f"`{name}` would change nothing: {what}")
+    warnings.warn(what, stacklevel=5)  # the caller of the public function (under `warns_of_nonfinite`)
+    return kept
 
 
 def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress) -> PyTree:
@@ -472,10 +478,7 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
     """A weight solver on the traced weights `targets`: per weight (and per layer of a stack), its products' Gram
     matrix over the axes they sum over, the solver on the weight as a matrix, and the solution put back with a fixed
     quantizer of its scales. Sequential: in the order the program first uses them (the weights of one stack
-    interleaved layer by layer), each on the outputs of those already solved."""
-    batches = checked(batches)
-    if not batches:
-        raise ValueError("`batches` is empty: calibration needs at least one batch.")
+    interleaved layer by layer), each on the outputs of those already solved. `batches` is a `checked` list."""
     solve = {t.name: make_solve(t.fmt, t.group_size) for t in targets}
     layers = lambda t: math.prod(t.stack)  # noqa: E731
     flat = {t.name: t.weight.reshape((-1,) + t.weight.shape[len(t.stack) :]) for t in targets}
@@ -549,8 +552,6 @@ def _sequential(model, layers, solve, batches, batched, progress, name) -> dict[
     """Sequential GPTQ: per layer (and per layer of a stack) in call order, its Hessian on the outputs of the layers
     already quantized, then its solution put in place. Returns `(weight, compact scales, tensor scale)` by path."""
     batches = checked(batches)
-    if not batches:
-        raise ValueError("`batches` is empty: calibration needs at least one batch.")
     stacks = {path: layer_stack(layer) for path, layer in layers}
     order = _call_order(model, layers, batches[0], batched)
     check_called(layers, {path: None for path in order})

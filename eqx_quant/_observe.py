@@ -337,8 +337,10 @@ def check_examples(batch: PyTree, i: int) -> None:
 
 
 def checked(batches: Iterable[PyTree]) -> list[PyTree]:
-    """`batches` as a list, each batch checked to hold examples (`check_examples`)."""
+    """`batches` as a list, checked to hold batches, each of them examples (`check_examples`)."""
     batches = list(batches)
+    if not batches:
+        raise ValueError("`batches` is empty: calibration needs at least one batch.")
     for i, batch in enumerate(batches):
         check_examples(batch, i)
     return batches

@@ -320,8 +320,6 @@ def smoothquant(
     _check_flags(batched=batched, progress=progress)
     _check_fold(fold)
     batches = checked(batches)  # traced on its first batch, and read twice to search `alpha`
-    if not batches:
-        raise ValueError("`batches` is empty: calibration needs at least one batch.")
     targets, traced, where_of = _targets(model, where, lambda w, x: x is not None, "smoothquant",
                                          "with an input quantizer", batches[0], batched, fold != "only")  # fmt: skip
     groups, read = _fold_groups(model, dict(targets), batches[0], batched, fold) if targets else ([], frozenset())
@@ -772,8 +770,6 @@ def awq(
             f"got clip_grid={clip_grid}, max_shrink={max_shrink}."
         )
     batches = checked(batches)  # read twice: the channels' means, then the Gram matrices
-    if not batches:
-        raise ValueError("`batches` is empty: calibration needs at least one batch.")
     targets, traced, where_of = _targets(model, where, lambda w, x: w is not None, "awq", "with a weight quantizer",
                                          batches[0], batched, fold != "only" or clip)  # fmt: skip
     column_groups = {path: _awq_group(path, layer) for path, layer in targets + traced}

@@ -284,7 +284,10 @@ def test_summary_lists_the_layers_quantize_reaches_only_by_tracing():
 
     traced = init(lambda k: Traced(eqx.nn.ConvTranspose1d(2, 3, 3, key=k), jnp.zeros((4, 2))), 1)
     rules = [eqx_quant.Rule(r"up\.weight", weight=None, input=None), eqx_quant.Rule(".*", weight=DynamicFakeQuant(8))]
-    rows = {r.path: r for r in eqx_quant.summary(eqx_quant.quantize(traced, rules, example=(jnp.ones((2, 5)),))).rows}
+    traced_model = eqx_quant.quantize(traced, rules, example=(jnp.ones((2, 5)),))
+    rows = {r.path: r for r in eqx_quant.summary(traced_model).rows}
     assert set(rows) == {"model.up", "model.w"}
     assert (rows["model.up"].kind, rows["model.up"].float_bytes) == ("ConvTranspose1d", 4 * 2 * 3 * 3)
     assert rows["model.w"].kind == "traced"
+    # Inside a traced model, which took its layers' weights already, `quantize` warns of none.
+    eqx_quant.quantize({"traced": traced_model, "head": init(lambda k: eqx.nn.Linear(2, 2, key=k), 2)})
