@@ -361,7 +361,11 @@ def auto_recipe(
             raise ValueError(f"`keep`: {pattern!r} matches no layer; the layers are {[p for p, _ in found]}.")
     units = [(p, layer) for p, layer in found if not any(re.fullmatch(k, p) for k in patterns)]
     if not units:
-        raise ValueError("`model` has no Linear, Conv or Embedding layer to allocate formats to (outside `keep`).")
+        raise ValueError(
+            "`model` has no Linear, Conv or Embedding layer to allocate formats to (outside `keep`). `auto_recipe` "
+            "allocates among those layers only: products written with bare arrays take the rules you give "
+            "`quantize(..., example=)`."
+        )
 
     quantized = _what_candidates_make(model, units, options)
     for u, (path, _) in enumerate(units):

@@ -302,8 +302,11 @@ def export_compressed_tensors(
         if isinstance(leaf, AbstractQuantizer):
             layer = converted.get(name.rsplit(".", 1)[0] if "." in name else "")
             if not (isinstance(layer, ConvertedLinear) and name.endswith("input_quant")):
+                owner = name.rsplit(".", 1)[0] if "." in name else ""
                 raise ValueError(f"{name!r} is a {type(leaf).__name__}, which a compressed-tensors checkpoint does "
-                                 "not describe (only the inputs of converted linear layers).")  # fmt: skip
+                                 "not describe (only the inputs of converted linear layers). Quantize the model "
+                                 f"without it: a rule `Rule({owner!r}, input=None)` before the others leaves that "
+                                 "input float.")  # fmt: skip
     for name, leaf in leaves:
         if not is_tensor(leaf) or mapped[name] is None:
             continue

@@ -163,7 +163,7 @@ class LayerQuantizer:
             product.weight.shape, product.contracted)  # fmt: skip
         fits = group is not None and len(axes) == 1 and shape[axes[0]] % group == 0
         if group is not None and not fits:
-            per = "tensor" if self.input else "channel"
+            per = "tensor" if self.input or not product.channels else "channel"  # a vector weight has no channel
             instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else f"gets one scale per {per}"
             operand = "the input of its product" if self.input else "its product"
             why = (
@@ -421,8 +421,10 @@ def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable, Callable]:
     def check(paths: list[str]) -> None:
         for i, rule in enumerate(rules):
             if i not in used:
-                raise ValueError(f"Rule {i} (pattern {rule.pattern!r}) reaches none of the layers; an earlier rule may "
-                                 "take them all" + _candidates_message(paths))  # fmt: skip
+                earlier = "; an earlier rule may take them all" if i else ""
+                raise ValueError(f"Rule {i} (pattern {rule.pattern!r}) reaches none of the layers{earlier}"
+                                 + _candidates_message(paths)
+                                 + " A rule's pattern must match a whole path (`re.fullmatch`).")  # fmt: skip
 
     def reaches(path: str, layer: eqx.Module) -> bool:
         del layer

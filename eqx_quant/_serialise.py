@@ -34,7 +34,8 @@ _MAGIC = b"EQXQUANT"
 _VERSION = 4
 _HINT = (
     " Load into the float model instead (or its `eqx.filter_eval_shape` skeleton), which `load` quantizes as the file "
-    "says, or into a model quantized with the saved configuration."
+    "says, or into a model of the saved structure (quantized with the saved configuration, and converted if the "
+    "saved model was)."
 )
 
 

@@ -66,11 +66,12 @@ def _only_folded(targets: list, groups: list[Fold], what: str) -> list:
 
 
 def _left_text(left: dict[str, str]) -> str:
-    """The traced weights left out, grouped by why: `'a', 'b' {why}; 'c' {why}`."""
+    """The traced weights left out, grouped by why: `'a', 'b': each {why}; 'c' {why}`."""
     names: dict[str, list[str]] = {}
     for name, why in left.items():
         names.setdefault(why, []).append(repr(name))
-    return "; ".join(f"{', '.join(group)} {why}" for why, group in names.items())
+    return "; ".join(f"{group[0]} {why}" if len(group) == 1 else f"{', '.join(group)}: each {why}"
+                     for why, group in names.items())  # fmt: skip
 
 
 def _warn_left_alone(left: dict[str, str], what: str) -> None:

@@ -125,11 +125,16 @@ class _Where(NamedTuple):
 
 
 _PRODUCTS = ("dot_general", "conv_general_dilated")
-_SAME = frozenset({"convert_element_type", "copy", "copy_p", "neg", "reduce_precision", "optimization_barrier"})
+_SAME = frozenset(
+    {"convert_element_type", "copy", "copy_p", "neg", "reduce_precision", "optimization_barrier", "stop_gradient"}
+)
 _SHORTENING = frozenset({"slice", "rev", "pad", "dynamic_slice"})  # the same axes, maybe shorter
 _INDEXING = frozenset({"gather", "dynamic_slice", "slice"})  # part of the operand, at the indices given
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_jvp_call",
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "custom_lin"})  # fmt: skip
+
+
+_CONSTANT = _View(-1, None)  # a value computed from constants alone
 
 
 def _reshape_axes(src: _View, shape_in: tuple[int, ...], shape_out: tuple[int, ...]) -> _View | None:
@@ -289,7 +294,8 @@ def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], where: _Where
         use = _product(eqn, ins, where)
         if use is not None:
             uses.append(use)
-        return nothing
+        # A product of the model's arrays alone (a low-rank weight `U @ V`) is derived from them: not an activation.
+        return [_derived(eqn, ins)] * len(eqn.outvars)
     inner = where._replace(outer=(*where.outer, id(eqn)))
     if name == "scan":
         walk(eqn.params["jaxpr"].jaxpr, _scan_views(eqn, ins), uses, inner)
@@ -309,6 +315,8 @@ def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], where: _Where
     if closed is not None:
         sub = closed.jaxpr
         if name in _CALLS or len(sub.invars) == len(ins):
+            # A constant passed in (`jnp.where(w > 0, w, 0.0)` passes its 0.0) is a constant inside, not an input.
+            ins = [_CONSTANT if isinstance(v, jcore.Literal) else view for v, view in zip(eqn.invars, ins, strict=True)]
             return walk(sub, ins[-len(sub.invars) :] if sub.invars else [], uses, inner)[: len(eqn.outvars)]
         return nothing
     if len(eqn.outvars) == 1:
@@ -447,7 +455,7 @@ class Inputs(NamedTuple):
     pairings: dict[int, tuple[int, ...] | None]  # by leaf: its contracted axes in the order its inputs' are laid
 
 
-_CODES_SAME = frozenset({"copy", "copy_p", "optimization_barrier"})
+_CODES_SAME = frozenset({"copy", "copy_p", "optimization_barrier", "stop_gradient"})
 _CODES_MOVED = frozenset({"transpose", "squeeze", "expand_dims", "broadcast_in_dim", "reshape", "slice", "rev",
                           "dynamic_slice"})  # fmt: skip
 
@@ -604,9 +612,13 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
     assert use is not None
     side = 1 if views[0] is not None else 0  # the activation's
     transform, quantizer = inputs.quantizers[use.leaf][0]
-    if use.leaf in inputs.tokens and isinstance(quantizer, DynamicFakeQuant) and use.primitive == "dot_general":
-        tokens = free_axes(ins[side].ndim, use.input_contracted)  # this call's
-        quantizer = dataclasses.replace(quantizer, layout=Layout(axes=tokens))
+    if use.leaf in inputs.tokens and use.primitive == "dot_general":
+        tokens = Layout(axes=free_axes(ins[side].ndim, use.input_contracted))  # this call's
+        per_token = lambda q: dataclasses.replace(q, layout=tokens) if isinstance(q, DynamicFakeQuant) else q  # noqa: E731
+        if hasattr(quantizer, "product_input"):  # an observer holding the input quantizer (GPTQ's quantized inputs)
+            quantizer = dataclasses.replace(quantizer, data=per_token(quantizer.data))  # pyright: ignore
+        else:
+            quantizer = per_token(quantizer)
     ins = list(ins)
     contracted = _laid_out(use, inputs.pairings.get(use.leaf))
     if transform is not None:
@@ -911,8 +923,9 @@ def find_products(model: PyTree, call: Callable[[PyTree], Any], layers: Sequence
         if use.primitive == "unfollowed":
             found.problems.setdefault(path, (product, (
                 f"The weight {path!r} reaches a product through operations that are not views of it (a "
-                "concatenation, a gather, arithmetic, a reshape that merges a summed axis with a kept one, or one "
-                "that puts back together the parts of an axis that an earlier reshape split): no scale layout "
+                "concatenation, a gather, arithmetic, a product with another of the model's arrays, a masking "
+                "`jnp.where`, a reshape that merges a summed axis with a kept one, or one that puts back together "
+                "the parts of an axis that an earlier reshape split): no scale layout "
                 "follows the product from the leaf. Leave it out of the rules (a rule "
                 f"`Rule({path!r}, weight=None, input=None)` before the others keeps it float)."
             )))  # fmt: skip

@@ -286,6 +286,17 @@ def test_a_quantized_model_is_an_error():
         eqx_quant.auto_recipe(eqx_quant.quantize(MLP), BATCHES, average_bits=4)
 
 
+def test_a_model_of_bare_arrays_is_an_error_that_points_to_the_rules():
+    class Bare(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return x @ self.w
+
+    with pytest.raises(ValueError, match=r"no Linear, Conv or Embedding layer .* bare arrays take the rules you give"):
+        eqx_quant.auto_recipe(Bare(jnp.ones((4, 2))), BATCHES, average_bits=4)
+
+
 def test_a_model_with_several_outputs_sums_their_errors():
     class TwoOutputs(eqx.Module):
         mlp: eqx.nn.MLP

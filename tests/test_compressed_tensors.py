@@ -255,4 +255,11 @@ def test_errors(tmp_path):
         eqx_quant.export_compressed_tensors(
             tmp_path, convert(eqx_quant.recipe("w8a16")["rules"]), names=lambda p: p + "_w"
         )
+    # A convolution's quantized input: the error says how to leave it out, and that model exports.
+    net = {"conv": eqx.nn.Conv1d(2, 4, 3, key=jax.random.key(1)), "a": mlp["a"]}
+    rules = [Rule("conv", input=None), *eqx_quant.recipe("w8a8")["rules"]]
+    with pytest.raises(ValueError, match=r"'conv.input_quant' is a DynamicFakeQuant, .* `Rule\('conv', input=None\)`"):
+        eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.convert(eqx_quant.quantize(net, rules[1:])))
     assert not (tmp_path / "config.json").exists()
+    eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.convert(eqx_quant.quantize(net, rules)))
+    assert (tmp_path / "config.json").exists()

@@ -42,8 +42,11 @@ def test_recipe_keeps_first_and_last_layers_at_8_bits(mlp):
     assert bits == [8, 2, 2, 8]
     assert qmodel.layers[0].input_quant == DynamicFakeQuant(8) and qmodel.layers[1].input_quant is None
     # Full match: "layers.0" does not keep "layers.0x" style paths; a bare "0" keeps nothing, which is an error.
-    with pytest.raises(ValueError, match=r"Rule 0 \(pattern '0'\) reaches none of the layers.*'layers.0', 'layers.1'"):
+    with pytest.raises(ValueError, match=r"Rule 0 \(pattern '0'\) reaches none of the layers; the paths there are: "
+                       r"'layers.0', 'layers.1'.* must match a whole path"):  # fmt: skip
         quantize(mlp, **recipe("w2a16_g32", keep="0"))
+    with pytest.raises(ValueError, match=r"Rule 1 \(pattern 'x'\) reaches none of the layers; an earlier rule"):
+        quantize(mlp, rules=[eqx_quant.Rule(".*"), eqx_quant.Rule("x")])
 
 
 @pytest.mark.slow

@@ -898,6 +898,48 @@ def test_a_bare_decoder_converts_bit_for_bit_dynamic_and_calibrated():
         assert_bitwise_equal(model(tokens), got)
 
 
+class _LowRank(eqx.Module):
+    u: jax.Array
+    v: jax.Array
+
+    def __call__(self, x):  # x: (tokens, 8)
+        return x @ (self.u @ self.v)  # a product of two weights: derived from them, not an activation
+
+
+class _Masked(eqx.Module):
+    g: jax.Array
+
+    def __call__(self, x):
+        return x @ jnp.where(self.g > 0, self.g, 0.0)  # `jnp.where` passes its 0.0 into a jitted function
+
+
+class _Stopped(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x @ jax.lax.stop_gradient(self.w)
+
+
+def test_weights_through_a_product_of_weights_or_a_mask_are_refused_not_taken_for_activations():
+    x = _normal(3, 8)
+    for model, leaf in ((_LowRank(_normal(8, 2), _normal(2, 8)), "u"), (_Masked(_normal(8, 8)), "g")):
+        with pytest.raises(ValueError, match=f"'{leaf}' reaches a product through operations that are not views"):
+            eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+        keep = [eqx_quant.Rule(".*", weight=None, input=None)]
+        with pytest.raises(ValueError, match="nor, tracing `example`, a product of two activations"):
+            eqx_quant.quantize(model, keep + eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
+
+
+def test_a_weight_through_stop_gradient_is_quantized_as_the_weight_itself():
+    model, x = _Stopped(_normal(8, 4)), _normal(3, 8)
+    rules = eqx_quant.recipe("w8a8")["rules"]
+    quantized = eqx_quant.quantize(model, rules, example=(x,))
+    assert quantized.weight_paths == ("w",)
+    expected = XT(x) @ DynamicFakeQuant(8, axis=1)(model.w)
+    np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
+    assert_bitwise_equal(_call(eqx_quant.convert(quantized), (x,), {}), _call(quantized, (x,), {}))
+
+
 def test_products_that_sum_over_nothing_are_not_weight_products():
     class Gained(eqx.Module):
         gain: jax.Array

@@ -126,6 +126,9 @@ def test_load_into_the_float_model_rebuilds_the_saved_structure(tmp_path):
     eqx_quant.save(tmp_path / "fake.eqx", fake)
     with pytest.raises(ValueError, match="Load into the float model instead"):
         eqx_quant.load(tmp_path / "fake.eqx", eqx_quant.quantize(vit))
+    # A converted file into the fake-quantized model it came from: the structure must be the converted one.
+    with pytest.raises(ValueError, match=r"Load into the float model instead .* converted if the saved model was"):
+        eqx_quant.load(tmp_path / "converted.eqx", fake)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
