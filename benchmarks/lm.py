@@ -502,6 +502,18 @@ def arm_rotate_gptq(model: GPT, bench: Bench, recipe: str) -> Any:
     return eqx_quant.gptq(rotated, calibration_batches(bench), act_order=True)
 
 
+def arm_gptq_qin(model: GPT, bench: Bench, recipe: str) -> Any:
+    """GPTQ as in `gptq`, each layer solved for its float output from its quantized inputs
+    (`quantized_inputs=True`)."""
+    return eqx_quant.gptq(quantized(model, recipe), calibration_batches(bench), act_order=True, quantized_inputs=True)
+
+
+def arm_rotate_gptq_qin(model: GPT, bench: Bench, recipe: str) -> Any:
+    """Rotations as in `rotate`, then GPTQ as in `gptq_qin` on the rotated weights."""
+    rotated = eqx_quant.rotate(quantized(model, recipe), key=jax.random.key(bench.preset.seed))
+    return eqx_quant.gptq(rotated, calibration_batches(bench), act_order=True, quantized_inputs=True)
+
+
 def arm_autoround(model: GPT, bench: Bench, recipe: str) -> Any:
     """Learned rounding and clipping ([`eqx_quant.autoround`][]: 200 steps of signed gradient descent per layer,
     sequential) of every linear layer on the recipe's weight grid."""
@@ -559,17 +571,20 @@ ARMS: dict[str, Callable[[GPT, Bench, str], Any]] = {
     "rotate": arm_rotate,
     "rotate_gptq": arm_rotate_gptq,
     "autoround": arm_autoround,
+    "gptq_qin": arm_gptq_qin,
+    "rotate_gptq_qin": arm_rotate_gptq_qin,
 }
 QAT_METHODS = ("qat", "ptq_qat", "qad")
 PTQ_METHODS = (
     "rtn", "gptq", "gptq_one_pass", "smoothquant", "awq", "awq_gptq", "rotate", "rotate_gptq", "autoround",
-    "gptq_mse", "awq_gptq_mse",
+    "gptq_mse", "awq_gptq_mse", "gptq_qin", "rotate_gptq_qin",
 )  # fmt: skip
-# The PTQ algorithms of `PTQ_ARMS` (besides `rtn` and `gptq`) run on the integer and float recipes only;
-# `smoothquant` only where the inputs are quantized; the clipping search of `MSE_ARMS` only where the weights'
-# scales are float32 (not the block scales of MX and NVFP4).
+# The PTQ algorithms of `PTQ_ARMS` (besides `rtn` and `gptq`) run on the integer and float recipes only; those of
+# `INPUT_ARMS` only where the inputs are quantized; the clipping search of `MSE_ARMS` only where the weights' scales
+# are float32 (not the block scales of MX and NVFP4).
 PTQ_ARMS = PTQ_METHODS[2:]
 MSE_ARMS = ("gptq_mse", "awq_gptq_mse")
+INPUT_ARMS = ("smoothquant", "gptq_qin", "rotate_gptq_qin")
 BLOCK_SCALED = ("mxfp4", "nvfp4")
 
 
@@ -694,8 +709,8 @@ def run(
     - `recipes`: the recipes of the quantized rows (default: the preset's).
     - `methods`: the methods of every recipe, among `ARMS` (default `METHODS`): `"rtn"`, `"gptq"`, `"qat"`, ... (not
         `"gptq"` for the recipes of `NO_GPTQ`, which this benchmark measures by round-to-nearest and QAT only; the
-        PTQ algorithms of `PTQ_ARMS` on the integer and float recipes only, `"smoothquant"` where inputs are
-        quantized, those of `MSE_ARMS` not on the block-scaled `BLOCK_SCALED`).
+        PTQ algorithms of `PTQ_ARMS` on the integer and float recipes only, those of `INPUT_ARMS` where inputs
+        are quantized, those of `MSE_ARMS` not on the block-scaled `BLOCK_SCALED`).
         Each row is the fake-quantized model's validation bits per character, its converted (integer) model's, and
         the size of the converted model's file.
     - `progress`: whether to show progress bars (on stderr).
@@ -764,7 +779,7 @@ def run(
             if method in ("gptq", "ptq_qat") and recipe in NO_GPTQ:
                 continue
             ptq_recipe = recipe in INT_RECIPES or recipe in FLOAT_RECIPES
-            if method in PTQ_ARMS and (not ptq_recipe or (method == "smoothquant" and "a16" in recipe)):
+            if method in PTQ_ARMS and (not ptq_recipe or (method in INPUT_ARMS and "a16" in recipe)):
                 continue
             if method in MSE_ARMS and recipe in BLOCK_SCALED:
                 continue

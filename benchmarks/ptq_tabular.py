@@ -111,8 +111,9 @@ class Config:
     `TRANSFORMS` run before calibration (or none), whether the input scales are calibrated on the training split
     (else dynamic), whether the weights are solved by GPTQ (else rounded to nearest), and whether GPTQ runs with
     `act_order` (the columns of largest Hessian diagonal first: the outlier features' columns, such as wine's last
-    one, are then solved first and the other columns compensate their errors), and the calibration `method` (the
-    absolute maximum, or the clipping threshold of least squared error, `"mse"`)."""
+    one, are then solved first and the other columns compensate their errors), whether GPTQ solves each layer for its
+    float output from its quantized inputs (`quantized_inputs`), and the calibration `method` (the absolute maximum,
+    or the clipping threshold of least squared error, `"mse"`)."""
 
     name: str
     bits: int
@@ -121,6 +122,7 @@ class Config:
     gptq: bool = False
     act_order: bool = False
     method: str = "absmax"
+    quantized_inputs: bool = False
 
 
 CONFIGS = (
@@ -135,6 +137,7 @@ CONFIGS = (
     Config("W4A8 GPTQ", 4, gptq=True),
     Config("W4A8 GPTQ act_order", 4, gptq=True, act_order=True),
     Config("W4A8 SmoothQuant 0.5 + GPTQ", 4, "smoothquant", gptq=True),
+    Config("W4A8 SmoothQuant 0.5 + GPTQ, quantized inputs", 4, "smoothquant", gptq=True, quantized_inputs=True),
     Config("W4A8 SmoothQuant, alpha per layer + GPTQ", 4, "smoothquant_search", gptq=True),
     Config("W4A8 AWQ + GPTQ", 4, "awq", gptq=True),
     Config("W4A8 rotate(hidden) + GPTQ", 4, "rotate", gptq=True),
@@ -149,6 +152,14 @@ CONFIGS = (
         gptq=True,
         act_order=True,
         method="mse",
+    ),
+    Config(
+        "W4A8 SmoothQuant(first) + rotate(hidden) + GPTQ act_order, quantized inputs",
+        4,
+        "smoothquant_rotate",
+        gptq=True,
+        act_order=True,
+        quantized_inputs=True,
     ),
 )
 
@@ -178,7 +189,7 @@ def quantized(model: eqx.nn.MLP, config: Config, batches: list, seed: int, trace
     if config.calibrated:
         qmodel = eqx_quant.calibrate(qmodel, batches, method=config.method)
     if config.gptq:
-        qmodel = eqx_quant.gptq(qmodel, batches, act_order=config.act_order)
+        qmodel = eqx_quant.gptq(qmodel, batches, act_order=config.act_order, quantized_inputs=config.quantized_inputs)
     return qmodel
 
 
@@ -327,7 +338,12 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], Callable[[float, float], bool]]] 
     ),
     "w4a8_smoothquant_or_awq_gptq": (
         "W4A8 SmoothQuant or AWQ + GPTQ within 2 points",
-        ("W4A8 SmoothQuant 0.5 + GPTQ", "W4A8 SmoothQuant, alpha per layer + GPTQ", "W4A8 AWQ + GPTQ"),
+        (
+            "W4A8 SmoothQuant 0.5 + GPTQ",
+            "W4A8 SmoothQuant 0.5 + GPTQ, quantized inputs",
+            "W4A8 SmoothQuant, alpha per layer + GPTQ",
+            "W4A8 AWQ + GPTQ",
+        ),
         lambda drop, rel_error: drop <= 2.0,
     ),
 }

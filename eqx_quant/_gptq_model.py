@@ -189,6 +189,7 @@ def gptq(
     act_order: bool = False,
     method: Literal["absmax", "mse"] = "absmax",
     num_candidates: int = 100,
+    quantized_inputs: bool = False,
     batched: bool = False,
     where: Callable[[str, eqx.Module], bool] | None = None,
     progress: bool = False,
@@ -221,6 +222,18 @@ def gptq(
     weight quantizers active: faster, but no layer sees its predecessors' GPTQ error (on the LM benchmark, as good at
     3 and 4 bits, far worse at 2).
 
+    **Quantized inputs** (`quantized_inputs=True`, for layers that also quantize their inputs, e.g. W4A8): GPTQ as
+    published minimises `‖(W - Ŵ) X‖²` on the float inputs `X` and leaves the input quantizer's error `W (X - Q(X))`
+    to chance. This option minimises the error of the layer's actual output against its float output, `‖W X - Ŵ
+    Q(X)‖²` (the asymmetric objective of GPTAQ, with `X` the layer's own input in the quantized model): the Hessian
+    is `G = Σ Q(x) Q(x)ᵀ`, and GPTQ rounds the least-squares map of the quantized inputs onto the float outputs,
+    shrunk towards `W` by GPTQ's damping, `W (C + λI)(G + λI)⁻¹` with `C = Σ x Q(x)ᵀ` and `λ = damp * mean(diag(G))`
+    (computed in float64 on the host; the minimum-norm solution where `damp=0`), in place of `W`. The calibration
+    passes run the model with the solved layers' input quantizers active, so that each layer sees what it will see
+    after conversion. Layers without an input quantizer are solved as without the option; if no chosen layer (nor
+    traced weight) has one, it is a `ValueError`. On a small calibration set the map can fit the calibration
+    inputs' rounding noise: compare on held-out data.
+
     **Non-finite data.** NaN and infinite calibration inputs count as zeros in the Hessians, with a warning that
     counts them per layer.
 
@@ -234,6 +247,8 @@ def gptq(
         clips each row's or group's scale where that rounds the weights with less error (weighted by the Hessian's
         diagonal), for weights on float32-scaled grids (integers, FP8, FP6, FP4); formats with block scales (MX,
         NVFP4, GGML) raise a `ValueError` naming the format (exclude those layers with `where`).
+    - `quantized_inputs`: solve each layer for its float output from its quantized inputs (above), or (`False`,
+        the paper's GPTQ) from its float inputs.
     - `batched`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights of
         `quantize(..., example=)`, named `model.<path>`, with the leaf array in place of a layer), or `None` for every
@@ -249,6 +264,8 @@ def gptq(
     """
     if not isinstance(act_order, bool):
         raise TypeError(f"`act_order` must be a bool, got act_order={act_order!r}.")
+    if not isinstance(quantized_inputs, bool):
+        raise TypeError(f"`quantized_inputs` must be a bool, got quantized_inputs={quantized_inputs!r}.")
     damp = check_real("damp", damp)
     if not (math.isfinite(damp) and damp >= 0):
         raise ValueError(f"`damp` must be finite and >= 0, got damp={damp!r}.")
@@ -259,7 +276,8 @@ def gptq(
         options = dict(act_order=act_order, damp=damp, method=method, num_candidates=num_candidates)
         return functools.partial(_solve, fmt=fmt, group_size=group_size, **options)
 
-    return solve_weights(model, batches, "gptq", make, sequential, batched, where, progress)
+    ridge = damp if quantized_inputs else None
+    return solve_weights(model, batches, "gptq", make, sequential, batched, where, progress, ridge)
 
 
 def solve_weights(
@@ -271,10 +289,13 @@ def solve_weights(
     batched: bool,
     where: Callable[[str, eqx.Module], bool] | None,
     progress: bool,
+    quantized_inputs: float | None = None,
 ) -> PyTree:
     """The model wiring of a weight solver (GPTQ's, AutoRound's): the chosen layers, their Hessians (sequentially or
     from one pass), `make_solve(fmt, group_size)(weight, hessian) -> (weight, compact scales, tensor scale)` on each
-    layer (of a stack), and the layers made to hold the solution with a fixed quantizer of its scales."""
+    layer (of a stack), and the layers made to hold the solution with a fixed quantizer of its scales. With
+    `quantized_inputs` (a damping, not None), each Hessian is that of the layer's quantized inputs, and the weight
+    solved is the least-squares map of those onto the float outputs, damped by it (`_mapped`)."""
     check_callable(model)
     if not isinstance(sequential, bool):
         raise TypeError(f"`sequential` must be a bool, got sequential={sequential!r}.")
@@ -300,15 +321,27 @@ def solve_weights(
             make_solve(fmt, group_size)
         except ValueError as error:
             raise ValueError(f"{what}: {error}") from None
+
+    def check_inputs(traced: list) -> None:  # before the batches are read, and once the tied weights are left out
+        unquantized = all(layer.input_quant is None for _, layer in layers)
+        if quantized_inputs is not None and unquantized and all(_traced_input(model, t) is None for t in traced):
+            raise ValueError(
+                f"`quantized_inputs=True` would change nothing: none of the layers (nor traced weights) that "
+                f"`{name}` solves quantizes its input."
+            )
+
+    check_inputs(traced)
     if traced:
         batches = checked(batches)  # the first traced to find the tied weights, all read by each solver
         if where is None:
             traced = _without_tied(model, traced, bool(layers), batches, batched, name)
+            check_inputs(traced)
+    options = (sequential, batched, progress, quantized_inputs)
     if traced:
         if layers:
-            model = _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
-        return _solve_traced(model, traced, make_solve, sequential, batches, batched, progress, name)
-    return _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress)
+            model = _solve_layers(model, layers, batches, name, make_solve, *options)
+        return _solve_traced(model, traced, make_solve, batches, name, *options)
+    return _solve_layers(model, layers, batches, name, make_solve, *options)
 
 
 def _without_tied(model, traced, layers, batches, batched, name) -> list:
@@ -326,8 +359,9 @@ def _without_tied(model, traced, layers, batches, batched, name) -> list:
     kept = [t for t in traced if t.name not in tied]
     what = (
         f"`{name}` leaves out the traced weights {tied}, which the model also reads otherwise than as the weight of "
-        "its products (a tied embedding's lookup), as their Hessians see the products alone and the solution may "
-        "serve the other reads worse than round to nearest. Choose them with `where` to solve them anyway."
+        "products summing over their contracted axes whole (a tied embedding's lookup, a slice or split of those "
+        "axes, arithmetic on the weight), as their Hessians see those products alone and the solution may serve the "
+        "other reads worse than round to nearest. Choose them with `where` to solve them anyway."
     )
     if not layers and not kept:
         raise ValueError(f"`{name}` would change nothing: {what}")
@@ -335,7 +369,39 @@ def _without_tied(model, traced, layers, batches, batched, name) -> list:
     return kept
 
 
-def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress) -> PyTree:
+def _mapped(weight: Array, record: dict[str, Any], damp: float) -> Array:
+    """The weight `V` that maps a layer's quantized inputs `q` onto its float outputs `W x` in the least squares
+    sense, shrunk towards `W`: `V = W (C + λI)(G + λI)⁻¹`, from the record's `"cross"` `C = Σ x qᵀ` and `"gram"`
+    `G = Σ q qᵀ`, with `λ = damp * mean(diag(G))` (GPTQ's damping: directions that the calibration inputs barely
+    span keep `W`; with `λ = 0`, the minimum-norm solution), computed in float64 on the host. The weight itself
+    where the record has no `"cross"` (a layer without input quantizer). In float32, or float64 for a float64
+    weight."""
+    if "cross" not in record:
+        return weight
+    w = np.asarray(weight, np.float64)
+    gram, cross = np.asarray(record["gram"], np.float64), np.asarray(record["cross"], np.float64)
+    ridge = damp * np.mean(np.diag(gram)) * np.eye(len(gram))
+    rhs = (cross + ridge).T @ w.T  # V (G + λI) = W (C + λI), G + λI symmetric
+    if ridge[0, 0] > 0:  # positive definite
+        mapped = np.linalg.solve(gram + ridge, rhs).T
+    else:
+        mapped = np.linalg.lstsq(gram, rhs, rcond=None)[0].T
+    return jnp.asarray(mapped, jnp.promote_types(weight.dtype, jnp.float32))
+
+
+def _solved(solve: Callable, weight: Array, record: dict[str, Any], damp: float | None) -> tuple:
+    """`solve(weight, hessian)` on one layer's record (`_mapped`'s weight with quantized inputs), its solved weight
+    in the dtype of `weight`."""
+    new, compact, t = solve(weight if damp is None else _mapped(weight, record, damp), jnp.asarray(record["gram"]))
+    return new.astype(weight.dtype), compact, t
+
+
+def _traced_input(model: PyTree, target: "_TracedTarget") -> Any:
+    """The input quantizer of the products of a traced weight."""
+    return dict(nodes(model, (QuantTraced,)))[target.root].input_quants[target.index]
+
+
+def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, quantized) -> PyTree:
     """`solve_weights` on the chosen QuantLinear layers."""
     grids = {path: _gptq_grid(path, layer.weight_quant, name) for path, layer in layers}
     for path, layer in layers:
@@ -349,19 +415,27 @@ def _solve_layers(model, layers, batches, name, make_solve, sequential, batched,
             )
     solve = {path: make_solve(*grids[path]) for path, _ in layers}
     if sequential:
-        solved = _sequential(model, layers, solve, batches, batched, progress, name)
+        solved = _sequential(model, layers, solve, batches, batched, progress, name, quantized)
     else:
-        # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes.
-        grams = fold(model, layers, batches, batched, "gram", progress=progress, description=f"{name} (Hessians)")
+        # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes
+        # (or, with quantized inputs, the quantized ones, and the products of both).
+        statistic, data = _statistic(quantized, {path: layer.input_quant for path, layer in layers})
+        grams = fold(model, layers, batches, batched, statistic, data, progress=progress,
+                     description=f"{name} (Hessians)")  # fmt: skip
         check_called(layers, grams)
         solved = {}
         for path, layer in progress_bar(layers, progress, f"{name} (layers)"):
-            stack = layer_stack(layer)
-            hessian = jnp.asarray(np.stack([record["gram"] for record in grams[path]]))
+            stack, weight = layer_stack(layer), layer.layer.weight
+            records = grams[path]
+            hessian = jnp.asarray(np.stack([record["gram"] for record in records]))
+            flat = weight.reshape((-1,) + weight.shape[len(stack) :])
+            if quantized is not None:
+                flat = jnp.stack([_mapped(w, r, quantized) for w, r in zip(flat, records, strict=True)])
             fn = solve[path]
             for _ in stack:
                 fn = jax.vmap(fn)
-            solved[path] = fn(layer.layer.weight, hessian.reshape(stack + hessian.shape[1:]))
+            new, compact, t = fn(flat.reshape(stack + flat.shape[1:]), hessian.reshape(stack + hessian.shape[1:]))
+            solved[path] = (new.astype(weight.dtype), compact, t)
     done = {path: _with_solution(layer, *grids[path], *solved[path]) for path, layer in layers}
     return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))
 
@@ -474,7 +548,12 @@ def _traced_solution(target: _TracedTarget, compact: Array, tensor_scale: Array 
     return FakeQuant(np.asarray(compact), format=target.fmt, tensor_scale=t, layout=layout)
 
 
-def _solve_traced(model, targets, make_solve, sequential, batches, batched, progress, name) -> PyTree:
+def _statistic(quantized: float | None, quantizers: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+    """The statistic of the Hessians' pass, and the observers' data: the input quantizers with quantized inputs."""
+    return ("gram", None) if quantized is None else ("gram_quantized", quantizers)
+
+
+def _solve_traced(model, targets, make_solve, batches, name, sequential, batched, progress, quantized) -> PyTree:
     """A weight solver on the traced weights `targets`: per weight (and per layer of a stack), its products' Gram
     matrix over the axes they sum over, the solver on the weight as a matrix, and the solution put back with a fixed
     quantizer of its scales. Sequential: in the order the program first uses them (the weights of one stack
@@ -484,15 +563,15 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
     flat = {t.name: t.weight.reshape((-1,) + t.weight.shape[len(t.stack) :]) for t in targets}
     parts: dict[str, list] = {t.name: [None] * layers(t) for t in targets}
     observed = lambda chosen: [(t.name, TracedInput(t.root, t.index, t.stack, None)) for t in chosen]  # noqa: E731
+    statistic, data = _statistic(quantized, {t.name: _traced_input(model, t) for t in targets})
 
     if not sequential:
-        grams = fold(model, observed(targets), batches, batched, "gram", progress=progress,
+        grams = fold(model, observed(targets), batches, batched, statistic, data, progress=progress,
                      description=f"{name} (Hessians)")  # fmt: skip
         check_called(observed(targets), grams)
         for t in targets:
             for k in range(layers(t)):
-                hessian = jnp.asarray(grams[t.name][k]["gram"])
-                result = solve[t.name](as_matrix(flat[t.name][k], 0, t.axes), hessian)
+                result = _solved(solve[t.name], as_matrix(flat[t.name][k], 0, t.axes), grams[t.name][k], quantized)
                 parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
     else:
         chosen = {(t.root, t.index) for t in targets}
@@ -505,7 +584,7 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
                     stack = traced.stacks[i]
                     ndim = leaves[traced.weight_paths[i]].ndim
                     weights[i] = _Solved(jnp.zeros(stack + (1,) * (ndim - len(stack)), bool), weights[i])  # pyright: ignore
-                    inputs[i] = None
+                    inputs[i] = None if quantized is None else inputs[i]
             return replaced(traced, weight_quants=weights, input_quants=inputs)
 
         current = map_nodes(model, (QuantTraced,), bypass)
@@ -518,9 +597,9 @@ def _solve_traced(model, targets, make_solve, sequential, batches, batched, prog
             steps += [(t, k) for k in range(layers(group[0])) for t in group]
             i += len(group)
         for t, k in progress_bar(steps, progress, f"{name} (layers)"):
-            grams = fold(current, observed([t]), batches, batched, "gram")
+            grams = fold(current, observed([t]), batches, batched, statistic, data)
             check_called(observed([t]), grams)
-            result = solve[t.name](as_matrix(flat[t.name][k], 0, t.axes), jnp.asarray(grams[t.name][k]["gram"]))
+            result = _solved(solve[t.name], as_matrix(flat[t.name][k], 0, t.axes), grams[t.name][k], quantized)
             parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
             flat[t.name] = flat[t.name].at[k].set(parts[t.name][k][0])
             traced = dict(nodes(current, (QuantTraced,)))[t.root]
@@ -548,30 +627,34 @@ def _put(model: PyTree, path: str, weight: Array, done: Array) -> PyTree:
     return map_nodes(model, (QuantLinear,), put)
 
 
-def _sequential(model, layers, solve, batches, batched, progress, name) -> dict[str, tuple]:
+def _sequential(model, layers, solve, batches, batched, progress, name, quantized) -> dict[str, tuple]:
     """Sequential GPTQ: per layer (and per layer of a stack) in call order, its Hessian on the outputs of the layers
-    already quantized, then its solution put in place. Returns `(weight, compact scales, tensor scale)` by path."""
+    already quantized (their inputs too, with `quantized` inputs), then its solution put in place. Returns
+    `(weight, compact scales, tensor scale)` by path."""
     batches = checked(batches)
     stacks = {path: layer_stack(layer) for path, layer in layers}
     order = _call_order(model, layers, batches[0], batched)
     check_called(layers, {path: None for path in order})
     chosen = {path for path, _ in layers}
 
-    def solving(path: str, layer: QuantLinear) -> QuantLinear:  # bypassed inputs; weights GPTQ's where done
+    def solving(path: str, layer: QuantLinear) -> QuantLinear:  # weights GPTQ's where done; bypassed inputs
         if path not in chosen:
             return layer
         done = _Solved(jnp.zeros(stacks[path] + (1, 1), bool), layer.weight_quant)  # pyright: ignore[reportArgumentType]
-        return eqx.tree_at(lambda l: (l.weight_quant, l.input_quant), layer, (done, None), is_leaf=lambda x: x is None)
+        inputs = None if quantized is None else layer.input_quant
+        return eqx.tree_at(
+            lambda l: (l.weight_quant, l.input_quant), layer, (done, inputs), is_leaf=lambda x: x is None
+        )
 
     current = map_nodes(model, (QuantLinear,), solving)
     results: dict[str, list] = {path: [None] * math.prod(stacks[path]) for path in chosen}
     for path, k in progress_bar(_steps(model, order, stacks), progress, f"{name} (layers)"):
         layer = dict(nodes(current, (QuantLinear,)))[path]
-        grams = fold(current, [(path, layer)], batches, batched, "gram")
+        grams = fold(current, [(path, layer)], batches, batched, *_statistic(quantized, {path: layer.input_quant}))
         check_called([(path, layer)], grams)
         stack = stacks[path]
         weights = layer.layer.weight.reshape((-1,) + layer.layer.weight.shape[len(stack) :])
-        result = solve[path](weights[k], jnp.asarray(grams[path][k]["gram"]))
+        result = _solved(solve[path], weights[k], grams[path][k], quantized)
         results[path][k] = result
         new_weight = weights.at[k].set(result[0]).reshape(layer.layer.weight.shape)
         flags = layer.weight_quant.done.reshape(-1, 1, 1).at[k].set(True).reshape(layer.weight_quant.done.shape)  # pyright: ignore

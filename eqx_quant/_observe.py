@@ -46,12 +46,14 @@ class _Recording:
 
 _active: list[_Recording] = []  # the recording of the calibration step in progress; empty outside of one
 _HOST_FOLDS = {
-    "absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add, "nonfinite": np.add,
-    "finite": np.add, "channel_absmax": np.maximum, "channel_abssum": np.add, "count": np.add, "errors": np.add,
+    "absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add, "cross": np.add,
+    "nonfinite": np.add, "finite": np.add, "channel_absmax": np.maximum, "channel_abssum": np.add, "count": np.add,
+    "errors": np.add,
 }  # fmt: skip
 _REDUCTIONS = {
-    "absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum, "nonfinite": jnp.sum,
-    "finite": jnp.sum, "channel_absmax": jnp.max, "channel_abssum": jnp.sum, "count": jnp.sum, "errors": jnp.sum,
+    "absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum, "cross": jnp.sum,
+    "nonfinite": jnp.sum, "finite": jnp.sum, "channel_absmax": jnp.max, "channel_abssum": jnp.sum, "count": jnp.sum,
+    "errors": jnp.sum,
 }  # fmt: skip
 
 
@@ -67,9 +69,8 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
 
     @jax.custom_batching.custom_vmap
     def tap(index: Array, record: dict[str, Array]) -> Array:
-        if "vector" in record:  # one input vector: its outer product
-            vector = record["vector"]
-            record = {**{k: v for k, v in record.items() if k != "vector"}, "gram": jnp.outer(vector, vector)}
+        if "vector" in record:  # one input vector: its outer products
+            record = _outer_products(record, lambda a, b: jnp.outer(a, b))
         io_callback(functools.partial(_report, path), None, index, record, ordered=False)
         return index
 
@@ -77,15 +78,15 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
     def tap_batched(axis_size: int, in_batched: list, index: Array, record: dict[str, Array]):
         index_batched, record_batched = in_batched
         if not index_batched:  # one layer: reduce over the mapped axis, then report once
-            vector = record.get("vector") if record_batched.get("vector") else None
-            record = {
-                name: _REDUCTIONS[name](v, axis=0) if record_batched[name] else v
-                for name, v in record.items()
-                if vector is None or name != "vector"
-            }
-            if vector is not None:
-                # The sum of the outer products of a batch of vectors, without materialising each of them.
-                record["gram"] = jnp.einsum("bi,bj->ij", vector, vector, precision=jax.lax.Precision.HIGHEST)
+            vectors = {}
+            if any(record_batched.get(name) for name in _VECTORS):
+                vectors = {name: v if record_batched[name] else jnp.broadcast_to(v, (axis_size,) + v.shape)
+                           for name, v in record.items() if name in _VECTORS}  # fmt: skip
+                record = {name: v for name, v in record.items() if name not in vectors}
+            record = {name: _REDUCTIONS[name](v, axis=0) if record_batched[name] else v for name, v in record.items()}
+            if vectors:
+                # The sums of the outer products of a batch of vectors, without materialising each of them.
+                record |= _outer_products(vectors, _summed_outer)
             return tap(index, record), False
         # Several layers along the mapped axis (a model that maps a stack of layers with `vmap`): one at a time.
         record = {
@@ -95,6 +96,24 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
         return jax.lax.map(lambda args: tap(*args), (index, record)), True
 
     return tap
+
+
+_VECTORS = ("vector", "quantized")  # the input vectors of a record, whose outer products the tap sums
+
+
+def _summed_outer(a: Array, b: Array) -> Array:
+    """`Σ_n a[n] ⊗ b[n]` over the leading axis of both."""
+    return jnp.einsum("ni,nj->ij", a, b, precision=jax.lax.Precision.HIGHEST)
+
+
+def _outer_products(record: dict[str, Array], outer: Callable[[Array, Array], Array]) -> dict[str, Array]:
+    """`record` with its input vectors replaced by their outer products: `"gram"`, of the quantized vector where
+    there is one (else of the vector), and `"cross"`, of the vector with the quantized vector, where there is one."""
+    record = dict(record)
+    vector, quantized = record.pop("vector", None), record.pop("quantized", None)
+    if quantized is None:
+        return {**record, "gram": outer(vector, vector)}
+    return {**record, "gram": outer(quantized, quantized), "cross": outer(vector, quantized)}
 
 
 def _tensor_stats(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
@@ -125,6 +144,11 @@ def _gram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
     return {"vector": finite_or(x, 0.0), "nonfinite": _count_nonfinite(x)}
 
 
+def _flat(x: Array) -> Array:
+    """A quantized input as `_gram`'s vectors: float32, without gradient, non-finite entries as 0."""
+    return finite_or(jax.lax.stop_gradient(x).astype(jnp.float32), 0.0)
+
+
 def _channels(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
     """Per input channel (the last axis), the largest finite `|x|`, the sum of the finite `|x|` and the number of
     finite entries: the statistics of SmoothQuant and AWQ; and how many entries are not finite."""
@@ -153,9 +177,11 @@ class _Observer(AbstractQuantizer):
     """Stands in for an input quantizer during calibration: passes `x` through and reports a statistic of it.
 
     `statistic` is a name of `_STATISTICS` or a function `f(x, data, num_bins) -> record` (whose entries are named
-    in `_REDUCTIONS`). `index` is the layer's position in its stack and `data` what the statistic needs of that layer
-    (the histogram range of `"hist"`): arrays with the stack's shape in front, so that a `jax.lax.scan` over stacked
-    layers hands each step its own.
+    in `_REDUCTIONS`), or `"gram_quantized"`: `"gram"`'s of the input as the layer's input quantizer, held as
+    `data`, quantizes it, with its products with the input (`"cross"`), passing the quantized input on. `index` is
+    the layer's position in its stack and `data` what the statistic needs of that layer (the histogram range of
+    `"hist"`): arrays with the stack's shape in front, so that a `jax.lax.scan` over stacked layers hands each step
+    its own.
     """
 
     index: Array
@@ -171,7 +197,14 @@ class _Observer(AbstractQuantizer):
                 f"The stacked layer {self.path!r} was called on the whole stack at once; `calibrate` observes stacked "
                 "layers called one layer at a time (inside `jax.lax.scan`, or a `jax.vmap` over the layers)."
             )
-        compute = _STATISTICS[self.statistic] if isinstance(self.statistic, str) else self.statistic
+        if self.statistic == "gram_quantized" and self.data is not None:
+            quantized = self.data(x)
+            _tap_for(self.path)(self.index, {**_gram(x, None, 0), "quantized": _flat(quantized.ravel())})
+            return quantized
+        if self.statistic == "gram_quantized":  # a layer without input quantizer: the Gram matrix of its input
+            compute = _gram
+        else:
+            compute = _STATISTICS[self.statistic] if isinstance(self.statistic, str) else self.statistic
         record = compute(x, self.data, self.num_bins)
         _tap_for(self.path)(self.index, record)
         return x
@@ -179,24 +212,29 @@ class _Observer(AbstractQuantizer):
     def product_input(self, x: Array, contracted: tuple[int, ...]) -> Array:
         """Observes `x` as the activation operand of a traced product summing over its axes `contracted`, as the
         rows of a linear layer's input: the contracted axes flattened in that order into its channels, the others
-        counting rows. `"gram"`: the Gram matrix of the rows, GPTQ's Hessian of the product; `"channels"`: the
-        statistics per channel; a function: applied to each row; other statistics: of the whole of `x`."""
+        counting rows. `"gram"`: the Gram matrix of the rows, GPTQ's Hessian of the product (`"gram_quantized"`:
+        of the rows of the input quantizer's output, held as `data`, and their products with the rows of `x`);
+        `"channels"`: the statistics per channel; a function: applied to each row; other statistics: of the whole
+        of `x`."""
         if self.index.ndim or self.statistic in ("stats", "hist"):
             return self(x)  # the whole tensor's statistics, or the error of a stack observed at once
-        rows = jnp.moveaxis(x, contracted, tuple(range(-len(contracted), 0)))
-        rows = rows.reshape(-1, math.prod(x.shape[a] for a in contracted))
+        channels = math.prod(x.shape[a] for a in contracted)
+        as_rows = lambda v: jnp.moveaxis(v, contracted, tuple(range(-len(contracted), 0))).reshape(-1, channels)  # noqa: E731
+        rows = as_rows(x)
         if self.statistic == "channels":
             self(rows)
             return x
-        if self.statistic != "gram":  # a function of one input vector, as a layer's observer sees it
+        if self.statistic not in ("gram", "gram_quantized"):  # a function of one input vector, as a layer's sees it
             jax.vmap(self)(rows)
             return x
         rows = jax.lax.stop_gradient(rows).astype(jnp.float32)
-        nonfinite = _count_nonfinite(rows)
-        rows = finite_or(rows, 0.0)
-        gram = jnp.einsum("ni,nj->ij", rows, rows, precision=jax.lax.Precision.HIGHEST)
-        _tap_for(self.path)(self.index, {"gram": gram, "nonfinite": nonfinite})
-        return x
+        record = {"nonfinite": _count_nonfinite(rows), "vector": finite_or(rows, 0.0)}
+        out = x
+        if self.statistic == "gram_quantized" and self.data is not None:
+            out = self.data(x)  # the whole operand, as the product quantizes it
+            record["quantized"] = _flat(as_rows(out))
+        _tap_for(self.path)(self.index, _outer_products(record, _summed_outer))
+        return out
 
 
 @eqx.filter_jit

@@ -11,7 +11,7 @@ import eqx_quant
 from eqx_quant import DynamicFakeQuant, LearnedFakeQuant, gptq
 from eqx_quant._gptq import gptq_quantize
 
-from .helpers import assert_bitwise_equal, init, np_absmax_scale, slow_unless
+from .helpers import assert_bitwise_equal, init, np_absmax_scale, reference_fake_quant, slow_unless
 
 
 def numpy_gptq(w, h, qmin, qmax, group_size=None, act_order=False, damp=0.01, candidates=None):
@@ -378,6 +378,36 @@ def test_sequential_gptq_follows_the_call_order_and_the_quantized_outputs():
         h = np.tanh(np.asarray(jax.vmap(layer)(jnp.asarray(h, jnp.float32)), np.float64))
 
 
+@pytest.mark.slow
+def test_quantized_inputs_on_a_scanned_stack_use_each_layers_calibrated_input_scale():
+    """Sequential GPTQ with `quantized_inputs=True` on a scanned stack whose input quantizers were calibrated (one
+    static scale per layer of the stack): each layer's inputs, computed by hand through the layers solved before it,
+    are quantized with its own scale, and its levels are GPTQ's of the damped least-squares weight."""
+    model = init(Stacked, 10)
+    qmodel = eqx_quant.quantize(model, weights=DynamicFakeQuant(3, group_size=8), activations=DynamicFakeQuant(4))
+    latent = correlated_inputs(11, 16, 4 * 6).astype(np.float32).reshape(4, 6, 16)
+    batches = [jnp.asarray(latent[:2]), jnp.asarray(latent[2:])]
+    qmodel = eqx_quant.calibrate(qmodel, batches)
+    solved = gptq(qmodel, batches, quantized_inputs=True)
+    input_scales = np.asarray(qmodel.layers.input_quant.scale)
+    assert input_scales[0] != input_scales[1]
+    h = latent.reshape(-1, 16)
+    for i in range(2):
+        q = reference_fake_quant(h, input_scales[i], -8, 7).astype(np.float64)
+        gram, cross = q.T @ q, h.astype(np.float64).T @ q
+        ridge = 0.01 * np.mean(np.diag(gram)) * np.eye(16)
+        w = np.asarray(qmodel.layers.layer.weight[i], np.float64)
+        mapped = np.linalg.solve(gram + ridge, (cross + ridge).T @ w.T).T
+        expected, _ = gptq_quantize(jnp.asarray(mapped, jnp.float32), jnp.asarray(gram, jnp.float32), -4, 3,
+                                    group_size=8)  # fmt: skip
+        layer = jax.tree_util.tree_map(lambda a: a[i], solved.layers)  # noqa: B023
+        levels = layer.weight_quant.quantize(layer.layer.weight).levels().reshape(16, 16)
+        np.testing.assert_array_equal(np.asarray(levels), np.asarray(expected))
+        h = np.asarray(jax.vmap(layer)(jnp.asarray(h))) + h
+    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    assert_bitwise_equal(run(eqx_quant.convert(solved), batches[0]), run(solved, batches[0]))
+
+
 class TwoPerBlock(eqx.Module):
     """Two stacks of blocks, each block two `Linear(8, 8)` layers, run one stack after the other with `lax.scan`."""
 
@@ -465,3 +495,57 @@ def test_bad_settings_are_refused_before_the_batches_are_read():
     mx = eqx_quant.quantize(mlp, weights=DynamicFakeQuant("mxfp4", group_size=32), activations=None)
     with pytest.raises(ValueError, match="Layer 'layers.0': `method='mse'` searches float32 scales, and mxfp4"):
         gptq(mx, batches(), method="mse")
+    # Quantized inputs where no layer quantizes its input: the option would change nothing.
+    weight_only = eqx_quant.quantize(mlp, weights=DynamicFakeQuant(4, axis=0), activations=None)
+    with pytest.raises(ValueError, match=r"`quantized_inputs=True` would change nothing: none of the layers"):
+        gptq(weight_only, batches(), quantized_inputs=True)
+
+
+def _quantized_rows(x, bits):
+    """NumPy twin of a dynamic symmetric input quantizer called on each row of `x` (one scale per row)."""
+    qmin, qmax = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    scales = np_absmax_scale(np.abs(x).max(axis=1), qmax)[:, None]
+    return reference_fake_quant(x, scales, qmin, qmax)
+
+
+def test_quantized_inputs_solve_each_layer_for_its_float_output_from_its_quantized_inputs():
+    """GPTQ with `quantized_inputs=True`: each layer's levels are GPTQ's of the damped least-squares weight
+    `W (C + λI)(G + λI)⁻¹` under the Hessian `G`, where `G = Σ q qᵀ` and `C = Σ x qᵀ` over the layer's inputs `x`
+    computed by hand (sequentially, through the layers solved before it; in one pass, through the round-to-nearest
+    layers; their inputs quantized too in both), `q` their 4-bit quantization and `λ` 1% of the mean of `diag(G)`."""
+    mlp = init(lambda k: eqx.nn.MLP(8, 4, 8, 1, activation=jnp.tanh, key=k), 31)
+    drawn = correlated_inputs(32, 8, 96).astype(np.float32)  # half for calibration, half held out
+    x = drawn[:48]
+    qmodel = eqx_quant.quantize(mlp, weights=DynamicFakeQuant(3, axis=0), activations=DynamicFakeQuant(4))
+    batches = [jnp.asarray(x[:24]), jnp.asarray(x[24:])]
+    for sequential in (False, True):  # `solved` is the sequential solution after the loop
+        solved = gptq(qmodel, batches, quantized_inputs=True, sequential=sequential)
+        h = x
+        for i, layer in enumerate(solved.layers):
+            q = _quantized_rows(h, 4)
+            q64, h64 = q.astype(np.float64), h.astype(np.float64)
+            gram, cross = q64.T @ q64, h64.T @ q64
+            w = np.asarray(qmodel.layers[i].layer.weight, np.float64)
+            ridge = 0.01 * np.mean(np.diag(gram)) * np.eye(8)  # GPTQ's damping, shrinking the map towards `w`
+            mapped = np.linalg.solve(gram + ridge, (cross + ridge).T @ w.T).T
+            expected, _ = gptq_quantize(jnp.asarray(mapped, jnp.float32), jnp.asarray(gram, jnp.float32), -4, 3)
+            levels = layer.weight_quant.quantize(layer.layer.weight).levels()
+            np.testing.assert_array_equal(np.asarray(levels), np.asarray(expected))
+            feeding = layer if sequential else qmodel.layers[i]
+            out = np.asarray(jax.vmap(feeding)(jnp.asarray(h)))
+            by_hand = q @ np.asarray(feeding.weight_quant(feeding.layer.weight)).T + np.asarray(layer.layer.bias)
+            np.testing.assert_allclose(out, by_hand, rtol=1e-5, atol=1e-6)
+            h = np.tanh(out) if i == 0 else out
+    # A layer without input quantizer beside one with: solved as without the option (also undamped).
+    mixed = eqx.tree_at(lambda m: m.layers[0].input_quant, qmodel, None, is_leaf=lambda v: v is None)
+    for damp in (0.01, 0.0):
+        with_option = gptq(mixed, batches, quantized_inputs=True, damp=damp).layers[0]
+        assert_bitwise_equal(with_option.layer.weight, gptq(mixed, batches, damp=damp).layers[0].layer.weight)
+    # Converted, the model computes what the fake-quant model computes; and its outputs are closer to the float
+    # model's than those of GPTQ on the float inputs.
+    run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    assert_bitwise_equal(run(eqx_quant.convert(solved), batches[0]), run(solved, batches[0]))
+    held_out = jnp.asarray(drawn[48:])
+    reference = np.asarray(run(mlp, held_out))
+    err = lambda m: np.linalg.norm(np.asarray(run(m, held_out)) - reference)  # noqa: E731
+    assert err(solved) < err(gptq(qmodel, batches))

@@ -177,8 +177,8 @@ def test_transforms_leave_out_traced_weights_the_model_reads_besides_their_produ
         eqx_quant.awq(q, [tokens], where=lambda path, weight: path == "model.embedding")
     # Without data, `rotate` takes the traced weights `where` chooses on trust; the call then refuses the gather.
     with pytest.raises(ValueError, match=r"`rotate` would change nothing\. Traced weights left out: "
-                                         r"'model.w', 'model.embedding' is taken only where `where` chooses it or a "
-                                         "`batch` is given"):  # fmt: skip
+                                         r"'model.w', 'model.embedding': each is taken only where `where` chooses "
+                                         "it or a `batch` is given"):  # fmt: skip
         eqx_quant.rotate(q, key=jax.random.key(0))
     rotated = eqx_quant.rotate(q, key=jax.random.key(0), where=lambda path, weight: True)
     with pytest.raises(ValueError, match=r"Traced weight 'embedding' has an input transform \(RotateInput\)"):
@@ -207,6 +207,10 @@ def test_weight_solvers_leave_out_a_traced_weight_the_model_reads_besides_its_pr
     tied_only = replaced(q, weight_quants=[q.weight_quants[i] if i == e else None for i in range(2)])
     with pytest.raises(ValueError, match=rf"`{name}` would change nothing: `{name}` leaves out the traced weights"):
         solve(tied_only, [tokens])
+    if name == "gptq":  # quantized inputs where only the weight left out quantizes its input
+        inputs = [eqx_quant.DynamicFakeQuant(8) if i == e else None for i in range(2)]
+        with pytest.warns(UserWarning, match="leaves out"), pytest.raises(ValueError, match="would change nothing"):
+            solve(replaced(q, input_quants=inputs), [tokens], quantized_inputs=True)
 
 
 class _Carried(eqx.Module):
@@ -392,6 +396,28 @@ def test_awq_and_gptq_on_traced_weights_as_on_the_same_linear_layers():
     assert _rel(_apply(traced, X), want) < _rel(_apply(plain, X), want)
     solved = eqx_quant.gptq(traced, [X])
     assert_bitwise_equal(_apply(eqx_quant.convert(solved), X), _apply(solved, X))
+
+
+def test_gptq_with_quantized_inputs_on_traced_weights_as_on_the_same_linear_layers():
+    """GPTQ with `quantized_inputs=True` on the traced products quantizes each input token by token, as the same
+    model written with linear layers mapped over the tokens does (one scale per token, not per tensor), and finds
+    the same levels; the solution converts bit for bit, and differs from GPTQ's on the float inputs."""
+    per_token = eqx_quant.LayerQuantizer(8, input=True, per_token=True)
+    rules = [eqx_quant.Rule(".*", weight=eqx_quant.LayerQuantizer(4), input=per_token)]
+    traced = eqx_quant.quantize(PRODUCTS, rules=rules, example=(X[0],))
+    layers = eqx_quant.quantize(LAYERS, rules=rules)
+    solved = eqx_quant.gptq(traced, [X[:3], X[3:]], quantized_inputs=True)
+    twin = eqx_quant.gptq(layers, [X[:3], X[3:]], quantized_inputs=True)
+    # (`c`'s product pairs its two summed axes in the other order, so GPTQ visits its columns in another order.)
+    for name, as_rows in (("a", lambda w: w.T), ("b", lambda w: w)):
+        i = solved.weight_paths.index(name)
+        levels = as_rows(np.asarray(solved.weight_quants[i].quantize(getattr(solved.model, name)).levels()))
+        layer = getattr(twin, name)
+        np.testing.assert_array_equal(levels, np.asarray(layer.weight_quant.quantize(layer.layer.weight).levels()))
+    assert_bitwise_equal(_apply(eqx_quant.convert(solved), X), _apply(solved, X))
+    # Quantized per tensor instead, the traced inputs would round otherwise, and the solution differ.
+    plain = eqx_quant.gptq(traced, [X[:3], X[3:]])
+    assert not np.array_equal(np.asarray(plain.model.a), np.asarray(solved.model.a))
 
 
 @pytest.mark.slow

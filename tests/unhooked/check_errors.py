@@ -120,6 +120,8 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), iter(()), act_order=1)),
         (TypeError, "`damp` must be a real number, got '0.1' of type str.",
          lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), iter(()), damp="0.1")),
+        (TypeError, "`quantized_inputs` must be a bool, got quantized_inputs=1.",
+         lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), iter(()), quantized_inputs=1)),
         (TypeError, "`sequential` must be a bool, got sequential=1.",
          lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], sequential=1)),
         (ValueError, "`method` must be 'absmax' or 'mse', got method='max'.",
