@@ -197,14 +197,14 @@ class _Observer(AbstractQuantizer):
                 f"The stacked layer {self.path!r} was called on the whole stack at once; `calibrate` observes stacked "
                 "layers called one layer at a time (inside `jax.lax.scan`, or a `jax.vmap` over the layers)."
             )
-        if self.statistic == "gram_quantized" and self.data is not None:
-            quantized = self.data(x)
-            _tap_for(self.path)(self.index, {**_gram(x, None, 0), "quantized": _flat(quantized.ravel())})
-            return quantized
-        if self.statistic == "gram_quantized":  # a layer without input quantizer: the Gram matrix of its input
-            compute = _gram
-        else:
-            compute = _STATISTICS[self.statistic] if isinstance(self.statistic, str) else self.statistic
+        if self.statistic == "gram_quantized":
+            record, out = _gram(x, None, 0), x
+            if self.data is not None:  # the layer's input quantizer (else the Gram matrix of its input alone)
+                out = self.data(x)
+                record["quantized"] = _flat(out.ravel())
+            _tap_for(self.path)(self.index, record)
+            return out
+        compute = _STATISTICS[self.statistic] if isinstance(self.statistic, str) else self.statistic
         record = compute(x, self.data, self.num_bins)
         _tap_for(self.path)(self.index, record)
         return x
