@@ -335,6 +335,8 @@ def _overrides_call(layer: eqx.Module) -> bool:
 
 
 def _candidates_message(candidates: Sequence[str]) -> str:
+    if not candidates:  # e.g. traced arrays that multiply only each other (`x @ (U @ V)`): no weight of a product
+        return "; the model has none (an array multiplied only by other arrays of the model is no product's weight)."
     return "; the paths there are: " + ", ".join(repr(path) for path in candidates) + "."
 
 

@@ -294,8 +294,9 @@ def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], where: _Where
         use = _product(eqn, ins, where)
         if use is not None:
             uses.append(use)
-        # A product of the model's arrays alone (a low-rank weight `U @ V`) is derived from them: not an activation.
-        return [_derived(eqn, ins)] * len(eqn.outvars)
+        # Its output counts as an activation, also that of a product of the model's arrays alone (learned queries
+        # `latents @ wq`, whose product with the keys is then one of two activations).
+        return nothing
     inner = where._replace(outer=(*where.outer, id(eqn)))
     if name == "scan":
         walk(eqn.params["jaxpr"].jaxpr, _scan_views(eqn, ins), uses, inner)
@@ -923,9 +924,9 @@ def find_products(model: PyTree, call: Callable[[PyTree], Any], layers: Sequence
         if use.primitive == "unfollowed":
             found.problems.setdefault(path, (product, (
                 f"The weight {path!r} reaches a product through operations that are not views of it (a "
-                "concatenation, a gather, arithmetic, a product with another of the model's arrays, a masking "
-                "`jnp.where`, a reshape that merges a summed axis with a kept one, or one that puts back together "
-                "the parts of an axis that an earlier reshape split): no scale layout "
+                "concatenation, a gather, arithmetic, a masking `jnp.where`, a reshape that merges a summed axis with "
+                "a kept one, or one that puts back together the parts of an axis that an earlier reshape split): no "
+                "scale layout "
                 "follows the product from the leaf. Leave it out of the rules (a rule "
                 f"`Rule({path!r}, weight=None, input=None)` before the others keeps it float)."
             )))  # fmt: skip

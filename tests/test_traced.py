@@ -898,14 +898,6 @@ def test_a_bare_decoder_converts_bit_for_bit_dynamic_and_calibrated():
         assert_bitwise_equal(model(tokens), got)
 
 
-class _LowRank(eqx.Module):
-    u: jax.Array
-    v: jax.Array
-
-    def __call__(self, x):  # x: (tokens, 8)
-        return x @ (self.u @ self.v)  # a product of two weights: derived from them, not an activation
-
-
 class _Masked(eqx.Module):
     g: jax.Array
 
@@ -920,14 +912,31 @@ class _Stopped(eqx.Module):
         return x @ jax.lax.stop_gradient(self.w)
 
 
-def test_weights_through_a_product_of_weights_or_a_mask_are_refused_not_taken_for_activations():
-    x = _normal(3, 8)
-    for model, leaf in ((_LowRank(_normal(8, 2), _normal(2, 8)), "u"), (_Masked(_normal(8, 8)), "g")):
-        with pytest.raises(ValueError, match=f"'{leaf}' reaches a product through operations that are not views"):
-            eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
-        keep = [eqx_quant.Rule(".*", weight=None, input=None)]
-        with pytest.raises(ValueError, match="nor, tracing `example`, a product of two activations"):
-            eqx_quant.quantize(model, keep + eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
+def test_a_weight_masked_by_where_is_refused_not_taken_for_an_activation():
+    """`jnp.where(g > 0, g, 0.0)` passes its 0.0 into a jitted function: a constant there, so the masked weight is
+    derived from `g` (refused, naming it), not an activation whose product would be one of two activations."""
+    model, x = _Masked(_normal(8, 8)), _normal(3, 8)
+    with pytest.raises(ValueError, match="'g' reaches a product through operations that are not views"):
+        eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    keep = [eqx_quant.Rule(".*", weight=None, input=None)]
+    with pytest.raises(ValueError, match="nor, tracing `example`, a product of two activations"):
+        eqx_quant.quantize(model, keep + eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
+
+
+
+def test_a_product_of_two_arrays_of_the_model_counts_as_an_activation():
+    class LowRank(eqx.Module):
+        u: jax.Array
+        v: jax.Array
+
+        def __call__(self, x):
+            return x @ (self.u @ self.v)
+
+    model, x = LowRank(_normal(8, 2), _normal(2, 8)), _normal(3, 8)
+    with pytest.raises(ValueError, match=r"reaches none of the layers; the model has none \(an array multiplied only"):
+        eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    quantized = eqx_quant.quantize(model, eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
+    assert quantized.weight_paths == () and quantized.product_indices == (0,)
 
 
 def test_a_weight_through_stop_gradient_is_quantized_as_the_weight_itself():
