@@ -276,8 +276,8 @@ def gptq(
         options = dict(act_order=act_order, damp=damp, method=method, num_candidates=num_candidates)
         return functools.partial(_solve, fmt=fmt, group_size=group_size, **options)
 
-    ridge = damp if quantized_inputs else None
-    return solve_weights(model, batches, "gptq", make, sequential, batched, where, progress, ridge)
+    input_damp = damp if quantized_inputs else None
+    return solve_weights(model, batches, "gptq", make, sequential, batched, where, progress, input_damp)
 
 
 def solve_weights(
@@ -289,13 +289,13 @@ def solve_weights(
     batched: bool,
     where: Callable[[str, eqx.Module], bool] | None,
     progress: bool,
-    quantized_inputs: float | None = None,
+    input_damp: float | None = None,
 ) -> PyTree:
     """The model wiring of a weight solver (GPTQ's, AutoRound's): the chosen layers, their Hessians (sequentially or
     from one pass), `make_solve(fmt, group_size)(weight, hessian) -> (weight, compact scales, tensor scale)` on each
     layer (of a stack), and the layers made to hold the solution with a fixed quantizer of its scales. With
-    `quantized_inputs` (a damping, not None), each Hessian is that of the layer's quantized inputs, and the weight
-    solved is the least-squares map of those onto the float outputs, damped by it (`_mapped`)."""
+    `input_damp` (GPTQ's damping; `None` for float inputs), each Hessian is that of the layer's quantized inputs,
+    and the weight solved is the least-squares map of those onto the float outputs, damped by it (`_mapped`)."""
     check_callable(model)
     if not isinstance(sequential, bool):
         raise TypeError(f"`sequential` must be a bool, got sequential={sequential!r}.")
@@ -324,7 +324,7 @@ def solve_weights(
 
     def check_inputs(traced: list) -> None:  # before the batches are read, and once the tied weights are left out
         unquantized = all(layer.input_quant is None for _, layer in layers)
-        if quantized_inputs is not None and unquantized and all(_traced_input(model, t) is None for t in traced):
+        if input_damp is not None and unquantized and all(_traced_input(model, t) is None for t in traced):
             raise ValueError(
                 f"`quantized_inputs=True` would change nothing: none of the layers (nor traced weights) that "
                 f"`{name}` solves quantizes its input."
@@ -336,7 +336,7 @@ def solve_weights(
         if where is None:
             traced = _without_tied(model, traced, bool(layers), batches, batched, name)
             check_inputs(traced)
-    options = (sequential, batched, progress, quantized_inputs)
+    options = (sequential, batched, progress, input_damp)
     if traced:
         if layers:
             model = _solve_layers(model, layers, batches, name, make_solve, *options)
@@ -401,7 +401,7 @@ def _traced_input(model: PyTree, target: "_TracedTarget") -> Any:
     return dict(nodes(model, (QuantTraced,)))[target.root].input_quants[target.index]
 
 
-def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, quantized) -> PyTree:
+def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, input_damp) -> PyTree:
     """`solve_weights` on the chosen QuantLinear layers."""
     grids = {path: _gptq_grid(path, layer.weight_quant, name) for path, layer in layers}
     for path, layer in layers:
@@ -415,11 +415,11 @@ def _solve_layers(model, layers, batches, name, make_solve, sequential, batched,
             )
     solve = {path: make_solve(*grids[path]) for path, _ in layers}
     if sequential:
-        solved = _sequential(model, layers, solve, batches, batched, progress, name, quantized)
+        solved = _sequential(model, layers, solve, batches, batched, progress, name, input_damp)
     else:
         # The observers stand in for the input quantizers: the layers see float inputs, as GPTQ's Hessian assumes
         # (or, with quantized inputs, the quantized ones, and the products of both).
-        statistic, data = _statistic(quantized, {path: layer.input_quant for path, layer in layers})
+        statistic, data = _statistic(input_damp, {path: layer.input_quant for path, layer in layers})
         grams = fold(model, layers, batches, batched, statistic, data, progress=progress,
                      description=f"{name} (Hessians)")  # fmt: skip
         check_called(layers, grams)
@@ -429,8 +429,8 @@ def _solve_layers(model, layers, batches, name, make_solve, sequential, batched,
             records = grams[path]
             hessian = jnp.asarray(np.stack([record["gram"] for record in records]))
             flat = weight.reshape((-1,) + weight.shape[len(stack) :])
-            if quantized is not None:
-                flat = jnp.stack([_mapped(w, r, quantized) for w, r in zip(flat, records, strict=True)])
+            if input_damp is not None:
+                flat = jnp.stack([_mapped(w, r, input_damp) for w, r in zip(flat, records, strict=True)])
             fn = solve[path]
             for _ in stack:
                 fn = jax.vmap(fn)
@@ -548,12 +548,12 @@ def _traced_solution(target: _TracedTarget, compact: Array, tensor_scale: Array 
     return FakeQuant(np.asarray(compact), format=target.fmt, tensor_scale=t, layout=layout)
 
 
-def _statistic(quantized: float | None, quantizers: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
+def _statistic(input_damp: float | None, quantizers: dict[str, Any]) -> tuple[str, dict[str, Any] | None]:
     """The statistic of the Hessians' pass, and the observers' data: the input quantizers with quantized inputs."""
-    return ("gram", None) if quantized is None else ("gram_quantized", quantizers)
+    return ("gram", None) if input_damp is None else ("gram_quantized", quantizers)
 
 
-def _solve_traced(model, targets, make_solve, batches, name, sequential, batched, progress, quantized) -> PyTree:
+def _solve_traced(model, targets, make_solve, batches, name, sequential, batched, progress, input_damp) -> PyTree:
     """A weight solver on the traced weights `targets`: per weight (and per layer of a stack), its products' Gram
     matrix over the axes they sum over, the solver on the weight as a matrix, and the solution put back with a fixed
     quantizer of its scales. Sequential: in the order the program first uses them (the weights of one stack
@@ -563,7 +563,7 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
     flat = {t.name: t.weight.reshape((-1,) + t.weight.shape[len(t.stack) :]) for t in targets}
     parts: dict[str, list] = {t.name: [None] * layers(t) for t in targets}
     observed = lambda chosen: [(t.name, TracedInput(t.root, t.index, t.stack, None)) for t in chosen]  # noqa: E731
-    statistic, data = _statistic(quantized, {t.name: _traced_input(model, t) for t in targets})
+    statistic, data = _statistic(input_damp, {t.name: _traced_input(model, t) for t in targets})
 
     if not sequential:
         grams = fold(model, observed(targets), batches, batched, statistic, data, progress=progress,
@@ -571,7 +571,7 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
         check_called(observed(targets), grams)
         for t in targets:
             for k in range(layers(t)):
-                result = _solved(solve[t.name], as_matrix(flat[t.name][k], 0, t.axes), grams[t.name][k], quantized)
+                result = _solved(solve[t.name], as_matrix(flat[t.name][k], 0, t.axes), grams[t.name][k], input_damp)
                 parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
     else:
         chosen = {(t.root, t.index) for t in targets}
@@ -584,7 +584,7 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
                     stack = traced.stacks[i]
                     ndim = leaves[traced.weight_paths[i]].ndim
                     weights[i] = _Solved(jnp.zeros(stack + (1,) * (ndim - len(stack)), bool), weights[i])  # pyright: ignore
-                    inputs[i] = None if quantized is None else inputs[i]
+                    inputs[i] = None if input_damp is None else inputs[i]
             return replaced(traced, weight_quants=weights, input_quants=inputs)
 
         current = map_nodes(model, (QuantTraced,), bypass)
@@ -599,7 +599,7 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
         for t, k in progress_bar(steps, progress, f"{name} (layers)"):
             grams = fold(current, observed([t]), batches, batched, statistic, data)
             check_called(observed([t]), grams)
-            result = _solved(solve[t.name], as_matrix(flat[t.name][k], 0, t.axes), grams[t.name][k], quantized)
+            result = _solved(solve[t.name], as_matrix(flat[t.name][k], 0, t.axes), grams[t.name][k], input_damp)
             parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
             flat[t.name] = flat[t.name].at[k].set(parts[t.name][k][0])
             traced = dict(nodes(current, (QuantTraced,)))[t.root]
@@ -627,10 +627,10 @@ def _put(model: PyTree, path: str, weight: Array, done: Array) -> PyTree:
     return map_nodes(model, (QuantLinear,), put)
 
 
-def _sequential(model, layers, solve, batches, batched, progress, name, quantized) -> dict[str, tuple]:
+def _sequential(model, layers, solve, batches, batched, progress, name, input_damp) -> dict[str, tuple]:
     """Sequential GPTQ: per layer (and per layer of a stack) in call order, its Hessian on the outputs of the layers
-    already quantized (their inputs too, with `quantized` inputs), then its solution put in place. Returns
-    `(weight, compact scales, tensor scale)` by path."""
+    already quantized (their inputs too, where `input_damp` asks for quantized inputs), then its solution put in
+    place. Returns `(weight, compact scales, tensor scale)` by path."""
     batches = checked(batches)
     stacks = {path: layer_stack(layer) for path, layer in layers}
     order = _call_order(model, layers, batches[0], batched)
@@ -641,7 +641,7 @@ def _sequential(model, layers, solve, batches, batched, progress, name, quantize
         if path not in chosen:
             return layer
         done = _Solved(jnp.zeros(stacks[path] + (1, 1), bool), layer.weight_quant)  # pyright: ignore[reportArgumentType]
-        inputs = None if quantized is None else layer.input_quant
+        inputs = None if input_damp is None else layer.input_quant
         return eqx.tree_at(
             lambda l: (l.weight_quant, l.input_quant), layer, (done, inputs), is_leaf=lambda x: x is None
         )
@@ -650,11 +650,11 @@ def _sequential(model, layers, solve, batches, batched, progress, name, quantize
     results: dict[str, list] = {path: [None] * math.prod(stacks[path]) for path in chosen}
     for path, k in progress_bar(_steps(model, order, stacks), progress, f"{name} (layers)"):
         layer = dict(nodes(current, (QuantLinear,)))[path]
-        grams = fold(current, [(path, layer)], batches, batched, *_statistic(quantized, {path: layer.input_quant}))
+        grams = fold(current, [(path, layer)], batches, batched, *_statistic(input_damp, {path: layer.input_quant}))
         check_called([(path, layer)], grams)
         stack = stacks[path]
         weights = layer.layer.weight.reshape((-1,) + layer.layer.weight.shape[len(stack) :])
-        result = _solved(solve[path], weights[k], grams[path][k], quantized)
+        result = _solved(solve[path], weights[k], grams[path][k], input_damp)
         results[path][k] = result
         new_weight = weights.at[k].set(result[0]).reshape(layer.layer.weight.shape)
         flags = layer.weight_quant.done.reshape(-1, 1, 1).at[k].set(True).reshape(layer.weight_quant.done.shape)  # pyright: ignore
