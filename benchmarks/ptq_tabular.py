@@ -14,8 +14,9 @@ scikit-learn), it
    cross-entropy, a fixed number of steps, initialised from the seed;
 3. quantizes it each way of `CONFIGS` that the preset names (W8A8: int8 weights per output channel, int8 per-tensor
    inputs; W4A8: int4 weights per output channel, int8 per-tensor inputs; the input scales dynamic, one per example
-   as the model runs under `jax.vmap`, or calibrated on the training split: by their absolute maximum, or by the
-   clipping of least squared error in the rows named "MSE inputs"), in the library's order
+   as the model runs under `jax.vmap`, or calibrated on the training split: by their absolute maximum, by the
+   clipping of least squared error in the rows named "MSE inputs", or on an asymmetric grid with a zero point from
+   their minimum and maximum in the rows named "min-max inputs"), in the library's order
    `quantize -> [smoothquant | awq | rotate] -> calibrate -> [gptq] -> convert`;
 4. scores the converted model (`eqx_quant.convert`) on the test split, after checking that its logits equal the
    fake-quantized model's bit for bit under `eqx.filter_jit`: test accuracy, its drop from the float model (in
@@ -113,7 +114,8 @@ class Config:
     `act_order` (the columns of largest Hessian diagonal first: the outlier features' columns, such as wine's last
     one, are then solved first and the other columns compensate their errors), whether GPTQ solves each layer for its
     float output from its quantized inputs (`quantized_inputs`), and the calibration `method` (the absolute maximum,
-    or the clipping threshold of least squared error, `"mse"`)."""
+    the clipping threshold of least squared error, `"mse"`, or an asymmetric grid from the minimum and maximum,
+    `"minmax"`)."""
 
     name: str
     bits: int
@@ -132,6 +134,7 @@ CONFIGS = (
     Config("W8A8 SmoothQuant 0.75", 8, "smoothquant_0.75"),
     Config("W8A8 SmoothQuant, alpha per layer", 8, "smoothquant_search"),
     Config("W8A8 SmoothQuant 0.5, MSE inputs", 8, "smoothquant", method="mse"),
+    Config("W8A8 SmoothQuant 0.5, min-max inputs", 8, "smoothquant", method="minmax"),
     Config("W8A8 AWQ", 8, "awq"),
     Config("W4A8 RTN", 4),
     Config("W4A8 GPTQ", 4, gptq=True),
@@ -159,6 +162,15 @@ CONFIGS = (
         "smoothquant_rotate",
         gptq=True,
         act_order=True,
+        quantized_inputs=True,
+    ),
+    Config(
+        "W4A8 SmoothQuant(first) + rotate(hidden) + GPTQ act_order, quantized inputs, min-max inputs",
+        4,
+        "smoothquant_rotate",
+        gptq=True,
+        act_order=True,
+        method="minmax",
         quantized_inputs=True,
     ),
 )
@@ -333,6 +345,7 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], Callable[[float, float], bool]]] 
             "W8A8 SmoothQuant 0.75",
             "W8A8 SmoothQuant, alpha per layer",
             "W8A8 SmoothQuant 0.5, MSE inputs",
+            "W8A8 SmoothQuant 0.5, min-max inputs",
         ),
         lambda drop, rel_error: drop <= 0.5 or rel_error <= 0.005,
     ),

@@ -1018,6 +1018,68 @@ def test_an_embedding_with_block_scale_codes_converts_bit_for_bit_under_jit(reci
     assert_bitwise_equal(call(converted, tokens, ones), table + np.float32(1))
 
 
+@pytest.mark.parametrize("recipe", slow_unless(["w4a16_g32"], ["w4a16_g32", "fp8", "w8a16"]))
+def test_a_tied_head_of_one_row_converts_bit_for_bit_under_jit(recipe):
+    # `h @ embedding.weight.T` for one token (a decoding step): XLA fused the computation of the table into that
+    # matrix-vector product and summed it in an order that depended on how the table was computed (fake-quantized,
+    # or dequantized from codes): the logits differed in the last bit (before `.weight` was computed ahead of its
+    # readers). Linear layers' `.weight` is read the same way.
+    keys = jax.random.split(jax.random.key(0), 3)
+    h = jax.random.normal(keys[2], (1, 64))
+    head = eqx.filter_jit(lambda layer, h: h @ layer.weight.T)
+    for layer in (eqx.nn.Embedding(29, 64, key=keys[0]), eqx.nn.Linear(64, 29, key=keys[1])):
+        quantized = eqx_quant.quantize(layer, **eqx_quant.recipe(recipe))
+        converted = eqx_quant.convert(quantized)
+        table = np.asarray(quantized.weight)
+        assert_bitwise_equal(converted.weight, table)
+        assert_bitwise_equal(head(converted, h), head(quantized, h))
+        np.testing.assert_allclose(head(quantized, h), np.asarray(h, np.float64) @ table.T, rtol=1e-5, atol=1e-5)
+
+
+class _ResidualBlock(eqx.Module):
+    stem: eqx.nn.Conv2d
+    conv1: eqx.nn.Conv2d
+    conv2: eqx.nn.Conv2d
+    norms: tuple[eqx.nn.BatchNorm, ...]
+    state: eqx.nn.State
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        keys = jax.random.split(key, 4)
+        self.stem = eqx.nn.Conv2d(1, 32, 3, padding=1, key=keys[0])
+        self.conv1 = eqx.nn.Conv2d(32, 32, 3, padding=1, use_bias=False, key=keys[1])
+        self.conv2 = eqx.nn.Conv2d(32, 32, 3, padding=1, use_bias=False, key=keys[2])
+        norms, self.state = eqx.nn.make_with_state(lambda: tuple(eqx.nn.BatchNorm(32, "batch", mode="ema") for _ in range(3)))()
+        self.norms = eqx.nn.inference_mode(norms)
+        self.head = eqx.nn.Linear(32, 10, key=keys[3])
+
+    def __call__(self, x):
+        norm = lambda i, h: self.norms[i](h, self.state)[0]  # noqa: E731
+        h = jax.nn.relu(norm(0, self.stem(x)))
+        r = jax.nn.relu(norm(1, self.conv1(h)))
+        h = jax.nn.relu(norm(2, self.conv2(r)) + h)
+        return self.head(jnp.mean(h, axis=(1, 2)))
+
+
+@pytest.mark.parametrize("recipe", slow_unless(["w8a16"], ["w8a16", "w4a16_g32"]))
+def test_a_residual_block_with_weight_only_convolutions_converts_bit_for_bit_under_jit(recipe):
+    # A converted weight-only layer makes its dequantized weight depend on its input on CPU (for its memory; see
+    # `after_input`). That dependency changed how XLA fused the normalisation and the residual around the layer, and
+    # the converted residual network's outputs differed from the quantized one's in the last bit under `jit`
+    # (before the quantized layers took the same dependency).
+    model = _ResidualBlock(jax.random.key(0))
+    x = jax.random.uniform(jax.random.key(1), (32, 1, 8, 8))
+    quantized = eqx_quant.quantize(model, **eqx_quant.recipe(recipe))
+    converted = eqx_quant.convert(quantized)
+    call = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
+    want = call(quantized, x)
+    assert_bitwise_equal(call(converted, x), want)
+    assert_bitwise_equal(jax.vmap(converted)(x), jax.vmap(quantized)(x))
+    reference = np.asarray(call(model, x), np.float64)
+    tolerance = 0.05 if recipe == "w8a16" else 0.25  # the float model's, to rounding
+    assert np.linalg.norm(want - reference) < tolerance * np.linalg.norm(reference)
+
+
 @pytest.mark.slow
 def test_layers_with_float_products_keep_them_when_converted(tmp_path):
     # `matmul="float"` asks for the float product of the fake-quantized operands; the converted layers computed the

@@ -16,7 +16,7 @@ import eqx_quant
 from eqx_quant.nn import RotateInput, ScaleInput
 from eqx_quant.nn._transforms import hadamard_order, paley_hadamard, walsh_hadamard
 
-from .helpers import assert_bitwise_equal, init, np_absmax_scale, slow_unless
+from .helpers import assert_bitwise_equal, init, np_absmax_scale, reference_fake_quant, slow_unless
 from .models import DecoderLM, LinearStack, ViTBlock
 
 
@@ -1521,6 +1521,26 @@ def test_smoothquant_calibrate_convert_agree_bit_for_bit():
     for a, b in zip(fake.layers, converted.layers, strict=True):
         assert isinstance(b, eqx_quant.nn.ConvertedLinear)
         assert_bitwise_equal(b.input_transform.multiplier, a.input_transform.multiplier)
+    _assert_converted_matches(fake, converted, X_SMOOTH)
+
+
+@pytest.mark.slow
+def test_smoothquant_minmax_inputs_and_gptq_on_quantized_inputs_convert_bit_for_bit():
+    """smoothquant → calibrate(method="minmax") → gptq(quantized_inputs=True) → convert: each layer's input quantizer
+    rounds its smoothed input on an asymmetric grid as the NumPy twin does (the ReLU-fed second layer's grid starts at
+    0: zero point -128), and the converted layers compute the fake-quant model's bits."""
+    calibrated = eqx_quant.calibrate(_smoothed(), [X_SMOOTH], method="minmax")
+    fake = eqx_quant.gptq(calibrated, SMOOTH_BATCHES, quantized_inputs=True)
+    first, second = fake.layers
+    assert int(first.input_quant.zero_point) != 0 and int(second.input_quant.zero_point) == -128
+    hidden = np.maximum(np.asarray(_apply(first, X_SMOOTH)), 0)
+    for layer, x in ((first, np.asarray(X_SMOOTH)), (second, hidden)):
+        q = layer.input_quant
+        smoothed = x * np.asarray(layer.input_transform.multiplier)
+        want = reference_fake_quant(smoothed, float(q.scale), -128, 127, float(q.zero_point))
+        assert_bitwise_equal(jax.vmap(q)(jnp.asarray(smoothed)), want)
+        assert np.max(np.abs(want - smoothed)) <= 0.5 * float(q.scale) * (1 + 1e-6)  # the grid clips no input
+    converted = eqx_quant.convert(fake)
     _assert_converted_matches(fake, converted, X_SMOOTH)
 
 

@@ -2,14 +2,13 @@ from typing import Any, Literal
 
 import equinox as eqx
 import jax
-import jax.numpy as jnp
 from jaxtyping import Array, ArrayLike, Float, Int, PRNGKeyArray
 
 from .._int_ops import integer_grid, integer_product, plan
 from .._misc import computed_before, one_program, read_through
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
-from ._layers import as_vector, check_input, check_matmul, check_transform, scalar_output, single_output
+from ._layers import after_input, as_vector, check_input, check_matmul, check_transform, scalar_output, single_output
 from ._transforms import AbstractInputTransform
 
 
@@ -29,62 +28,6 @@ def converted_forward(layer: "AbstractConvertedLayer", x: Array, key: PRNGKeyArr
     bias = float_layer.bias  # pyright: ignore[reportAttributeAccessIssue]
     y = integer_product(spec, layer.qweight, x_int, bias, None, x_nan)
     return scalar_output(float_layer, y.astype(layer.qweight.dtype))
-
-
-@jax.custom_jvp
-def _after(weight: Array, x: Array) -> Array:
-    """`weight` unchanged, made to depend on the layer's input `x`, so that it is computed when the layer runs.
-
-    A dequantized weight is a temporary array as large as the float weight. Depending on the stored weight alone,
-    every layer's is computed at the start of the program under `jit`, and all are alive at once. On CPU the
-    temporary memory of one call then grows beyond what the C library's allocator keeps for reuse (32 MB), and is
-    mapped afresh from the operating system at every call, which made a converted weight-only MLP many times slower
-    than float at batch 1. Computed when its layer runs, each dequantized weight reuses the previous one's memory.
-
-    The dependency is a selection that changes no value: a weight entry that is NaN is replaced by NaN where the
-    first entry of `x` is NaN. Under `jax.vmap` it reads the first entry of the whole batch, so that the weight
-    stays one weight, not one per example; a weight mapped itself (a stack of layers run with `jax.vmap`) is taken
-    as it is. (`jax.lax.optimization_barrier` does not order XLA's CPU
-    schedule.) Its derivative towards the weight is the identity. Other platforms than CPU take the weight as it
-    is.
-    """
-    return _select_after(weight, x)
-
-
-@_after.defjvp
-def _after_jvp(primals, tangents):
-    (weight, x), (weight_dot, _) = primals, tangents
-    return _after(weight, x), weight_dot  # the identity, towards the weight; nothing towards `x`
-
-
-def _select(weight: Array, x: Array) -> Array:
-    if x.size == 0:  # an empty input (or batch): nothing to wait for
-        return weight
-
-    def select(weight, x):
-        first = jnp.isnan(x.reshape(-1)[0])
-        return jnp.where(first & jnp.isnan(weight), jnp.nan, weight).astype(weight.dtype)
-
-    # On CPU only, where the memory is the allocator's problem: elsewhere the dependency is not needed, and with the
-    # batch sharded across devices its first entry would cost a collective per layer.
-    return jax.lax.platform_dependent(weight, x, cpu=select, default=lambda weight, x: weight)
-
-
-@jax.custom_batching.custom_vmap
-def _select_after(weight: Array, x: Array) -> Array:
-    return _select(weight, x)
-
-
-@_select_after.def_vmap
-def _select_after_rule(axis_size: int, in_batched: list[bool], weight: Array, x: Array) -> tuple[Array, bool]:
-    """Mapped over `x` alone: one weight for the whole batch, after its first entry. Mapped over the weight (one
-    per example: a stack of layers run with `jax.vmap`), the weight as it is: a selection of a stack of weights is
-    fused into their product by XLA's CPU compiler, which then sums in another order than the quantized layer's."""
-    del axis_size
-    weight_batched, x_batched = in_batched
-    if weight_batched:
-        return weight, True
-    return _select_after(weight, x), False
 
 
 class AbstractConvertedLayer(eqx.Module):
@@ -110,8 +53,10 @@ class AbstractConvertedLayer(eqx.Module):
     def weight(self) -> Array:
         """The dequantized weight, as a float array: bit for bit the `.weight` of the quantized layer it was
         converted from (the fake-quantized weight), so that model code reading `.weight` (a tied language-model head)
-        computes the same before and after [`eqx_quant.convert`][]."""
-        return self.qweight.dequantize()
+        computes the same before and after [`eqx_quant.convert`][]. It is computed before what reads it
+        (`computed_before`), as the quantized layer's `.weight` is, so that XLA sums a product with it alike in both
+        models (a tied head's product of one row fused the dequantization into its sum)."""
+        return computed_before(self.qweight.dequantize(), self.qweight.scale)
 
     def __getattr__(self, name: str) -> Any:
         """Every other public attribute of the wrapped layer reads through (`bias`, `in_features`,
@@ -121,13 +66,13 @@ class AbstractConvertedLayer(eqx.Module):
 
     def dequantized_layer(self) -> eqx.Module:
         """The float layer with the dequantized weight: what the fake-quant model computed with."""
-        return self._with_weight(self.weight)
+        return self._with_weight(self.qweight.dequantize())
 
     def _with_weight(self, weight: Array) -> eqx.Module:
         return eqx.tree_at(lambda l: l.weight, self.layer, weight, is_leaf=lambda x: x is None)
 
     def _float_path(self, x: Array, key: PRNGKeyArray | None) -> Array:
-        weight = _after(self.weight, x)
+        weight = after_input(self.qweight.dequantize(), x)
         if single_output(weight):  # computed before the product, as the quantized layer's weight is
             weight = computed_before(weight, self.qweight.scale)
         if self.input_quant is not None:

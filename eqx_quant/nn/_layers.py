@@ -71,6 +71,68 @@ def _quantized_weight(depth: int) -> Callable:
     return per_layer(lambda quantizer, weight: quantizer(weight), depth)
 
 
+@jax.custom_jvp
+def after_input(weight: Array, x: Array) -> Array:
+    """`weight` unchanged, made to depend on the layer's input `x`, so that it is computed when the layer runs.
+
+    A dequantized (or fake-quantized) weight is a temporary array as large as the float weight. Depending on the
+    stored weight alone, every layer's is computed at the start of the program under `jit`, and all are alive at
+    once. On CPU the temporary memory of one call then grows beyond what the C library's allocator keeps for reuse
+    (32 MB), and is mapped afresh from the operating system at every call, which made a converted weight-only MLP
+    many times slower than float at batch 1. Computed when its layer runs, each dequantized weight reuses the
+    previous one's memory.
+
+    The dependency is a selection that changes no value: a weight entry that is NaN is replaced by NaN where the
+    first entry of `x` is NaN. Under `jax.vmap` it reads the first entry of the whole batch, so that the weight
+    stays one weight, not one per example; a weight mapped itself (a stack of layers run with `jax.vmap`) is taken
+    as it is. (`jax.lax.optimization_barrier` does not order XLA's CPU
+    schedule.) Its derivative towards the weight is the identity. Other platforms than CPU take the weight as it
+    is.
+
+    The quantized layers order their fake-quantized weight the same way, for their memory too, and because the
+    dependency changes how XLA fuses the operations around the layer: a converted layer with it and a quantized
+    layer without it summed a later normalisation or residual of the model otherwise (in a residual network's
+    block), and their outputs differed in the last bit.
+    """
+    return _select_after(weight, x)
+
+
+@after_input.defjvp
+def _after_jvp(primals, tangents):
+    (weight, x), (weight_dot, _) = primals, tangents
+    return after_input(weight, x), weight_dot  # the identity, towards the weight; nothing towards `x`
+
+
+def _select(weight: Array, x: Array) -> Array:
+    if x.size == 0:  # an empty input (or batch): nothing to wait for
+        return weight
+
+    def select(weight, x):
+        first = jnp.isnan(x.reshape(-1)[0])
+        return jnp.where(first & jnp.isnan(weight), jnp.nan, weight).astype(weight.dtype)
+
+    # On CPU only, where the memory is the allocator's problem: elsewhere the dependency is not needed, and with the
+    # batch sharded across devices its first entry would cost a collective per layer.
+    return jax.lax.platform_dependent(weight, x, cpu=select, default=lambda weight, x: weight)
+
+
+@jax.custom_batching.custom_vmap
+def _select_after(weight: Array, x: Array) -> Array:
+    return _select(weight, x)
+
+
+@_select_after.def_vmap
+def _select_after_rule(axis_size: int, in_batched: list[bool], weight: Array, x: Array) -> tuple[Array, bool]:
+    """Mapped over `x` alone: one weight for the whole batch, after its first entry. Mapped over the weight (one
+    per example: a stack of layers run with `jax.vmap`), the weight as it is: a selection of a stack of weights is
+    fused into their product by XLA's CPU compiler, which then sums in another order than the quantized layer's."""
+    del axis_size
+    weight_batched, x_batched = in_batched
+    if weight_batched:
+        return weight, True
+    return _select_after(weight, x), False
+
+
 class AbstractQuantLayer(eqx.Module):
     """Base class of the quantized layers: a float layer, a weight quantizer and an input quantizer.
 
@@ -100,6 +162,11 @@ class AbstractQuantLayer(eqx.Module):
             # Not an array: the placeholder of a tie (`eqx.nn.Shared` stores one where the tied weight goes, and
             # `eqx.tree_at` looks for it through this property), returned as it is.
             return weight
+        # Computed before what reads it, as the converted layer's `.weight` is (see `computed_before`).
+        return value_computed_before(self._fake_quantized_weight(), weight)
+
+    def _fake_quantized_weight(self) -> Array:
+        weight = self.layer.weight  # pyright: ignore[reportAttributeAccessIssue]
         depth = stack_depth(self.layer, weight.shape)
         return _quantized_weight(depth)(self.weight_quant, weight)
 
@@ -113,15 +180,18 @@ class AbstractQuantLayer(eqx.Module):
         """The wrapped layer with its weight replaced by the fake-quantized weight."""
         if self.weight_quant is None:
             return self.layer
-        return eqx.tree_at(lambda layer: layer.weight, self.layer, self.weight)
+        return eqx.tree_at(lambda layer: layer.weight, self.layer, self._fake_quantized_weight())
 
     def _float_path(self, x, key):
+        if self.weight_quant is None:
+            layer = self.layer
+        else:
+            weight = after_input(self._fake_quantized_weight(), x)  # as the converted layer's (see `after_input`)
+            if single_output(weight):
+                weight = value_computed_before(weight, self.layer.weight)  # pyright: ignore
+            layer = eqx.tree_at(lambda l: l.weight, self.layer, weight)
         if self.input_quant is not None:
             x = self.input_quant(x)
-        layer = self.quantized_layer()
-        if self.weight_quant is not None and single_output(layer.weight):  # pyright: ignore
-            weight = value_computed_before(layer.weight, self.layer.weight)  # pyright: ignore
-            layer = eqx.tree_at(lambda l: l.weight, layer, weight)
         return layer(x, key=key)  # pyright: ignore[reportCallIssue]
 
 
