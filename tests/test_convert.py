@@ -1049,7 +1049,9 @@ class _ResidualBlock(eqx.Module):
         self.stem = eqx.nn.Conv2d(1, 32, 3, padding=1, key=keys[0])
         self.conv1 = eqx.nn.Conv2d(32, 32, 3, padding=1, use_bias=False, key=keys[1])
         self.conv2 = eqx.nn.Conv2d(32, 32, 3, padding=1, use_bias=False, key=keys[2])
-        norms, self.state = eqx.nn.make_with_state(lambda: tuple(eqx.nn.BatchNorm(32, "batch", mode="ema") for _ in range(3)))()
+        norms, self.state = eqx.nn.make_with_state(
+            lambda: tuple(eqx.nn.BatchNorm(32, "batch", mode="ema") for _ in range(3))
+        )()
         self.norms = eqx.nn.inference_mode(norms)
         self.head = eqx.nn.Linear(32, 10, key=keys[3])
 

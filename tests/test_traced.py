@@ -789,6 +789,30 @@ def test_per_token_inputs(tmp_path):
         eqx_quant.LayerQuantizer("mxfp8_e4m3", 32, input=True, per_token=True)
 
 
+def test_nvfp4_inputs_take_their_tensor_scale_per_token():
+    # NVFP4's second-level (tensor) scale of a dynamic input was one for the whole operand of a traced product: an
+    # earlier token's quantized input depended on the later tokens (a causal model's decoding step differed from its
+    # whole-sequence call), unlike a linear layer mapped over the tokens. Each token now takes its own, as it does
+    # there; a product whose weight comes first (`W @ x.T`) too.
+    class WeightFirst(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return (self.w @ x.T).T
+
+    linear = init(lambda k: eqx.nn.Linear(64, 16, use_bias=False, key=k), 2)
+    tokens = _normal(6, 64) * jnp.logspace(-1, 1, 6)[:, None]  # tokens of very different magnitudes
+    layer = eqx_quant.quantize(linear, **eqx_quant.recipe("nvfp4"))
+    rows = jax.vmap(layer.input_quant)(tokens)  # each token's input, quantized as the layer does
+    for model in (WeightFirst(linear.weight), Transposed(linear.weight)):
+        quantized = eqx_quant.quantize(model, **eqx_quant.recipe("nvfp4"), example=(tokens,))
+        want = _call(type(model)(layer.weight), (rows,), {})  # the same product of the quantized operands
+        assert_bitwise_equal(_call(quantized, (tokens,), {}), want)
+        assert_bitwise_equal(_call(quantized, (tokens[:2],), {}), want[:2])  # the first tokens alone: the same
+        assert_bitwise_equal(_call(eqx_quant.convert(quantized), (tokens,), {}), want)
+    assert_bitwise_equal(_call(quantized, (tokens,), {}), _call(jax.vmap(layer), (tokens,), {}))
+
+
 class BareAttention(eqx.Module):
     """Projections `(heads, d, e)` and attention's two products with `jnp.einsum`, as protein and vision packages
     write them."""
@@ -921,7 +945,6 @@ def test_a_weight_masked_by_where_is_refused_not_taken_for_an_activation():
     keep = [eqx_quant.Rule(".*", weight=None, input=None)]
     with pytest.raises(ValueError, match="nor, tracing `example`, a product of two activations"):
         eqx_quant.quantize(model, keep + eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
-
 
 
 def test_a_product_of_two_arrays_of_the_model_counts_as_an_activation():
