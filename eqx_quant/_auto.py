@@ -15,7 +15,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._format import GGML_BLOCK, MX_BLOCK, NVFP4_BLOCK, Format, format_named
 from ._misc import check_int
-from ._observe import checked
+from ._observe import check_not_one_array, checked
 from ._quantizers import AbstractQuantizer
 from ._rules import LayerQuantizer, Rule, quantize
 from ._summary import _FLOAT_LAYERS, describe_quantizer, summary, text_table
@@ -349,8 +349,7 @@ def auto_recipe(
         raise ValueError("`batched` is for the built-in losses; a `loss` function calls the model itself.")
     if not (activations is None or isinstance(activations, AbstractQuantizer) or callable(activations)):
         raise TypeError(f"`activations` must be a quantizer, a factory f(path, layer) or None, got {activations!r}.")
-    if isinstance(batches, (jax.Array, np.ndarray)):
-        raise TypeError("`batches` must be an iterable of batches (a list of arrays), got one array.")
+    check_not_one_array(batches)
     patterns = _check_patterns(keep)
     if nodes(model, (AbstractQuantLayer,)):
         raise ValueError("`model` already holds quantized layers: give auto_recipe the float model.")

@@ -15,7 +15,7 @@ from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
 from ._traced import QuantTraced, replaced
 from ._tree import map_nodes, nodes, path_string
-from .nn._converted import ConvertedConv, ConvertedEmbedding, ConvertedLinear
+from .nn._converted import AbstractConvertedLayer, ConvertedConv, ConvertedEmbedding, ConvertedLinear
 from .nn._einsum import QuantEinsum
 from .nn._layers import AbstractQuantLayer, QuantEmbedding, QuantLinear, per_layer, stack_depth
 
@@ -151,6 +151,11 @@ def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> 
     if matmul not in (None, "int", "float"):
         raise ValueError(f"`matmul` must be None, 'int' or 'float', got matmul={matmul!r}.")
     if not nodes(model, (AbstractQuantLayer, QuantTraced)):
+        if nodes(model, (AbstractConvertedLayer,)):
+            raise ValueError(
+                "`model` is converted already: its layers store their weights quantized, and there is nothing left to "
+                "convert. `convert` takes the fake-quantized model of `eqx_quant.quantize` (and of PTQ or QAT)."
+            )
         raise ValueError(
             "`model` has no quantized layer to convert (an eqx_quant.nn.QuantLinear, QuantConv, QuantEmbedding or "
             "QuantTraced); quantize it first with `eqx_quant.quantize`."

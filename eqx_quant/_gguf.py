@@ -225,8 +225,9 @@ def export_gguf(
     model's weight ([`eqx_quant.QuantizedArray.dequantize`][], the fake-quantized weight of the model that was
     converted), except for values below float32's normal range, which XLA flushes to zero. Other floating arrays
     (biases, norms, weights left float) are F32, or F16/BF16 with `float_type` for those of rank 2 or more; integer
-    arrays I8 to I64. A tensor's name is its path (as [`eqx_quant.quantize`][] names layers; a layer's weight and
-    bias are `<layer>.weight` and `<layer>.bias`), or what `names` makes of it.
+    arrays I8 to I64, and boolean arrays (the flag in `eqx.nn.BatchNorm`'s state) I8 of 0 and 1, which
+    [`eqx_quant.load_gguf`][] reads back as booleans. A tensor's name is its path (as [`eqx_quant.quantize`][]
+    names layers; a layer's weight and bias are `<layer>.weight` and `<layer>.bias`), or what `names` makes of it.
 
     The file states nothing about a model's architecture: for llama.cpp to run it, give its tensors llama.cpp's names
     (`names`) and its architecture's keys (`metadata`: `general.architecture`, hyperparameters, tokenizer), as
@@ -293,16 +294,23 @@ def export_gguf(
     arrays = [(name, leaf) for name, leaf in leaves if is_tensor(leaf)]
     for name, leaf in arrays:
         if isinstance(leaf, QuantizedArray) and _ggml_type(leaf.format, leaf.layout, leaf.shape) is None:
-            tile = leaf.layout.tile_axis(leaf.shape)
+            tile, axes = leaf.layout.tile_axis(leaf.shape), leaf.layout.axes
+            scales = (
+                f"in groups of {leaf.layout.group_size} along axis {tile}"
+                if leaf.layout.group_size is not None
+                else f"one scale per index of axes {axes}"
+                if axes
+                else "one scale per tensor"
+            )
             layer = name.removesuffix(".weight") or "(the model itself)"
             raise ValueError(
-                f"Layer {layer!r} has weights in format {leaf.format.name} with group_size={leaf.layout.group_size} "
-                f"along axis {tile} of shape {leaf.shape}, which has no GGML type. GGUF stores Q8_0, Q4_0, Q5_0 and "
+                f"Layer {layer!r} has weights in format {leaf.format.name}, {scales}, of shape {leaf.shape}, which has "
+                "no GGML type. GGUF stores Q8_0, Q4_0, Q5_0 and "
                 "MXFP4 in blocks of 32 along the last axis: quantize it with the recipes 'q8_0', 'q4_0', 'q5_0' or "
                 "'mxfp4' (or leave it float)."
             )
         if not isinstance(leaf, QuantizedArray) and not (
-            jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.dtype.name in _INT_TYPES
+            jnp.issubdtype(leaf.dtype, jnp.floating) or leaf.dtype.name in _INT_TYPES or leaf.dtype == bool
         ):
             raise ValueError(f"{name!r} has dtype {leaf.dtype}, which GGUF does not store.")
     mapped = resolve_names(names, [name for name, _ in arrays], "model")
@@ -330,6 +338,8 @@ def _tensor_data(leaf: Any, float_type: str) -> tuple[int, tuple[int, ...], byte
         shape = (*leaf.scale.shape[: leaf.stack_depth], *leaf.shape)
         return ggml, shape, _blocks(leaf, ggml).tobytes()
     array = np.asarray(leaf)
+    if array.dtype == np.bool_:
+        array = array.astype(np.int8)  # GGUF has no boolean type
     if array.dtype.name in _INT_TYPES:
         ggml = _INT_TYPES[array.dtype.name]
     else:

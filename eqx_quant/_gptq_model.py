@@ -30,6 +30,7 @@ from ._observe import (
     warns_of_nonfinite,
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
+from ._summary import describe_quantizer
 from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, replaced
 from ._traced_layers import traced_reads
 from ._tree import map_nodes, nodes, path_string
@@ -110,7 +111,7 @@ def _call_order(model: PyTree, layers: list, batch: PyTree, batched: bool) -> li
     try:
         eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), traced, batch)
     except Exception as error:
-        error.add_note(first_batch_note(None, batch, batched))
+        error.add_note(first_batch_note(batch, batched))
         raise
     return calls.paths
 
@@ -351,7 +352,7 @@ def _without_tied(model, traced, layers, batches, batched, name) -> list:
     try:
         reads = traced_reads(model, batches[0], batched)
     except Exception as error:
-        error.add_note(first_batch_note(batches, batches[0], batched))
+        error.add_note(first_batch_note(batches[0], batched))
         raise
     tied = [t.name for t in traced if reads.get(t.path) == "stray"]
     if not tied:
@@ -458,7 +459,7 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_T
     """The traced weights of `model` with a weight quantizer (those `where(name, weight)` selects) that a weight
     solver can take: symmetric, one scale per channel (or per tile of the one axis their products sum over), and
     products that pair the axes they sum over one to one with their input's."""
-    targets = []
+    targets, convolutions = [], []
     found = [(root, traced, inner, target) for root, traced in nodes(model, (QuantTraced,))
              for inner, target in traced_inputs(traced)]  # fmt: skip
     for root, traced, inner, target in found:
@@ -482,12 +483,19 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_T
         if pairing is None and len(contracted) == 1:
             pairing = tuple(contracted)
         if not _symmetric(quantizer) or pairing is None or set(pairing) != contracted or min(pairing) < depth:
-            raise ValueError(
-                f"Traced weight {full!r} has weight quantizer {quantizer!r}; `{name}` needs a symmetric one "
-                "(DynamicFakeQuant, or a FakeQuant / LearnedFakeQuant with zero point 0) with one scale per channel "
-                "(or per tile of the single axis its products sum over), and products that pair the weight's summed "
-                "axes one to one with their input's (a convolution's do not). Exclude the weight with `where`."
+            if traced.pairings[target.index] is None and where is None:
+                convolutions.append(full)  # left as it is, as the quantized convolutions are (a warning names them)
+                continue
+            why = (
+                f"its weight quantizer {describe_quantizer(quantizer)} is not symmetric (zero point 0)"
+                if not _symmetric(quantizer)
+                else "its products do not pair the weight's summed axes one to one with their input's (a convolution, "
+                "a reshape merging summed axes)"
+                if traced.pairings[target.index] is None
+                else f"its weight quantizer's scales ({describe_quantizer(quantizer)}) are not one per channel, nor "
+                "per tile of the single axis its products sum over"
             )
+            raise ValueError(f"Traced weight {full!r}: `{name}` cannot solve it: {why}. Exclude it with `where`.")
         fmt = quantizer.format  # pyright: ignore[reportAttributeAccessIssue]
         if depth and fmt.scale != "float32" and fmt.scale != "e8m0":
             raise ValueError(
@@ -497,6 +505,13 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_T
         axes = tuple(a - depth for a in pairing)
         targets.append(_TracedTarget(full, target.root, target.index, path, target.stack, weight, fmt,
                                      layout.group_size, axes))  # fmt: skip
+    if convolutions:
+        warnings.warn(
+            f"`{name}` does not transform convolutions: the traced weights {convolutions}, whose products do not pair "
+            "the axes they sum over one to one with their input's (a convolution), are left as they are. Choose the "
+            "weights with `where` to silence this.",
+            stacklevel=4,
+        )
     return targets
 
 

@@ -374,8 +374,18 @@ def check_examples(batch: PyTree, i: int) -> None:
         )
 
 
+def check_not_one_array(batches: object) -> None:
+    """A `TypeError` for one array passed as `batches`: iterating it would take its rows for the batches."""
+    if isinstance(batches, (jax.Array, np.ndarray)):
+        raise TypeError(
+            "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), got one "
+            f"array of shape {tuple(batches.shape)}: pass `[x]` for one batch, or `list(x)` for a stack of batches."
+        )
+
+
 def checked(batches: Iterable[PyTree]) -> list[PyTree]:
     """`batches` as a list, checked to hold batches, each of them examples (`check_examples`)."""
+    check_not_one_array(batches)
     batches = list(batches)
     if not batches:
         raise ValueError("`batches` is empty: calibration needs at least one batch.")
@@ -384,15 +394,27 @@ def checked(batches: Iterable[PyTree]) -> list[PyTree]:
     return batches
 
 
-def first_batch_note(batches: object, batch: PyTree, batched: bool) -> str:
+class _Bare(str):
+    """A string shown without quotes inside a container's repr."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def first_batch_note(batch: PyTree, batched: bool) -> str:
     """What the algorithms do with a batch, added to an error raised on the first one."""
-    leaves = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__, batch)
-    rows = " (`batches` is an array: its rows were taken as the batches)" if hasattr(batches, "shape") else ""
+    leaves = jax.tree.map(lambda a: _Bare(f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__),
+                          batch)  # fmt: skip
     call = "`model(batch)` (`batched=True`)" if batched else "`jax.vmap(model)(batch)`"
+    pairs = (
+        " A tuple or list is one argument too: for (inputs, labels) pairs from a data loader, pass the inputs alone."
+        if isinstance(batch, (tuple, list))
+        else ""
+    )
     return (
-        f"eqx_quant: raised running the model on the first batch, {leaves}{rows}. Each batch is the model's one "
+        f"eqx_quant: raised running the model on the first batch, {leaves}. Each batch is the model's one "
         f"argument, called as {call}; wrap a model that takes more (a state, a key, a mask) in a module or an "
-        "`eqx.Partial` whose call takes the batch alone."
+        f"`eqx.Partial` whose call takes the batch alone.{pairs}"
     )
 
 
@@ -402,6 +424,7 @@ def fold(
     """Runs the observed model over all batches: per target layer, the statistics folded over every call, one
     record per layer of its stack (in stack order, flattened)."""
     check_callable(model)
+    check_not_one_array(batches)
     observed = observe(model, targets, statistic, data, num_bins)
     recording = _Recording()
     seen = False
@@ -414,7 +437,7 @@ def fold(
             jax.effects_barrier()
         except Exception as error:
             if first:
-                error.add_note(first_batch_note(batches, batch, batched))
+                error.add_note(first_batch_note(batch, batched))
             raise
         finally:
             _active.pop()

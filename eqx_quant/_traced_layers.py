@@ -12,6 +12,7 @@ from jaxtyping import PyTree
 
 from ._layout import Layout
 from ._misc import where_traced
+from ._observe import first_batch_note
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant
 from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_reads, replaced
@@ -55,7 +56,11 @@ def traced_reads(model: PyTree, batch: PyTree, batched: bool) -> dict[str, str |
     """By traced weight path, whether the model's call on `batch` reads the weight as the weight of whole products
     alone (traced, not run): see `probe_reads`."""
     with probe_reads() as found:
-        eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), model, batch)
+        try:
+            eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), model, batch)
+        except Exception as error:
+            error.add_note(first_batch_note(batch, batched).replace("the first batch", "`batch`"))
+            raise
     return found
 
 

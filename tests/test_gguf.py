@@ -205,7 +205,9 @@ def test_formats_and_recipes():
     k = jax.random.split(jax.random.key(0), 4)
     model = {"a": eqx.nn.Linear(64, 8, key=k[0]), "b": eqx.nn.Linear(40, 8, key=k[1]),
              "c": eqx.nn.Conv2d(32, 4, 3, key=k[2]), "d": eqx.nn.Linear(32, 8, key=k[3])}  # fmt: skip
-    with pytest.warns(UserWarning, match="'b': its contraction does not split into tiles of 32, so its weight stays float"):
+    with pytest.warns(
+        UserWarning, match="'b': its contraction does not split into tiles of 32, so its weight stays float"
+    ):
         quantized = eqx_quant.quantize(model, **eqx_quant.recipe("q4_0", keep="d"))
     assert quantized["a"].weight_quant.format.name == "q4_0" and quantized["a"].input_quant is None
     assert quantized["b"].weight_quant is None and quantized["c"].weight_quant is None
@@ -270,6 +272,24 @@ def test_names_split_stacked_layers_and_round_trip(tmp_path):
     eqx_quant.export_gguf(tmp_path / "again.gguf", back, names=names, float_type="F16")
     assert (tmp_path / "m.gguf").read_bytes() == (tmp_path / "again.gguf").read_bytes()
     assert back["norm"].bias is model["norm"].bias  # left out of the file: kept from `like`
+
+
+def test_a_batch_norm_state_round_trips_as_int8(tmp_path):
+    # `eqx.nn.BatchNorm`'s state holds a boolean flag, which GGUF has no type for: it is written as I8 (0 and 1) and
+    # read back as a boolean, beside the running statistics.
+    net, state = eqx.nn.make_with_state(
+        lambda: (eqx.nn.Linear(32, 32, key=jax.random.key(0)), eqx.nn.BatchNorm(32, "batch", mode="ema"))
+    )()
+    state = state.set(net[1].ema_first_time_index, jnp.array(False))
+    model = eqx_quant.convert(eqx_quant.quantize({"net": net, "state": state}, **eqx_quant.recipe("q8_0")))
+    eqx_quant.export_gguf(tmp_path / "m.gguf", model)
+    flags = [t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors if t.tensor_type == T.I8]
+    assert len(flags) == 1 and np.array_equal(np.asarray(flags[0].data), [0])
+    back = eqx_quant.load_gguf(tmp_path / "m.gguf", model)
+    arrays = lambda tree: [x for x in jax.tree.leaves(tree) if eqx.is_array(x)]  # noqa: E731
+    assert len(arrays(model)) == 8  # codes, scales, bias; the norm's weight and bias; the flag, mean and variance
+    for a, b in zip(arrays(back), arrays(model), strict=True):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
 
 
 @pytest.mark.slow
@@ -339,8 +359,11 @@ def test_export_errors(tmp_path):
     linear = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
     path = tmp_path / "m.gguf"
     int4 = eqx_quant.convert(eqx_quant.quantize(linear, **eqx_quant.recipe("w4a16_g32")))
-    with pytest.raises(ValueError, match=r"Layer 'a' has weights in format int4 .* no GGML type"):
+    with pytest.raises(ValueError, match=r"Layer 'a' has weights in format int4, in groups of 32 along axis 1, of "):
         eqx_quant.export_gguf(path, int4)
+    per_channel = eqx_quant.convert(eqx_quant.quantize(linear, **eqx_quant.recipe("w8a16")))
+    with pytest.raises(ValueError, match=r"format int8, one scale per index of axes \(0,\), of shape \(8, 64\)"):
+        eqx_quant.export_gguf(path, per_channel)
     with pytest.raises(ValueError, match="not converted"):
         eqx_quant.export_gguf(path, eqx_quant.quantize(linear, **eqx_quant.recipe("q4_0")))
     w8a8 = eqx_quant.convert(eqx_quant.quantize(linear, **eqx_quant.recipe("w8a8")))

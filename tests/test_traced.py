@@ -5,6 +5,7 @@ summary) on them, and the errors."""
 
 import dataclasses
 import functools
+import re
 
 import equinox as eqx
 import jax
@@ -702,8 +703,14 @@ def test_errors():
         eqx_quant.quantize(Loop(_normal(4, 4)), example=(_normal(4),))
     with pytest.raises(ValueError, match="`model` has no QuantLinear layer \\(nor traced weight\\)"):
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]], where=lambda path, w: False)
-    with pytest.raises(ValueError, match="(?s)'model.kernel'.*one to one with their input's"):
-        eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])
+    # A convolution's weight: left as it is, with the warning that names it, where the weights are chosen by default
+    # (as quantized convolutions are); an error where `where` chooses it.
+    with pytest.raises(ValueError, match="no QuantLinear layer"):  # nothing else to solve
+        with pytest.warns(UserWarning, match=re.escape("the traced weights ['model.kernel'], whose products do not")):
+            eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])
+    message = re.escape("Traced weight 'model.kernel': `gptq` cannot solve it: its products do not pair the weight's")
+    with pytest.raises(ValueError, match=message):
+        eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]], where=lambda path, w: True)
 
     class Bare(eqx.Module):
         w: jax.Array

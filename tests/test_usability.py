@@ -143,6 +143,9 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     # Converting a float model.
     with pytest.raises(ValueError, match="`model` has no quantized layer to convert"):
         eqx_quant.convert(mlp)
+    # Converting a converted model.
+    with pytest.raises(ValueError, match="`model` is converted already"):
+        eqx_quant.convert(eqx_quant.convert(eqx_quant.quantize(mlp)))
     # Calibrating a float model, and a quantized one with nothing to calibrate (weight-only, or block-format inputs).
     batch = jnp.ones((2, 32))
     with pytest.raises(ValueError, match="quantize it first"):
@@ -208,8 +211,9 @@ def _note(error: BaseException) -> str:
 
 
 def test_an_error_on_the_first_batch_says_how_batches_are_called():
-    """A model that takes a second argument, and an array passed as `batches` (whose rows become the batches): the
-    error raised on the first batch keeps its type and message, with a note of the batch and of how it was called."""
+    """A model that takes a second argument, or a batch of (inputs, labels): the error raised on the first batch keeps
+    its type and message, with a note of the batch and of how it was called. One array passed as `batches` is a
+    `TypeError` before anything runs."""
     stateful = eqx_quant.quantize(_WithState(eqx.nn.Linear(4, 3, key=jax.random.key(0))), **eqx_quant.recipe("w8a8"))
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'state'") as caught:
         eqx_quant.calibrate(stateful, [jnp.ones((2, 4))])
@@ -218,12 +222,43 @@ def test_an_error_on_the_first_batch_says_how_batches_are_called():
         "argument, called as `jax.vmap(model)(batch)`; wrap a model that takes more (a state, a key, a mask) in a "
         "module or an `eqx.Partial` whose call takes the batch alone."
     )
+    # A batch of (inputs, labels), as a data loader gives: the note says to pass the inputs alone.
     layer = eqx_quant.quantize(eqx.nn.Linear(4, 3, key=jax.random.key(0)), **eqx_quant.recipe("w8a8"))
-    with pytest.raises(ValueError, match="must have shape") as caught:
-        eqx_quant.calibrate(layer, jnp.ones((2, 4)))
+    with pytest.raises(Exception) as caught:
+        eqx_quant.calibrate(layer, [(jnp.ones((2, 4)), jnp.zeros(2, jnp.int32))])
+    assert _note(caught.value).startswith("eqx_quant: raised running the model on the first batch, (float32[2, 4], ")
+    assert _note(caught.value).endswith("for (inputs, labels) pairs from a data loader, pass the inputs alone.")
+    # One array for `batches`, whose rows would be taken as the batches: refused before anything runs, by every
+    # function that reads batches.
+    array = jnp.ones((2, 4))
+    message = re.escape(
+        "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), got one array "
+        "of shape (2, 4): pass `[x]` for one batch, or `list(x)` for a stack of batches."
+    )
+    float_layer = eqx.nn.Linear(4, 3, key=jax.random.key(0))
+    calls = [
+        lambda: eqx_quant.calibrate(layer, array),
+        lambda: eqx_quant.smoothquant(layer, array),
+        lambda: eqx_quant.gptq(layer, array),
+        lambda: eqx_quant.auto_recipe(float_layer, array, average_bits=6),
+    ]
+    for call in calls:
+        with pytest.raises(TypeError, match=message):
+            call()
+
+    # `rotate`'s `batch` is one batch too: one example, without its batch axis, gets the same note.
+    class Bare(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return x @ self.w.T
+
+    bare = eqx_quant.quantize(Bare(jnp.ones((3, 32))), **eqx_quant.recipe("w8a8"), example=(jnp.ones((2, 32)),))
+    with pytest.raises(ValueError, match="must have ndim at least 1") as caught:
+        eqx_quant.rotate(bare, key=jax.random.key(0), batch=jnp.ones(32))
     assert _note(caught.value).startswith(
-        "eqx_quant: raised running the model on the first batch, float32[4] (`batches` is an array: its rows were "
-        "taken as the batches). Each batch is the model's one argument, called as `jax.vmap(model)(batch)`;"
+        "eqx_quant: raised running the model on `batch`, float32[32]. Each batch is the model's one argument, called "
+        "as `jax.vmap(model)(batch)`"
     )
     # Sequential GPTQ traces the model on the first batch before anything else: the same note.
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'state'") as caught:
