@@ -413,7 +413,7 @@ def first_batch_note(batch: PyTree, batched: bool) -> str:
     )
     return (
         f"eqx_quant: raised running the model on the first batch, {leaves}. Each batch is the model's one "
-        f"argument, called as {call}; wrap a model that takes more (a state, a key, a mask) in a module or an "
+        f"argument, its examples along the leading axis, called as {call}; wrap a model that takes more (a state, a key, a mask) in a module or an "
         f"`eqx.Partial` whose call takes the batch alone.{pairs}"
     )
 

@@ -707,8 +707,11 @@ def quantize(
     for path, (product, why) in problems.items():
         if chosen_weight(decide(path, product, False)):
             raise ValueError(why)
+    unreached = []  # traced weights that no rule reaches
     for path, product in traced.items():
         decision = decide(path, product, False)
+        if decision is None:
+            unreached.append(path)
         if chosen_weight(decision):
             assert decision is not None
             if decision.backward is not None:
@@ -731,6 +734,14 @@ def quantize(
     chosen = [(path, decisions[path]) for path in traced if path in decisions]
     pairs = [(k, decisions[p.path].products) for k, p in enumerate(activations) if p.path in decisions]
     if not chosen and not pairs:
+        if unreached:
+            warnings.warn(
+                f"`example` found products of the model's own arrays {unreached}, but no rule of the configuration "
+                "reaches them: they stay in floating point, and `quantize` returns the model with its layers "
+                "quantized alone. Add rules for their paths (a recipe's rules reach every path), or leave "
+                "`example` out.",
+                stacklevel=2,
+            )
         return wrapped
     weights = tuple(None if d.weight is None else weight_layout(d.weight, traced[path]) for path, d in chosen)
     inputs = tuple(d.input for _, d in chosen)

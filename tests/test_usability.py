@@ -166,6 +166,23 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     assert len(caught) == 1 and grouped.layers[1].weight_quant == DynamicFakeQuant(4, axis=0)
     assert grouped.layers[0].weight_quant == DynamicFakeQuant(4, group_size=32)
 
+    # `example=` whose products of the model's own arrays no rule reaches (rules naming the layers alone, as
+    # `auto_recipe`'s do): they stay float, and `quantize` says so. A rule that reaches them with no quantizers is a
+    # choice, and silent.
+    class Mixed(eqx.Module):
+        linear: eqx.nn.Linear
+        w: jax.Array
+
+        def __call__(self, x):
+            return self.linear(x @ self.w.T)
+
+    mixed, x = Mixed(eqx.nn.Linear(8, 4, key=jax.random.key(0)), jnp.ones((8, 16))), jnp.ones(16)
+    with pytest.warns(UserWarning, match=re.escape("`example` found products of the model's own arrays ['w'], but no")):
+        alone = eqx_quant.quantize(mixed, [eqx_quant.Rule("linear")], example=(x,))
+    assert isinstance(alone, Mixed) and isinstance(alone.linear, eqx_quant.nn.QuantLinear)
+    chosen = [eqx_quant.Rule("linear"), eqx_quant.Rule("w", weight=None, input=None)]
+    assert eqx.tree_equal(eqx_quant.quantize(mixed, chosen, example=(x,)), alone)
+
 
 @pytest.mark.slow
 def test_calibration_data_with_nan_and_inf():
@@ -219,8 +236,8 @@ def test_an_error_on_the_first_batch_says_how_batches_are_called():
         eqx_quant.calibrate(stateful, [jnp.ones((2, 4))])
     assert _note(caught.value) == (
         "eqx_quant: raised running the model on the first batch, float32[2, 4]. Each batch is the model's one "
-        "argument, called as `jax.vmap(model)(batch)`; wrap a model that takes more (a state, a key, a mask) in a "
-        "module or an `eqx.Partial` whose call takes the batch alone."
+        "argument, its examples along the leading axis, called as `jax.vmap(model)(batch)`; wrap a model that takes "
+        "more (a state, a key, a mask) in a module or an `eqx.Partial` whose call takes the batch alone."
     )
     # A batch of (inputs, labels), as a data loader gives: the note says to pass the inputs alone.
     layer = eqx_quant.quantize(eqx.nn.Linear(4, 3, key=jax.random.key(0)), **eqx_quant.recipe("w8a8"))
@@ -257,15 +274,15 @@ def test_an_error_on_the_first_batch_says_how_batches_are_called():
     with pytest.raises(ValueError, match="must have ndim at least 1") as caught:
         eqx_quant.rotate(bare, key=jax.random.key(0), batch=jnp.ones(32))
     assert _note(caught.value).startswith(
-        "eqx_quant: raised running the model on `batch`, float32[32]. Each batch is the model's one argument, called "
-        "as `jax.vmap(model)(batch)`"
+        "eqx_quant: raised running the model on `batch`, float32[32]. Each batch is the model's one argument, its "
+        "examples along the leading axis, called as `jax.vmap(model)(batch)`"
     )
     # Sequential GPTQ traces the model on the first batch before anything else: the same note.
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'state'") as caught:
         eqx_quant.gptq(stateful, [jnp.ones((2, 4))], batched=True)
     assert _note(caught.value).startswith(
         "eqx_quant: raised running the model on the first batch, float32[2, 4]. Each batch is the model's one "
-        "argument, called as `model(batch)` (`batched=True`)"
+        "argument, its examples along the leading axis, called as `model(batch)` (`batched=True`)"
     )
     # Wrapped so that its call takes the batch alone, it calibrates.
     wrapped = eqx.Partial(lambda model, x: jax.vmap(lambda v: model(v, None)[0])(x), stateful)
