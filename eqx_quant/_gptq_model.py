@@ -15,13 +15,13 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import check_scale_method, gptq_solve
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, check_real, check_where, where_traced
+from ._misc import FLOAT32_TINY, caller_stacklevel, check_real, check_where, where_traced
 from ._observe import (
     TracedInput,
+    add_batch_note,
     check_callable,
     check_called,
     checked,
-    first_batch_note,
     fold,
     layer_stack,
     progress_bar,
@@ -111,7 +111,7 @@ def _call_order(model: PyTree, layers: list, batch: PyTree, batched: bool) -> li
     try:
         eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), traced, batch)
     except Exception as error:
-        error.add_note(first_batch_note(batch, batched))
+        add_batch_note(error, batch, batched)
         raise
     return calls.paths
 
@@ -309,12 +309,20 @@ def solve_weights(
     ]
     if where is not None:
         layers = [(path, layer) for path, layer in layers if where(path, layer)]
-    traced = _traced_targets(model, where, name)
+    traced, unpaired = _traced_targets(model, where, name)
+    left = (
+        f"the traced weights {unpaired}, whose products do not pair the axes they sum over one to one with their "
+        "input's (a convolution, a reshape merging summed axes), are left as they are"
+    )
     if not layers and not traced:
         raise ValueError(
-            f"`model` has no QuantLinear layer (nor traced weight) with a weight quantizer to quantize with `{name}`."
+            f"`model` has no QuantLinear layer (nor traced weight) with a weight quantizer to quantize with `{name}`"
+            + (f": {left}." if unpaired else ".")
         )
     warn_convolutions_left(model, where, name, lambda layer: layer.weight_quant is not None)
+    if unpaired:
+        warnings.warn(f"`{name}` cannot solve them: {left}. Choose the weights with `where` to silence this.",
+                      stacklevel=caller_stacklevel())  # fmt: skip
     # The solvers' own errors (a setting the format cannot take), naming the weight, before the batches are read.
     grids = [(f"Layer {path!r}", *_gptq_grid(path, layer.weight_quant, name)) for path, layer in layers]
     for what, fmt, group_size in grids + [(f"Traced weight {t.name!r}", t.fmt, t.group_size) for t in traced]:
@@ -352,7 +360,7 @@ def _without_tied(model, traced, layers, batches, batched, name) -> list:
     try:
         reads = traced_reads(model, batches[0], batched)
     except Exception as error:
-        error.add_note(first_batch_note(batches[0], batched))
+        add_batch_note(error, batches[0], batched)
         raise
     tied = [t.name for t in traced if reads.get(t.path) == "stray"]
     if not tied:
@@ -455,7 +463,7 @@ class _TracedTarget(NamedTuple):
     axes: tuple[int, ...]  # one layer's contracted axes (after the stack's), in the order the products pair them
 
 
-def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_TracedTarget]:
+def _traced_targets(model: PyTree, where: Callable | None, name: str) -> tuple[list[_TracedTarget], list[str]]:
     """The traced weights of `model` with a weight quantizer (those `where(name, weight)` selects) that a weight
     solver can take: symmetric, one scale per channel (or per tile of the one axis their products sum over), and
     products that pair the axes they sum over one to one with their input's."""
@@ -505,14 +513,7 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> list[_T
         axes = tuple(a - depth for a in pairing)
         targets.append(_TracedTarget(full, target.root, target.index, path, target.stack, weight, fmt,
                                      layout.group_size, axes))  # fmt: skip
-    if convolutions:
-        warnings.warn(
-            f"`{name}` does not transform convolutions: the traced weights {convolutions}, whose products do not pair "
-            "the axes they sum over one to one with their input's (a convolution), are left as they are. Choose the "
-            "weights with `where` to silence this.",
-            stacklevel=4,
-        )
-    return targets
+    return targets, convolutions
 
 
 def _from_matrix(solution: tuple, shape: tuple[int, ...], axes: tuple[int, ...], group_size: int | None) -> tuple:

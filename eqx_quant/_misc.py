@@ -1,6 +1,8 @@
 import functools
 import math
 import numbers
+import os
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
@@ -22,6 +24,32 @@ def check_int(name: str, value: object) -> int:
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"`{name}` must be an int, got {value!r} of type {type(value).__name__}.")
     return int(value)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def caller_stacklevel() -> int:
+    """The `stacklevel` for a `warnings.warn` in the calling function that names the first frame outside eqx_quant:
+    the user's call, however deep inside the library the warning is raised. The frames of a runtime type checker
+    wrapping the library's functions (jaxtyping's import hook with beartype: generated code, `<@beartype(...)>`)
+    count as the library's."""
+    frame = sys._getframe(1)
+    while frame is not None and _wrapper(frame.f_code.co_filename):  # around this function itself
+        frame = frame.f_back
+    level = 1  # `frame` calls `warnings.warn`
+    while frame is not None and (_wrapper(frame.f_code.co_filename) or _library(frame.f_code.co_filename)):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _library(filename: str) -> bool:
+    return os.path.abspath(filename).startswith(_PACKAGE + os.sep)
+
+
+def _wrapper(filename: str) -> bool:
+    parts = os.path.abspath(filename).split(os.sep)
+    return filename.startswith("<") or "jaxtyping" in parts or "beartype" in parts
 
 
 def check_where(where: object) -> None:
@@ -328,9 +356,18 @@ def computed_before(value: Array, anchor: Array) -> Array:
     (a layer's weight), so that it stays one conditional whatever `jax.vmap` maps over the inputs.
     """
     first = anchor.reshape(-1)[0] if anchor.size else jnp.zeros((), anchor.dtype)
-    same = lambda v: jnp.where(jnp.isnan(v), jnp.nan, v).astype(v.dtype)  # noqa: E731
     # Both branches return the same value (up to the bits of a NaN): the predicate only has to be one that XLA cannot
     # work out while compiling. `first != first` (NaN) is one for a float anchor; for an integer one (the codes of MX
     # or NVFP4 block scales) it is always false, and XLA would drop the conditional, so there it compares with zero.
     floating = jnp.issubdtype(first.dtype, jnp.floating)
-    return jax.lax.cond(first != first if floating else first == 0, same, lambda v: v, value)
+    return jax.lax.cond(first != first if floating else first == 0, _same, _identity, value)
+
+
+# The branches of `computed_before`, defined once: `jax.lax.cond` caches its compiled branches by function, so that
+# an eager call (a layer's `.weight` read outside `jit`) does not compile them again each time.
+def _same(value: Array) -> Array:
+    return jnp.where(jnp.isnan(value), jnp.nan, value).astype(value.dtype)
+
+
+def _identity(value: Array) -> Array:
+    return value

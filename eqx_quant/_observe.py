@@ -17,10 +17,10 @@ import numpy as np
 from jax.experimental import io_callback
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._misc import FLOAT32_TINY
+from ._misc import FLOAT32_TINY, caller_stacklevel
 from ._quantizers import AbstractQuantizer
 from ._scales import finite_or, stats
-from ._traced import QuantTraced, replaced
+from ._traced import QuantTraced, each_token, replaced, two_level
 from ._tree import map_nodes, nodes
 from .nn._layers import AbstractQuantLayer, QuantConv, stack_shape
 
@@ -231,7 +231,8 @@ class _Observer(AbstractQuantizer):
         record = {"nonfinite": _count_nonfinite(rows), "vector": finite_or(rows, 0.0)}
         out = x
         if self.statistic == "gram_quantized" and self.data is not None:
-            out = self.data(x)  # the whole operand, as the product quantizes it
+            # The whole operand, as the product quantizes it (NVFP4's tensor scale: per token, see `each_token`).
+            out = each_token(self.data, x, contracted) if two_level(self.data) else self.data(x)
             record["quantized"] = _flat(as_rows(out))
         _tap_for(self.path)(self.index, _outer_products(record, _summed_outer))
         return out
@@ -347,7 +348,7 @@ def warn_convolutions_left(model: PyTree, where: object, what: str, kept: Callab
         warnings.warn(
             f"`{what}` does not transform convolutions: the quantized convolutions {convolutions} are left as they "
             "are. Choose the layers with `where` to silence this.",
-            stacklevel=4,  # the caller of the public function that called the one calling this
+            stacklevel=caller_stacklevel(),
         )
 
 
@@ -401,7 +402,7 @@ class _Bare(str):
         return str(self)
 
 
-def first_batch_note(batch: PyTree, batched: bool) -> str:
+def first_batch_note(batch: PyTree, batched: bool, which: str = "the first batch") -> str:
     """What the algorithms do with a batch, added to an error raised on the first one."""
     leaves = jax.tree.map(lambda a: _Bare(f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__),
                           batch)  # fmt: skip
@@ -412,10 +413,17 @@ def first_batch_note(batch: PyTree, batched: bool) -> str:
         else ""
     )
     return (
-        f"eqx_quant: raised running the model on the first batch, {leaves}. Each batch is the model's one "
-        f"argument, its examples along the leading axis, called as {call}; wrap a model that takes more (a state, a key, a mask) in a module or an "
-        f"`eqx.Partial` whose call takes the batch alone.{pairs}"
+        f"eqx_quant: raised running the model on {which}, {leaves}. Each batch is the model's one argument, its "
+        f"examples along the leading axis, called as {call}; wrap a model that takes more (a state, a key, a mask) in "
+        f"a module or an `eqx.Partial` whose call takes the batch alone.{pairs}"
     )
+
+
+def add_batch_note(error: BaseException, batch: PyTree, batched: bool, which: str = "the first batch") -> None:
+    """Adds `first_batch_note` to an error raised running the model on `batch`, unless it has one already (an error
+    passing through two steps that each run the model)."""
+    if not any(note.startswith("eqx_quant: raised running") for note in getattr(error, "__notes__", [])):
+        error.add_note(first_batch_note(batch, batched, which))
 
 
 def fold(
@@ -437,7 +445,7 @@ def fold(
             jax.effects_barrier()
         except Exception as error:
             if first:
-                error.add_note(first_batch_note(batch, batched))
+                add_batch_note(error, batch, batched)
             raise
         finally:
             _active.pop()

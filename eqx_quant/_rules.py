@@ -142,7 +142,9 @@ class LayerQuantizer:
             return DynamicFakeQuant(fmt, group_size=group, group_axis=contraction_axis(layer))
         tiled = fits and tileable
         layout = dict(group_size=group, group_axis=contraction_axis(layer)) if tiled else dict(axis=0)
-        if self.learned and not blocks:
+        # The placeholder of an `eqx.nn.Shared` tie has no values to learn scales from: that layer quantizes the
+        # tied weight with dynamic scales.
+        if self.learned and not blocks and eqx.is_array(layer.weight):  # pyright: ignore[reportAttributeAccessIssue]
             weight = layer.weight  # pyright: ignore[reportAttributeAccessIssue]
             depth = stack_depth(layer, weight.shape)
             if tiled:  # the keyword arguments of earlier releases, so that the quantizer compares equal to theirs

@@ -92,6 +92,7 @@ def _targets(
     batch: PyTree | None = None,
     batched: bool = False,
     traced_too: bool = True,
+    which: str = "the first batch",
 ) -> tuple[list[tuple[str, QuantLinear]], list[tuple[str, QuantLinear]], dict[str, TracedLayer]]:
     """The `QuantLinear` layers the algorithm `what` transforms, and the traced weights (of `quantize(...,
     example=)`) as layers (see `traced_layers`, which traces the model on `batch`) with where they lie: those `where`
@@ -101,8 +102,9 @@ def _targets(
     cannot be transformed are left out with a warning by default, and refused when `where` selects them; none is
     chosen unless `traced_too`."""
     check_where(where)
-    traced, where_of, left = traced_layers(model, where, default, what, wanted, batch, batched) if traced_too else (
-        [], {}, {})  # fmt: skip
+    traced, where_of, left = [], {}, {}
+    if traced_too:
+        traced, where_of, left = traced_layers(model, where, default, what, wanted, batch, batched, which)
     shared = {path for path, _ in nodes(model, (eqx.nn.Shared,))}
     tied = lambda path: any(path == s or path.startswith(f"{s}.") for s in shared)  # noqa: E731
     chosen = nodes(model, (QuantLinear,))
@@ -883,7 +885,9 @@ def rotate(
         raise TypeError(f"`key` must be a JAX PRNG key (`jax.random.key(0)`), got key={key!r}.")
     has_quantizer = lambda w, x: w is not None or x is not None  # noqa: E731
     _check_flags(batched=batched)
-    targets, traced, where_of = _targets(model, where, has_quantizer, "rotate", "with a quantizer", batch, batched)
+    targets, traced, where_of = _targets(
+        model, where, has_quantizer, "rotate", "with a quantizer", batch, batched, which="`batch`"
+    )
     targets += traced
     for path, layer in targets:
         n = layer.layer.in_features

@@ -641,31 +641,35 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
                 x_scale = tx.scale if quantizer.layout.is_per_tensor() else _full_scale(tx)  # pyright: ignore
                 y = _integer_dot(dims, side, True, group, fx, ins[1 - side], tx.values, x_scale, nx, *weight_codes)
                 return y.astype(eqn.outvars[0].aval.dtype)
-        if use.primitive == "dot_general" and _two_level(quantizer):
-            ins[side] = _each_token(quantizer, ins[side], use.input_contracted)
+        if use.primitive == "dot_general" and two_level(quantizer):
+            ins[side] = each_token(quantizer, ins[side], use.input_contracted)
         else:
             ins[side] = quantizer(ins[side])
     return eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
 
 
-def _two_level(quantizer: object) -> bool:
+def two_level(quantizer: object) -> bool:
     """Whether `quantizer` computes a dynamic second-level scale of its whole input (NVFP4's tensor scale)."""
     return isinstance(quantizer, DynamicFakeQuant) and quantizer.format.scale == "e4m3"
 
 
-def _each_token(quantizer: DynamicFakeQuant, x: Any, contracted: tuple[int, ...]) -> Any:
+def each_token(quantizer: DynamicFakeQuant, x: Any, contracted: Sequence[int]) -> Any:
     """`quantizer` applied to each token of a product's activation operand `x` on its own (each index of the axes
-    that the product does not sum over), as it is applied to the input of a linear layer mapped over the tokens.
+    that the product does not sum over, `contracted` the others), as it is applied to the input of a linear layer
+    mapped over the tokens; as it is, to the whole operand, where its blocks or channels run along a token axis.
 
-    Its blocks run along the contracted axis counted from the end of `x`; each token is laid out with the contracted
-    axes last, so a block format's blocks run along the last of them. Applied to the whole operand at once, NVFP4's
-    second-level scale would be one for all the tokens of a call: a token's quantized input would depend on the
-    tokens after it, and a causal model's decoding step would differ from its whole-sequence call."""
+    Applied to the whole operand at once, NVFP4's second-level scale would be one for all the tokens of a call: a
+    token's quantized input would depend on the tokens after it, and a causal model's decoding step would differ
+    from its whole-sequence call. Each token keeps the contracted axes in their order, and the blocks their axis."""
     free = free_axes(x.ndim, contracted)
-    if not free:
+    layout = quantizer.layout
+    if not free or layout.axes or layout.stacked:
         return quantizer(x)
-    if quantizer.layout.group_size is not None:
-        quantizer = dataclasses.replace(quantizer, layout=quantizer.layout._replace(group_axis=-1))
+    if layout.group_size is not None:
+        axis, kept = layout.group_axis % x.ndim, sorted(a % x.ndim for a in contracted)
+        if axis not in kept:
+            return quantizer(x)
+        quantizer = dataclasses.replace(quantizer, layout=layout._replace(group_axis=kept.index(axis) - len(kept)))
     moved = jnp.moveaxis(x, free, tuple(range(len(free))))
     tokens = moved.reshape((-1,) + moved.shape[len(free) :])
     out = jax.vmap(quantizer)(tokens).reshape(moved.shape)

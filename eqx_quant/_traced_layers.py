@@ -12,7 +12,7 @@ from jaxtyping import PyTree
 
 from ._layout import Layout
 from ._misc import where_traced
-from ._observe import first_batch_note
+from ._observe import add_batch_note
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant
 from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_reads, replaced
@@ -52,14 +52,14 @@ def _matrix_quantizer(quantizer: AbstractQuantizer | None, shape: tuple[int, ...
     return False
 
 
-def traced_reads(model: PyTree, batch: PyTree, batched: bool) -> dict[str, str | None]:
+def traced_reads(model: PyTree, batch: PyTree, batched: bool, which: str = "the first batch") -> dict[str, str | None]:
     """By traced weight path, whether the model's call on `batch` reads the weight as the weight of whole products
     alone (traced, not run): see `probe_reads`."""
     with probe_reads() as found:
         try:
             eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), model, batch)
         except Exception as error:
-            error.add_note(first_batch_note(batch, batched).replace("the first batch", "`batch`"))
+            add_batch_note(error, batch, batched, which)
             raise
     return found
 
@@ -107,6 +107,7 @@ def traced_layers(
     wanted: str,
     batch: PyTree | None,
     batched: bool,
+    which: str = "the first batch",
 ) -> tuple[list[tuple[str, QuantLinear]], dict[str, TracedLayer], dict[str, str]]:
     """The traced weights of `model` that `what` transforms, each as a stack of linear layers (named
     `<root>.model.<path>`, its weight the matrix of `as_matrix`, its quantizers the traced weight's), where they lie;
@@ -118,7 +119,7 @@ def traced_layers(
     left out."""
     found = [(root, traced, i) for root, traced in nodes(model, (QuantTraced,))
              for i in range(len(traced.weight_paths))]  # fmt: skip
-    reads = traced_reads(model, batch, batched) if batch is not None and found else None
+    reads = traced_reads(model, batch, batched, which) if batch is not None and found else None
     leaves = {root: leaves_by_path(traced.model) for root, traced, _ in found}
     chosen, where_of, left = [], {}, {}
     for root, traced, i in found:

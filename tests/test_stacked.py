@@ -261,3 +261,12 @@ def test_shared_tie_survives_quantize_training_and_convert(token_batches, tmp_pa
     # The tied layer quantizes the other layer's (dequantized) weight again with its own quantizer.
     assert (row.weight, row.input) == ("tied, int8 dynamic, per channel (axis 0)", "int8 static, per tensor")
     assert f"{len(table.rows)} of {len(table.rows)} quantized" in str(table)
+    # With learned scales, the layer that owns the weight learns them; the tied layer has no values of its own to
+    # learn from, and quantizes what it receives with dynamic scales (a learned recipe raised on its placeholder).
+    learned = quantize(model, **eqx_quant.recipe("w8a16", learned=True))
+    embed, head = learned.shared.pytree
+    assert isinstance(embed.weight_quant, eqx_quant.LearnedFakeQuant) and head.weight_quant == DynamicFakeQuant(
+        8, axis=0
+    )
+    embed, head = learned.shared()
+    assert_bitwise_equal(learned(tokens), jax.vmap(lambda t: head.weight @ embed.weight[t])(tokens))

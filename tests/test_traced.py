@@ -705,9 +705,28 @@ def test_errors():
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]], where=lambda path, w: False)
     # A convolution's weight: left as it is, with the warning that names it, where the weights are chosen by default
     # (as quantized convolutions are); an error where `where` chooses it.
-    with pytest.raises(ValueError, match="no QuantLinear layer"):  # nothing else to solve
-        with pytest.warns(UserWarning, match=re.escape("the traced weights ['model.kernel'], whose products do not")):
-            eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])
+    message = re.escape("nor traced weight) with a weight quantizer to quantize with `gptq`: the traced weights ")
+    with pytest.raises(ValueError, match=message + re.escape("['model.kernel'], whose products do not pair")):
+        eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]])  # nothing else to solve
+
+    # Beside a weight it can solve, the convolution's is left with a warning that points at the call.
+    class ConvThenDense(eqx.Module):
+        kernel: jax.Array
+        w: jax.Array
+
+        def __call__(self, x):
+            h = jax.lax.conv_general_dilated(x[None], self.kernel, (1, 1), "SAME")
+            return h.reshape(-1) @ self.w.T
+
+    image = _normal(1, 4, 4)
+    both = eqx_quant.quantize(ConvThenDense(_normal(2, 1, 3, 3), _normal(8, 32)), **eqx_quant.recipe("w8a16"),
+                              example=(image,))  # fmt: skip
+    with pytest.warns(
+        UserWarning, match=re.escape("`gptq` cannot solve them: the traced weights ['model.kernel']")
+    ) as caught:
+        solved = eqx_quant.gptq(both, [image[None]])
+    assert caught[0].filename == __file__
+    assert np.array_equal(solved.model.kernel, both.model.kernel) and not np.array_equal(solved.model.w, both.model.w)
     message = re.escape("Traced weight 'model.kernel': `gptq` cannot solve it: its products do not pair the weight's")
     with pytest.raises(ValueError, match=message):
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]], where=lambda path, w: True)
@@ -818,6 +837,20 @@ def test_nvfp4_inputs_take_their_tensor_scale_per_token():
         assert_bitwise_equal(_call(quantized, (tokens[:2],), {}), want[:2])  # the first tokens alone: the same
         assert_bitwise_equal(_call(eqx_quant.convert(quantized), (tokens,), {}), want)
     assert_bitwise_equal(_call(quantized, (tokens,), {}), _call(jax.vmap(layer), (tokens,), {}))
+
+    # A rule's quantizer blocking the first of two summed axes: each token is blocked along that axis too.
+    class TwoSummed(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return jnp.einsum("tab,abo->to", x, self.w)
+
+    nvfp4 = DynamicFakeQuant(eqx_quant.format_named("nvfp4"), group_size=16, group_axis=-2)
+    x = _normal(4, 32, 8) * jnp.logspace(-1, 1, 4)[:, None, None]
+    model = eqx_quant.quantize(TwoSummed(_normal(32, 8, 4)), [eqx_quant.Rule(".*", weight=None, input=nvfp4)],
+                               example=(x,))  # fmt: skip
+    rows = jax.vmap(dataclasses.replace(nvfp4, layout=nvfp4.layout._replace(group_axis=-2)))(x)
+    assert_bitwise_equal(_call(model, (x,), {}), _call(TwoSummed(model.model.w), (rows,), {}))
 
 
 class BareAttention(eqx.Module):

@@ -421,6 +421,29 @@ def test_gptq_with_quantized_inputs_on_traced_weights_as_on_the_same_linear_laye
 
 
 @pytest.mark.slow
+def test_gptq_with_quantized_nvfp4_inputs_quantizes_each_token_as_the_product_does():
+    """NVFP4 inputs take their tensor scale per token in a traced product (as in linear layers mapped over the
+    tokens); GPTQ's quantized-inputs Hessian sees them so too, and finds the linear layers' levels. (Before, its
+    observer quantized the whole operand with one tensor scale, inputs that the model no longer computed.)"""
+    rules = [
+        eqx_quant.Rule(
+            ".*", weight=eqx_quant.LayerQuantizer(4), input=eqx_quant.LayerQuantizer("nvfp4", 16, input=True)
+        )
+    ]
+    with pytest.warns(UserWarning, match="Traced weight 'c': the input of its product sums over 2"):
+        traced = eqx_quant.quantize(PRODUCTS, rules=rules, example=(X[0],))
+    layers = eqx_quant.quantize(LAYERS, rules=rules)
+    solved = eqx_quant.gptq(traced, [X[:3], X[3:]], quantized_inputs=True)
+    twin = eqx_quant.gptq(layers, [X[:3], X[3:]], quantized_inputs=True)
+    for name, as_rows in (("a", lambda w: w.T), ("b", lambda w: w)):  # `c`'s inputs fall back to FP8 per tensor
+        i = solved.weight_paths.index(name)
+        levels = as_rows(np.asarray(solved.weight_quants[i].quantize(getattr(solved.model, name)).levels()))
+        layer = getattr(twin, name)
+        np.testing.assert_array_equal(levels, np.asarray(layer.weight_quant.quantize(layer.layer.weight).levels()))
+    assert_bitwise_equal(_apply(eqx_quant.convert(solved), X), _apply(solved, X))
+
+
+@pytest.mark.slow
 def test_rotate_rotates_traced_weights_with_the_hadamard_transform(tmp_path):
     """`rotate` gives each traced weight `R = H D / sqrt(n)` over the channels its products sum over: the leaf holds
     `W Rᵀ` (checked against the dense Hadamard matrix in float64), the float function is unchanged, and the

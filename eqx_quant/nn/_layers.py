@@ -106,14 +106,20 @@ def _after_jvp(primals, tangents):
 def _select(weight: Array, x: Array) -> Array:
     if x.size == 0:  # an empty input (or batch): nothing to wait for
         return weight
-
-    def select(weight, x):
-        first = jnp.isnan(x.reshape(-1)[0])
-        return jnp.where(first & jnp.isnan(weight), jnp.nan, weight).astype(weight.dtype)
-
     # On CPU only, where the memory is the allocator's problem: elsewhere the dependency is not needed, and with the
     # batch sharded across devices its first entry would cost a collective per layer.
-    return jax.lax.platform_dependent(weight, x, cpu=select, default=lambda weight, x: weight)
+    return jax.lax.platform_dependent(weight, x, cpu=_select_on_cpu, default=_weight_alone)
+
+
+# The branches of `_select`, defined once, so that eager calls reuse their compiled programs.
+def _select_on_cpu(weight: Array, x: Array) -> Array:
+    first = jnp.isnan(x.reshape(-1)[0])
+    return jnp.where(first & jnp.isnan(weight), jnp.nan, weight).astype(weight.dtype)
+
+
+def _weight_alone(weight: Array, x: Array) -> Array:
+    del x
+    return weight
 
 
 @jax.custom_batching.custom_vmap
