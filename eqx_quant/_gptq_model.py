@@ -466,7 +466,9 @@ class _TracedTarget(NamedTuple):
 def _traced_targets(model: PyTree, where: Callable | None, name: str) -> tuple[list[_TracedTarget], list[str]]:
     """The traced weights of `model` with a weight quantizer (those `where(name, weight)` selects) that a weight
     solver can take: symmetric, one scale per channel (or per tile of the one axis their products sum over), and
-    products that pair the axes they sum over one to one with their input's."""
+    products that pair the axes they sum over one to one with their input's; and, where `where` is None, the names
+    of those left out because their products do not pair them (a convolution's), which `where` choosing is an
+    error."""
     targets, convolutions = [], []
     found = [(root, traced, inner, target) for root, traced in nodes(model, (QuantTraced,))
              for inner, target in traced_inputs(traced)]  # fmt: skip
