@@ -164,6 +164,7 @@ class LayerQuantizer:
         shape, axes = (product.input_shape, product.input_contracted) if self.input else (
             product.weight.shape, product.contracted)  # fmt: skip
         fits = group is not None and len(axes) == 1 and shape[axes[0]] % group == 0
+        fell_back = False  # a block format's input that takes float8_e4m3fn instead: one scale per token
         if group is not None and not fits:
             per = "tensor" if self.input or not product.channels else "channel"  # a vector weight has no channel
             instead = "stays float" if ggml else "gets float8_e4m3fn" if blocks else f"gets one scale per {per}"
@@ -180,11 +181,11 @@ class LayerQuantizer:
             if ggml:
                 return None
             if blocks:
-                fmt, blocks = _FP8, False
+                fmt, blocks, fell_back = _FP8, False, True
         # An input's axis counts from the end: a call whose operand has more (or fewer) leading axes than the
         # example's (a batch of tokens where the example had one) still tiles the contracted axis.
         tiles = dict(group_size=group, group_axis=axes[0] - len(shape) if self.input else axes[0]) if fits else {}
-        if self.input and self.per_token:
+        if self.input and (self.per_token or fell_back):  # as the input of a linear layer mapped over the tokens
             if product.primitive != "dot_general":
                 return DynamicFakeQuant(fmt)  # a convolution's windows overlap: per tensor
             # The example's tokens; `QuantTraced` lays the scales out again along each call's (`per_token`).

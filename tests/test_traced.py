@@ -851,6 +851,15 @@ def test_nvfp4_inputs_take_their_tensor_scale_per_token():
                                example=(x,))  # fmt: skip
     rows = jax.vmap(dataclasses.replace(nvfp4, layout=nvfp4.layout._replace(group_axis=-2)))(x)
     assert_bitwise_equal(_call(model, (x,), {}), _call(TwoSummed(model.model.w), (rows,), {}))
+    # The recipe's NVFP4 inputs of such a product fall back to float8_e4m3fn (blocks run along one axis): one scale
+    # per token, as a linear layer's input would have, not one for all the tokens of a call.
+    with pytest.warns(UserWarning, match="sums over 2 of its axes .* gets float8_e4m3fn instead of nvfp4"):
+        fallback = eqx_quant.quantize(TwoSummed(_normal(32, 8, 4)), **eqx_quant.recipe("nvfp4"), example=(x,))
+    assert fallback.per_token == (True,) and fallback.input_quants[0].format.name == "float8_e4m3fn"
+    rows = jax.vmap(DynamicFakeQuant(eqx_quant.format_named("float8_e4m3fn")))(x)
+    want = _call(TwoSummed(fallback.weight_quants[0](fallback.model.w)), (rows,), {})
+    assert_bitwise_equal(_call(fallback, (x,), {}), want)
+    assert_bitwise_equal(_call(fallback, (x[:2],), {}), want[:2])
 
 
 class BareAttention(eqx.Module):
