@@ -454,10 +454,12 @@ def calibration_batches(bench: Bench) -> list[Array]:
     ]
 
 
-def arm_gptq(model: GPT, bench: Bench, recipe: str) -> Any:
+def arm_gptq(model: GPT, bench: Bench, recipe: str, quantized_inputs: bool = False) -> Any:
     """Post-training quantization with GPTQ ([`eqx_quant.gptq`][], activation order, 1% damping) of every linear
-    layer on the recipe's weight grid; the embedding rounds to nearest, and activations are as in `rtn`."""
-    return eqx_quant.gptq(quantized(model, recipe), calibration_batches(bench), act_order=True)
+    layer on the recipe's weight grid; the embedding rounds to nearest, and activations are as in `rtn`. With
+    `quantized_inputs` (the `gptq_qin` arm), each layer is solved for its float output from its quantized inputs."""
+    batches = calibration_batches(bench)
+    return eqx_quant.gptq(quantized(model, recipe), batches, act_order=True, quantized_inputs=quantized_inputs)
 
 
 def arm_smoothquant(model: GPT, bench: Bench, recipe: str) -> Any:
@@ -496,22 +498,11 @@ def arm_rotate(model: GPT, bench: Bench, recipe: str) -> Any:
     return eqx_quant.rotate(quantized(model, recipe), key=jax.random.key(bench.preset.seed))
 
 
-def arm_rotate_gptq(model: GPT, bench: Bench, recipe: str) -> Any:
-    """Rotations as in `rotate`, then GPTQ as in `gptq` on the rotated weights."""
+def arm_rotate_gptq(model: GPT, bench: Bench, recipe: str, quantized_inputs: bool = False) -> Any:
+    """Rotations as in `rotate`, then GPTQ as in `gptq` (`gptq_qin` with `quantized_inputs`) on the rotated
+    weights."""
     rotated = eqx_quant.rotate(quantized(model, recipe), key=jax.random.key(bench.preset.seed))
-    return eqx_quant.gptq(rotated, calibration_batches(bench), act_order=True)
-
-
-def arm_gptq_qin(model: GPT, bench: Bench, recipe: str) -> Any:
-    """GPTQ as in `gptq`, each layer solved for its float output from its quantized inputs
-    (`quantized_inputs=True`)."""
-    return eqx_quant.gptq(quantized(model, recipe), calibration_batches(bench), act_order=True, quantized_inputs=True)
-
-
-def arm_rotate_gptq_qin(model: GPT, bench: Bench, recipe: str) -> Any:
-    """Rotations as in `rotate`, then GPTQ as in `gptq_qin` on the rotated weights."""
-    rotated = eqx_quant.rotate(quantized(model, recipe), key=jax.random.key(bench.preset.seed))
-    return eqx_quant.gptq(rotated, calibration_batches(bench), act_order=True, quantized_inputs=True)
+    return eqx_quant.gptq(rotated, calibration_batches(bench), act_order=True, quantized_inputs=quantized_inputs)
 
 
 def arm_autoround(model: GPT, bench: Bench, recipe: str) -> Any:
@@ -571,8 +562,8 @@ ARMS: dict[str, Callable[[GPT, Bench, str], Any]] = {
     "rotate": arm_rotate,
     "rotate_gptq": arm_rotate_gptq,
     "autoround": arm_autoround,
-    "gptq_qin": arm_gptq_qin,
-    "rotate_gptq_qin": arm_rotate_gptq_qin,
+    "gptq_qin": functools.partial(arm_gptq, quantized_inputs=True),
+    "rotate_gptq_qin": functools.partial(arm_rotate_gptq, quantized_inputs=True),
 }
 QAT_METHODS = ("qat", "ptq_qat", "qad")
 PTQ_METHODS = (

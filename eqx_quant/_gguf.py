@@ -294,14 +294,12 @@ def export_gguf(
     arrays = [(name, leaf) for name, leaf in leaves if is_tensor(leaf)]
     for name, leaf in arrays:
         if isinstance(leaf, QuantizedArray) and _ggml_type(leaf.format, leaf.layout, leaf.shape) is None:
-            tile, axes = leaf.layout.tile_axis(leaf.shape), leaf.layout.axes
-            scales = (
-                f"in groups of {leaf.layout.group_size} along axis {tile}"
-                if leaf.layout.group_size is not None
-                else f"one scale per index of axes {axes}"
-                if axes
-                else "one scale per tensor"
-            )
+            if leaf.layout.group_size is not None:
+                scales = f"in groups of {leaf.layout.group_size} along axis {leaf.layout.tile_axis(leaf.shape)}"
+            else:
+                scales = (
+                    f"one scale per index of axes {leaf.layout.axes}" if leaf.layout.axes else "one scale per tensor"
+                )
             layer = name.removesuffix(".weight") or "(the model itself)"
             raise ValueError(
                 f"Layer {layer!r} has weights in format {leaf.format.name}, {scales}, of shape {leaf.shape}, which has "

@@ -313,6 +313,8 @@ def solve_weights(
     left = (
         f"the traced weights {unpaired}, whose products do not pair the axes they sum over one to one with their "
         "input's (a convolution, a reshape merging summed axes), are left as they are"
+        if unpaired
+        else ""
     )
     if not layers and not traced:
         raise ValueError(
@@ -333,7 +335,7 @@ def solve_weights(
 
     def check_inputs(traced: list) -> None:  # before the batches are read, and once the tied weights are left out
         unquantized = all(layer.input_quant is None for _, layer in layers)
-        if input_damp is not None and unquantized and all(_traced_input(model, t) is None for t in traced):
+        if input_damp is not None and unquantized and all(q is None for q in _traced_inputs(model, traced).values()):
             raise ValueError(
                 f"`quantized_inputs=True` would change nothing: none of the layers (nor traced weights) that "
                 f"`{name}` solves quantizes its input."
@@ -405,9 +407,10 @@ def _solved(solve: Callable, weight: Array, record: dict[str, Any], damp: float 
     return new.astype(weight.dtype), compact, t
 
 
-def _traced_input(model: PyTree, target: "_TracedTarget") -> Any:
-    """The input quantizer of the products of a traced weight."""
-    return dict(nodes(model, (QuantTraced,)))[target.root].input_quants[target.index]
+def _traced_inputs(model: PyTree, targets: list["_TracedTarget"]) -> dict[str, Any]:
+    """The input quantizer of the products of each traced weight of `targets`, by name."""
+    traced = dict(nodes(model, (QuantTraced,)))
+    return {t.name: traced[t.root].input_quants[t.index] for t in targets}
 
 
 def _solve_layers(model, layers, batches, name, make_solve, sequential, batched, progress, input_damp) -> PyTree:
@@ -469,7 +472,7 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> tuple[l
     products that pair the axes they sum over one to one with their input's; and, where `where` is None, the names
     of those left out because their products do not pair them (a convolution's), which `where` choosing is an
     error."""
-    targets, convolutions = [], []
+    targets, unpaired = [], []
     found = [(root, traced, inner, target) for root, traced in nodes(model, (QuantTraced,))
              for inner, target in traced_inputs(traced)]  # fmt: skip
     for root, traced, inner, target in found:
@@ -493,18 +496,18 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> tuple[l
         if pairing is None and len(contracted) == 1:
             pairing = tuple(contracted)
         if not _symmetric(quantizer) or pairing is None or set(pairing) != contracted or min(pairing) < depth:
-            if traced.pairings[target.index] is None and where is None:
-                convolutions.append(full)  # left as it is, as the quantized convolutions are (a warning names them)
+            pairs = traced.pairings[target.index] is not None
+            if not pairs and where is None:
+                unpaired.append(full)  # left as it is, as the quantized convolutions are (a warning names them)
                 continue
-            why = (
-                f"its weight quantizer {describe_quantizer(quantizer)} is not symmetric (zero point 0)"
-                if not _symmetric(quantizer)
-                else "its products do not pair the weight's summed axes one to one with their input's (a convolution, "
-                "a reshape merging summed axes)"
-                if traced.pairings[target.index] is None
-                else f"its weight quantizer's scales ({describe_quantizer(quantizer)}) are not one per channel, nor "
-                "per tile of the single axis its products sum over"
-            )
+            if not _symmetric(quantizer):
+                why = f"its weight quantizer {describe_quantizer(quantizer)} is not symmetric (zero point 0)"
+            elif not pairs:
+                why = ("its products do not pair the weight's summed axes one to one with their input's (a "
+                       "convolution, a reshape merging summed axes)")  # fmt: skip
+            else:
+                why = (f"its weight quantizer's scales ({describe_quantizer(quantizer)}) are not one per channel, "
+                       "nor per tile of the single axis its products sum over")  # fmt: skip
             raise ValueError(f"Traced weight {full!r}: `{name}` cannot solve it: {why}. Exclude it with `where`.")
         fmt = quantizer.format  # pyright: ignore[reportAttributeAccessIssue]
         if depth and fmt.scale != "float32" and fmt.scale != "e8m0":
@@ -515,7 +518,7 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> tuple[l
         axes = tuple(a - depth for a in pairing)
         targets.append(_TracedTarget(full, target.root, target.index, path, target.stack, weight, fmt,
                                      layout.group_size, axes))  # fmt: skip
-    return targets, convolutions
+    return targets, unpaired
 
 
 def _from_matrix(solution: tuple, shape: tuple[int, ...], axes: tuple[int, ...], group_size: int | None) -> tuple:
@@ -581,7 +584,7 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
     flat = {t.name: t.weight.reshape((-1,) + t.weight.shape[len(t.stack) :]) for t in targets}
     parts: dict[str, list] = {t.name: [None] * layers(t) for t in targets}
     observed = lambda chosen: [(t.name, TracedInput(t.root, t.index, t.stack, None)) for t in chosen]  # noqa: E731
-    statistic, data = _statistic(input_damp, {t.name: _traced_input(model, t) for t in targets})
+    statistic, data = _statistic(input_damp, _traced_inputs(model, targets))
 
     if not sequential:
         grams = fold(model, observed(targets), batches, batched, statistic, data, progress=progress,

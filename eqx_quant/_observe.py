@@ -70,7 +70,7 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
     @jax.custom_batching.custom_vmap
     def tap(index: Array, record: dict[str, Array]) -> Array:
         if "vector" in record:  # one input vector: its outer products
-            record = _outer_products(record, lambda a, b: jnp.outer(a, b))
+            record = _outer_products(record, jnp.outer)
         io_callback(functools.partial(_report, path), None, index, record, ordered=False)
         return index
 
@@ -402,8 +402,12 @@ class _Bare(str):
         return str(self)
 
 
-def first_batch_note(batch: PyTree, batched: bool, which: str = "the first batch") -> str:
-    """What the algorithms do with a batch, added to an error raised on the first one."""
+def add_batch_note(error: BaseException, batch: PyTree, batched: bool, which: str = "the first batch") -> None:
+    """Adds to an error raised running the model on `batch` (`which`: the first of `batches`, by default) a note of
+    the batch and of how the algorithms call the model with it, unless it has one already (an error passing through
+    two steps that each run the model)."""
+    if any(note.startswith("eqx_quant: raised running") for note in getattr(error, "__notes__", [])):
+        return
     leaves = jax.tree.map(lambda a: _Bare(f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__),
                           batch)  # fmt: skip
     call = "`model(batch)` (`batched=True`)" if batched else "`jax.vmap(model)(batch)`"
@@ -412,18 +416,11 @@ def first_batch_note(batch: PyTree, batched: bool, which: str = "the first batch
         if isinstance(batch, (tuple, list))
         else ""
     )
-    return (
+    error.add_note(
         f"eqx_quant: raised running the model on {which}, {leaves}. Each batch is the model's one argument, its "
         f"examples along the leading axis, called as {call}; wrap a model that takes more (a state, a key, a mask) in "
         f"a module or an `eqx.Partial` whose call takes the batch alone.{pairs}"
     )
-
-
-def add_batch_note(error: BaseException, batch: PyTree, batched: bool, which: str = "the first batch") -> None:
-    """Adds `first_batch_note` to an error raised running the model on `batch`, unless it has one already (an error
-    passing through two steps that each run the model)."""
-    if not any(note.startswith("eqx_quant: raised running") for note in getattr(error, "__notes__", [])):
-        error.add_note(first_batch_note(batch, batched, which))
 
 
 def fold(

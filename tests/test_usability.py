@@ -277,6 +277,11 @@ def test_an_error_on_the_first_batch_says_how_batches_are_called():
         "eqx_quant: raised running the model on `batch`, float32[32]. Each batch is the model's one argument, its "
         "examples along the leading axis, called as `jax.vmap(model)(batch)`"
     )
+    # GPTQ on traced weights runs the model on the first batch in two steps (the weights it reads, their call
+    # order): the error carries one note, not one per step (`_note` takes exactly one).
+    with pytest.raises(ValueError, match="must have ndim at least 1") as caught:
+        eqx_quant.gptq(bare, [jnp.ones(32)])
+    assert _note(caught.value).startswith("eqx_quant: raised running the model on the first batch, float32[32].")
     # Sequential GPTQ traces the model on the first batch before anything else: the same note.
     with pytest.raises(TypeError, match="missing 1 required positional argument: 'state'") as caught:
         eqx_quant.gptq(stateful, [jnp.ones((2, 4))], batched=True)

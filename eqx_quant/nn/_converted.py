@@ -8,7 +8,7 @@ from .._int_ops import integer_grid, integer_product, plan
 from .._misc import computed_before, one_program, read_through
 from .._qarray import QuantizedArray
 from .._quantizers import AbstractQuantizer
-from ._layers import after_input, as_vector, check_input, check_matmul, check_transform, scalar_output, single_output
+from ._layers import as_vector, check_input, check_matmul, check_transform, scalar_output, weight_for_product
 from ._transforms import AbstractInputTransform
 
 
@@ -72,9 +72,7 @@ class AbstractConvertedLayer(eqx.Module):
         return eqx.tree_at(lambda l: l.weight, self.layer, weight, is_leaf=lambda x: x is None)
 
     def _float_path(self, x: Array, key: PRNGKeyArray | None) -> Array:
-        weight = after_input(self.qweight.dequantize(), x)
-        if single_output(weight):  # computed before the product, as the quantized layer's weight is
-            weight = computed_before(weight, self.qweight.scale)
+        weight = weight_for_product(self.qweight.dequantize(), x, self.qweight.scale)  # as the quantized layer's
         if self.input_quant is not None:
             x = self.input_quant(x)
         return self._with_weight(weight)(x, key=key)  # pyright: ignore[reportCallIssue]

@@ -192,13 +192,19 @@ class AbstractQuantLayer(eqx.Module):
         if self.weight_quant is None:
             layer = self.layer
         else:
-            weight = after_input(self._fake_quantized_weight(), x)  # as the converted layer's (see `after_input`)
-            if single_output(weight):
-                weight = value_computed_before(weight, self.layer.weight)  # pyright: ignore
+            weight = weight_for_product(self._fake_quantized_weight(), x, self.layer.weight)  # pyright: ignore
             layer = eqx.tree_at(lambda l: l.weight, self.layer, weight)
         if self.input_quant is not None:
             x = self.input_quant(x)
         return layer(x, key=key)  # pyright: ignore[reportCallIssue]
+
+
+def weight_for_product(weight: Array, x: Array, anchor: Array) -> Array:
+    """The weight of a layer's float product, as the quantized and the converted layer both compute it: after the
+    input `x` (`after_input`), and for a single output (`single_output`) before the product, behind a conditional
+    whose predicate reads `anchor` (`computed_before`). Its derivative towards `weight` is the identity."""
+    weight = after_input(weight, x)
+    return value_computed_before(weight, anchor) if single_output(weight) else weight
 
 
 def single_output(weight: Any) -> bool:
