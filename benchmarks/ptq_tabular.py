@@ -113,9 +113,10 @@ class Config:
     (else dynamic), whether the weights are solved by GPTQ (else rounded to nearest), and whether GPTQ runs with
     `act_order` (the columns of largest Hessian diagonal first: the outlier features' columns, such as wine's last
     one, are then solved first and the other columns compensate their errors), whether GPTQ solves each layer for its
-    float output from its quantized inputs (`quantized_inputs`), and the calibration `method` (the absolute maximum,
+    float output from its quantized inputs (`quantized_inputs`), the calibration `method` (the absolute maximum,
     the clipping threshold of least squared error, `"mse"`, or an asymmetric grid from the minimum and maximum,
-    `"minmax"`)."""
+    `"minmax"`), and GPTQ's scales (`gptq_method`: from each group's absolute maximum, or clipped to the threshold
+    of least squared error, `"mse"`, in the rows named "clipped scales")."""
 
     name: str
     bits: int
@@ -125,6 +126,7 @@ class Config:
     act_order: bool = False
     method: str = "absmax"
     quantized_inputs: bool = False
+    gptq_method: str = "absmax"
 
 
 CONFIGS = (
@@ -135,6 +137,7 @@ CONFIGS = (
     Config("W8A8 SmoothQuant, alpha per layer", 8, "smoothquant_search"),
     Config("W8A8 SmoothQuant 0.5, MSE inputs", 8, "smoothquant", method="mse"),
     Config("W8A8 SmoothQuant 0.5, min-max inputs", 8, "smoothquant", method="minmax"),
+    Config("W8A8 SmoothQuant 0.5, dynamic inputs", 8, "smoothquant", calibrated=False),
     Config("W8A8 AWQ", 8, "awq"),
     Config("W4A8 RTN", 4),
     Config("W4A8 GPTQ", 4, gptq=True),
@@ -142,7 +145,17 @@ CONFIGS = (
     Config("W4A8 SmoothQuant 0.5 + GPTQ", 4, "smoothquant", gptq=True),
     Config("W4A8 SmoothQuant 0.5 + GPTQ, quantized inputs", 4, "smoothquant", gptq=True, quantized_inputs=True),
     Config("W4A8 SmoothQuant, alpha per layer + GPTQ", 4, "smoothquant_search", gptq=True),
+    Config("W4A8 SmoothQuant 0.5 + GPTQ, dynamic inputs", 4, "smoothquant", calibrated=False, gptq=True),
+    Config(
+        "W4A8 SmoothQuant 0.5 + GPTQ, quantized inputs, dynamic inputs",
+        4,
+        "smoothquant",
+        calibrated=False,
+        gptq=True,
+        quantized_inputs=True,
+    ),
     Config("W4A8 AWQ + GPTQ", 4, "awq", gptq=True),
+    Config("W4A8 AWQ + GPTQ, dynamic inputs", 4, "awq", calibrated=False, gptq=True),
     Config("W4A8 rotate(hidden) + GPTQ", 4, "rotate", gptq=True),
     # The best of a few combinations tried on the full preset (not one of the targets' rows)
     Config(
@@ -173,6 +186,25 @@ CONFIGS = (
         method="minmax",
         quantized_inputs=True,
     ),
+    Config(
+        "W4A8 SmoothQuant(first) + rotate(hidden) + GPTQ act_order, clipped scales, min-max inputs",
+        4,
+        "smoothquant_rotate",
+        gptq=True,
+        act_order=True,
+        method="minmax",
+        gptq_method="mse",
+    ),
+    Config(
+        "W4A8 SmoothQuant(first) + rotate(hidden) + GPTQ act_order, clipped scales, quantized inputs, dynamic inputs",
+        4,
+        "smoothquant_rotate",
+        calibrated=False,
+        gptq=True,
+        act_order=True,
+        quantized_inputs=True,
+        gptq_method="mse",
+    ),
 )
 
 
@@ -201,7 +233,13 @@ def quantized(model: eqx.nn.MLP, config: Config, batches: list, seed: int, trace
     if config.calibrated:
         qmodel = eqx_quant.calibrate(qmodel, batches, method=config.method)
     if config.gptq:
-        qmodel = eqx_quant.gptq(qmodel, batches, act_order=config.act_order, quantized_inputs=config.quantized_inputs)
+        qmodel = eqx_quant.gptq(
+            qmodel,
+            batches,
+            act_order=config.act_order,
+            quantized_inputs=config.quantized_inputs,
+            method=config.gptq_method,  # pyright: ignore[reportArgumentType]
+        )
     return qmodel
 
 
@@ -346,6 +384,7 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], Callable[[float, float], bool]]] 
             "W8A8 SmoothQuant, alpha per layer",
             "W8A8 SmoothQuant 0.5, MSE inputs",
             "W8A8 SmoothQuant 0.5, min-max inputs",
+            "W8A8 SmoothQuant 0.5, dynamic inputs",
         ),
         lambda drop, rel_error: drop <= 0.5 or rel_error <= 0.005,
     ),
@@ -355,7 +394,10 @@ TARGETS: dict[str, tuple[str, tuple[str, ...], Callable[[float, float], bool]]] 
             "W4A8 SmoothQuant 0.5 + GPTQ",
             "W4A8 SmoothQuant 0.5 + GPTQ, quantized inputs",
             "W4A8 SmoothQuant, alpha per layer + GPTQ",
+            "W4A8 SmoothQuant 0.5 + GPTQ, dynamic inputs",
+            "W4A8 SmoothQuant 0.5 + GPTQ, quantized inputs, dynamic inputs",
             "W4A8 AWQ + GPTQ",
+            "W4A8 AWQ + GPTQ, dynamic inputs",
         ),
         lambda drop, rel_error: drop <= 2.0,
     ),

@@ -401,6 +401,11 @@ def _legacy_rules(
 
 def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable, Callable]:
     if isinstance(rules, Rule) or not isinstance(rules, Sequence) or not all(isinstance(r, Rule) for r in rules):
+        if isinstance(rules, str):
+            raise TypeError(
+                f"`rules` must be a list of eqx_quant.Rule, got the string {rules!r}: pass a recipe as keyword "
+                f"arguments, `eqx_quant.quantize(model, **eqx_quant.recipe({rules!r}))`."
+            )
         if isinstance(rules, dict) and "rules" in rules:  # what `recipe` returns
             raise TypeError(
                 f"`rules` must be a list of eqx_quant.Rule, got a dict with keys {sorted(rules)}: pass a recipe as "

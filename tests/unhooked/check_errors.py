@@ -86,6 +86,9 @@ def test_literal_and_bool_arguments():
         (TypeError, "`rules` must be a list of eqx_quant.Rule, got a dict with keys ['rules']: pass a recipe as "
                     "keyword arguments, `eqx_quant.quantize(model, **eqx_quant.recipe(name))`.",
          lambda: eqx_quant.quantize(mlp, eqx_quant.recipe("w8a8"))),
+        (TypeError, "`rules` must be a list of eqx_quant.Rule, got the string 'w8a8': pass a recipe as keyword "
+                    "arguments, `eqx_quant.quantize(model, **eqx_quant.recipe('w8a8'))`.",
+         lambda: eqx_quant.quantize(mlp, "w8a8")),
         (TypeError, "`per_token` must be a bool, got per_token='yes'.",
          lambda: eqx_quant.LayerQuantizer(8, input=True, per_token="yes")),
         (TypeError, "`n_steps` must be an int, got n_steps=2.0.",
