@@ -12,7 +12,15 @@ from jaxtyping import PyTree
 
 from ._format import Format, IntFormat
 from ._misc import FLOAT32_TINY, check_int
-from ._observe import TracedInput, check_callable, fold, layer_stack, traced_inputs, with_traced_inputs
+from ._observe import (
+    TracedInput,
+    check_callable,
+    check_not_converted,
+    fold,
+    layer_stack,
+    traced_inputs,
+    with_traced_inputs,
+)
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant, check_fit_method
 from ._scales import (
     absmax_scale,
@@ -136,6 +144,7 @@ def calibrate(
         ```
     """
     check_callable(model)
+    check_not_converted(model, "calibrate")
     check_method(method, percentile, num_candidates)
     if check_int("num_bins", num_bins) < 1:
         raise ValueError(f"`num_bins` must be >= 1, got num_bins={num_bins}.")

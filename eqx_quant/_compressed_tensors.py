@@ -3,6 +3,7 @@ by the `quantization_config` of a `config.json`."""
 
 import json
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,7 @@ from ._export import (
 )
 from ._format import FloatFormat, Format, IntFormat
 from ._layout import Layout
+from ._misc import caller_stacklevel
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._serialise import write_replacing
@@ -243,8 +245,8 @@ def export_compressed_tensors(
     its zero point rounded into the grid, one `input_scale` per layer where `{layer}` splits a stack.
 
     Layers that share a scheme share a config group, targeted by their names; float linear layers are listed in
-    `ignore`. Other converted layers (embeddings, convolutions) are written with their dequantized weights, and every
-    other array as it is (F32 for float32). See [Serving a quantized model](../how-to/serving.md).
+    `ignore`. Other converted layers (embeddings, convolutions) are written with their dequantized weights, with a
+    warning that names them, and every other array as it is (F32 for float32). See [Serving a quantized model](../how-to/serving.md).
 
     **Arguments:**
 
@@ -292,6 +294,7 @@ def export_compressed_tensors(
     formats: set[str] = set()
     tensors: dict[str, np.ndarray] = {}
     sources: dict[str, str] = {}
+    dequantized: list[str] = []
 
     def put(name: str, array: np.ndarray, source: str) -> None:
         if name in tensors:
@@ -320,6 +323,7 @@ def export_compressed_tensors(
         if not isinstance(layer, ConvertedLinear):  # an embedding or a convolution: its weight as the model uses it
             for part, piece in split_stacked(target, leaf, name):
                 put(part, np.asarray(piece.dequantize()), name)
+            dequantized.append(name)
             continue
         layer_path = linear_weights[name]
         if not target.endswith("weight"):
@@ -339,6 +343,12 @@ def export_compressed_tensors(
             inputs_here = {k: v[i] if split and v.ndim > 1 else v for k, v in input_tensors.items()}
             for suffix, array in {**_weight_tensors(piece, args, compression), **inputs_here}.items():
                 put(prefix + suffix, array, name)
+    if dequantized:
+        warnings.warn(
+            f"compressed-tensors describes quantized linear layers only: the quantized weights {dequantized} (of "
+            "embeddings or convolutions) are written dequantized, in floating point, at the size of float weights.",
+            stacklevel=caller_stacklevel(),
+        )
     ignore = []
     for path, linear in nodes(model, (eqx.nn.Linear,)):
         if path.removesuffix(".layer") in converted or (path == "layer" and "" in converted):

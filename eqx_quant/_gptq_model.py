@@ -21,6 +21,7 @@ from ._observe import (
     add_batch_note,
     check_callable,
     check_called,
+    check_not_converted,
     checked,
     fold,
     layer_stack,
@@ -298,6 +299,7 @@ def solve_weights(
     `input_damp` (GPTQ's damping; `None` for float inputs), each Hessian is that of the layer's quantized inputs,
     and the weight solved is the least-squares map of those onto the float outputs, damped by it (`_mapped`)."""
     check_callable(model)
+    check_not_converted(model, name)
     if not isinstance(sequential, bool):
         raise TypeError(f"`sequential` must be a bool, got sequential={sequential!r}.")
     check_where(where)

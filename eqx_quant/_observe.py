@@ -18,10 +18,12 @@ from jax.experimental import io_callback
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._misc import FLOAT32_TINY, caller_stacklevel
+from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer
 from ._scales import finite_or, stats
 from ._traced import QuantTraced, each_token, replaced, two_level
 from ._tree import map_nodes, nodes
+from .nn._converted import AbstractConvertedLayer
 from .nn._layers import AbstractQuantLayer, QuantConv, stack_shape
 
 
@@ -360,6 +362,18 @@ def check_callable(model: PyTree) -> None:
         raise TypeError(
             f"`model` must be callable, as it runs on the batches, got a {type(model).__name__}{keys}. Wrap its "
             "parts in a module whose `__call__` runs them."
+        )
+
+
+def check_not_converted(model: PyTree, what: str) -> None:
+    """A `ValueError` for a converted model (layers or traced weights stored as codes), which `what` cannot change:
+    it works on the fake-quant model, before `convert`."""
+    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
+    stored = any(is_stored(leaf) for leaf in jax.tree.leaves(model, is_leaf=is_stored))
+    if stored or nodes(model, (AbstractConvertedLayer,)):
+        raise ValueError(
+            f"`model` is converted (its weights are stored as codes, by `eqx_quant.convert`): `{what}` works on the "
+            "fake-quant model. Run it before `convert`, then convert the result."
         )
 
 

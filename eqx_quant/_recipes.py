@@ -121,8 +121,10 @@ def recipe(
     `(tokens, features)` in `x @ W.T`, or the tokens of the model's own `jax.vmap`): its inputs get one scale per
     token too, per index of the axes the product does not sum over ([`eqx_quant.LayerQuantizer`][] with
     `per_token=True`), so that the model computes what it would with linear layers mapped over the tokens.
-    Convolutions have one scale per input tensor. [`eqx_quant.calibrate`][] turns dynamic scales into static ones,
-    one per tensor.
+    Convolutions have one scale per input tensor: a convolution over a whole sequence (a causal `Conv1d`, say)
+    scales every position by the largest input anywhere in it, so an earlier position's output depends, by a
+    rounding step, on later ones, and a prefix computes other values than the same positions of the whole sequence.
+    [`eqx_quant.calibrate`][] turns dynamic scales into static ones, one per tensor, which keep such models causal.
 
     **Arguments:**
 

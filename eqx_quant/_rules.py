@@ -585,7 +585,12 @@ def quantize(
                         products=None, match="search", backward=None)  # fmt: skip
         extra = [name for name in given if given[name] != defaults[name]]
         if extra:
-            raise ValueError(f"`rules` is the whole configuration: leave {', '.join(map(repr, extra))} out of it.")
+            raise ValueError(
+                f"`rules` is the whole configuration: leave {', '.join(map(repr, extra))} out of it. A rule holds "
+                "its own `matmul`, `products` and `backward`; to leave layers in float, put "
+                "`eqx_quant.Rule(pattern, weight=None, input=None)` before the others (a recipe's `keep=` argument "
+                "keeps layers at a higher precision)."
+            )
         decide, check, reaches = _rule_list(rules)
     else:
         decide, check, reaches = _legacy_rules(weights, activations, where, matmul, products, match, backward)

@@ -20,6 +20,7 @@ from ._misc import FLOAT32_TINY, check_int, check_real, check_where
 from ._observe import (
     check_callable,
     check_called,
+    check_not_converted,
     checked,
     fold as fold_statistics,
     layer_stack,
@@ -319,6 +320,7 @@ def smoothquant(
     inputs that are NaN or infinite.
     """
     check_callable(model)
+    check_not_converted(model, "smoothquant")
     alphas = _check_alphas(alpha)
     _check_flags(batched=batched, progress=progress)
     _check_fold(fold)
@@ -758,6 +760,7 @@ def awq(
     per layer, the calibration inputs that are NaN or infinite.
     """
     check_callable(model)
+    check_not_converted(model, "awq")
     grid, clip_grid = check_int("grid", grid), check_int("clip_grid", clip_grid)
     if grid < 2:  # one `α`, 0, is round to nearest
         raise ValueError(f"`grid` must be at least 2, got grid={grid}.")
@@ -883,6 +886,7 @@ def rotate(
     """
     if not (isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
         raise TypeError(f"`key` must be a JAX PRNG key (`jax.random.key(0)`), got key={key!r}.")
+    check_not_converted(model, "rotate")
     has_quantizer = lambda w, x: w is not None or x is not None  # noqa: E731
     _check_flags(batched=batched)
     targets, traced, where_of = _targets(

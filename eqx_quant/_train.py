@@ -12,7 +12,7 @@ from jaxtyping import Array, ArrayLike, Float, Int, PyTree
 
 from ._backward import UnquantizedBackward
 from ._misc import FLOAT32_TINY, is_concrete, one_program
-from ._observe import layer_stack
+from ._observe import check_not_converted, layer_stack
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._rules import float_model
 from ._traced import QuantTraced, leaves_by_path, replaced
@@ -256,6 +256,7 @@ def learn_scales(model: PyTree) -> PyTree:
         print(type(q).__name__, q.scale.shape)  # LearnedFakeQuant (32, 1)
         ```
     """
+    check_not_converted(model, "learn_scales")
     layers = [
         (path, layer)
         for path, layer in nodes(model, (AbstractQuantLayer,))

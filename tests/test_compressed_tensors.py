@@ -166,7 +166,8 @@ def test_config_groups_ignore_names_stacked_and_static_inputs(tmp_path):
     names = {"blocks.weight": "model.layers.{layer}.proj.weight", "blocks.bias": "model.layers.{layer}.proj.bias",
              "mlp.weight": "model.mlp.weight", "mlp.bias": "model.mlp.bias", "head.weight": "lm_head.weight",
              "head.bias": None, "embed.weight": "model.embed_tokens.weight"}  # fmt: skip
-    eqx_quant.export_compressed_tensors(tmp_path, converted, names=names)
+    with pytest.warns(UserWarning, match=r"the quantized weights \[.embed.weight.\] .* dequantized"):
+        eqx_quant.export_compressed_tensors(tmp_path, converted, names=names)
     tensors, _ = read_safetensors(tmp_path / "model.safetensors")
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert qc["format"] == "mixed-precision" and qc["ignore"] == ["lm_head"]
@@ -261,5 +262,9 @@ def test_errors(tmp_path):
     with pytest.raises(ValueError, match=r"'conv.input_quant' is a DynamicFakeQuant, .* `Rule\('conv', input=None\)`"):
         eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.convert(eqx_quant.quantize(net, rules[1:])))
     assert not (tmp_path / "config.json").exists()
-    eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.convert(eqx_quant.quantize(net, rules)))
+    with pytest.warns(UserWarning, match=r"the quantized weights \['conv.weight'\] \(of embeddings or convolutions\)"):
+        eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.convert(eqx_quant.quantize(net, rules)))
     assert (tmp_path / "config.json").exists()
+    conv = eqx_quant.convert(eqx_quant.quantize(net, rules))["conv"]
+    tensors, _ = read_safetensors(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(tensors["conv.weight"], conv.weight)  # the weight the converted model uses

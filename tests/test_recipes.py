@@ -87,6 +87,19 @@ def test_recipe_errors():
         recipe("w4a8_g32", group_size=0)
 
 
+def test_rules_refuse_the_legacy_arguments_and_say_how_to_keep_layers_float(mlp):
+    # `rules` is the whole configuration: `where` or `matmul` beside it would be ignored, so they are refused, with
+    # the rule that does what `where` would have done.
+    for extra in ({"where": "layers.0"}, {"matmul": "float"}):
+        with pytest.raises(ValueError, match=r"leave '(where|matmul)' out of it.*Rule\(pattern, weight=None"):
+            quantize(mlp, **recipe("w8a8"), **extra)
+    kept = quantize(mlp, rules=[eqx_quant.Rule(r"layers\.0", weight=None, input=None), *recipe("w8a8")["rules"]])
+    first, second = kept.layers[0], kept.layers[1]
+    assert (first.weight_quant, first.input_quant) == (None, None) and second.weight_quant is not None
+    x = jnp.linspace(-1.0, 1.0, 64)
+    assert_bitwise_equal(first(x), mlp.layers[0](x))
+
+
 def test_full_match_patterns():
     mlp = eqx.nn.MLP(2, 2, 4, 11, key=jax.random.key(3))
     searched = quantize(mlp, where=r"layers\.1")

@@ -146,6 +146,32 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     # Converting a converted model.
     with pytest.raises(ValueError, match="`model` is converted already"):
         eqx_quant.convert(eqx_quant.convert(eqx_quant.quantize(mlp)))
+
+    # Every algorithm on a converted model, of layers or of traced weights: they change the fake-quant model.
+    class Bare(eqx.Module):
+        w: jax.Array
+
+        def __call__(self, x):
+            return x @ self.w
+
+    batches = [jnp.ones((2, 32))]
+    converted = (
+        eqx_quant.convert(eqx_quant.quantize(mlp)),
+        eqx_quant.convert(eqx_quant.quantize(Bare(jnp.ones((32, 8))), example=(batches[0][0],))),
+    )
+    calls = {
+        "calibrate": lambda m: eqx_quant.calibrate(m, batches),
+        "gptq": lambda m: eqx_quant.gptq(m, batches),
+        "autoround": lambda m: eqx_quant.autoround(m, batches),
+        "smoothquant": lambda m: eqx_quant.smoothquant(m, batches),
+        "awq": lambda m: eqx_quant.awq(m, batches),
+        "rotate": lambda m: eqx_quant.rotate(m, key=jax.random.key(0)),
+        "learn_scales": eqx_quant.learn_scales,
+    }
+    for model in converted:
+        for name, call in calls.items():
+            with pytest.raises(ValueError, match=rf"`model` is converted .*: `{name}` works on the fake-quant model"):
+                call(model)
     # Calibrating a float model, and a quantized one with nothing to calibrate (weight-only, or block-format inputs).
     batch = jnp.ones((2, 32))
     with pytest.raises(ValueError, match="quantize it first"):
