@@ -184,7 +184,7 @@ def _weight_tensors(w: QuantizedArray, args: dict[str, Any], compression: str) -
             return out
         bits = args["num_bits"]
         out = {"weight_packed": _pack_int32(codes, bits), "weight_scale": scale,
-               "weight_shape": np.asarray(w.shape, np.int64)}  # fmt: skip
+               "weight_shape": np.asarray((*stack, *w.shape), np.int64)}  # fmt: skip
         if zero_point is not None:
             if args["strategy"] == "tensor":
                 out["weight_zero_point"] = zero_point

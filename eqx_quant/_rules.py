@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 import equinox as eqx
+import jax
 from jaxtyping import PyTree
 
 from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
@@ -815,7 +816,20 @@ def _traced_products(model: PyTree, example: object) -> tuple[
                               QuantMultiheadAttention)  # fmt: skip
     excluded = [path for path, _ in nodes(model, skipped)]
     found: dict[str, TracedProduct] = {}
-    traced = find_products(model, call, excluded)
+    try:
+        traced = find_products(model, call, excluded)
+    except Exception as error:
+        if callable(example):
+            given = "the function `example`"
+        else:
+            shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__,
+                                  example)  # fmt: skip
+            given = f"`model(*example)` with `example` {shapes}".replace("'", "")
+        error.add_note(
+            f"eqx_quant: raised tracing {given}. `example` is one call of the model as it runs: for a model written "
+            "for one example (mapped over a batch with `jax.vmap`), one example's arguments, without the batch axis."
+        )
+        raise
     problems = dict(traced.problems)
     operands: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {}
     for product in traced.weights:

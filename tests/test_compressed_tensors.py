@@ -219,6 +219,21 @@ def test_a_calibrated_stack_writes_an_input_scale_per_layer(tmp_path):
                                       np.asarray(converted.blocks.weight[i]))  # fmt: skip
 
 
+def test_a_stack_written_whole_describes_its_stacked_shape(tmp_path):
+    """Without `{layer}` in the names a stack's packed weight is one tensor with the stack's axis in front, and its
+    `weight_shape` says so: unpacked at that shape, each layer's codes times scales are its converted weight."""
+    blocks = eqx.filter_vmap(lambda k: eqx.nn.Linear(64, 16, key=k))(jax.random.split(jax.random.key(1), 2))
+    converted = eqx_quant.convert(eqx_quant.quantize(_Scanned(blocks), **eqx_quant.recipe("w4a16_g32")))
+    eqx_quant.export_compressed_tensors(tmp_path, converted)
+    tensors, _ = read_safetensors(tmp_path / "model.safetensors")
+    np.testing.assert_array_equal(tensors["blocks.weight_shape"], [2, 16, 64])
+    codes = unpack_int32(tensors["blocks.weight_packed"], 4, 64)
+    scales = tensors["blocks.weight_scale"]
+    assert codes.shape == (2, 16, 64) and scales.shape == (2, 16, 2)
+    weights = (codes.reshape(2, 16, 2, 32).astype(F32) * scales[..., None]).reshape(2, 16, 64)
+    np.testing.assert_array_equal(weights, np.asarray(converted.blocks.weight))
+
+
 def test_a_learned_asymmetric_input_writes_its_step_size_and_rounded_zero_point(tmp_path):
     """The step size a LearnedFakeQuant uses (floored at `min_scale`) and its zero point rounded into the grid."""
     linear = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}

@@ -253,6 +253,27 @@ def _note(error: BaseException) -> str:
     return note
 
 
+def test_an_error_tracing_example_says_what_example_is():
+    """A batch passed as `quantize`'s `example`: the layer's own error keeps its type and message, with a note of the
+    arguments traced and that `example` holds one example."""
+
+    class Bare(eqx.Module):
+        w: jax.Array
+        fc: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.fc(x @ self.w)
+
+    model = Bare(jnp.ones((8, 8)), eqx.nn.Linear(8, 2, key=jax.random.key(0)))
+    with pytest.raises(ValueError, match="`x` must have shape") as caught:
+        eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(jnp.ones((16, 8)),))
+    assert _note(caught.value) == (
+        "eqx_quant: raised tracing `model(*example)` with `example` (float32[16, 8],). `example` is one call of the "
+        "model as it runs: for a model written for one example (mapped over a batch with `jax.vmap`), one example's "
+        "arguments, without the batch axis."
+    )
+
+
 def test_an_error_on_the_first_batch_says_how_batches_are_called():
     """A model that takes a second argument, or a batch of (inputs, labels): the error raised on the first batch keeps
     its type and message, with a note of the batch and of how it was called. One array passed as `batches` is a
