@@ -246,7 +246,8 @@ def export_compressed_tensors(
 
     Layers that share a scheme share a config group, targeted by their names; float linear layers are listed in
     `ignore`. Other converted layers (embeddings, convolutions) are written with their dequantized weights, with a
-    warning that names them, and every other array as it is (F32 for float32). See [Serving a quantized model](../how-to/serving.md).
+    warning that names them, and every other array as it is (F32 for float32). See
+    [Serving a quantized model](../how-to/serving.md).
 
     **Arguments:**
 
