@@ -45,7 +45,7 @@ def _whole_tensor(quantizer: AbstractFakeQuantizer) -> AbstractFakeQuantizer:
     return dataclasses.replace(quantizer, axis_name=None)  # pyright: ignore[reportArgumentType]
 
 
-def _sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
+def sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
     """`tensor` with its integers, scales and zero points sharded like the weight they come from.
 
     An axis of a leaf that has the length of the weight's axis in the same position (the weight's own axes, and the
@@ -179,7 +179,7 @@ def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> 
         _check_finite_weight(f"Layer {path or '(the model itself)'!r}", weight)
         depth = stack_depth(layer.layer, weight.shape)
         tensor = _weight_quantization(depth)(_whole_tensor(layer.weight_quant), weight)
-        tensor = _sharded_like(tensor, weight)
+        tensor = sharded_like(tensor, weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
         if isinstance(layer, QuantEmbedding):
             return ConvertedEmbedding(skeleton, tensor)
@@ -224,7 +224,7 @@ def _convert_traced(traced: QuantTraced, matmul: str | None) -> QuantTraced:
         if quantizer is None or isinstance(leaf, QuantizedArray):
             return leaf
         _check_finite_weight(f"Traced weight {path_string(key_path)!r}", leaf)
-        return _sharded_like(_weight_quantization(0)(_whole_tensor(quantizer), leaf), leaf)
+        return sharded_like(_weight_quantization(0)(_whole_tensor(quantizer), leaf), leaf)
 
     is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
     model = jax.tree_util.tree_map_with_path(store, traced.model, is_leaf=is_stored)

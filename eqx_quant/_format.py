@@ -626,7 +626,11 @@ class FloatFormat(Format):
         return jnp.where(jnp.isnan(levels), self.nan_code, code).astype(jnp.uint8)
 
     def decode(self, codes: Array, dtype: np.dtype) -> Array:
-        return jnp.asarray(_table(self.element), dtype)[codes.astype(jnp.int32)]
+        table, indices = jnp.asarray(_table(self.element), dtype), codes.astype(jnp.int32)
+        sharding = jax.typeof(indices).sharding
+        if any(axis is not None for axis in sharding.spec):  # sharded in its type (Explicit mesh axes): kept so
+            return table.at[indices].get(out_sharding=sharding)
+        return table[indices]
 
     @property
     def nan_code(self) -> int:

@@ -15,7 +15,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import check_scale_method, gptq_solve
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, caller_stacklevel, check_real, check_where, where_traced
+from ._misc import FLOAT32_TINY, caller_stacklevel, check_real, check_where, placed_like, where_traced
 from ._observe import (
     TracedInput,
     add_batch_note,
@@ -178,6 +178,7 @@ def _with_solution(layer: QuantLinear, fmt: Format, group_size: int | None, weig
     else:
         make = lambda s, t: LearnedFakeQuant(s, format=fmt, tensor_scale=t, min_scale=FLOAT32_TINY, **layout)  # noqa: E731
         quantizer = per_layer(make, len(stack))(compact, t)
+    weight = placed_like(weight, layer.layer.weight)  # a sharded weight keeps its partitioning
     return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant), layer, (weight, quantizer))
 
 
@@ -544,7 +545,7 @@ def _with_traced(model: PyTree, target: _TracedTarget, weight: Array, quantizer:
         if root != target.root:
             return traced
         leaf = lambda m: _leaf_at(m, target.path)  # noqa: E731
-        inner = eqx.tree_at(leaf, traced.model, weight)
+        inner = eqx.tree_at(leaf, traced.model, placed_like(weight, leaf(traced.model)))
         weights = list(traced.weight_quants)
         weights[target.index] = quantizer
         return replaced(traced, model=inner, weight_quants=weights)

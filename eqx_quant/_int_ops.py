@@ -266,6 +266,11 @@ def _grouped_sum_of(weight: tuple[Array, Array], x: Array) -> Array:
     out, groups, group = w.shape
     batch = x.shape[:-1]
     xs = jnp.moveaxis(x.reshape(-1, groups, group), 1, 0)  # (groups, examples, group)
+    spec = jax.typeof(xs).sharding.spec
+    if spec[0] is not None:
+        # Input features sharded in their type (Explicit mesh axes), as a column-parallel layer's output is: every
+        # device needs all the groups for its outputs, gathered here (the float product gathers them too).
+        xs = jax.sharding.reshard(xs, jax.sharding.PartitionSpec(None, *spec[1:]))
     dims = (((2,), (2,)), ((0,), (0,)))  # contract within a group; groups along the batch axis
     acc = group_sums(xs, jnp.moveaxis(w, 1, 0), dims, group)  # (groups, examples, out)
     terms = opaque(acc * jnp.moveaxis(w_scale.reshape(out, groups), 1, 0)[:, None, :])

@@ -52,6 +52,15 @@ def _wrapper(filename: str) -> bool:
     return filename.startswith("<") or "jaxtyping" in parts or "beartype" in parts
 
 
+def placed_like(new: Any, old: object) -> Any:
+    """`new` (an array) with the sharding of `old` where that is a concrete array with a `NamedSharding` (a sharded
+    model's weight), so that a weight computed again keeps the partitioning it had; else `new` as it is."""
+    sharding = getattr(old, "sharding", None)
+    if isinstance(old, jax.core.Tracer) or not isinstance(sharding, jax.sharding.NamedSharding):
+        return new
+    return jax.device_put(new, sharding)
+
+
 def check_where(where: object) -> None:
     """Raises a `TypeError` unless `where` is a predicate `f(path, layer)` or `None`."""
     if where is not None and not callable(where):

@@ -13,6 +13,7 @@ from jaxtyping import PyTree
 from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import Format, as_format, float_format
 from ._int_ops import integer_grid
+from ._layout import Layout
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
 from ._traced import TRACED_ONLY, QuantTraced, TracedProduct, find_products, trace_call, weight_layout
 from ._tree import map_nodes, nodes
@@ -659,6 +660,7 @@ def quantize(
             return layer
         if subclasses == "skip" and _overrides_call(layer):
             return layer
+        _check_fits(path, decision.weight, layer)
         if isinstance(layer, eqx.nn.Embedding):
             return QuantEmbedding(layer, weight_quant=decision.weight)
         unquantized = decision.backward if isinstance(decision.backward, UnquantizedBackward) else None
@@ -849,6 +851,18 @@ def _traced_products(model: PyTree, example: object) -> tuple[
                 "float), or write one of the products with a copy of the weight."
             ))  # fmt: skip
     return {path: p for path, p in found.items() if path not in problems}, traced.activations, problems, operands
+
+
+def _check_fits(path: str, quantizer: object, layer: Any) -> None:
+    """A `ValueError` naming the layer for a weight quantizer whose layout does not fit the layer's weight (a group
+    size that does not divide the tiled axis), raised here rather than when the model first runs."""
+    layout, weight = getattr(quantizer, "layout", None), getattr(layer, "weight", None)
+    if not isinstance(layout, Layout) or not eqx.is_array(weight) or stack_depth(layer, weight.shape):
+        return
+    try:
+        layout.view_shape(weight.shape)
+    except ValueError as error:
+        raise ValueError(f"Layer {path!r}: its weight quantizer does not fit its weight: {error}") from None
 
 
 def _wrap_products(model: PyTree, decisions: dict[str, _Decision]) -> PyTree:

@@ -16,8 +16,10 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._backward import QuantizedBackward, UnquantizedBackward
+from ._convert import sharded_like
 from ._format import Format, format_from_json, format_named
 from ._layout import Layout
+from ._misc import placed_like
 from ._qarray import QuantizedArray, quantize_array
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant, PassthroughClip
 from ._scales import Scales
@@ -349,7 +351,8 @@ def _rebuilt(
         inputs = None if isinstance(node, eqx.nn.Embedding) else quantizer(f"{saved_path}.input_quant", stack)
         transform = _empty_transform(record.get("input_transform"), stack + (getattr(node, "in_features", 0),))
         if kind.startswith("Converted"):
-            qweight = _empty_array(tensors[f"{saved_path}.qweight"], stack)
+            # Sharded as `convert` shards it, from the float weight's partitioning.
+            qweight = sharded_like(_empty_array(tensors[f"{saved_path}.qweight"], stack), node.weight)
             skeleton = eqx.tree_at(lambda l: l.weight, node, None)
             if kind == "ConvertedEmbedding":
                 return ConvertedEmbedding(skeleton, qweight)
@@ -466,7 +469,8 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
         quantizers (dynamic, learned) must be of the saved types and have their static fields (format, layout, ...),
         since the saved model computes with those; its [`eqx_quant.QuantizedArray`][]s must have the formats,
         layouts, shapes, packing widths and dtypes of the saved ones, since the stored codes mean nothing in another
-        format.
+        format. An array of `like` sharded over a mesh (a `NamedSharding`) gives the loaded array at its place the
+        same sharding; the others are loaded onto the default device.
 
     **Returns:**
 
@@ -544,4 +548,4 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
             raise ValueError(
                 f"`path`={str(path)!r} holds more data than `like` reads: it was saved from another model."
             )
-        return model
+        return jax.tree.map(placed_like, model, like)

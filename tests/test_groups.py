@@ -47,6 +47,17 @@ def test_layout_shapes_by_hand():
 
 
 @pytest.mark.slow
+def test_quantize_refuses_a_group_size_that_does_not_fit_a_weight_naming_the_layer():
+    """A grouped weight quantizer whose group size does not divide a chosen layer's contraction is an error of
+    `quantize`, naming the layer, not of the model's first call."""
+    model = {"pw": eqx.nn.Conv2d(16, 32, 1, key=jax.random.key(0)), "fc": eqx.nn.Linear(12, 4, key=jax.random.key(1))}
+    for path, size in (("pw", 1), ("fc", 12)):
+        with pytest.raises(ValueError, match=rf"Layer '{path}': its weight quantizer does not fit .* of size {size}"):
+            eqx_quant.quantize(model, weights=DynamicFakeQuant(4, group_size=8), where=path)
+    fitting = eqx_quant.quantize(model, weights=DynamicFakeQuant(4, group_size=4), where="fc")
+    assert fitting["fc"].weight_quant.layout.group_size == 4
+
+
 def test_dynamic_scales_per_group_and_per_axes_match_numpy():
     x = np.asarray(jax.random.normal(jax.random.key(0), (3, 4, 8)), F32) * F32(3)
     # Groups of 4 along the last axis: one scale per (i, j, group).

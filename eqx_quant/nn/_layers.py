@@ -106,6 +106,10 @@ def _after_jvp(primals, tangents):
 def _select(weight: Array, x: Array) -> Array:
     if x.size == 0:  # an empty input (or batch): nothing to wait for
         return weight
+    if any(axis is not None for axis in jax.typeof(x).sharding.spec):
+        # Sharded in its type (Explicit mesh axes), where reading one entry of a sharded axis is refused: the
+        # weight as it is, in the quantized and the converted layer alike.
+        return weight
     # On CPU only, where the memory is the allocator's problem: elsewhere the dependency is not needed, and with the
     # batch sharded across devices its first entry would cost a collective per layer.
     return jax.lax.platform_dependent(weight, x, cpu=_select_on_cpu, default=_weight_alone)
@@ -260,10 +264,14 @@ def check_input(layer: eqx.Module, x: Array) -> None:
     """Raises a `ValueError` unless `x` is one example for the float `layer` (a `Linear` or a `Conv`): the check that
     the quantized layer and its converted integer layer both make first, so that they fail alike."""
     if isinstance(layer, eqx.nn.Linear):
-        expected = () if layer.in_features == "scalar" else (layer.in_features,)
+        features = layer.in_features
+        if features != "scalar" and eqx.is_array(layer.weight):
+            # The weight's own: inside `jax.shard_map` a row-parallel layer holds its shard of the input features.
+            features = layer.weight.shape[-1]
+        expected = () if features == "scalar" else (features,)
         if x.shape != expected:
             raise ValueError(
-                f"`x` must have shape {expected} for a linear layer with in_features={layer.in_features!r}, got shape "
+                f"`x` must have shape {expected} for a linear layer with in_features={features!r}, got shape "
                 f"{x.shape}. Layers take one example: map a batch with `jax.vmap`."
             )
     elif isinstance(layer, eqx.nn.Conv):

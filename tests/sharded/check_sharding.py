@@ -285,6 +285,27 @@ def test_explicit_axes():
         np.testing.assert_array_equal(np.asarray(forward(converted, sx)), np.asarray(forward(model_mesh, sx)))
 
 
+@pytest.mark.parametrize("recipe", ["w8a16", "w4a8_g32", "fp8", "nvfp4"])
+def test_explicit_axes_with_weight_only_grouped_and_float_format_recipes(recipe):
+    """On Explicit axes the recipes whose layers read a weight after their input (weight-only, float formats), whose
+    grouped product takes input features sharded by the layer before, or whose codes decode through a table train and
+    convert as on Auto axes: the converted model equals the fake-quant one bit for bit, and the integer forward
+    (`w4a8_g32`) equals the one-device model's."""
+    x, y = batch("mlp")
+    one_device = eqx_quant.quantize(float_model("mlp"), **eqx_quant.recipe(recipe))
+    with jax.set_mesh(EXPLICIT):
+        model = eqx_quant.quantize(shard(float_model("mlp"), EXPLICIT, row_parallel=()), **eqx_quant.recipe(recipe))
+        sx, sy = shard_batch(x, y, EXPLICIT)
+        trained_model, loss, _ = train_step(model, sx, sy, explicit=True)
+        assert np.isfinite(float(loss))
+        assert_same_shardings(trained_model, model)
+        out = forward(model, sx)
+        converted = eqx_quant.convert(model)
+        np.testing.assert_array_equal(np.asarray(forward(converted, sx)), np.asarray(out))
+    if recipe == "w4a8_g32":
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(forward(one_device, x)))
+
+
 def test_explicit_axes_row_parallel_needs_an_output_sharding_like_float():
     """A contraction over an Explicit-sharded axis has no unambiguous output sharding: `eqx.nn.Linear` raises, and
     so does its quantized wrapper, with JAX's own error."""
@@ -311,6 +332,50 @@ def test_calibrate_sharded_model_matches_single_device(kind):
         np.testing.assert_allclose(a.input_quant.scale, b.input_quant.scale, rtol=1e-6)
         # The weights keep their layout, split along the model axis.
         assert a.layer.weight.sharding.spec == c.layer.weight.sharding.spec and "model" in a.layer.weight.sharding.spec
+
+
+def test_gptq_keeps_the_weights_partitioning():
+    """GPTQ's weights keep the shardings of the weights they replace (the row-parallel layer's input features on
+    `model`, the others' output channels), and equal the one-device model's up to the Hessians' float sums."""
+    x, _ = batch("mlp")
+    batches = [x[:8], x[8:]]
+    single = eqx_quant.gptq(quantized("mlp", "dynamic"), batches)
+    before = quantized("mlp", "dynamic", AUTO)
+    solved = eqx_quant.gptq(before, [jax.device_put(b, NamedSharding(AUTO, P("data", None))) for b in batches])
+    for a, b, c in zip(*[layers_of(m, AbstractQuantLayer) for m in (solved, single, before)], strict=True):
+        assert a.layer.weight.sharding.is_equivalent_to(c.layer.weight.sharding, 2), a.layer.weight.sharding
+        np.testing.assert_allclose(a.layer.weight, b.layer.weight, rtol=1e-5, atol=1e-6)
+
+
+def test_load_gives_arrays_the_shardings_of_like(tmp_path):
+    """A converted model saved and loaded into its sharded self, or into the sharded float model it came from: the
+    same arrays, sharded as `like`'s (the float weights' partitioning carried into the stored integers)."""
+    converted = eqx_quant.convert(quantized("mlp", "dynamic", AUTO))
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, converted)
+    for like in (converted, shard(float_model("mlp"), AUTO)):
+        loaded = eqx_quant.load(path, like)
+        assert_same_shardings(loaded, converted)
+        for a, b in zip(arrays(loaded), arrays(converted), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_shard_map_row_parallel_linear_layer_takes_its_shard_of_the_features():
+    """Inside `shard_map` a row-parallel quantized layer runs on its weight's shard of the input features, with
+    statistics across the shards (`axis_name`): after `psum`, the whole layer's output up to the float sum of the
+    rescaled partial sums."""
+    mesh = jax.make_mesh((4,), ("model",), axis_types=(AxisType.Auto,))
+    linear = eqx.nn.Linear(64, 32, use_bias=False, key=jax.random.key(0))
+    x = jnp.asarray(np.random.default_rng(2).standard_normal(64, dtype=np.float32))
+    whole = eqx_quant.quantize(linear, weights=eqx_quant.DynamicFakeQuant(8), activations=eqx_quant.DynamicFakeQuant(8))
+    split = eqx_quant.quantize(linear, weights=eqx_quant.DynamicFakeQuant(8, axis_name="model"),
+                               activations=eqx_quant.DynamicFakeQuant(8, axis_name="model"))  # fmt: skip
+
+    def row(w, xs):
+        return jax.lax.psum(eqx.tree_at(lambda m: m.layer.weight, split, w)(xs), "model")
+
+    y = jax.jit(jax.shard_map(row, mesh=mesh, in_specs=(P(None, "model"), P("model")), out_specs=P()))(linear.weight, x)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(whole(x)), rtol=1e-6, atol=1e-6)
 
 
 def test_shard_map_per_tensor_statistics_with_axis_name():
