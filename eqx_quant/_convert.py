@@ -11,6 +11,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
+from ._misc import named_sharding
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
 from ._traced import QuantTraced, replaced
@@ -53,8 +54,8 @@ def sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
     integers keep the partitioning of the weight's first axis. A weight without a `NamedSharding` (on one device,
     or traced) leaves `tensor` as it is.
     """
-    sharding = getattr(weight, "sharding", None) if isinstance(weight, jax.Array) else None
-    if isinstance(weight, jax.core.Tracer) or not isinstance(sharding, NamedSharding):
+    sharding = named_sharding(weight)
+    if sharding is None:
         return tensor
     spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
     if tensor.view_shape != weight.shape:  # grouped: the view's axes are not the weight's

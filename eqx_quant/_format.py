@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from jaxtyping import Array
 
-from ._misc import check_int, expand_to_rank
+from ._misc import check_int, expand_to_rank, sharded_in_type
 
 
 SCALE_FORMATS = ("float32", "e8m0", "e4m3", "float16")
@@ -627,9 +627,8 @@ class FloatFormat(Format):
 
     def decode(self, codes: Array, dtype: np.dtype) -> Array:
         table, indices = jnp.asarray(_table(self.element), dtype), codes.astype(jnp.int32)
-        sharding = jax.typeof(indices).sharding
-        if any(axis is not None for axis in sharding.spec):  # sharded in its type (Explicit mesh axes): kept so
-            return table.at[indices].get(out_sharding=sharding)
+        if sharded_in_type(indices):  # over Explicit mesh axes: the codes' sharding, kept
+            return table.at[indices].get(out_sharding=jax.typeof(indices).sharding)
         return table[indices]
 
     @property

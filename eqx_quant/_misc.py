@@ -52,13 +52,26 @@ def _wrapper(filename: str) -> bool:
     return filename.startswith("<") or "jaxtyping" in parts or "beartype" in parts
 
 
+def named_sharding(x: object) -> jax.sharding.NamedSharding | None:
+    """The `NamedSharding` of an array (or shape) placed over a mesh, else `None` (one device, a tracer, not an
+    array)."""
+    sharding = getattr(x, "sharding", None)
+    if isinstance(x, jax.core.Tracer) or not isinstance(sharding, jax.sharding.NamedSharding):
+        return None
+    return sharding
+
+
 def placed_like(new: Any, old: object) -> Any:
-    """`new` (an array) with the sharding of `old` where that is a concrete array with a `NamedSharding` (a sharded
-    model's weight), so that a weight computed again keeps the partitioning it had; else `new` as it is."""
-    sharding = getattr(old, "sharding", None)
-    if isinstance(old, jax.core.Tracer) or not isinstance(sharding, jax.sharding.NamedSharding):
-        return new
-    return jax.device_put(new, sharding)
+    """`new` (an array) with the sharding of `old` where that is placed over a mesh (a sharded model's weight), so
+    that a weight computed again keeps the partitioning it had; else `new` as it is."""
+    sharding = named_sharding(old)
+    return new if sharding is None else jax.device_put(new, sharding)
+
+
+def sharded_in_type(x: Array) -> bool:
+    """Whether `x` is sharded in its type (over Explicit mesh axes), where JAX asks operations that gather from it
+    for their output's sharding."""
+    return any(axis is not None for axis in jax.typeof(x).sharding.spec)
 
 
 def check_where(where: object) -> None:

@@ -21,7 +21,7 @@ from ._misc import FLOAT32_TINY, caller_stacklevel
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer
 from ._scales import finite_or, stats
-from ._traced import QuantTraced, each_token, replaced, two_level
+from ._traced import QuantTraced, each_token, leaves_by_path, replaced, two_level
 from ._tree import map_nodes, nodes
 from .nn._converted import AbstractConvertedLayer
 from .nn._layers import AbstractQuantLayer, QuantConv, stack_shape
@@ -366,11 +366,14 @@ def check_callable(model: PyTree) -> None:
 
 
 def check_not_converted(model: PyTree, what: str) -> None:
-    """A `ValueError` for a converted model (layers or traced weights stored as codes), which `what` cannot change:
-    it works on the fake-quant model, before `convert`."""
-    is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
-    stored = any(is_stored(leaf) for leaf in jax.tree.leaves(model, is_leaf=is_stored))
-    if stored or nodes(model, (AbstractConvertedLayer,)):
+    """A `ValueError` for a converted model, which `what` cannot change: one with layers or traced weights stored as
+    codes and none left fake-quantized (a model converted in part keeps its fake-quant layers and weights to work
+    on, where `what` says why it leaves the others)."""
+    traced = [t for _, t in nodes(model, (QuantTraced,))]
+    stored = [isinstance(leaves_by_path(t.model)[path], QuantizedArray) for t in traced for path in t.weight_paths]
+    if nodes(model, (AbstractQuantLayer,)) or not all(stored):  # something left to work on
+        return
+    if nodes(model, (AbstractConvertedLayer,)) or any(stored):
         raise ValueError(
             f"`model` is converted (its weights are stored as codes, by `eqx_quant.convert`): `{what}` works on the "
             "fake-quant model. Run it before `convert`, then convert the result."

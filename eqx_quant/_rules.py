@@ -857,10 +857,12 @@ def _check_fits(path: str, quantizer: object, layer: Any) -> None:
     """A `ValueError` naming the layer for a weight quantizer whose layout does not fit the layer's weight (a group
     size that does not divide the tiled axis), raised here rather than when the model first runs."""
     layout, weight = getattr(quantizer, "layout", None), getattr(layer, "weight", None)
-    if not isinstance(layout, Layout) or not eqx.is_array(weight) or stack_depth(layer, weight.shape):
+    if not isinstance(layout, Layout) or not eqx.is_array(weight):
         return
+    # A quantizer of stacked layers sees one layer's weight, unless its layout has the stacked axes itself.
+    shape = weight.shape if layout.stacked else weight.shape[stack_depth(layer, weight.shape) :]
     try:
-        layout.view_shape(weight.shape)
+        layout.view_shape(shape)
     except ValueError as error:
         raise ValueError(f"Layer {path!r}: its weight quantizer does not fit its weight: {error}") from None
 

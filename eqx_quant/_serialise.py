@@ -404,7 +404,7 @@ def _rebuilt_traced(like: PyTree, records: list, quantizer: Callable, tensors: d
 
     def empty(key_path: Any, leaf: Any) -> Any:
         name = f"model.{path_string(key_path)}"
-        return _empty_array(tensors[name], ()) if name in tensors else leaf
+        return sharded_like(_empty_array(tensors[name], ()), leaf) if name in tensors else leaf
 
     model = jax.tree_util.tree_map_with_path(empty, like)
     weights = tuple(quantizer(f"weight_quants.{i}", ()) for i in range(len(paths)))

@@ -46,7 +46,6 @@ def test_layout_shapes_by_hand():
         Layout.of((1, 1))
 
 
-@pytest.mark.slow
 def test_quantize_refuses_a_group_size_that_does_not_fit_a_weight_naming_the_layer():
     """A grouped weight quantizer whose group size does not divide a chosen layer's contraction is an error of
     `quantize`, naming the layer, not of the model's first call."""
@@ -56,8 +55,14 @@ def test_quantize_refuses_a_group_size_that_does_not_fit_a_weight_naming_the_lay
             eqx_quant.quantize(model, weights=DynamicFakeQuant(4, group_size=8), where=path)
     fitting = eqx_quant.quantize(model, weights=DynamicFakeQuant(4, group_size=4), where="fc")
     assert fitting["fc"].weight_quant.layout.group_size == 4
+    # Stacked layers (built with `eqx.filter_vmap`): the quantizer sees one layer's weight, (4, 12).
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(12, 4, key=k))(jax.random.split(jax.random.key(2), 3))
+    with pytest.raises(ValueError, match=r"Layer 's': .* of size 12 \(shape \(4, 12\)\)"):
+        eqx_quant.quantize({"s": stack}, weights=DynamicFakeQuant(4, group_size=8))
+    assert eqx_quant.quantize({"s": stack}, weights=DynamicFakeQuant(4, group_size=4))["s"].weight_quant is not None
 
 
+@pytest.mark.slow
 def test_dynamic_scales_per_group_and_per_axes_match_numpy():
     x = np.asarray(jax.random.normal(jax.random.key(0), (3, 4, 8)), F32) * F32(3)
     # Groups of 4 along the last axis: one scale per (i, j, group).

@@ -365,14 +365,14 @@ def test_traced_transforms_are_checked():
 
 @pytest.mark.slow
 def test_transforms_refuse_traced_weights_fitted_or_stored_already():
-    """A traced weight whose input scales were calibrated, whose weight scales GPTQ fitted, or that is stored as codes
-    is refused where `where` chooses it, naming why."""
+    """A traced weight whose input scales were calibrated, or whose weight scales GPTQ fitted, is refused where `where`
+    chooses it, naming why; a converted model (every weight stored as codes) is refused as a whole."""
     q = eqx_quant.quantize(PRODUCTS, **eqx_quant.recipe("w8a8"), example=(X[0],))
     calibrated = eqx_quant.calibrate(q, [X])
     a = lambda path, weight: path == "model.a"  # noqa: E731
     with pytest.raises(ValueError, match=r"'model.a' has the input quantizer .* run `smoothquant` before `calibrate`"):
         eqx_quant.smoothquant(calibrated, [X], where=a)
-    with pytest.raises(ValueError, match=r"'model.a' is stored as codes \(converted\)"):
+    with pytest.raises(ValueError, match=r"`model` is converted .*: `awq` works on the fake-quant model"):
         eqx_quant.awq(eqx_quant.convert(calibrated), [X], where=a)
     with pytest.raises(ValueError, match=r"'model.a' has the weight quantizer FakeQuant .* needs a dynamic one"):
         eqx_quant.smoothquant(eqx_quant.gptq(q, [X]), [X], where=a)

@@ -15,7 +15,7 @@ from .._backward import (
     straight_through,
 )
 from .._int_ops import LinearSpec, any_float64, integer_forward, integer_grid, plan
-from .._misc import computed_before, one_program, read_through, value_computed_before
+from .._misc import computed_before, one_program, read_through, sharded_in_type, value_computed_before
 from .._qarray import nan_levels
 from .._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._transforms import AbstractInputTransform
@@ -106,7 +106,7 @@ def _after_jvp(primals, tangents):
 def _select(weight: Array, x: Array) -> Array:
     if x.size == 0:  # an empty input (or batch): nothing to wait for
         return weight
-    if any(axis is not None for axis in jax.typeof(x).sharding.spec):
+    if sharded_in_type(x):
         # Sharded in its type (Explicit mesh axes), where reading one entry of a sharded axis is refused: the
         # weight as it is, in the quantized and the converted layer alike.
         return weight
@@ -270,9 +270,10 @@ def check_input(layer: eqx.Module, x: Array) -> None:
             features = layer.weight.shape[-1]
         expected = () if features == "scalar" else (features,)
         if x.shape != expected:
+            what = "in_features='scalar'" if features == "scalar" else f"a weight of {features} input features"
             raise ValueError(
-                f"`x` must have shape {expected} for a linear layer with in_features={features!r}, got shape "
-                f"{x.shape}. Layers take one example: map a batch with `jax.vmap`."
+                f"`x` must have shape {expected} for a linear layer with {what}, got shape {x.shape}. Layers take one "
+                "example: map a batch with `jax.vmap`."
             )
     elif isinstance(layer, eqx.nn.Conv):
         if x.ndim != layer.num_spatial_dims + 1 or x.shape[0] != layer.in_channels:

@@ -355,9 +355,25 @@ def test_load_gives_arrays_the_shardings_of_like(tmp_path):
     eqx_quant.save(path, converted)
     for like in (converted, shard(float_model("mlp"), AUTO)):
         loaded = eqx_quant.load(path, like)
+        assert "model" in loaded.layers[0].qweight.values.sharding.spec  # sharded, not on one device
         assert_same_shardings(loaded, converted)
         for a, b in zip(arrays(loaded), arrays(converted), strict=True):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # A traced weight (of `quantize(..., example=)`), loaded into its sharded float model.
+    weight = jax.device_put(jnp.linspace(-1.0, 1.0, 64 * 16).reshape(64, 16), NamedSharding(AUTO, P(None, "model")))
+    bare = _Bare(weight)
+    stored = eqx_quant.convert(eqx_quant.quantize(bare, **eqx_quant.recipe("w8a16"), example=(jnp.ones(64),)))
+    eqx_quant.save(tmp_path / "bare.eqx", stored)
+    loaded = eqx_quant.load(tmp_path / "bare.eqx", bare)
+    assert_same_shardings(loaded, stored)
+    assert "model" in loaded.model.w.values.sharding.spec
+
+
+class _Bare(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w
 
 
 def test_shard_map_row_parallel_linear_layer_takes_its_shard_of_the_features():
