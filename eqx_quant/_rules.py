@@ -660,7 +660,7 @@ def quantize(
             return layer
         if subclasses == "skip" and _overrides_call(layer):
             return layer
-        _check_fits(path, decision.weight, layer)
+        _check_weight_fits(path, decision.weight, layer)
         if isinstance(layer, eqx.nn.Embedding):
             return QuantEmbedding(layer, weight_quant=decision.weight)
         unquantized = decision.backward if isinstance(decision.backward, UnquantizedBackward) else None
@@ -853,7 +853,7 @@ def _traced_products(model: PyTree, example: object) -> tuple[
     return {path: p for path, p in found.items() if path not in problems}, traced.activations, problems, operands
 
 
-def _check_fits(path: str, quantizer: object, layer: Any) -> None:
+def _check_weight_fits(path: str, quantizer: object, layer: Any) -> None:
     """A `ValueError` naming the layer for a weight quantizer whose layout does not fit the layer's weight (a group
     size that does not divide the tiled axis), raised here rather than when the model first runs."""
     layout, weight = getattr(quantizer, "layout", None), getattr(layer, "weight", None)
