@@ -419,14 +419,18 @@ class _Bare(str):
         return str(self)
 
 
+def shapes_of(tree: PyTree) -> PyTree:
+    """`tree` with each array as its dtype and shape (`float32[8, 8]`), for messages."""
+    return jax.tree.map(lambda a: _Bare(f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__), tree)
+
+
 def add_batch_note(error: BaseException, batch: PyTree, batched: bool, which: str = "the first batch") -> None:
     """Adds to an error raised running the model on `batch` (`which`: the first of `batches`, by default) a note of
     the batch and of how the algorithms call the model with it, unless it has one already (an error passing through
     two steps that each run the model)."""
     if any(note.startswith("eqx_quant: raised running") for note in getattr(error, "__notes__", [])):
         return
-    leaves = jax.tree.map(lambda a: _Bare(f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__),
-                          batch)  # fmt: skip
+    leaves = shapes_of(batch)
     call = "`model(batch)` (`batched=True`)" if batched else "`jax.vmap(model)(batch)`"
     pairs = (
         " A tuple or list is one argument too: for (inputs, labels) pairs from a data loader, pass the inputs alone."

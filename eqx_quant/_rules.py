@@ -7,13 +7,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal, TypeAlias
 
 import equinox as eqx
-import jax
 from jaxtyping import PyTree
 
 from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import Format, as_format, float_format
 from ._int_ops import integer_grid
 from ._layout import Layout
+from ._observe import shapes_of
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
 from ._traced import TRACED_ONLY, QuantTraced, TracedProduct, find_products, trace_call, weight_layout
 from ._tree import map_nodes, nodes
@@ -821,12 +821,9 @@ def _traced_products(model: PyTree, example: object) -> tuple[
     try:
         traced = find_products(model, call, excluded)
     except Exception as error:
-        if callable(example):
-            given = "the function `example`"
-        else:
-            shapes = jax.tree.map(lambda a: f"{a.dtype}{list(a.shape)}" if hasattr(a, "shape") else type(a).__name__,
-                                  example)  # fmt: skip
-            given = f"`model(*example)` with `example` {shapes}".replace("'", "")
+        given = (
+            "the function `example`" if callable(example) else f"`model(*example)` with `example` {shapes_of(example)}"
+        )
         error.add_note(
             f"eqx_quant: raised tracing {given}. `example` is one call of the model as it runs: for a model written "
             "for one example (mapped over a batch with `jax.vmap`), one example's arguments, without the batch axis."
