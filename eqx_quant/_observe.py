@@ -369,8 +369,10 @@ def check_not_converted(model: PyTree, what: str) -> None:
     """A `ValueError` for a converted model, which `what` cannot change: one with layers or traced weights stored as
     codes and none left fake-quantized (a model converted in part keeps its fake-quant layers and weights to work
     on, where `what` says why it leaves the others)."""
-    traced = [t for _, t in nodes(model, (QuantTraced,))]
-    stored = [isinstance(leaves_by_path(t.model)[path], QuantizedArray) for t in traced for path in t.weight_paths]
+    stored = []
+    for _, traced in nodes(model, (QuantTraced,)):
+        leaves = leaves_by_path(traced.model)
+        stored += [isinstance(leaves[path], QuantizedArray) for path in traced.weight_paths]
     if nodes(model, (AbstractQuantLayer,)) or not all(stored):  # something left to work on
         return
     if nodes(model, (AbstractConvertedLayer,)) or any(stored):

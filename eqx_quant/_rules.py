@@ -13,6 +13,7 @@ from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import Format, as_format, float_format
 from ._int_ops import integer_grid
 from ._layout import Layout
+from ._misc import caller_stacklevel
 from ._observe import shapes_of
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
 from ._traced import TRACED_ONLY, QuantTraced, TracedProduct, find_products, trace_call, weight_layout
@@ -132,7 +133,7 @@ class LayerQuantizer:
             warnings.warn(
                 f"Layer {path!r}: its contraction does not split into tiles of {group}, so its "
                 f"{'input' if self.input else 'weight'} {instead} instead of {fmt.name} in tiles of {group}.",
-                stacklevel=2,
+                stacklevel=caller_stacklevel(),
             )
         if ggml and (not fits or isinstance(layer, eqx.nn.Conv)):
             return None  # GGML's blocks run along a tensor's rows: a layer they do not fit stays float, as in llama.cpp
@@ -178,7 +179,7 @@ class LayerQuantizer:
             )
             warnings.warn(
                 f"Traced weight {product.path!r}: {why}, so it {instead} instead of {fmt.name} in tiles of {group}.",
-                stacklevel=3,
+                stacklevel=caller_stacklevel(),
             )
             if ggml:
                 return None
@@ -708,14 +709,14 @@ def quantize(
                 f"`quantize` leaves in floating point the layers it quantizes only by tracing their products: "
                 f"{', '.join(untraced)}. Pass `example=` (an example call of the model) to quantize them too, or "
                 "leave them out of the configuration's patterns.",
-                stacklevel=2,
+                stacklevel=caller_stacklevel(),
             )
     reached = [path for path, layer in done if reaches(path, layer)]
     if reached:
         warnings.warn(
             f"The layers at {reached} are quantized already and keep their quantizers; to quantize them anew, "
             "start from the float model (`eqx_quant.float_model(model)`).",
-            stacklevel=2,
+            stacklevel=caller_stacklevel(),
         )
     if not (layers or products_of or traced or activations or problems):
         return model  # every layer is quantized already
@@ -756,7 +757,7 @@ def quantize(
                 "reaches them: they stay in floating point, and `quantize` returns the model with its layers "
                 "quantized alone. Add rules for their paths (a recipe's rules reach every path), or leave "
                 "`example` out.",
-                stacklevel=2,
+                stacklevel=caller_stacklevel(),
             )
         return wrapped
     weights = tuple(None if d.weight is None else weight_layout(d.weight, traced[path]) for path, d in chosen)

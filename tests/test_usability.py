@@ -172,6 +172,12 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
         for name, call in calls.items():
             with pytest.raises(ValueError, match=rf"`model` is converted .*: `{name}` works on the fake-quant model"):
                 call(model)
+    # A model converted in part keeps its fake-quant layers to work on: the converted layer is left as it is.
+    quantized = eqx_quant.quantize(mlp)
+    part = eqx.tree_at(lambda m: m.layers[0], quantized, eqx_quant.convert(quantized.layers[0]))
+    calibrated = eqx_quant.calibrate(part, batches)
+    assert eqx.tree_equal(calibrated.layers[0], part.layers[0])
+    assert isinstance(calibrated.layers[1].input_quant, eqx_quant.FakeQuant)
     # Calibrating a float model, and a quantized one with nothing to calibrate (weight-only, or block-format inputs).
     batch = jnp.ones((2, 32))
     with pytest.raises(ValueError, match="quantize it first"):

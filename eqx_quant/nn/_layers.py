@@ -262,7 +262,9 @@ def check_matmul(matmul: object) -> None:
 
 def check_input(layer: eqx.Module, x: Array) -> None:
     """Raises a `ValueError` unless `x` is one example for the float `layer` (a `Linear` or a `Conv`): the check that
-    the quantized layer and its converted integer layer both make first, so that they fail alike."""
+    the quantized layer and its converted integer layer both make first, so that they fail alike. A linear layer's
+    input is checked against its weight's input features where it holds a weight (the quantized layer's, a shard of
+    them inside `jax.shard_map`), else against `in_features` (the converted layer's skeleton, whose codes are whole)."""
     if isinstance(layer, eqx.nn.Linear):
         features = layer.in_features
         if features != "scalar" and eqx.is_array(layer.weight):
