@@ -309,6 +309,22 @@ def scores(out: np.ndarray, reference: np.ndarray, labels: np.ndarray) -> dict[s
     }
 
 
+def input_spread(model: eqx.nn.MLP, x: jax.Array) -> list[dict[str, float]]:
+    """Per linear layer of the float `model`, how much its inputs' magnitudes differ between the examples `x`: the
+    median and the largest of each example's absolute maximum, and the levels of an 8-bit grid (127 a side) that
+    the median example spans under one per-tensor scale fitted to the largest (what calibration by the absolute
+    maximum fits)."""
+    spread = []
+    for i, layer in enumerate(model.layers):
+        absmax = np.abs(np.asarray(x)).max(axis=1)
+        median, largest = float(np.median(absmax)), float(absmax.max())
+        spread.append({"layer": i, "median": median, "max": largest, "median_levels": 127.0 * median / largest})
+        x = jax.vmap(layer)(x)
+        if i < len(model.layers) - 1:
+            x = model.activation(x)
+    return spread
+
+
 def run_dataset(name: str, preset: Preset, say: Callable[[str], None], traced: bool = False) -> dict:
     """Every row of one data set, per seed and averaged over the seeds, with the targets."""
     data = load(name)
@@ -320,10 +336,20 @@ def run_dataset(name: str, preset: Preset, say: Callable[[str], None], traced: b
         start = time.perf_counter()
         model, final_loss = train(data, preset, seed)
         reference = np.asarray(logits(model, x_test))
-        per_seed["float"].append({"seed": seed, "train_loss": final_loss, **scores(reference, reference, data.y_test)})
+        spread = input_spread(model, batches[0])
+        per_seed["float"].append(
+            {
+                "seed": seed,
+                "train_loss": final_loss,
+                **scores(reference, reference, data.y_test),
+                "input_spread": spread,
+            }
+        )
         say(
             f"{name} seed {seed}: float trained in {time.perf_counter() - start:.1f} s, loss {final_loss:.4f}, "
-            f"test accuracy {per_seed['float'][-1]['accuracy']:.2f}%"
+            f"test accuracy {per_seed['float'][-1]['accuracy']:.2f}%; the median training example spans "
+            + ", ".join(f"{s['median_levels']:.1f}" for s in spread)
+            + " of 127 levels of the layers' calibrated 8-bit inputs"
         )
         for config in configs:
             start = time.perf_counter()

@@ -687,7 +687,8 @@ def quantize(
         raise ValueError(
             "`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer (nor, with `products`, an "
             f"Einsum or MultiheadAttention{found}) to quantize. Products written with bare arrays (`x @ W.T`, "
-            "`jnp.einsum`) are found with `example=`."
+            "`jnp.einsum`), and those of eqx.nn.ConvTranspose, GRUCell and LSTMCell layers, are found with "
+            "`example=`."
         )
     if products is not None or (rules is not None and wants_products):
         if not attentions and not einsums and not activations:

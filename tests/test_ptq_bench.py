@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import eqx_quant
@@ -49,6 +50,14 @@ def test_smoke_run_writes_plausible_results(smoke):
     f = rows["float"]
     assert f["drop"] == 0 and f["rel_error"] == 0
     assert f["accuracy"] > 80  # trained on raw features, still far above chance (40%, the largest class)
+    # How much the examples' magnitudes differ at each layer's input: at the first, those of the raw features.
+    spread = f["per_seed"][0]["input_spread"]
+    absmax = np.abs(ptq.load("wine").x_train).max(axis=1)
+    assert [s["layer"] for s in spread] == [0, 1, 2]
+    assert (spread[0]["median"], spread[0]["max"]) == (float(np.median(absmax)), float(absmax.max()))
+    for s in spread:
+        assert 0 < s["median"] <= s["max"] and s["median_levels"] == pytest.approx(127 * s["median"] / s["max"])
+    assert "the median training example spans" in lines[0]
 
     # The outliers matter: calibrated per-tensor inputs and RTN weights lose accuracy, and SmoothQuant recovers most
     # of it, with a far smaller error of the logits.

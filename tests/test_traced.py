@@ -683,6 +683,8 @@ def test_errors():
         eqx_quant.quantize(model, [eqx_quant.Rule("w_typo")], example=args)
     with pytest.raises(ValueError, match="no eqx.nn.Linear.*with `example=`"):
         eqx_quant.quantize(model)
+    with pytest.raises(ValueError, match="no eqx.nn.Linear.*ConvTranspose.*with `example=`"):
+        eqx_quant.quantize(eqx.nn.ConvTranspose1d(2, 2, 3, key=jax.random.key(0)))
     with pytest.raises(ValueError, match="sets `backward`"):
         eqx_quant.quantize(model, [eqx_quant.Rule(".*", backward=eqx_quant.UnquantizedBackward())], example=args)
     static = eqx_quant.FakeQuant((0.1,) * 16, -128, 127, axis=0)
