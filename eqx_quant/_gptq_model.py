@@ -32,7 +32,7 @@ from ._observe import (
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._summary import describe_quantizer
-from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, replaced
+from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_batches, replaced
 from ._traced_layers import traced_reads
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear, per_layer
@@ -212,7 +212,11 @@ def gptq(
 
     The Hessian of a layer is `Σ x xᵀ` over the inputs the layer sees when the model runs on `batches`, with the
     chosen layers' input quantizers bypassed. It is collected like [`eqx_quant.calibrate`][]'s statistics, so that
-    layers inside the model's own `jax.vmap` and `jax.lax.scan` are seen, one Hessian per layer of a stack.
+    layers inside the model's own `jax.vmap` and `jax.lax.scan` are seen, one Hessian per layer of a stack. A
+    traced weight whose axes are batch dimensions of all its products (experts stacked in one array `(experts, in,
+    out)`, applied by `jnp.einsum("teh,ehd->ted", ...)` or a `jax.vmap` over the experts) has one Hessian per index
+    along them, each expert solved on its own tokens as if it were a weight of its own (except with NVFP4's tensor
+    scale, one for the whole weight, where the experts share one Hessian).
 
     **Sequential** (the default, as the paper does it): the layers are quantized one at a time in the order the
     model calls them (found by tracing the model once on the first batch), each layer's Hessian collected on the
@@ -352,6 +356,7 @@ def solve_weights(
             check_inputs(traced)
     options = (sequential, batched, progress, input_damp)
     if traced:
+        traced = _with_batches(model, traced, batches[0], batched)
         if layers:
             model = _solve_layers(model, layers, batches, name, make_solve, *options)
         return _solve_traced(model, traced, make_solve, batches, name, *options)
@@ -381,6 +386,58 @@ def _without_tied(model, traced, layers, batches, batched, name) -> list:
         raise ValueError(f"`{name}` would change nothing: {what}")
     warnings.warn(what, stacklevel=5)  # the caller of the public function (under `warns_of_nonfinite`)
     return kept
+
+
+def _with_batches(model: PyTree, traced: list["_TracedTarget"], batch: PyTree, batched: bool) -> list:
+    """The `traced` targets, each with the axes of its weight that are batch dimensions of all its products (the
+    expert axis of experts stacked in one array and applied by one `einsum` or `jax.vmap`), found by tracing the
+    model on `batch`: each index along them is a product of its own, with its own Hessian. Not for a format with a
+    tensor scale (NVFP4's, one for the whole weight), whose products keep one Hessian."""
+    with probe_batches() as found:
+        try:
+            eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), model, batch)
+        except Exception as error:
+            add_batch_note(error, batch, batched)
+            raise
+    kept = []
+    for t in traced:
+        seen = found.get(t.path, set())
+        axes = next(iter(seen)) if len(seen) == 1 else None
+        if axes and t.fmt.scale != "e4m3":
+            t = t._replace(batch=axes)
+        kept.append(t)
+    return kept
+
+
+def _solve_apart(solve: Callable, weight: Array, record: dict[str, Any], damp: float | None, t: "_TracedTarget"):
+    """One layer's `(weight, compact scales, tensor scale)` of the traced weight of `t`, in the weight's layout: the
+    solver on its matrix, or, along batch axes, on the matrix of each index with that index's Hessian."""
+    depth = len(t.stack)
+    batch = tuple(a - depth for a in t.batch)
+    if not batch:
+        result = _solved(solve, as_matrix(weight, 0, t.axes), record, damp)
+        return _from_matrix(result, weight.shape, t.axes, t.group_size)
+    order = list(batch) + [a for a in range(weight.ndim) if a not in batch]
+    moved = jnp.moveaxis(weight, batch, tuple(range(len(batch))))
+    parts = moved.reshape((-1,) + moved.shape[len(batch) :])
+    axes = tuple(order.index(a) - len(batch) for a in t.axes)
+    records = [{name: v.reshape((len(parts),) + v.shape[-2:])[k] if name in ("gram", "cross") else v
+                for name, v in record.items()} for k in range(len(parts))]  # fmt: skip
+    solved = [
+        _from_matrix(_solved(solve, as_matrix(part, 0, axes), r, damp), part.shape, axes, t.group_size)
+        for part, r in zip(parts, records, strict=True)
+    ]
+    assert all(tensor_scale is None for _, _, tensor_scale in solved)
+    new = jnp.stack([w for w, _, _ in solved]).reshape(moved.shape)
+    compact = jnp.stack([c for _, c, _ in solved])
+    compact = compact.reshape(moved.shape[: len(batch)] + compact.shape[1:])
+    if t.group_size is None:  # one scale per channel: the batch axes among the others, in the weight's order
+        others = [a for a in range(weight.ndim) if a not in t.axes]
+        where = tuple(others.index(a) for a in batch)
+    else:  # the weight's layout, its contracted axis in tiles
+        where = batch
+    front = tuple(range(len(batch)))
+    return jnp.moveaxis(new, front, batch), jnp.moveaxis(compact, front, where), None
 
 
 def _mapped(weight: Array, record: dict[str, Any], damp: float) -> Array:
@@ -467,6 +524,7 @@ class _TracedTarget(NamedTuple):
     fmt: Format
     group_size: int | None
     axes: tuple[int, ...]  # one layer's contracted axes (after the stack's), in the order the products pair them
+    batch: tuple[int, ...] = ()  # the leaf axes that are batch dimensions of every product (experts): solved apart
 
 
 def _traced_targets(model: PyTree, where: Callable | None, name: str) -> tuple[list[_TracedTarget], list[str]]:
@@ -589,14 +647,14 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
     observed = lambda chosen: [(t.name, TracedInput(t.root, t.index, t.stack, None)) for t in chosen]  # noqa: E731
     statistic, data = _statistic(input_damp, _traced_inputs(model, targets))
 
+    apart = {t.name: t.batch for t in targets if t.batch}
     if not sequential:
         grams = fold(model, observed(targets), batches, batched, statistic, data, progress=progress,
-                     description=f"{name} (Hessians)")  # fmt: skip
+                     description=f"{name} (Hessians)", batch=apart)  # fmt: skip
         check_called(observed(targets), grams)
         for t in targets:
             for k in range(layers(t)):
-                result = _solved(solve[t.name], as_matrix(flat[t.name][k], 0, t.axes), grams[t.name][k], input_damp)
-                parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
+                parts[t.name][k] = _solve_apart(solve[t.name], flat[t.name][k], grams[t.name][k], input_damp, t)
     else:
         chosen = {(t.root, t.index) for t in targets}
 
@@ -621,10 +679,9 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
             steps += [(t, k) for k in range(layers(group[0])) for t in group]
             i += len(group)
         for t, k in progress_bar(steps, progress, f"{name} (layers)"):
-            grams = fold(current, observed([t]), batches, batched, statistic, data)
+            grams = fold(current, observed([t]), batches, batched, statistic, data, batch=apart)
             check_called(observed([t]), grams)
-            result = _solved(solve[t.name], as_matrix(flat[t.name][k], 0, t.axes), grams[t.name][k], input_damp)
-            parts[t.name][k] = _from_matrix(result, flat[t.name].shape[1:], t.axes, t.group_size)
+            parts[t.name][k] = _solve_apart(solve[t.name], flat[t.name][k], grams[t.name][k], input_damp, t)
             flat[t.name] = flat[t.name].at[k].set(parts[t.name][k][0])
             traced = dict(nodes(current, (QuantTraced,)))[t.root]
             solved = traced.weight_quants[t.index]

@@ -108,6 +108,11 @@ def _summed_outer(a: Array, b: Array) -> Array:
     return jnp.einsum("ni,nj->ij", a, b, precision=jax.lax.Precision.HIGHEST)
 
 
+def _summed_outer_per_index(a: Array, b: Array) -> Array:
+    """`Σ_n a[k, n] ⊗ b[k, n]` for each index `k` of the leading axis of both."""
+    return jnp.einsum("kni,knj->kij", a, b, precision=jax.lax.Precision.HIGHEST)
+
+
 def _outer_products(record: dict[str, Array], outer: Callable[[Array, Array], Array]) -> dict[str, Array]:
     """`record` with its input vectors replaced by their outer products: `"gram"`, of the quantized vector where
     there is one (else of the vector), and `"cross"`, of the vector with the quantized vector, where there is one."""
@@ -183,7 +188,8 @@ class _Observer(AbstractQuantizer):
     `data`, quantizes it, with its products with the input (`"cross"`), passing the quantized input on. `index` is
     the layer's position in its stack and `data` what the statistic needs of that layer (the histogram range of
     `"hist"`): arrays with the stack's shape in front, so that a `jax.lax.scan` over stacked layers hands each step
-    its own.
+    its own. `batch`: the axes of a traced weight that are batch dimensions of its products (stacked experts),
+    along which `"gram"` keeps one matrix per index (see `product_input`).
     """
 
     index: Array
@@ -191,6 +197,7 @@ class _Observer(AbstractQuantizer):
     path: str = eqx.field(static=True)
     statistic: Statistic = eqx.field(static=True)
     num_bins: int = eqx.field(static=True)
+    batch: tuple[int, ...] = eqx.field(static=True, default=())
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         del key
@@ -211,17 +218,22 @@ class _Observer(AbstractQuantizer):
         _tap_for(self.path)(self.index, record)
         return x
 
-    def product_input(self, x: Array, contracted: tuple[int, ...]) -> Array:
+    def product_input(self, x: Array, contracted: tuple[int, ...], batch: tuple[tuple[int, int], ...] = ()) -> Array:
         """Observes `x` as the activation operand of a traced product summing over its axes `contracted`, as the
         rows of a linear layer's input: the contracted axes flattened in that order into its channels, the others
         counting rows. `"gram"`: the Gram matrix of the rows, GPTQ's Hessian of the product (`"gram_quantized"`:
         of the rows of the input quantizer's output, held as `data`, and their products with the rows of `x`);
         `"channels"`: the statistics per channel; a function: applied to each row; other statistics: of the whole
-        of `x`."""
+        of `x`. `batch`: the product's `(weight axis, input axis)` batch dimensions; where the observer's `batch`
+        names those weight axes, `"gram"` has one matrix per index along them (the rows of each expert apart)."""
         if self.index.ndim or self.statistic in ("stats", "hist"):
             return self(x)  # the whole tensor's statistics, or the error of a stack observed at once
         channels = math.prod(x.shape[a] for a in contracted)
-        as_rows = lambda v: jnp.moveaxis(v, contracted, tuple(range(-len(contracted), 0))).reshape(-1, channels)  # noqa: E731
+        apart = tuple(i for _, i in batch) if self.batch else ()
+        assert not self.batch or tuple(w for w, _ in batch) == self.batch, (self.path, batch, self.batch)
+        leading = tuple(range(len(apart)))
+        moved = lambda v: jnp.moveaxis(v, apart + contracted, leading + tuple(range(-len(contracted), 0)))  # noqa: E731
+        as_rows = lambda v: moved(v).reshape(-1, channels)  # noqa: E731
         rows = as_rows(x)
         if self.statistic == "channels":
             self(rows)
@@ -229,14 +241,16 @@ class _Observer(AbstractQuantizer):
         if self.statistic not in ("gram", "gram_quantized"):  # a function of one input vector, as a layer's sees it
             jax.vmap(self)(rows)
             return x
+        # With batch axes apart, one block of rows per index along them.
+        blocks = lambda v: v.reshape(math.prod(x.shape[a] for a in apart), -1, channels) if apart else v  # noqa: E731
         rows = jax.lax.stop_gradient(rows).astype(jnp.float32)
-        record = {"nonfinite": _count_nonfinite(rows), "vector": finite_or(rows, 0.0)}
+        record = {"nonfinite": _count_nonfinite(rows), "vector": blocks(finite_or(rows, 0.0))}
         out = x
         if self.statistic == "gram_quantized" and self.data is not None:
             # The whole operand, as the product quantizes it (NVFP4's tensor scale: per token, see `each_token`).
             out = each_token(self.data, x, contracted) if two_level(self.data) else self.data(x)
-            record["quantized"] = _flat(as_rows(out))
-        _tap_for(self.path)(self.index, _outer_products(record, _summed_outer))
+            record["quantized"] = blocks(_flat(as_rows(out)))
+        _tap_for(self.path)(self.index, _outer_products(record, _summed_outer_per_index if apart else _summed_outer))
         return out
 
 
@@ -297,15 +311,18 @@ def observe(
     statistic: Statistic,
     data: dict[str, Any] | None = None,
     num_bins: int = 0,
+    batch: dict[str, tuple[int, ...]] | None = None,
 ) -> PyTree:
     """`model` with the input quantizer of each target layer (or traced weight) replaced by an observer of
-    `statistic`, holding `data[path]` (arrays with the layer's stack shape in front)."""
+    `statistic`, holding `data[path]` (arrays with the layer's stack shape in front); a traced weight in `batch`
+    with the axes of it that are batch dimensions of its products, kept apart by `"gram"`."""
     chosen = dict(targets)
 
     def observer(path: str, layer: AbstractQuantLayer | TracedInput) -> _Observer:
         stack = layer_stack(layer)
         index = jnp.arange(math.prod(stack), dtype=jnp.int32).reshape(stack)
-        return _Observer(index, None if data is None else data[path], path, statistic, num_bins)
+        apart = () if batch is None else batch.get(path, ())
+        return _Observer(index, None if data is None else data[path], path, statistic, num_bins, apart)
 
     def swap(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
         if path not in chosen:
@@ -447,13 +464,22 @@ def add_batch_note(error: BaseException, batch: PyTree, batched: bool, which: st
 
 
 def fold(
-    model, targets, batches, batched, statistic, data=None, num_bins=0, progress=False, description="calibrate"
+    model,
+    targets,
+    batches,
+    batched,
+    statistic,
+    data=None,
+    num_bins=0,
+    progress=False,
+    description="calibrate",
+    batch=None,
 ) -> dict[str, list[dict[str, Any]]]:
     """Runs the observed model over all batches: per target layer, the statistics folded over every call, one
     record per layer of its stack (in stack order, flattened)."""
     check_callable(model)
     check_not_one_array(batches)
-    observed = observe(model, targets, statistic, data, num_bins)
+    observed = observe(model, targets, statistic, data, num_bins, batch)
     recording = _Recording()
     seen = False
     for i, batch in enumerate(progress_bar(batches, progress, description)):

@@ -805,6 +805,17 @@ def _check_fits(path: str, quantizer: object, operands: list[tuple[tuple[int, ..
             ) from None
 
 
+def _axis_name_note(error: BaseException) -> str:
+    """For an error naming an unbound axis: how to trace a model whose layers read a named axis of a `jax.vmap`."""
+    if not (isinstance(error, NameError) and "unbound axis name" in str(error)):
+        return ""
+    return (
+        " A model whose layers read a named axis (such as `eqx.nn.BatchNorm(..., axis_name=...)` in training mode) "
+        "needs it bound: pass `example` as a function of the model that calls it on a small batch under "
+        "`jax.vmap(..., axis_name=...)`, or trace the model in inference mode (`eqx.nn.inference_mode`)."
+    )
+
+
 def _traced_products(model: PyTree, example: object) -> tuple[
     dict[str, TracedProduct], list[TracedProduct], dict[str, tuple[TracedProduct, str]],
     dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]],
@@ -829,6 +840,7 @@ def _traced_products(model: PyTree, example: object) -> tuple[
         error.add_note(
             f"eqx_quant: raised tracing {given}. `example` is one call of the model as it runs: for a model written "
             "for one example (mapped over a batch with `jax.vmap`), one example's arguments, without the batch axis."
+            + _axis_name_note(error)
         )
         raise
     problems = dict(traced.problems)

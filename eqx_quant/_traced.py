@@ -113,6 +113,7 @@ class _Use(NamedTuple):
     eqn: Any = None
     outer: tuple[int, ...] = ()  # the ids of the equations that hold this one (a scan, a jit, ...)
     pairing: tuple[int, ...] | None = None  # the contracted leaf axes, paired in order with `input_contracted`
+    batch: tuple[tuple[int, int], ...] = ()  # `(leaf axis, input axis)` of each batch dimension of a dot_general
 
 
 class _Where(NamedTuple):
@@ -252,12 +253,29 @@ def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
     if free & set(contracted):  # a reshape merged a summed and a kept axis: no scale layout follows the product
         return _Use(view.leaf, (), (), (), "unfollowed", where.loop, None, eqn, where.outer)
     input_shape = tuple(eqn.invars[1 - weight_side].aval.shape)
-    pairing = None
-    if eqn.primitive.name == "dot_general" and all(len(view.axes[d]) == 1 for d in dims):
-        pairing = tuple(view.axes[d][0] for d in dims)
-        pairing = pairing if len(set(pairing)) == len(pairing) else None
+    pairing, batch = None, ()
+    if eqn.primitive.name == "dot_general":
+        if all(len(view.axes[d]) == 1 for d in dims):
+            pairing = tuple(view.axes[d][0] for d in dims)
+            pairing = pairing if len(set(pairing)) == len(pairing) else None
+        batch = _batch_pairs(eqn, weight_side, view)
     return _Use(view.leaf, contracted, input_shape, tuple(input_dims), eqn.primitive.name, where.loop, view.sliced, eqn,
-                where.outer, pairing)  # fmt: skip
+                where.outer, pairing, batch)  # fmt: skip
+
+
+def _batch_pairs(eqn: Any, weight_side: int, view: _View) -> tuple[tuple[int, int], ...]:
+    """The batch dimensions of a weight's `dot_general` that are leaf axes of the weight (an expert axis of stacked
+    experts, say), as `(leaf axis, input axis)` pairs in the order of the leaf axes: each index along them is a
+    product of its own. A batch dimension along which the weight is broadcast is left out (one weight for all
+    indices), and a reshape that merged leaf axes into one leaves none (`()`, as if each were)."""
+    assert view.axes is not None
+    _, batch_dims = eqn.params["dimension_numbers"]
+    pairs = []
+    for w, x in zip(batch_dims[weight_side], batch_dims[1 - weight_side], strict=True):
+        if len(view.axes[w]) > 1:
+            return ()
+        pairs += [(view.axes[w][0], x)] if view.axes[w] else []
+    return tuple(sorted(pairs))
 
 
 def _slice(view: _View | None) -> _View | None:
@@ -419,6 +437,23 @@ class probe_reads:
 
     def __exit__(self, *exc: object) -> None:
         _probes.pop()
+
+
+_batch_probes: list[dict[str, set]] = []  # `probe_batches`: by traced weight path, its products' batch axes
+
+
+class probe_batches:
+    """A context in which each call of a [`eqx_quant.nn.QuantTraced`][] records, by traced weight path, the axes of
+    the weight that are batch dimensions of its products (`_batch_pairs`): a set with one tuple of leaf axes per
+    product, `None` for a product whose batch dimension holds part of such an axis (a slice of the experts). Traced,
+    say by `eqx.filter_eval_shape`, inside it."""
+
+    def __enter__(self) -> dict[str, set]:
+        _batch_probes.append({})
+        return _batch_probes[-1]
+
+    def __exit__(self, *exc: object) -> None:
+        _batch_probes.pop()
 
 
 class Codes(NamedTuple):
@@ -625,7 +660,7 @@ def _product_value(eqn: Any, key: tuple[int, ...], ins: list[Any], views: list[_
     if transform is not None:
         ins[side] = apply_transform(transform, ins[side], contracted)
     if hasattr(quantizer, "product_input"):  # an observer that wants to know the contraction (GPTQ's Hessian)
-        ins[side] = quantizer.product_input(ins[side], contracted)  # pyright: ignore
+        ins[side] = quantizer.product_input(ins[side], contracted, use.batch)  # pyright: ignore
     elif quantizer is not None:
         weight_codes, weight = codes[1 - side], inputs.integer.get(use.leaf)
         if (
@@ -1219,6 +1254,17 @@ class QuantTraced(eqx.Module):
                     "an untransformed input."
                 )
 
+    def _record_batches(self, jaxpr: Any, views: list[_View | None], owner: dict[int, int], leaves: list) -> None:
+        """Inside `probe_batches`, records the batch axes of every product of each traced weight."""
+        uses: list[_Use] = []
+        walk(jaxpr, views, uses)
+        for use in uses:
+            if use.leaf in owner and use.primitive != "unfollowed":
+                shape = jnp.shape(leaves[use.leaf])
+                whole = all(shape[a] == use.input_shape[x] for a, x in use.batch)
+                axes = tuple(a for a, _ in use.batch) if whole else None
+                _batch_probes[-1].setdefault(self.weight_paths[owner[use.leaf]], set()).add(axes)
+
     def _activation_products(self, jaxpr: Any, views: list[_View | None]) -> tuple[dict, frozenset]:
         """The quantizers of the products of two activations to quantize, by the chain of ids of their equation and
         of the equations that hold it in `jaxpr`, and the chains of those holders."""
@@ -1293,6 +1339,8 @@ class QuantTraced(eqx.Module):
         }
         closed = traced.jaxpr
         self._check_reads(closed.jaxpr, views, owner, traced.leaves)
+        if _batch_probes:
+            self._record_batches(closed.jaxpr, views, owner, traced.leaves)
         products, holders = self._activation_products(closed.jaxpr, views)
         tokens = frozenset(leaf for leaf, k in owner.items() if self.per_token[k])
         pairings = {leaf: self.pairings[k] for leaf, k in owner.items()}

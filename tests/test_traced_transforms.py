@@ -3,6 +3,7 @@ own arrays (`x @ w`, `w @ x.T`, `jnp.einsum` over several axes, a scanned stack)
 transform held by the `QuantTraced` and applied to each product's input before its quantizer."""
 
 import functools
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -418,6 +419,49 @@ def test_gptq_with_quantized_inputs_on_traced_weights_as_on_the_same_linear_laye
     # Quantized per tensor instead, the traced inputs would round otherwise, and the solution differ.
     plain = eqx_quant.gptq(traced, [X[:3], X[3:]])
     assert not np.array_equal(np.asarray(plain.model.a), np.asarray(solved.model.a))
+
+
+class _Experts(eqx.Module):
+    """Experts stacked in one array `w` (experts, in, out), each applied to its own tokens `x` (tokens, experts, in):
+    by one `einsum` whose batch dimension is the expert axis, by a `jax.vmap` over the experts, or (`w` a list) one
+    product per expert."""
+
+    w: Any
+    form: str = eqx.field(static=True)
+
+    def __call__(self, x):
+        if self.form == "einsum":
+            return jnp.einsum("teh,ehd->ted", x, self.w)
+        if self.form == "vmap":
+            return jax.vmap(lambda w, x: x @ w, in_axes=(0, 1), out_axes=1)(self.w, x)
+        return jnp.stack([x[:, e] @ w for e, w in enumerate(self.w)], axis=1)
+
+
+def test_gptq_solves_each_of_stacked_experts_with_its_own_hessian():
+    """Experts stacked in one array and applied by one batched product: GPTQ solves each expert with the Hessian of
+    its own inputs, finding the levels it finds for the same experts held as separate arrays (before, one Hessian of
+    all the experts' inputs: other levels); with quantized inputs too, and the solution converts bit for bit."""
+    w = jax.random.normal(jax.random.key(3), (3, 16, 8))
+    # Each expert's tokens span other directions: one Hessian of them all is no expert's.
+    mix = RNG.standard_normal((3, 16, 16)).astype(np.float32) * (RNG.random((3, 1, 16)) < 0.4)
+    x = jnp.einsum("nteh,egh->nteg", jnp.asarray(RNG.standard_normal((6, 5, 3, 16)), jnp.float32), mix + 0.05)
+    rules = eqx_quant.recipe("w4a8_g32", group_size=8)
+    separate = eqx_quant.quantize(_Experts(list(w), "list"), **rules, example=(x[0],))
+    for form, options in (("einsum", {}), ("vmap", {"quantized_inputs": True})):
+        solved = eqx_quant.gptq(eqx_quant.quantize(_Experts(w, form), **rules, example=(x[0],)), [x], **options)
+        twin = eqx_quant.gptq(separate, [x], **options)
+        levels = solved.weight_quants[0].quantize(solved.model.w).levels()
+        for e in range(3):
+            twin_levels = twin.weight_quants[e].quantize(twin.model.w[e]).levels()
+            np.testing.assert_array_equal(np.asarray(levels[e]), np.asarray(twin_levels))
+        assert_bitwise_equal(_apply(eqx_quant.convert(solved), x), _apply(solved, x))
+    # One Hessian of all the experts' tokens, for the three experts' rows at once, finds other levels.
+    rows = lambda a: np.moveaxis(np.asarray(a), 1, 2).reshape(-1, 16)  # noqa: E731
+    tokens = np.asarray(x, np.float64).reshape(-1, 16)
+    fmt = solved.weight_quants[0].format
+    pooled, _ = eqx_quant.gptq_quantize(jnp.asarray(rows(w)), jnp.asarray(tokens.T @ tokens, jnp.float32), format=fmt,
+                                        group_size=8)  # fmt: skip
+    assert not np.array_equal(np.asarray(pooled), rows(levels))
 
 
 @pytest.mark.slow

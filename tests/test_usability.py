@@ -280,6 +280,30 @@ def test_an_error_tracing_example_says_what_example_is():
     )
 
 
+def test_an_unbound_axis_name_while_tracing_example_says_how_to_bind_it():
+    """A batch normalisation reading a named axis, traced on one example: JAX's `NameError` with a note of the two
+    ways the note gives, which both quantize the model's bare weight."""
+
+    class Normed(eqx.Module):
+        w: jax.Array
+        norm: eqx.nn.BatchNorm
+
+        def __call__(self, x, state):
+            return self.norm(self.w @ x, state)
+
+    model, state = eqx.nn.make_with_state(Normed)(jnp.ones((4, 4)), eqx.nn.BatchNorm(4, "batch", mode="batch"))
+    rules = eqx_quant.recipe("w8a8")["rules"]
+    with pytest.raises(NameError, match="unbound axis name: batch") as caught:
+        eqx_quant.quantize(model, rules, example=(jnp.ones(4), state))
+    assert "named axis" in _note(caught.value) and "axis_name=" in _note(caught.value)
+    batch = jnp.arange(8.0).reshape(2, 4)
+    mapped = lambda m: jax.vmap(m, axis_name="batch", in_axes=(0, None))(batch, state)  # noqa: E731
+    for example in (mapped, (jnp.ones(4), state)):
+        traced = model if callable(example) else eqx.nn.inference_mode(model)
+        quantized = eqx_quant.quantize(traced, rules, example=example)
+        assert quantized.weight_paths == ("w",)
+
+
 def test_an_error_on_the_first_batch_says_how_batches_are_called():
     """A model that takes a second argument, or a batch of (inputs, labels): the error raised on the first batch keeps
     its type and message, with a note of the batch and of how it was called. One array passed as `batches` is a
