@@ -15,7 +15,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._format import GGML_BLOCK, MX_BLOCK, NVFP4_BLOCK, Format, format_named
 from ._misc import check_int
-from ._observe import check_not_one_array, checked
+from ._observe import add_batch_note, check_not_one_array, checked
 from ._quantizers import AbstractQuantizer
 from ._rules import LayerQuantizer, Rule, quantize
 from ._summary import _FLOAT_LAYERS, describe_quantizer, summary, text_table
@@ -397,7 +397,13 @@ def auto_recipe(
     )
     reference_of = eqx.filter_jit(lambda m, b: None if callable(loss) else (m(b) if batched else jax.vmap(m)(b)))
     batches = list(batches) if callable(loss) else checked(batches)  # a loss of its own reads batches its own way
-    data = [(batch, reference_of(model, batch)) for batch in batches]
+    data = []
+    for i, batch in enumerate(batches):
+        try:
+            data.append((batch, reference_of(model, batch)))
+        except Exception as error:
+            add_batch_note(error, batch, bool(batched), "the first batch" if i == 0 else f"batch {i}")
+            raise
     if not data:
         raise ValueError("`batches` is empty: give at least one batch of inputs.")
     if method == "hessian":

@@ -316,6 +316,11 @@ def test_an_error_on_the_first_batch_says_how_batches_are_called():
         "argument, its examples along the leading axis, called as `jax.vmap(model)(batch)`; wrap a model that takes "
         "more (a state, a key, a mask) in a module or an `eqx.Partial` whose call takes the batch alone."
     )
+    # `auto_recipe` runs the float model on the batches first: the same note.
+    with pytest.raises(TypeError, match="missing 1 required positional argument: 'state'") as caught:
+        eqx_quant.auto_recipe(_WithState(eqx.nn.Linear(32, 3, key=jax.random.key(0))), [jnp.ones((2, 32))],
+                              average_bits=6)  # fmt: skip
+    assert _note(caught.value).startswith("eqx_quant: raised running the model on the first batch, float32[2, 32].")
     # A batch of (inputs, labels), as a data loader gives: the note says to pass the inputs alone.
     layer = eqx_quant.quantize(eqx.nn.Linear(4, 3, key=jax.random.key(0)), **eqx_quant.recipe("w8a8"))
     with pytest.raises(Exception) as caught:
