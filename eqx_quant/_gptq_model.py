@@ -32,7 +32,7 @@ from ._observe import (
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._summary import describe_quantizer
-from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_batches, replaced
+from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_batches, probe_reads, replaced
 from ._traced_layers import traced_reads
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear, per_layer
@@ -215,8 +215,9 @@ def gptq(
     layers inside the model's own `jax.vmap` and `jax.lax.scan` are seen, one Hessian per layer of a stack. A
     traced weight whose axes are batch dimensions of all its products (experts stacked in one array `(experts, in,
     out)`, applied by `jnp.einsum("teh,ehd->ted", ...)` or a `jax.vmap` over the experts) has one Hessian per index
-    along them, each expert solved on its own tokens as if it were a weight of its own (except with NVFP4's tensor
-    scale, one for the whole weight, where the experts share one Hessian).
+    along them, each expert solved on its own tokens as a weight of its own would be (up to the float rounding of
+    the solve), and an expert that no calibration token reaches on the tokens of all of them, with a warning. (With
+    NVFP4's tensor scale, one for the whole weight, the experts share one Hessian.)
 
     **Sequential** (the default, as the paper does it): the layers are quantized one at a time in the order the
     model calls them (found by tracing the model once on the first batch), each layer's Hessian collected on the
@@ -392,8 +393,10 @@ def _with_batches(model: PyTree, traced: list["_TracedTarget"], batch: PyTree, b
     """The `traced` targets, each with the axes of its weight that are batch dimensions of all its products (the
     expert axis of experts stacked in one array and applied by one `einsum` or `jax.vmap`), found by tracing the
     model on `batch`: each index along them is a product of its own, with its own Hessian. Not for a format with a
-    tensor scale (NVFP4's, one for the whole weight), whose products keep one Hessian."""
-    with probe_batches() as found:
+    tensor scale (NVFP4's, one for the whole weight), whose products keep one Hessian, nor for a weight the model
+    also reads otherwise (chosen by `where`; a reversal of the experts, say), whose indices may not be its
+    products'."""
+    with probe_reads() as reads, probe_batches() as found:
         try:
             eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), model, batch)
         except Exception as error:
@@ -403,7 +406,7 @@ def _with_batches(model: PyTree, traced: list["_TracedTarget"], batch: PyTree, b
     for t in traced:
         seen = found.get(t.path, set())
         axes = next(iter(seen)) if len(seen) == 1 else None
-        if axes and t.fmt.scale != "e4m3":
+        if axes and t.fmt.scale != "e4m3" and reads.get(t.path) is None:
             t = t._replace(batch=axes)
         kept.append(t)
     return kept
@@ -421,8 +424,20 @@ def _solve_apart(solve: Callable, weight: Array, record: dict[str, Any], damp: f
     moved = jnp.moveaxis(weight, batch, tuple(range(len(batch))))
     parts = moved.reshape((-1,) + moved.shape[len(batch) :])
     axes = tuple(order.index(a) - len(batch) for a in t.axes)
-    records = [{name: v.reshape((len(parts),) + v.shape[-2:])[k] if name in ("gram", "cross") else v
-                for name, v in record.items()} for k in range(len(parts))]  # fmt: skip
+    apart = {name: np.asarray(v).reshape((len(parts),) + v.shape[-2:]) for name, v in record.items()
+             if name in ("gram", "cross")}  # fmt: skip
+    # An index whose products saw no calibration input (an expert no token reached) has a zero Hessian, which would
+    # zero its weight: it takes the Hessian of all the indices' inputs instead.
+    unseen = [k for k in range(len(parts)) if not np.any(apart["gram"][k])]
+    if unseen:
+        warnings.warn(
+            f"Traced weight {t.name!r}: the indices {unseen} of its axes {t.batch} (experts, say) saw no calibration "
+            "input; each is solved with the Hessian of all the indices' inputs.",
+            stacklevel=caller_stacklevel(),
+        )
+    pooled = {name: v.sum(axis=0) for name, v in apart.items()}
+    records = [record | (pooled if k in unseen else {name: v[k] for name, v in apart.items()})
+               for k in range(len(parts))]  # fmt: skip
     solved = [
         _from_matrix(_solved(solve, as_matrix(part, 0, axes), r, damp), part.shape, axes, t.group_size)
         for part, r in zip(parts, records, strict=True)

@@ -450,9 +450,9 @@ def test_gptq_solves_each_of_stacked_experts_with_its_own_hessian():
     for form, options in (("einsum", {}), ("vmap", {"quantized_inputs": True})):
         solved = eqx_quant.gptq(eqx_quant.quantize(_Experts(w, form), **rules, example=(x[0],)), [x], **options)
         twin = eqx_quant.gptq(separate, [x], **options)
-        levels = solved.weight_quants[0].quantize(solved.model.w).levels()
+        levels = solved.weight_quants[0].quantize(solved.model.w).levels().reshape(w.shape)  # tiles as weights
         for e in range(3):
-            twin_levels = twin.weight_quants[e].quantize(twin.model.w[e]).levels()
+            twin_levels = twin.weight_quants[e].quantize(twin.model.w[e]).levels().reshape(w.shape[1:])
             np.testing.assert_array_equal(np.asarray(levels[e]), np.asarray(twin_levels))
         assert_bitwise_equal(_apply(eqx_quant.convert(solved), x), _apply(solved, x))
     # One Hessian of all the experts' tokens, for the three experts' rows at once, finds other levels.
@@ -461,7 +461,17 @@ def test_gptq_solves_each_of_stacked_experts_with_its_own_hessian():
     fmt = solved.weight_quants[0].format
     pooled, _ = eqx_quant.gptq_quantize(jnp.asarray(rows(w)), jnp.asarray(tokens.T @ tokens, jnp.float32), format=fmt,
                                         group_size=8)  # fmt: skip
-    assert not np.array_equal(np.asarray(pooled), rows(levels))
+    assert pooled.shape == rows(levels).shape and not np.array_equal(np.asarray(pooled), rows(levels))
+    # An expert no calibration token reaches (its Hessian zero, which would zero its weight) takes the Hessian of all.
+    unseen = x.at[:, :, 2].set(0.0)
+    model = eqx_quant.quantize(_Experts(w, "einsum"), **rules, example=(x[0],))
+    with pytest.warns(UserWarning, match=r"'model.w': the indices \[2\] of its axes \(0,\) .* saw no calibration"):
+        solved = eqx_quant.gptq(model, [unseen])
+    tokens = np.asarray(unseen, np.float64).reshape(-1, 16)
+    want, _ = eqx_quant.gptq_quantize(jnp.asarray(w[2].T), jnp.asarray(tokens.T @ tokens, jnp.float32), format=fmt,
+                                      group_size=8)  # fmt: skip
+    levels = solved.weight_quants[0].quantize(solved.model.w).levels().reshape(w.shape)
+    np.testing.assert_array_equal(np.asarray(levels[2]).T, want)
 
 
 @pytest.mark.slow
