@@ -18,7 +18,7 @@ from jaxtyping import Array
 
 from ._fake_quant import fake_quant_scales
 from ._format import Format, IntFormat
-from ._misc import compute_dtype, is_zero_tangent, vary_alike, whole_batch
+from ._misc import compute_dtype, is_zero_tangent, value_computed_before, vary_alike, whole_batch
 from ._qarray import QuantizedArray, shifted_range
 from ._scales import Scales
 
@@ -143,6 +143,20 @@ def _rescale(acc: Array, w_scale: Array | None, x_scale: Array, bias: Array | No
     return y + bias.astype(jnp.float32).reshape(acc.shape[:1] + (1,) * (acc.ndim - 1))
 
 
+def unfused(y: Array, anchor: Array) -> Array:
+    """An integer product's rescaled output `y`, computed before the model's operations that read it (behind a
+    conditional: `value_computed_before`, whose derivative is the identity), with `anchor` an array that a `jax.vmap`
+    around the product does not map (the weight's scale).
+
+    The rescaling reads other arrays in a quantized layer (scales and NaN masks computed from the float weight) than
+    in its converted twin (stored ones). Where XLA fuses it with what the model does next, the two fused loops differ
+    around the model's own arithmetic, which the compiler may then contract into fused multiply-adds in one and not in
+    the other: a rotary embedding then fused attention (`jax.nn.dot_product_attention`) differed in the last bit of
+    one token in eight. Behind the conditional both models compute what follows from the same buffer, alike.
+    """
+    return value_computed_before(y, anchor)
+
+
 def _tag_nan(scale: Array, nan: Array | None) -> Array:
     """`scale` with NaN where `nan` (broadcast along its leading axes) is true: the factor that rescales the integer
     sums then makes NaN the outputs that a NaN operand entry reaches, as in the float product. Integers hold no NaN,
@@ -190,7 +204,7 @@ def int_linear(
     w_nan: Array | None = None,
     x_nan: Array | None = None,
 ) -> Array:
-    """`w @ x` on integers with int32 accumulation, rescaled, plus the bias.
+    """`w @ x` on integers with int32 accumulation, rescaled, plus the bias; `unfused` (computed before what reads it).
 
     Contractions longer than `spec.chunk` are split into chunks whose int32 results are summed in float32. `w_nan`
     and `x_nan` mark where the operands hold NaN (an integer holds none), entry by entry or already reduced (per
@@ -203,7 +217,7 @@ def int_linear(
     w_scale = _tag_nan(w_scale, None if w_nan is None else _rows(w_nan))
     x_scale = _tag_nan(x_scale, None if x_nan is None else jnp.any(x_nan))
     if spec.group is not None:
-        return _rescale(_grouped_sum((w, w_scale), x), None, x_scale, bias)
+        return unfused(_rescale(_grouped_sum((w, w_scale), x), None, x_scale, bias), w_scale)
     k = x.shape[0]
     if k <= spec.chunk:
         acc = int_matvec(w, x)
@@ -212,7 +226,7 @@ def int_linear(
         for start in range(0, k, spec.chunk):
             part = int_matvec(w[:, start : start + spec.chunk], x[start : start + spec.chunk])
             acc = acc + part.astype(jnp.float32)
-    return _rescale(acc, w_scale, x_scale, bias)
+    return unfused(_rescale(acc, w_scale, x_scale, bias), w_scale)
 
 
 def _int_matvec(w: Array, x: Array) -> Array:
@@ -330,7 +344,7 @@ def int_conv(
     w_nan: Array | None = None,
     x_nan: Array | None = None,
 ) -> Array:
-    """The convolution of integers with int32 accumulation, rescaled, plus the bias.
+    """The convolution of integers with int32 accumulation, rescaled, plus the bias; `unfused`.
 
     `w_nan` and `x_nan` mark the operands' NaN entries, as for `int_linear`: as in the float
     convolution, a NaN in `x` makes NaN every output whose window covers it (in every output channel of its group),
@@ -367,7 +381,7 @@ def int_conv(
         hits = conv(x_nan.astype(jnp.float32)[None], ones, precision=jax.lax.Precision.HIGHEST)[0] > 0
         per_group = y.reshape((spec.groups, -1) + y.shape[1:])
         y = _with_nan(per_group, hits[:, None]).reshape(y.shape)
-    return y
+    return unfused(y, w_scale)
 
 
 def _float_linear(spec: LinearSpec, w: Array, x: Array, bias: Array | None) -> Array:

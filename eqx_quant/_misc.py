@@ -377,7 +377,12 @@ def computed_before(value: Array, anchor: Array) -> Array:
     models compute their consumers alike. The predicate is read from `anchor`, an array that `jax.vmap` does not map
     (a layer's weight), so that it stays one conditional whatever `jax.vmap` maps over the inputs.
     """
-    first = anchor.reshape(-1)[0] if anchor.size else jnp.zeros((), anchor.dtype)
+    if not anchor.size:
+        first = jnp.zeros((), anchor.dtype)
+    elif sharded_in_type(anchor):  # no entry of it can be sliced out alone: a reduction (of scales, a small array)
+        first = jnp.max(anchor)
+    else:
+        first = anchor.reshape(-1)[0]
     # Both branches return the same value (up to the bits of a NaN): the predicate only has to be one that XLA cannot
     # work out while compiling. `first != first` (NaN) is one for a float anchor; for an integer one (the codes of MX
     # or NVFP4 block scales) it is always false, and XLA would drop the conditional, so there it compares with zero.

@@ -22,7 +22,7 @@ from jax.extend import core as jcore
 from jaxtyping import PyTree
 
 from ._format import IntFormat
-from ._int_ops import INT32_MAX, any_float64, group_sums, integer_grid, opaque, sum_in_order
+from ._int_ops import INT32_MAX, any_float64, group_sums, integer_grid, opaque, sum_in_order, unfused
 from ._layout import Layout
 from ._misc import computed_before, flat, reshape_blocks, whole_batch
 from ._qarray import QuantizedArray
@@ -868,11 +868,13 @@ def _integer_value(dims, side, weight_first, group, x_levels, x_scale, x_nan, w_
     x_arranged = x_scale.reshape(()) if x_scale.size == 1 else _arranged(x_scale, side, dims, free[w_side], _first)
     if group is not None:
         y = _tiled_sums(dims, side, group, x_levels.ndim)((w_levels, w_scale), x_levels) * x_arranged
-        return opaque(jnp.where(nan, jnp.nan, y))
-    w_arranged = _arranged(w_scale, w_side, dims, free[side], _first)
-    y = _integer_sums(lhs, rhs, dims, None).astype(w_arranged.dtype)
-    y = (y * w_arranged) * x_arranged if weight_first else y * (x_arranged * w_arranged)
-    return opaque(jnp.where(nan, jnp.nan, y))
+    else:
+        w_arranged = _arranged(w_scale, w_side, dims, free[side], _first)
+        y = _integer_sums(lhs, rhs, dims, None).astype(w_arranged.dtype)
+        y = (y * w_arranged) * x_arranged if weight_first else y * (x_arranged * w_arranged)
+    y = opaque(jnp.where(nan, jnp.nan, y))
+    # A weight's product, computed before what reads it, as a linear layer's is (see `unfused`).
+    return unfused(y, w_scale) if weight_first else y
 
 
 @functools.cache
