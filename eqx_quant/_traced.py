@@ -1052,7 +1052,8 @@ class QuantTraced(eqx.Module):
     [`eqx_quant.quantize`][] with `example=` for the products a model writes with its own array leaves (bare
     weight arrays, custom layer classes, `jnp.einsum`), which no `eqx.nn` layer wraps.
 
-    Calling it calls the model (its `__call__`: other methods of the model run unquantized on `model`): the program
+    Calling it calls the model (its `__call__`: other methods of the model run unquantized on `model`, or, after
+    [`eqx_quant.convert`][], whose traced weights are stored codes, on `eqx_quant.float_model(traced)`): the program
     of `model(*args, **kwargs)` is traced (once per compilation under
     `eqx.filter_jit`; at every call eagerly) and run again with each quantized weight leaf replaced by its
     fake-quantized value (or, after [`eqx_quant.convert`][], the dequantized stored codes, bit for bit the same) and

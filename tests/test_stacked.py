@@ -229,8 +229,11 @@ def test_shared_tie_survives_quantize_training_and_convert(token_batches, tmp_pa
     qmodel = quantize(model, weights=DynamicFakeQuant(8, axis=0), activations=None)
     tokens = token_batches[0][0]
     embed, head = qmodel.shared()
-    # The head receives the embedding's quantized table and quantizes it again on its own (same) grid.
+    # The head receives the embedding's quantized table and quantizes it again on its own (same) grid: the same
+    # levels (on scales that may differ in the last bit).
     assert_bitwise_equal(head.layer.weight, embed.weight)
+    levels = [layer.weight_quant.quantize(layer.layer.weight).levels() for layer in (head, embed)]
+    assert_bitwise_equal(*levels)
     assert_bitwise_equal(qmodel(tokens), jax.vmap(lambda t: head.weight @ embed.weight[t])(tokens))
     # One float weight receives the gradient of both uses.
     grads = eqx.filter_grad(lambda m: jnp.sum(m(tokens) ** 2))(qmodel)
