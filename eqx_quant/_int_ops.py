@@ -145,8 +145,8 @@ def _rescale(acc: Array, w_scale: Array | None, x_scale: Array, bias: Array | No
 
 def unfused(y: Array, anchor: Array) -> Array:
     """An integer product's rescaled output `y`, computed before the model's operations that read it (behind a
-    conditional: `value_computed_before`, whose derivative is the identity), with `anchor` an array that a `jax.vmap`
-    around the product does not map (the weight's scale).
+    conditional: `value_computed_before`, whose derivative is the identity, one conditional also under a `jax.vmap`
+    over stacked layers), its predicate read from `anchor` (the weight's scale).
 
     The rescaling reads other arrays in a quantized layer (scales and NaN masks computed from the float weight) than
     in its converted twin (stored ones). Where XLA fuses it with what the model does next, the two fused loops differ

@@ -355,8 +355,22 @@ def across_shards(axis_name: AxisName | None, maxima: tuple[Array, ...], minima:
 @jax.custom_jvp
 def value_computed_before(value: Array, anchor: Array) -> Array:
     """`computed_before(value, anchor)`, whose derivative is the identity towards `value` with no conditional: the
-    gradients of a training step do not pass through one."""
+    gradients of a training step do not pass through one. Under a `jax.vmap` that maps `anchor` too (layers stacked
+    with `eqx.filter_vmap` and mapped over the stack), it stays one conditional, over the whole batch."""
+    return _one_conditional(value, anchor)
+
+
+@jax.custom_batching.custom_vmap
+def _one_conditional(value: Array, anchor: Array) -> Array:
     return computed_before(value, anchor)
+
+
+@_one_conditional.def_vmap
+def _one_conditional_rule(axis_size: int, in_batched: list[bool], value: Array, anchor: Array) -> tuple[Array, bool]:
+    # `jax.vmap` would turn a conditional on a mapped predicate into a selection of both branches, which XLA fuses:
+    # one conditional over the whole batch instead, its predicate read from the whole anchor.
+    del axis_size
+    return _one_conditional(value, anchor), in_batched[0]
 
 
 @value_computed_before.defjvp

@@ -215,18 +215,32 @@ class _RotaryAttention(eqx.Module):
         return project(self.out, jax.nn.dot_product_attention(rope(q), rope(k), v).reshape(8, 16))
 
 
-@pytest.mark.parametrize("bare", [False, True])
-def test_converted_equals_fake_quant_through_a_rotary_embedding_and_fused_attention(bare):
+class _Stacked(eqx.Module):
+    """Blocks stacked with `eqx.filter_vmap`, each applied to the input by a `jax.vmap` over the stack."""
+
+    blocks: Any
+
+    def __call__(self, x):
+        return eqx.filter_vmap(lambda block: block(x))(self.blocks).sum(0)
+
+
+@pytest.mark.parametrize("form", ["layers", "bare", "stacked"])
+def test_converted_equals_fake_quant_through_a_rotary_embedding_and_fused_attention(form):
     """An integer product's output reaches the model's own arithmetic from a buffer computed before it, in the
-    quantized and the converted model alike: fused with a rotary embedding, XLA contracted that arithmetic into
-    fused multiply-adds in one program and not the other (one token's outputs in eight differed in the last bit)."""
+    quantized and the converted model alike (one conditional, also for layers stacked and mapped with `jax.vmap`):
+    fused with a rotary embedding, XLA contracted that arithmetic into fused multiply-adds in one program and not
+    the other (one token's outputs in eight differed in the last bit)."""
     k1, k2, k3 = jax.random.split(jax.random.key(0), 3)
-    layers = [eqx.nn.Linear(16, 48, key=k1), eqx.nn.Linear(16, 16, key=k2)]
-    if bare:
+    make = lambda k1, k2: [eqx.nn.Linear(16, 48, key=k1), eqx.nn.Linear(16, 16, key=k2)]  # noqa: E731
+    layers = make(k1, k2)
+    if form == "bare":
         layers = [(layer.weight, layer.bias) for layer in layers]
-    model = _RotaryAttention(*layers, eqx.nn.RotaryPositionalEmbedding(8), bare)
+    model = _RotaryAttention(*layers, eqx.nn.RotaryPositionalEmbedding(8), form == "bare")
+    if form == "stacked":
+        stack = lambda k: _RotaryAttention(*make(*jax.random.split(k)), eqx.nn.RotaryPositionalEmbedding(8), False)  # noqa: E731
+        model = _Stacked(eqx.filter_vmap(stack)(jax.random.split(k1, 2)))
     x = jax.random.normal(k3, (32, 8, 16))
-    example = {"example": (x[0],)} if bare else {}
+    example = {"example": (x[0],)} if form == "bare" else {}
     quantized = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), **example)
     run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
     assert_bitwise_equal(run(eqx_quant.convert(quantized), x), run(quantized, x))
