@@ -32,8 +32,8 @@ from ._observe import (
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._summary import describe_quantizer
-from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_batches, probe_reads, replaced
-from ._traced_layers import traced_reads
+from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, replaced
+from ._traced_layers import traced_probes
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear, per_layer
 
@@ -351,28 +351,25 @@ def solve_weights(
 
     check_inputs(traced)
     if traced:
-        batches = checked(batches)  # the first traced to find the tied weights, all read by each solver
+        # The first batch traced to find the tied weights and the experts' batch axes; all read by each solver.
+        batches = checked(batches)
+        reads, products = traced_probes(model, batches[0], batched)
         if where is None:
-            traced = _without_tied(model, traced, bool(layers), batches, batched, name)
+            traced = _without_tied(traced, reads, bool(layers), name)
             check_inputs(traced)
+        traced = _with_batches(traced, reads, products)
     options = (sequential, batched, progress, input_damp)
     if traced:
-        traced = _with_batches(model, traced, batches[0], batched)
         if layers:
             model = _solve_layers(model, layers, batches, name, make_solve, *options)
         return _solve_traced(model, traced, make_solve, batches, name, *options)
     return _solve_layers(model, layers, batches, name, make_solve, *options)
 
 
-def _without_tied(model, traced, layers, batches, batched, name) -> list:
+def _without_tied(traced: list["_TracedTarget"], reads: dict[str, str | None], layers: bool, name: str) -> list:
     """The `traced` targets but those the model reads otherwise than as the weight of their products (a tied
-    embedding's lookup, found by tracing it on the first batch), which are left out with a warning: their Hessians
-    see the products alone. A `ValueError` where that leaves nothing to solve (no `layers` either)."""
-    try:
-        reads = traced_reads(model, batches[0], batched)
-    except Exception as error:
-        add_batch_note(error, batches[0], batched)
-        raise
+    embedding's lookup, as `reads` found by tracing it), which are left out with a warning: their Hessians see the
+    products alone. A `ValueError` where that leaves nothing to solve (no `layers` either)."""
     tied = [t.name for t in traced if reads.get(t.path) == "stray"]
     if not tied:
         return traced
@@ -389,22 +386,16 @@ def _without_tied(model, traced, layers, batches, batched, name) -> list:
     return kept
 
 
-def _with_batches(model: PyTree, traced: list["_TracedTarget"], batch: PyTree, batched: bool) -> list:
+def _with_batches(traced: list["_TracedTarget"], reads: dict[str, str | None], products: dict[str, set]) -> list:
     """The `traced` targets, each with the axes of its weight that are batch dimensions of all its products (the
-    expert axis of experts stacked in one array and applied by one `einsum` or `jax.vmap`), found by tracing the
-    model on `batch`: each index along them is a product of its own, with its own Hessian. Not for a format with a
+    expert axis of experts stacked in one array and applied by one `einsum` or `jax.vmap`), as `products` found by
+    tracing the model: each index along them is a product of its own, with its own Hessian. Not for a format with a
     tensor scale (NVFP4's, one for the whole weight), whose products keep one Hessian, nor for a weight the model
-    also reads otherwise (chosen by `where`; a reversal of the experts, say), whose indices may not be its
+    also reads otherwise (`reads`; chosen by `where`, a reversal of the experts, say), whose indices may not be its
     products'."""
-    with probe_reads() as reads, probe_batches() as found:
-        try:
-            eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), model, batch)
-        except Exception as error:
-            add_batch_note(error, batch, batched)
-            raise
     kept = []
     for t in traced:
-        seen = found.get(t.path, set())
+        seen = products.get(t.path, set())
         axes = next(iter(seen)) if len(seen) == 1 else None
         if axes and t.fmt.scale != "e4m3" and reads.get(t.path) is None:
             t = t._replace(batch=axes)
@@ -665,7 +656,7 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
     apart = {t.name: t.batch for t in targets if t.batch}
     if not sequential:
         grams = fold(model, observed(targets), batches, batched, statistic, data, progress=progress,
-                     description=f"{name} (Hessians)", batch=apart)  # fmt: skip
+                     description=f"{name} (Hessians)", apart=apart)  # fmt: skip
         check_called(observed(targets), grams)
         for t in targets:
             for k in range(layers(t)):
@@ -694,7 +685,7 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
             steps += [(t, k) for k in range(layers(group[0])) for t in group]
             i += len(group)
         for t, k in progress_bar(steps, progress, f"{name} (layers)"):
-            grams = fold(current, observed([t]), batches, batched, statistic, data, batch=apart)
+            grams = fold(current, observed([t]), batches, batched, statistic, data, apart=apart)
             check_called(observed([t]), grams)
             parts[t.name][k] = _solve_apart(solve[t.name], flat[t.name][k], grams[t.name][k], input_damp, t)
             flat[t.name] = flat[t.name].at[k].set(parts[t.name][k][0])

@@ -311,18 +311,18 @@ def observe(
     statistic: Statistic,
     data: dict[str, Any] | None = None,
     num_bins: int = 0,
-    batch: dict[str, tuple[int, ...]] | None = None,
+    apart: dict[str, tuple[int, ...]] | None = None,
 ) -> PyTree:
     """`model` with the input quantizer of each target layer (or traced weight) replaced by an observer of
-    `statistic`, holding `data[path]` (arrays with the layer's stack shape in front); a traced weight in `batch`
+    `statistic`, holding `data[path]` (arrays with the layer's stack shape in front); a traced weight in `apart`
     with the axes of it that are batch dimensions of its products, kept apart by `"gram"`."""
     chosen = dict(targets)
 
     def observer(path: str, layer: AbstractQuantLayer | TracedInput) -> _Observer:
         stack = layer_stack(layer)
         index = jnp.arange(math.prod(stack), dtype=jnp.int32).reshape(stack)
-        apart = () if batch is None else batch.get(path, ())
-        return _Observer(index, None if data is None else data[path], path, statistic, num_bins, apart)
+        axes = () if apart is None else apart.get(path, ())
+        return _Observer(index, None if data is None else data[path], path, statistic, num_bins, axes)
 
     def swap(path: str, layer: AbstractQuantLayer) -> AbstractQuantLayer:
         if path not in chosen:
@@ -464,22 +464,14 @@ def add_batch_note(error: BaseException, batch: PyTree, batched: bool, which: st
 
 
 def fold(
-    model,
-    targets,
-    batches,
-    batched,
-    statistic,
-    data=None,
-    num_bins=0,
-    progress=False,
-    description="calibrate",
-    batch=None,
-) -> dict[str, list[dict[str, Any]]]:
+    model, targets, batches, batched, statistic, data=None, num_bins=0, progress=False, description="calibrate",
+    apart=None,
+) -> dict[str, list[dict[str, Any]]]:  # fmt: skip
     """Runs the observed model over all batches: per target layer, the statistics folded over every call, one
-    record per layer of its stack (in stack order, flattened)."""
+    record per layer of its stack (in stack order, flattened); `apart` as for `observe`."""
     check_callable(model)
     check_not_one_array(batches)
-    observed = observe(model, targets, statistic, data, num_bins, batch)
+    observed = observe(model, targets, statistic, data, num_bins, apart)
     recording = _Recording()
     seen = False
     for i, batch in enumerate(progress_bar(batches, progress, description)):

@@ -444,9 +444,9 @@ _batch_probes: list[dict[str, set]] = []  # `probe_batches`: by traced weight pa
 
 class probe_batches:
     """A context in which each call of a [`eqx_quant.nn.QuantTraced`][] records, by traced weight path, the axes of
-    the weight that are batch dimensions of its products (`_batch_pairs`): a set with one tuple of leaf axes per
-    product, `None` for a product whose batch dimension holds part of such an axis (a slice of the experts). Traced,
-    say by `eqx.filter_eval_shape`, inside it."""
+    the weight that are batch dimensions of its products (`_batch_pairs`): the set of the tuples of leaf axes its
+    products have, `None` among them for a product whose batch dimension holds part of such an axis (a slice of the
+    experts). Traced, say by `eqx.filter_eval_shape`, inside it."""
 
     def __enter__(self) -> dict[str, set]:
         _batch_probes.append({})

@@ -15,7 +15,7 @@ from ._misc import where_traced
 from ._observe import add_batch_note
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant
-from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_reads, replaced
+from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_batches, probe_reads, replaced
 from ._tree import map_nodes, nodes, path_string
 from .nn._layers import QuantLinear
 
@@ -55,13 +55,21 @@ def _matrix_quantizer(quantizer: AbstractQuantizer | None, shape: tuple[int, ...
 def traced_reads(model: PyTree, batch: PyTree, batched: bool, which: str = "the first batch") -> dict[str, str | None]:
     """By traced weight path, whether the model's call on `batch` reads the weight as the weight of whole products
     alone (traced, not run): see `probe_reads`."""
-    with probe_reads() as found:
+    return traced_probes(model, batch, batched, which)[0]
+
+
+def traced_probes(
+    model: PyTree, batch: PyTree, batched: bool, which: str = "the first batch"
+) -> tuple[dict[str, str | None], dict[str, set]]:
+    """`traced_reads`, and by traced weight path the batch axes of its products (`probe_batches`), from one trace
+    of the model's call on `batch`."""
+    with probe_reads() as reads, probe_batches() as batches:
         try:
             eqx.filter_eval_shape(lambda m, b: m(b) if batched else jax.vmap(m)(b), model, batch)
         except Exception as error:
             add_batch_note(error, batch, batched, which)
             raise
-    return found
+    return reads, batches
 
 
 def _why_left(traced: QuantTraced, i: int, leaf: Any, matrix_quant: Any, reads: dict[str, str | None] | None,
