@@ -15,6 +15,7 @@ from ._misc import FLOAT32_TINY, check_int
 from ._observe import (
     TracedInput,
     check_callable,
+    check_called,
     check_not_converted,
     fold,
     layer_stack,
@@ -99,7 +100,12 @@ def calibrate(
     runs, reduced on the device over any `jax.vmap` around them, so that the host folds one small record per layer
     and batch; memory does not grow with the number of batches. Layers called inside the model's own `jax.vmap`
     (over tokens, say) or `jax.lax.scan` (over a stack of layers) are observed like any other; a layer called
-    several times per example gets the statistics of all its inputs.
+    several times per example gets the statistics of all its inputs. A layer that no batch reaches is an error (its
+    input would stay dynamic). JAX takes no reports to the host from a `jax.lax.cond` or `jax.lax.switch` under
+    `jax.vmap`: for a model with quantized layers in such branches, the examples of each batch run one after another
+    (`jax.lax.map`) instead, each observed in the branch it takes (slower, and the same statistics); a model that maps
+    such a branch with a `jax.vmap` of its own (`batched=True`) cannot be observed. The other algorithms that run the
+    model on batches ([`eqx_quant.gptq`][], [`eqx_quant.smoothquant`][], ...) do the same.
 
     **Stacked layers.** A layer built with `eqx.filter_vmap` (weights of shape `(layers, ...)`) and run with
     `jax.lax.scan` gets statistics and a scale per layer of the stack. Static configuration cannot vary along a
@@ -174,6 +180,7 @@ def calibrate(
         raise TypeError(f"`batches` must be re-iterable for method={method!r} (it is read twice), got an iterator.")
 
     totals = fold(model, targets, batches, batched, "stats", progress=progress)
+    check_called(targets, totals)
     _check_finite(totals)
     if two_passes:
         observed = [(path, layer) for path, layer in targets if path in totals]

@@ -255,9 +255,18 @@ class _Observer(AbstractQuantizer):
 
 
 @eqx.filter_jit
-def _calibration_step(observed: PyTree, batch: PyTree, batched: bool) -> PyTree:
-    """Runs the observed model on one batch; the observers report to the host as it runs."""
-    return observed(batch) if batched else jax.vmap(observed)(batch)
+def _calibration_step(observed: PyTree, batch: PyTree, batched: bool, one_by_one: bool = False) -> PyTree:
+    """Runs the observed model on one batch; the observers report to the host as it runs. `one_by_one` runs the
+    examples one after another (`jax.lax.map`) instead of under `jax.vmap`."""
+    if batched:
+        return observed(batch)
+    return jax.lax.map(observed, batch) if one_by_one else jax.vmap(observed)(batch)
+
+
+def _vmapped_cond(error: BaseException) -> bool:
+    """Whether `error` is JAX's refusal of a callback (an observer's report) inside a `jax.lax.cond` or
+    `jax.lax.switch` under `jax.vmap`."""
+    return isinstance(error, NotImplementedError) and "vmap-of-cond" in str(error)
 
 
 class TracedInput(NamedTuple):
@@ -354,7 +363,11 @@ def check_called(targets: list[tuple[str, Any]], found: dict[str, Any]) -> None:
     """Raises, naming them, if some of the target layers have no statistics: they were never called."""
     never = [path for path, _ in targets if path not in found]
     if never:
-        raise ValueError(f"The layers at {never} were never called on the calibration batches.")
+        raise ValueError(
+            f"The layers at {never} were never called on the calibration batches: pass batches that reach them, or "
+            "leave them out of the configuration (a rule `Rule(pattern, weight=None, input=None)` before the "
+            "others, or a `where` that leaves them out)."
+        )
 
 
 def warn_convolutions_left(model: PyTree, where: object, what: str, kept: Callable[[QuantConv], bool]) -> None:
@@ -473,17 +486,32 @@ def fold(
     check_not_one_array(batches)
     observed = observe(model, targets, statistic, data, num_bins, apart)
     recording = _Recording()
-    seen = False
+    seen = one_by_one = False
     for i, batch in enumerate(progress_bar(batches, progress, description)):
         first, seen = not seen, True
         check_examples(batch, i)
         _active.append(recording)
         try:
-            jax.block_until_ready(_calibration_step(observed, batch, batched))
+            try:
+                jax.block_until_ready(_calibration_step(observed, batch, batched, one_by_one))
+            except NotImplementedError as error:
+                # Raised tracing the step, before any observer reported: a quantized layer in a branch of a
+                # `jax.lax.cond` under the `jax.vmap` over the batch, where JAX refuses callbacks. Run the examples
+                # one after another instead, each through its own branch.
+                if not (first and not batched and _vmapped_cond(error)):
+                    raise
+                one_by_one = True
+                jax.block_until_ready(_calibration_step(observed, batch, batched, one_by_one))
             jax.effects_barrier()
         except Exception as error:
             if first:
                 add_batch_note(error, batch, batched)
+                if batched and _vmapped_cond(error):
+                    error.add_note(
+                        "eqx_quant: the model maps a `jax.lax.cond` or `jax.lax.switch` holding quantized layers "
+                        "with `jax.vmap`, where JAX refuses the observers' reports to the host. Write the model for "
+                        "one example and pass `batched=False`: the examples then run one after another."
+                    )
             raise
         finally:
             _active.pop()

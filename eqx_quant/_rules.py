@@ -19,6 +19,7 @@ from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, 
 from ._traced import TRACED_ONLY, QuantTraced, TracedProduct, find_products, trace_call, weight_layout
 from ._tree import map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
+from .nn._converted import AbstractConvertedLayer
 from .nn._einsum import Einsum, QuantEinsum
 from .nn._layers import (
     AbstractQuantLayer,
@@ -598,7 +599,8 @@ def quantize(
     else:
         decide, check, reaches = _legacy_rules(weights, activations, where, matmul, products, match, backward)
 
-    layer_types = FLOAT_LAYERS + (AbstractQuantLayer,)
+    # A converted layer holds its float layer without a weight: it is found whole, and left as it is.
+    layer_types = FLOAT_LAYERS + (AbstractQuantLayer, AbstractConvertedLayer)
     wants_products = products is not None if rules is None else any(rule.products is not None for rule in rules)
     if isinstance(model, QuantTraced):
         raise ValueError(
@@ -608,8 +610,9 @@ def quantize(
     layers = nodes(model, layer_types)
     attentions = nodes(model, (eqx.nn.MultiheadAttention, QuantMultiheadAttention)) if wants_products else []
     einsums = nodes(model, (Einsum, QuantEinsum)) if wants_products else []
+    converted = [path for path, layer in layers if isinstance(layer, AbstractConvertedLayer)]
     done = [(path, layer) for path, layer in layers if isinstance(layer, AbstractQuantLayer)]
-    layers = [(path, layer) for path, layer in layers if not isinstance(layer, AbstractQuantLayer)]
+    layers = [(path, layer) for path, layer in layers if isinstance(layer, FLOAT_LAYERS)]
     # The two products of an attention that is not wrapped yet, at the paths they take once it is.
     attentions = [
         (path, QuantMultiheadAttention(m)) for path, m in attentions if isinstance(m, eqx.nn.MultiheadAttention)
@@ -682,7 +685,7 @@ def quantize(
     if wants_products:
         wrapped = _wrap_products(wrapped, decisions)
     traced, activations, problems, operands = _traced_products(wrapped, example)
-    if not (layers or done or attentions or einsums or traced or activations or problems):
+    if not (layers or done or converted or attentions or einsums or traced or activations or problems):
         found = " nor, tracing `example`, a product of one of its arrays" if example is not None else ""
         raise ValueError(
             "`model` contains no eqx.nn.Linear, eqx.nn.Conv or eqx.nn.Embedding layer (nor, with `products`, an "
@@ -712,6 +715,12 @@ def quantize(
                 "leave them out of the configuration's patterns.",
                 stacklevel=caller_stacklevel(),
             )
+    if converted:
+        warnings.warn(
+            f"The layers at {converted} are converted already (their weights stored as codes, by "
+            "`eqx_quant.convert`) and stay as they are; to quantize them anew, start from the float model.",
+            stacklevel=caller_stacklevel(),
+        )
     reached = [path for path, layer in done if reaches(path, layer)]
     if reached:
         warnings.warn(

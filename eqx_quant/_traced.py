@@ -512,9 +512,12 @@ def _codes_after(eqn: Any, codes: Codes | None, ins: list[Any]) -> Codes | None:
 
 
 def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequence[_View | None],
-             codes: Sequence[Codes | None], inputs: Inputs, chain: tuple[int, ...] = ()) -> list[Any]:  # fmt: skip
+             codes: Sequence[Codes | None], inputs: Inputs, chain: tuple[int, ...] = (),
+             followed: set[int] | None = None) -> list[Any]:  # fmt: skip
     """Runs `jaxpr` on `args`, quantizing with `inputs` the activation operand of every product of a leaf view (on
-    integers, from the view's `codes`, where the formats allow it); everything else runs as traced."""
+    integers, from the view's `codes`, where the formats allow it); everything else runs as traced. Adds to
+    `followed` the leaves of those products (inside the equations that hold them too). Raises `_Unfollowed` for a
+    product of a leaf with quantizers that no scale layout follows."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     seen: dict[Any, _View | None] = dict(zip(jaxpr.invars, views, strict=True))
@@ -530,6 +533,11 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequ
         )
         uses: list[_Use] = []
         out_views = eqn_views(eqn, in_views, uses)
+        unfollowed = [use.leaf for use in uses if use.primitive == "unfollowed" and use.leaf in inputs.quantizers]
+        if unfollowed:
+            raise _Unfollowed(unfollowed[0])
+        if followed is not None:
+            followed.update(use.leaf for use in uses if use.leaf >= 0)
         out_codes: list[Codes | None] = [None] * len(eqn.outvars)
         key = (*chain, id(eqn))  # an equation of a jaxpr that several calls share is one per call: by its chain
         if _holds_products(key, uses, inputs):
@@ -601,6 +609,15 @@ def _evaluate_with_products(eqn: Any, key: tuple[int, ...], ins: list[Any], view
     # Calls (`jit`) run inline; a custom-derivative function whose body holds a quantized product runs its body, so
     # that its product is quantized (its own derivative rule then gives way to the quantized body's).
     return run(args, arg_codes)[: len(eqn.outvars)]
+
+
+class _Unfollowed(Exception):
+    """Raised by `evaluate` where a call reads a traced weight (by program input: `leaf`) into a product that no
+    scale layout follows, which tracing the example would have refused."""
+
+    def __init__(self, leaf: int):
+        super().__init__(leaf)
+        self.leaf = leaf
 
 
 def _holds_products(key: tuple[int, ...], uses: list[_Use], inputs: Inputs) -> bool:
@@ -948,9 +965,17 @@ def _trace(fn: Callable[..., Any], inputs: PyTree) -> _Traced:
     def run(*flat):
         return fn(eqx.combine(jax.tree.unflatten(treedef, flat), static))
 
-    shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)) for x in leaves]
+    shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x), sharding=_typed_sharding(x)) for x in leaves]
     closed, out_dynamic, out_static = eqx.filter_make_jaxpr(run)(*shapes)
     return _Traced(closed, leaves, [p for p, _ in with_paths], (out_dynamic, out_static))
+
+
+def _typed_sharding(x: Any) -> Any:
+    """The sharding of `x` in its type where it is sharded over Explicit mesh axes (the program then computes with
+    it, as the call does), else `None`."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return sharding if spec is not None and any(p is not None for p in spec) else None
 
 
 class Found(NamedTuple):
@@ -1348,7 +1373,25 @@ class QuantTraced(eqx.Module):
         tokens = frozenset(leaf for leaf, k in owner.items() if self.per_token[k])
         pairings = {leaf: self.pairings[k] for leaf, k in owner.items()}
         inputs = Inputs(quantizers, tokens, integer, products, holders, pairings)
-        outs = evaluate(closed.jaxpr, closed.consts, traced.leaves, views, held, inputs)
+        followed: set[int] = set()
+        try:
+            outs = evaluate(closed.jaxpr, closed.consts, traced.leaves, views, held, inputs, followed=followed)
+            # A traced weight in no product of this call that it reads all the same (in a product with another
+            # weight, say): the example's products of it, which its quantizers follow, are not computed.
+            unseen = {i: (jnp.shape(traced.leaves[i]), self.pairings[k]) for i, k in owner.items() if i not in followed}
+            read = stray_reads(closed.jaxpr, views, unseen)[0] if unseen else set()
+            if read:
+                raise _Unfollowed(min(read))
+        except _Unfollowed as error:
+            path = self.weight_paths[owner[error.leaf]]
+            raise ValueError(
+                f"This call reads the traced weight {path!r} into a product otherwise than the example did: computed "
+                "from other arrays first (a product with another weight, arithmetic), or reshaped so that a summed and "
+                "a kept axis merge. Its quantizers follow the example's products, which this call does not compute. "
+                "A `jnp.einsum` of three or more operands chooses the order of its products from the operands' "
+                "shapes: give it `optimize=False` (left to right) or write it as products of two operands, or "
+                "quantize with an example of the shapes the model is called with."
+            ) from None
         out_dynamic, out_static = traced.out
         return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_dynamic), outs), out_static)
 

@@ -14,7 +14,7 @@ import pytest
 import eqx_quant
 from eqx_quant import DynamicFakeQuant
 
-from .helpers import assert_bitwise_equal, assert_trees_equal, init
+from .helpers import assert_bitwise_equal, assert_trees_equal, init, np_absmax_scale
 from .models import ViT
 
 
@@ -192,6 +192,17 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     with pytest.warns(UserWarning, match=r"The layers at \['layers.0', 'layers.1'\] are quantized already"):
         twice = eqx_quant.quantize(once, **eqx_quant.recipe("w2a16_g32"))
     assert eqx.tree_equal(twice, once)
+    # Quantizing a converted model leaves its converted layers as they are (the float layers they hold have no
+    # weight), and says so.
+    converted = eqx_quant.convert(once)
+    with pytest.warns(UserWarning, match=r"The layers at \['layers.0', 'layers.1'\] are converted already"):
+        again = eqx_quant.quantize(converted, **eqx_quant.recipe("w4a8_g32"))
+    assert eqx.tree_equal(again, converted)
+    # Calibration batches that never reach a quantized layer: its input would stay dynamic.
+    unused = eqx_quant.quantize({"used": mlp, "unused": mlp.layers[0]}, **eqx_quant.recipe("w8a8"))
+    never = r"The layers at \['args.0.unused'\] were never called .*: pass batches that reach"
+    with pytest.raises(ValueError, match=never):
+        eqx_quant.calibrate(eqx.Partial(lambda m, x: m["used"](x), unused), [jnp.ones((2, 32))])
     # A recipe's groups that a layer's inputs do not split into.
     with pytest.warns(UserWarning, match="'layers.1': its contraction does not split into tiles of 32") as caught:
         grouped = eqx_quant.quantize(mlp, **eqx_quant.recipe("w4a16_g32"))
@@ -214,6 +225,35 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     assert isinstance(alone, Mixed) and isinstance(alone.linear, eqx_quant.nn.QuantLinear)
     chosen = [eqx_quant.Rule("linear"), eqx_quant.Rule("w", weight=None, input=None)]
     assert eqx.tree_equal(eqx_quant.quantize(mixed, chosen, example=(x,)), alone)
+
+
+def test_calibrate_and_gptq_observe_layers_inside_a_cond_one_example_at_a_time():
+    """Under `jax.vmap`, JAX refuses the observers' reports inside `jax.lax.cond`; the examples then run one after
+    another, each observed in the branch it takes."""
+
+    class Gated(eqx.Module):
+        a: eqx.nn.Linear
+        b: eqx.nn.Linear
+
+        def __call__(self, x):
+            return jax.lax.cond(x[0] > 0, lambda x: self.a(x), lambda x: self.b(x), x)
+
+    gated = Gated(init(lambda k: eqx.nn.Linear(8, 4, key=k), 31), init(lambda k: eqx.nn.Linear(8, 4, key=k), 32))
+    xs = np.random.default_rng(33).normal(size=(16, 8)).astype(np.float32)
+    xs[:, 1:] *= np.where(xs[:, :1] > 0, 1.0, 5.0)  # the two branches see inputs of different ranges
+    quantized = eqx_quant.quantize(gated, **eqx_quant.recipe("w8a8"))
+    calibrated = eqx_quant.calibrate(quantized, [jnp.asarray(xs)])
+    for layer, taken in ((calibrated.a, xs[:, 0] > 0), (calibrated.b, xs[:, 0] <= 0)):
+        assert layer.input_quant.scale == np_absmax_scale(np.abs(xs[taken]).max(), 127)
+    # GPTQ's Hessian of a branch's layer is that of the examples taking it: as for the layer alone on those examples.
+    solved = eqx_quant.gptq(calibrated, [jnp.asarray(xs)])
+    alone = eqx_quant.gptq(calibrated.b, [jnp.asarray(xs[xs[:, 0] <= 0])])
+    np.testing.assert_allclose(solved.b.layer.weight, alone.layer.weight, rtol=1e-6, atol=1e-6)
+    assert not np.array_equal(solved.b.layer.weight, calibrated.b.layer.weight)
+    # A model that maps the cond itself (`batched=True`) cannot be observed: the error says what to do instead.
+    with pytest.raises(NotImplementedError, match="vmap-of-cond") as caught:
+        eqx_quant.calibrate(eqx.Partial(lambda m, x: jax.vmap(m)(x), quantized), [jnp.asarray(xs)], batched=True)
+    assert any("pass `batched=False`" in note for note in caught.value.__notes__)
 
 
 @pytest.mark.slow

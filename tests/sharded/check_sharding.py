@@ -306,6 +306,35 @@ def test_explicit_axes_with_weight_only_grouped_and_float_format_recipes(recipe)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(forward(one_device, x)))
 
 
+class _BareThenLinear(eqx.Module):
+    w: jax.Array
+    linear: eqx.nn.Linear
+
+    def __call__(self, x):
+        return self.linear(jnp.tanh(x @ self.w))
+
+
+def test_explicit_axes_traced_weights():
+    """A traced weight sharded over Explicit axes (a column-parallel bare `x @ w`) is traced with its sharding, as
+    the call computes: the integer forward equals the one-device model's bit for bit, it trains, and it converts."""
+    k1, k2, k3 = jax.random.split(jax.random.key(5), 3)
+    model = _BareThenLinear(jax.random.normal(k1, (16, 32)) / 4, eqx.nn.Linear(32, 8, key=k2))
+    x = jax.random.normal(k3, (BATCH, 16))
+    w8a8 = eqx_quant.recipe("w8a8")
+    one_device = eqx_quant.quantize(model, **w8a8, example=(x[0],))
+    with jax.set_mesh(EXPLICIT):
+        placed = eqx.tree_at(lambda m: m.w, model, jax.device_put(model.w, NamedSharding(EXPLICIT, P(None, "model"))))
+        sx = jax.device_put(x, NamedSharding(EXPLICIT, P("data", None)))
+        traced = eqx_quant.quantize(placed, **w8a8, example=(x[0],))
+        out = forward(traced, sx)
+        grads = eqx.filter_jit(eqx.filter_grad(lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2)))(traced, sx)
+        converted = eqx_quant.convert(traced)
+        np.testing.assert_array_equal(np.asarray(forward(converted, sx)), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(forward(one_device, x)))
+    expected = eqx.filter_grad(lambda m, x: jnp.sum(jax.vmap(m)(x) ** 2))(one_device, x)
+    assert_trees_close(grads, expected)
+
+
 def test_explicit_axes_row_parallel_needs_an_output_sharding_like_float():
     """A contraction over an Explicit-sharded axis has no unambiguous output sharding: `eqx.nn.Linear` raises, and
     so does its quantized wrapper, with JAX's own error."""
