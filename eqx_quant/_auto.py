@@ -14,11 +14,12 @@ import numpy as np
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._format import GGML_BLOCK, MX_BLOCK, NVFP4_BLOCK, Format, format_named
-from ._misc import check_int
+from ._misc import caller_stacklevel, check_int
 from ._observe import add_batch_note, check_not_one_array, checked
 from ._quantizers import AbstractQuantizer
 from ._rules import LayerQuantizer, Rule, quantize
 from ._summary import _FLOAT_LAYERS, describe_quantizer, summary, text_table
+from ._traced import TRACED_ONLY
 from ._tree import nodes
 from .nn._layers import AbstractQuantLayer, _quantized_weight, stack_depth
 
@@ -366,6 +367,14 @@ def auto_recipe(
             "`quantize(..., example=)`."
         )
 
+    untraced = [f"{p or '(the model itself)'!r} ({type(layer).__name__})" for p, layer in nodes(model, TRACED_ONLY)]
+    if untraced:
+        warnings.warn(
+            f"auto_recipe allocates among Linear, Conv and Embedding layers: the layers {', '.join(untraced)} stay in "
+            "floating point, outside the budget (`quantize(..., example=)` quantizes them by tracing, with rules of "
+            "your own).",
+            stacklevel=caller_stacklevel(),
+        )
     quantized = _what_candidates_make(model, units, options)
     for u, (path, _) in enumerate(units):
         if not any((u, c) in quantized for c in range(len(options))):

@@ -144,7 +144,7 @@ def autoround(
     learning_rate: float | None = None,
     sequential: bool = True,
     batched: bool = False,
-    where: Callable[[str, eqx.Module], bool] | None = None,
+    where: Callable[[str, eqx.Module], bool] | str | None = None,
     progress: bool = False,
 ) -> PyTree:
     r"""Learned rounding and clipping of a model's linear weights: AutoRound's signed gradient descent (Cheng et al.,

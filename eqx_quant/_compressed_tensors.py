@@ -257,7 +257,9 @@ def export_compressed_tensors(
         [`eqx_quant.quantize`][] names layers; `<layer>.weight`, `<layer>.bias`) or a mapping from every path;
         `None` leaves a tensor out. A quantized weight's name must end in `weight`: the layer's name (vLLM's module
         name, e.g. `model.layers.0.self_attn.q_proj`) is what comes before, and its tensors are named after it.
-        `{layer}` splits stacked layers as for [`eqx_quant.export_gguf`][].
+        `{layer}` splits stacked layers as for [`eqx_quant.export_gguf`][]; without it a stack (of
+        `eqx.filter_vmap`) is written whole, each tensor with the stack's axes in front (and `weight_shape` saying
+        so), which vLLM's modules, one layer each, do not load.
     - `config`: the model's own configuration (`architectures`, `hidden_size`, ...), to which the
         `quantization_config` is added.
 

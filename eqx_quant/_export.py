@@ -65,10 +65,18 @@ def refuse_input_transforms(model: PyTree, what: str) -> None:
     transformed input `T x`, which a reader of the file would not apply; or if `model` has traced weights (an
     [`eqx_quant.nn.QuantTraced`][]), whose products no tensor name of the file places."""
     for path, traced in nodes(model, (QuantTraced,)):
+        where = f"The model at {path or '(the root)'!r} is an eqx_quant.nn.QuantTraced"
+        if not traced.weight_paths:  # products of two activations alone: quantizers computed at every call
+            inner = f"{path}.model" if path else "model.model"
+            raise ValueError(
+                f"{where} of no traced weight, only products of two activations (`products` rules), whose dynamic "
+                f"quantizers {what} does not store. Export the model it wraps, `{inner}`, whose layers hold every "
+                "stored weight (a reader then computes those products in float), or save it with `eqx_quant.save`."
+            )
         raise ValueError(
-            f"The model at {path or '(the root)'!r} is an eqx_quant.nn.QuantTraced: its traced weights "
-            f"{list(traced.weight_paths)} are products of the model's own code, which {what} has no layer names "
-            "for. Export a model built from eqx.nn layers, or save it with `eqx_quant.save`."
+            f"{where}: its traced weights {list(traced.weight_paths)} are products of the model's own code, which "
+            f"{what} has no layer names for. Export a model built from eqx.nn layers, or save it with "
+            "`eqx_quant.save`."
         )
     for path, layer in nodes(model, (AbstractQuantLayer, AbstractConvertedLayer)):
         transform = getattr(layer, "input_transform", None)
@@ -168,7 +176,8 @@ def _layer_metadata(layer: AbstractConvertedLayer) -> dict[str, Any]:
     fmt, layout = w.format, w.layout
     tile = layout.tile_axis(w.shape)
     info: dict[str, Any] = {"kind": type(layer).__name__, "format": fmt.name, "shape": list(w.shape),
-                            "view_shape": list(w.view_shape), "dtype": w.dtype}  # fmt: skip
+                            "stack": list(w.values.shape[: w.stack_depth]), "view_shape": list(w.view_shape),
+                            "dtype": w.dtype}  # fmt: skip
     if isinstance(fmt, (IntFormat, StretchedFormat)) and fmt.scale == "float32":
         if isinstance(fmt, StretchedFormat):  # the level of a code q is q + 1/2
             info["level_offset"] = 0.5
@@ -212,7 +221,9 @@ def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
     (the stored integers: int8/int16/int32, or uint8 rows of 2-, 3- or 4-bit values packed by
     [`eqx_quant.pack_bits`][]),
     `p.weight_scale`, `p.weight_zero_point` (if any) and `p.bias` (if any). The header's metadata maps `p` to a JSON
-    object with the weight's `format`, `shape`, the grid (`qmin`, `qmax`), the per-channel `axis`, the `group_size`,
+    object with the weight's `format`, `shape` (of one layer), `stack` (the leading axes of a stack of layers built
+    with `eqx.filter_vmap`, which every tensor of the layer carries before its own axes; `[]` for a single layer),
+    the grid (`qmin`, `qmax`), the per-channel `axis`, the `group_size`,
     `packed_bits` (2, 3, 4, or `null` for unpacked integers) and its `bit_order` (`"low-first"`: element `j` of a
     row in bits `j * packed_bits` onwards of the row's little-endian bit stream), and the input quantizer's
     parameters. For readers of 4-bit files, `packed_int4` (whether the weight holds two 4-bit values per byte) and

@@ -15,7 +15,7 @@ from jaxtyping import Array, PRNGKeyArray, PyTree
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import check_scale_method, gptq_solve
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, caller_stacklevel, check_real, check_where, placed_like, where_traced
+from ._misc import FLOAT32_TINY, as_where, caller_stacklevel, check_real, placed_like, where_traced
 from ._observe import (
     TracedInput,
     add_batch_note,
@@ -194,7 +194,7 @@ def gptq(
     num_candidates: int = 100,
     quantized_inputs: bool = False,
     batched: bool = False,
-    where: Callable[[str, eqx.Module], bool] | None = None,
+    where: Callable[[str, eqx.Module], bool] | str | None = None,
     progress: bool = False,
 ) -> PyTree:
     """Post-training quantization of a model's linear weights with GPTQ ([`eqx_quant.gptq_quantize`][]).
@@ -259,11 +259,11 @@ def gptq(
         the paper's GPTQ) from its float inputs.
     - `batched`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights of
-        `quantize(..., example=)`, named `model.<path>`, with the leaf array in place of a layer), or `None` for every
-        `QuantLinear` and traced weight with a weight quantizer, except the traced weights that the model reads
-        otherwise than as the weight of its products (a tied embedding's lookup, found by tracing the model on the
-        first batch): their Hessians see the products alone, so they are left to their weight quantizers, with a
-        warning naming them.
+        `quantize(..., example=)`, named `model.<path>`, with the leaf array in place of a layer), a regular expression
+        choosing the paths it matches whole, or `None` for every `QuantLinear` and traced weight with a weight
+        quantizer, except the traced weights that the model reads otherwise than as the weight of its products (a
+        tied embedding's lookup, found by tracing the model on the first batch): their Hessians see the products
+        alone, so they are left to their weight quantizers, with a warning naming them.
     - `progress`: show progress bars over the batches and over the layers (tqdm's when it is installed).
 
     **Returns:**
@@ -295,7 +295,7 @@ def solve_weights(
     make_solve: Callable[[Format, int | None], Callable],
     sequential: bool,
     batched: bool,
-    where: Callable[[str, eqx.Module], bool] | None,
+    where: Callable[[str, eqx.Module], bool] | str | None,
     progress: bool,
     input_damp: float | None = None,
 ) -> PyTree:
@@ -308,7 +308,7 @@ def solve_weights(
     check_not_converted(model, name)
     if not isinstance(sequential, bool):
         raise TypeError(f"`sequential` must be a bool, got sequential={sequential!r}.")
-    check_where(where)
+    where = as_where(where)
     layers = [
         (path, layer)
         for path, layer in nodes(model, (QuantLinear,))

@@ -2,6 +2,7 @@ import functools
 import math
 import numbers
 import os
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
@@ -77,7 +78,22 @@ def sharded_in_type(x: Array) -> bool:
 def check_where(where: object) -> None:
     """Raises a `TypeError` unless `where` is a predicate `f(path, layer)` or `None`."""
     if where is not None and not callable(where):
-        raise TypeError(f"`where` must be a function `f(path, layer)` or None, got where={where!r}.")
+        raise TypeError(
+            f"`where` must be a function `f(path, layer)`, a regular expression or None, got where={where!r}."
+        )
+
+
+def as_where(where: object) -> Callable | None:
+    """`where` as a predicate `f(path, layer)` (or `None`): a regular expression chooses the paths it matches whole
+    (`re.fullmatch`, as a rule's pattern); raises a `ValueError` for a malformed one."""
+    if not isinstance(where, str):
+        check_where(where)
+        return where  # pyright: ignore[reportReturnType]
+    try:
+        pattern = re.compile(where)
+    except re.error as error:
+        raise ValueError(f"`where`={where!r} is not a regular expression: {error}.") from None
+    return lambda path, layer: pattern.fullmatch(path) is not None
 
 
 def where_traced(where: Callable, name: str, weight: object) -> bool:

@@ -469,10 +469,17 @@ def add_batch_note(error: BaseException, batch: PyTree, batched: bool, which: st
         if isinstance(batch, (tuple, list))
         else ""
     )
+    unbound = (
+        " A model whose layers read a named axis (`eqx.nn.BatchNorm(..., axis_name=...)` in training mode) runs on "
+        "its batches in inference mode: pass `eqx.nn.inference_mode(model)`, whose batch statistics are the stored "
+        "ones, as served."
+        if isinstance(error, NameError) and "unbound axis name" in str(error)
+        else ""
+    )
     error.add_note(
         f"eqx_quant: raised running the model on {which}, {leaves}. Each batch is the model's one argument, its "
         f"examples along the leading axis, called as {call}; wrap a model that takes more (a state, a key, a mask) in "
-        f"a module or an `eqx.Partial` whose call takes the batch alone.{pairs}"
+        f"a module or an `eqx.Partial` whose call takes the batch alone.{pairs}{unbound}"
     )
 
 

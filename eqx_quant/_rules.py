@@ -927,22 +927,23 @@ def float_model(model: PyTree) -> PyTree:
     [`eqx_quant.rotate`][]), which becomes `layer.weight @ T`: the weight that computes on the input what the
     transformed layer computed in floating point (the float weight it was made from, to rounding error). A
     [`eqx_quant.nn.QuantTraced`][] becomes its model, each traced weight float (its stored codes dequantized) and,
-    with an input transform, restored alike along the axes its products sum over.
+    with an input transform, restored alike along the axes its products sum over. A converted layer (of
+    [`eqx_quant.convert`][]) becomes its float layer with the dequantized weight: the fake-quantized weight it was
+    converted from, bit for bit (restored alike with an input transform).
     """
 
     def unwrap(path: str, module: Any) -> Any:
         del path
-        transform = getattr(module, "input_transform", None)
-        if transform is not None:
-            return eqx.tree_at(lambda l: l.weight, module.layer, restored(transform, module.layer.weight))
-        if isinstance(module, AbstractQuantLayer):
-            return module.layer
         if isinstance(module, QuantEinsum):
             return module.einsum
-        return module
+        layer = module.dequantized_layer() if isinstance(module, AbstractConvertedLayer) else module.layer
+        transform = getattr(module, "input_transform", None)
+        if transform is not None:
+            return eqx.tree_at(lambda l: l.weight, layer, restored(transform, layer.weight))
+        return layer
 
     model = map_nodes(model, (QuantTraced,), lambda path, module: module.float_model())
-    model = map_nodes(model, (AbstractQuantLayer, QuantEinsum), unwrap)
+    model = map_nodes(model, (AbstractQuantLayer, AbstractConvertedLayer, QuantEinsum), unwrap)
     return map_nodes(model, (QuantMultiheadAttention,), lambda path, module: module.attention)
 
 

@@ -52,7 +52,9 @@ def _first_fitting(scale: Array, fits: Callable[[Array], Array]) -> Array:
     stay far below infinity.
     """
     scale_bits = jax.lax.bitcast_convert_type(scale, jnp.int32)
-    k = np.arange(_NUDGES, dtype=np.int32).reshape((_NUDGES,) + (1,) * scale.ndim)
+    # An iota, not a constant array: computed from nothing, it keeps a value computed from a layer's arrays alone a
+    # value of theirs where `quantize` traces products (a constant array would make it an activation).
+    k = jax.lax.broadcasted_iota(jnp.int32, (_NUDGES,) + (1,) * scale.ndim, 0)
     candidates = jax.lax.bitcast_convert_type(expand_to_rank(scale_bits, k.ndim) + k, jnp.float32)
     steps = jnp.sum(~fits(candidates), axis=0, dtype=jnp.int32)
     return jax.lax.bitcast_convert_type(scale_bits + steps, jnp.float32)

@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from ._fold import Fold, find_folds, scale_leaves
-from ._misc import FLOAT32_TINY, check_int, check_real, check_where
+from ._misc import FLOAT32_TINY, as_where, check_int, check_real, check_where
 from ._observe import (
     check_callable,
     check_called,
@@ -37,7 +37,8 @@ from .nn._layers import QuantLinear
 from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput, absorbed, hadamard_order
 
 
-Where = Callable[[str, Any], bool] | None  # `f(path, layer)`, and `f(name, weight)` for a traced weight
+# `f(path, layer)`, and `f(name, weight)` for a traced weight; or a regular expression that chosen paths match whole
+Where = Callable[[str, Any], bool] | str | None
 
 
 def _check_flags(**flags: object) -> None:
@@ -295,9 +296,9 @@ def smoothquant(
         multiplier.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
     - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights, named
-        `model.<path>` with the leaf array), or `None` for every `QuantLinear` with an input quantizer (outside any
-        `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side) and every traced weight
-        with one.
+        `model.<path>` with the leaf array), a regular expression choosing the paths it matches whole, or `None` for
+        every `QuantLinear` with an input quantizer (outside any `eqx.nn.Shared`, whose tie would carry the
+        transformed weight to its other side) and every traced weight with one.
 
     **Returns:**
 
@@ -321,6 +322,7 @@ def smoothquant(
     """
     check_callable(model)
     check_not_converted(model, "smoothquant")
+    where = as_where(where)
     alphas = _check_alphas(alpha)
     _check_flags(batched=batched, progress=progress)
     _check_fold(fold)
@@ -733,9 +735,10 @@ def awq(
         multiplier, so that every layer stays plain and the model exports; `False` gives every layer its own
         multiplier.
     - `batched`, `progress`: as for [`eqx_quant.calibrate`][].
-    - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights), or
-        `None` for every `QuantLinear` with a weight quantizer (outside any `eqx.nn.Shared`, whose tie would carry
-        the transformed weight to its other side) and every traced weight with one.
+    - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights), a
+        regular expression choosing the paths it matches whole, or `None` for every `QuantLinear` with a weight
+        quantizer (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side) and
+        every traced weight with one.
 
     **Returns:**
 
@@ -761,6 +764,7 @@ def awq(
     """
     check_callable(model)
     check_not_converted(model, "awq")
+    where = as_where(where)
     grid, clip_grid = check_int("grid", grid), check_int("clip_grid", clip_grid)
     if grid < 2:  # one `α`, 0, is round to nearest
         raise ValueError(f"`grid` must be at least 2, got grid={grid}.")
@@ -862,9 +866,10 @@ def rotate(
 
     - `model`: a model from [`eqx_quant.quantize`][], with dynamic quantizers on the chosen layers.
     - `key`: a JAX PRNG key (`jax.random.key(0)`) for the signs.
-    - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights), or
-        `None` for every `QuantLinear` with a quantizer (outside any `eqx.nn.Shared`, whose tie would carry the
-        transformed weight to its other side) and, given `batch`, every traced weight with one.
+    - `where`: a predicate `f(path, layer)` choosing the layers (and `f(name, weight)` the traced weights), a
+        regular expression choosing the paths it matches whole, or `None` for every `QuantLinear` with a quantizer
+        (outside any `eqx.nn.Shared`, whose tie would carry the transformed weight to its other side) and, given
+        `batch`, every traced weight with one.
     - `batch`, `batched`: one calibration batch, as an element of [`eqx_quant.calibrate`][]'s `batches` with its
         `batched`, on which the model is traced to choose its traced weights (above); `None` for none.
 
@@ -887,6 +892,7 @@ def rotate(
     if not (isinstance(key, jax.Array) and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)):
         raise TypeError(f"`key` must be a JAX PRNG key (`jax.random.key(0)`), got key={key!r}.")
     check_not_converted(model, "rotate")
+    where = as_where(where)
     has_quantizer = lambda w, x: w is not None or x is not None  # noqa: E731
     _check_flags(batched=batched)
     targets, traced, where_of = _targets(

@@ -320,9 +320,11 @@ def eqn_views(eqn: Any, ins: list[_View | None], uses: list[_Use], where: _Where
         walk(eqn.params["jaxpr"].jaxpr, _scan_views(eqn, ins), uses, inner)
         return nothing
     if name == "cond":
-        for branch in eqn.params["branches"]:
-            walk(branch.jaxpr, ins[1:], uses, inner)
-        return nothing
+        outs = [walk(branch.jaxpr, ins[1:], uses, inner) for branch in eqn.params["branches"]]
+        # A value computed from the model's other arrays alone leaves every branch alike (a quantized layer's
+        # `.weight`, which passes a conditional, a tied head's): its products stay no products of two activations.
+        alike = lambda i, v: v is not None and v.layer and all(o[i] == v for o in outs)  # noqa: E731
+        return [v if alike(i, v) else None for i, v in enumerate(outs[0])]
     if name == "while":
         cond_n, body_n = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
         carry = [None] * (len(ins) - cond_n - body_n)

@@ -138,41 +138,51 @@ def test_quantize_attention_products_and_convert():
     assert text.count("preferred_element_type=int32") >= 2 + 5  # two products, five linear layers
 
 
-def test_integer_kv_cache_decodes_like_the_quantized_products():
+@pytest.mark.parametrize("bits, groups", [(8, 1), (4, 1), (3, 2)])
+def test_integer_kv_cache_decodes_like_the_quantized_products(bits, groups):
+    """One integer per entry at every width (at most 8 bits), and grouped-query attention: `groups` query heads per
+    cached head."""
     heads, dim, max_len = 2, 4, 6
     keys = jax.random.normal(jax.random.key(10), (max_len, heads, dim)) * 2
     values = jax.random.normal(jax.random.key(11), (max_len, heads, dim))
-    queries = jax.random.normal(jax.random.key(12), (max_len, heads, dim))
+    queries = jax.random.normal(jax.random.key(12), (max_len, heads * groups, dim))
+    q_spec, mix_spec = ("hgd,shd->hgs", "hgs,shd->hgd") if groups > 1 else ("hd,shd->hs", "hs,shd->hd")
+    q_axes = (0, 1) if groups > 1 else 0
     scores = QuantEinsum(
-        Einsum("hd,shd->hs"), lhs_quant=DynamicFakeQuant(8, axis=0), rhs_quant=DynamicFakeQuant(8, axis=(0, 1))
+        Einsum(q_spec), lhs_quant=DynamicFakeQuant(bits, axis=q_axes), rhs_quant=DynamicFakeQuant(bits, axis=(0, 1))
     )
-    mix = QuantEinsum(Einsum("hs,shd->hd"), lhs_quant=None, rhs_quant=DynamicFakeQuant(8, axis=(0, 1)))
+    mix = QuantEinsum(Einsum(mix_spec), lhs_quant=None, rhs_quant=DynamicFakeQuant(bits, axis=(0, 1)))
 
     def reference(q, length):
         # The same products on the positions so far (later ones zero and masked), as a fake-quant model has them.
         written = (jnp.arange(max_len) < length)[:, None, None]
         k, v = jnp.where(written, keys, 0.0), jnp.where(written, values, 0.0)
-        logits = scores(q / jnp.sqrt(jnp.float32(dim)), k)
-        logits = jnp.where(jnp.arange(max_len)[None, :] < length, logits, jnp.finfo(jnp.float32).min)
-        return mix(jax.nn.softmax(logits, axis=-1), v)
+        q = q / jnp.sqrt(jnp.float32(dim))
+        logits = scores(q.reshape(heads, groups, dim) if groups > 1 else q, k)
+        logits = jnp.where(jnp.arange(max_len) < length, logits, jnp.finfo(jnp.float32).min)
+        return mix(jax.nn.softmax(logits, axis=-1), v).reshape(q.shape)
 
     @jax.jit
     def decode_step(cache, i):
         cache = cache.append(keys[i], values[i], i)
         return cache, cache.attend(queries[i], i + 1)
 
-    cache = eqx_quant.nn.QuantKVCache.empty(max_len, heads, dim)
+    cache = eqx_quant.nn.QuantKVCache.empty(max_len, heads, dim, bits=bits)
     for i in range(max_len):
         cache, out = decode_step(cache, i)
         assert_bitwise_equal(out, jax.jit(reference)(queries[i], i + 1))
     assert cache.keys.dtype == jnp.int8 and cache.key_scales.shape == (max_len, heads, 1)
-    # The stored integers are those of the per-head quantizer, position by position.
-    levels, _ = np_levels(keys[3], (0,))
+    # The stored integers are those of the per-head quantizer, position by position, and dequantize to its output.
+    qmax = 2 ** (bits - 1) - 1
+    levels, scale = np_levels(keys[3], (0,), qmax)
     np.testing.assert_array_equal(np.asarray(cache.keys[3]), levels)
+    assert_bitwise_equal(cache.dequantized()[0][3], DynamicFakeQuant(bits, axis=0)(keys[3]))
     with pytest.raises(ValueError, match="bits"):
         eqx_quant.nn.QuantKVCache.empty(4, 2, 4, bits=9)
     with pytest.raises((ValueError, TypeError), match="key_"):  # TypeError under the jaxtyping hook
         cache.append(keys[0, 0], values[0], 0)
+    with pytest.raises((ValueError, TypeError), match="query"):  # 3 query heads for 2 cached heads
+        cache.attend(jnp.ones((3, dim)), 1)
 
 
 @pytest.mark.slow

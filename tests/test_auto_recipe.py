@@ -297,6 +297,25 @@ def test_a_model_of_bare_arrays_is_an_error_that_points_to_the_rules():
         eqx_quant.auto_recipe(Bare(jnp.ones((4, 2))), BATCHES, average_bits=4)
 
 
+def test_layers_quantized_only_by_tracing_stay_float_with_a_warning():
+    """A transposed convolution is no layer `auto_recipe` allocates to: it says that the layer stays float, outside
+    the budget, and the rules leave it float."""
+
+    class Upsample(eqx.Module):
+        up: eqx.nn.ConvTranspose1d
+        head: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.head(self.up(x).reshape(-1))
+
+    model = Upsample(eqx.nn.ConvTranspose1d(2, 2, 3, key=jax.random.key(0)), eqx.nn.Linear(64, 4, key=jax.random.key(1)))
+    batches = [jnp.asarray(RNG.standard_normal((4, 2, 30)).astype(np.float32))]
+    with pytest.warns(UserWarning, match=r"the layers 'up' \(ConvTranspose1d\) stay in floating point, outside"):
+        auto = eqx_quant.auto_recipe(model, batches, average_bits=4)
+    assert [row.path for row in auto.report.rows] == ["head"]
+    assert type(eqx_quant.quantize(model, **auto).up) is eqx.nn.ConvTranspose1d
+
+
 def test_a_model_with_several_outputs_sums_their_errors():
     class TwoOutputs(eqx.Module):
         mlp: eqx.nn.MLP

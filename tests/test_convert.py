@@ -884,6 +884,14 @@ def test_export_safetensors(tmp_path):
         assert (layer_info["axis"], layer_info["group_size"]) == (axis, group_size), name
         assert layer_info["packed_int4"] is packed and layer_info["shape"] == shape, name
         assert layer_info["nibble_order"] == ("low-first" if packed else None), name
+    assert all(info[name]["stack"] == [] for name in info)
+    # A stack of layers (built with `eqx.filter_vmap`): every tensor carries the stack in front, as `stack` says.
+    stack = eqx.filter_vmap(lambda k: eqx.nn.Linear(8, 4, key=k))(jax.random.split(jax.random.key(3), 2))
+    export_safetensors(tmp_path / "stack.safetensors", convert(quantize({"s": stack}, **eqx_quant.recipe("w8a8"))))
+    s_info = json.loads(read_header(tmp_path / "stack.safetensors")["__metadata__"]["s"])
+    assert s_info["stack"] == [2] and s_info["shape"] == [4, 8]
+    stacked = safetensors.numpy.load_file(str(tmp_path / "stack.safetensors"))
+    assert stacked["s.weight"].shape == (2, 4, 8) and stacked["s.weight_scale"].shape == (2, 4, 1)
     a_input = model["a"].input_quant
     assert info["a"]["input"] == {
         "kind": "FakeQuant", "format": "int8", "scale": a_input.scale, "zero_point": a_input.zero_point,

@@ -212,6 +212,32 @@ def test_learn_scales_keeps_learned_quantizers_as_they_are():
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
+class _TiedAttention(eqx.Module):
+    """Tokens embedded by a layer, one attention of bare projections, and the embedding's table as the output head."""
+
+    embed: eqx.nn.Embedding
+    wq: jax.Array
+
+    def __call__(self, tokens):
+        h = jax.vmap(self.embed)(tokens)
+        scores = (h @ self.wq) @ h.T
+        return (jax.nn.softmax(scores) @ h) @ self.embed.weight.T
+
+
+def test_learn_scales_on_a_traced_model_with_a_tied_head_keeps_its_products():
+    """A quantized embedding's `.weight` read by a tied head is computed from the layer's arrays alone, whatever its
+    quantizer: the head's product is no product of two activations, with the table's dynamic scales (before
+    `learn_scales`) as with its learned ones (after): the two attention products are `products.0` and `products.1`,
+    and `learn_scales` keeps the outputs."""
+    model = _TiedAttention(eqx.nn.Embedding(16, 8, key=jax.random.key(0)), jax.random.normal(jax.random.key(1), (8, 8)))
+    tokens = jnp.arange(5)
+    traced = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8_attn"), example=(tokens,))
+    assert traced.product_indices == (0, 1)
+    learned = eqx_quant.learn_scales(traced)
+    assert isinstance(learned.model.embed.weight_quant, eqx_quant.LearnedFakeQuant)
+    np.testing.assert_array_equal(np.asarray(learned(tokens)), np.asarray(traced(tokens)))
+
+
 def test_learn_scales_rejects_models_without_weight_quantizers():
     with pytest.raises(ValueError, match="float32"):
         eqx_quant.learn_scales(MLP)

@@ -266,6 +266,10 @@ def test_smoothquant_where_transforms_only_the_chosen_layer():
     assert_bitwise_equal(smoothed.layers[0].layer.weight, Q8.layers[0].layer.weight)
     assert isinstance(smoothed.layers[1].input_transform, ScaleInput)
     assert smoothed.layers[1].input_transform.multiplier.shape == (32,)
+    # A regular expression chooses the paths it matches whole, as that predicate does.
+    assert eqx.tree_equal(_smoothed(where=r"layers\.1"), smoothed)
+    with pytest.raises(ValueError, match="has no eqx_quant.nn.QuantLinear"):  # `layers` matches no path whole
+        _smoothed(where="layers")
 
 
 ALPHAS = (0.2, 0.4, 0.6, 0.8)

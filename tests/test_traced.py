@@ -346,6 +346,22 @@ def test_exporters_refuse_traced_weights_and_name_save(tmp_path):
             export(path)
         assert not path.exists()
 
+    # Linear layers and a product of two activations alone: the wrapped model holds every stored weight.
+    class Scores(eqx.Module):
+        proj: eqx.nn.Linear
+
+        def __call__(self, x):
+            h = jax.vmap(self.proj)(x)
+            return h @ h.T
+
+    scores = Scores(eqx.nn.Linear(4, 4, key=jax.random.key(0)))
+    only_products = eqx_quant.quantize(scores, **eqx_quant.recipe("w8a8_attn"), example=(jnp.ones((3, 4)),))
+    assert only_products.weight_paths == () and only_products.product_indices == (0,)
+    message = r"QuantTraced of no traced weight, only products of two activations .* the model it wraps, `model.model`"
+    with pytest.raises(ValueError, match=message):
+        eqx_quant.export_safetensors(tmp_path / "products", eqx_quant.convert(only_products))
+    assert not (tmp_path / "products").exists()
+
 
 class Transposed(eqx.Module):
     w: jax.Array

@@ -198,6 +198,12 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     with pytest.warns(UserWarning, match=r"The layers at \['layers.0', 'layers.1'\] are converted already"):
         again = eqx_quant.quantize(converted, **eqx_quant.recipe("w4a8_g32"))
     assert eqx.tree_equal(again, converted)
+    # Its float model holds the float layers with the dequantized weights: the fake-quantized ones, bit for bit.
+    back = eqx_quant.float_model(converted)
+    for layer, fake in zip(back.layers, once.layers, strict=True):
+        assert type(layer) is eqx.nn.Linear
+        assert_bitwise_equal(layer.weight, fake.weight)
+        assert_bitwise_equal(layer.bias, fake.layer.bias)
     # Calibration batches that never reach a quantized layer: its input would stay dynamic.
     unused = eqx_quant.quantize({"used": mlp, "unused": mlp.layers[0]}, **eqx_quant.recipe("w8a8"))
     never = r"The layers at \['args.0.unused'\] were never called .*: pass batches that reach"
@@ -367,6 +373,27 @@ def test_an_error_on_the_first_batch_says_how_batches_are_called():
         eqx_quant.calibrate(layer, [(jnp.ones((2, 4)), jnp.zeros(2, jnp.int32))])
     assert _note(caught.value).startswith("eqx_quant: raised running the model on the first batch, (float32[2, 4], ")
     assert _note(caught.value).endswith("for (inputs, labels) pairs from a data loader, pass the inputs alone.")
+
+    # A BatchNorm in training mode reads the batch axis by name, which `jax.vmap(model)` does not bind: the note says
+    # to calibrate in inference mode, which runs.
+    class Normed(eqx.Module):
+        linear: eqx.nn.Linear
+        norm: eqx.nn.BatchNorm
+        state: eqx.nn.State
+
+        def __call__(self, x):
+            return self.norm(self.linear(x), self.state)[0]
+
+    norm, state = eqx.nn.make_with_state(eqx.nn.BatchNorm)(3, "batch", mode="batch")
+    normed = eqx_quant.quantize(
+        Normed(eqx.nn.Linear(4, 3, key=jax.random.key(0)), norm, state), **eqx_quant.recipe("w8a8")
+    )
+    with pytest.raises(NameError, match="unbound axis name") as caught:
+        eqx_quant.calibrate(normed, [jnp.ones((2, 4))])
+    assert _note(caught.value).endswith(
+        "pass `eqx.nn.inference_mode(model)`, whose batch statistics are the stored ones, as served."
+    )
+    eqx_quant.calibrate(eqx.nn.inference_mode(normed), [jnp.ones((2, 4))])
     # One array for `batches`, whose rows would be taken as the batches: refused before anything runs, by every
     # function that reads batches.
     array = jnp.ones((2, 4))

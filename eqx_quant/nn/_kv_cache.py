@@ -79,7 +79,7 @@ class QuantKVCache(eqx.Module):
         if key_.shape != expected or value.shape != expected:
             raise ValueError(f"`key_` and `value` must have shape {expected}, got {key_.shape} and {value.shape}.")
         _check_not_float64(key_=key_, value=value)
-        k, v = self._quantizer.quantize_array(key_), self._quantizer.quantize_array(value)
+        k, v = (self._quantizer.quantize_array(a, pack=False) for a in (key_, value))  # one integer per entry
 
         def put(cache, row):
             return jax.lax.dynamic_update_slice_in_dim(cache, row[None].astype(cache.dtype), index, axis=0)
@@ -96,32 +96,45 @@ class QuantKVCache(eqx.Module):
         deq = lambda levels, scale: levels.astype(jnp.float32) * scale  # noqa: E731
         return deq(self.keys, self.key_scales), deq(self.values, self.value_scales)
 
-    def attend(self, query: Float[Array, "heads head_dim"], length) -> Float[Array, "heads head_dim"]:
+    def attend(self, query: Float[Array, "query_heads head_dim"], length) -> Float[Array, "query_heads head_dim"]:
         """Attention of one query over positions `0 .. length - 1`: `softmax(q kᵀ / sqrt(head_dim)) v` per head.
+
+        With grouped-query attention (`query_heads` a multiple `g` of the cache's `num_heads`), query heads
+        `i * g .. i * g + g - 1` attend to the cache's head `i`: the products are then those of the
+        [`eqx_quant.nn.QuantEinsum`][]s `"hgd,shd->hgs"` and `"hgs,shd->hgd"` on the query reshaped to
+        `(num_heads, g, head_dim)` (the query still quantized per query head).
 
         **Arguments:**
 
-        - `query`: shape `(num_heads, head_dim)`.
+        - `query`: shape `(query_heads, head_dim)`, `query_heads` a multiple of `num_heads`.
         - `length`: the number of positions written so far (may be traced).
 
         **Returns:**
 
-        The attended values, shape `(num_heads, head_dim)`.
+        The attended values, shape `(query_heads, head_dim)`.
         """
-        if query.shape != self.keys.shape[1:]:
-            raise ValueError(f"`query` must have shape {self.keys.shape[1:]}, got {query.shape}.")
+        heads, dim = self.keys.shape[1:]
+        if query.ndim != 2 or query.shape[1] != dim or query.shape[0] % heads:
+            raise ValueError(
+                f"`query` must have shape (query_heads, {dim}) with query_heads a multiple of the cache's {heads} "
+                f"heads, got {query.shape}."
+            )
         _check_not_float64(query=query)
-        q = query / math.sqrt(query.shape[-1])
-        fq, tq, nq = self._quantizer.fake_quant_and_array(q)
+        groups = query.shape[0] // heads
+        q = query / math.sqrt(dim)
+        if groups > 1:
+            q = q.reshape(heads, groups, dim)
+        scores, mix = ("hgd,shd->hgs", "hgs,shd->hgd") if groups > 1 else ("hd,shd->hs", "hs,shd->hd")
+        fq, tq, nq = DynamicFakeQuant(self.bits, axis=tuple(range(q.ndim - 1))).fake_quant_and_array(q)
         fmt = int_format(self.bits)
         stored = QuantizedArray(
             self.keys, self.key_scales, None, None, fmt, Layout((0, 1)), self.keys.shape, "float32", None
         )
         no_nan = jnp.zeros(self.keys.shape, bool)
-        logits = integer_value("hd,shd->hs", tq, stored, nq, no_nan)
-        logits = jnp.where(jnp.arange(self.keys.shape[0])[None, :] < length, logits, jnp.finfo(jnp.float32).min)
+        logits = integer_value(scores, tq, stored, nq, no_nan)
+        logits = jnp.where(jnp.arange(self.keys.shape[0]) < length, logits, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(logits, axis=-1)
-        return jnp.einsum("hs,shd->hd", weights, self.dequantized()[1])
+        return jnp.einsum(mix, weights, self.dequantized()[1]).reshape(query.shape)
 
 
 def _check_not_float64(**arrays: Array) -> None:
