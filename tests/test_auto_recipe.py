@@ -308,7 +308,8 @@ def test_layers_quantized_only_by_tracing_stay_float_with_a_warning():
         def __call__(self, x):
             return self.head(self.up(x).reshape(-1))
 
-    model = Upsample(eqx.nn.ConvTranspose1d(2, 2, 3, key=jax.random.key(0)), eqx.nn.Linear(64, 4, key=jax.random.key(1)))
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = Upsample(eqx.nn.ConvTranspose1d(2, 2, 3, key=k1), eqx.nn.Linear(64, 4, key=k2))
     batches = [jnp.asarray(RNG.standard_normal((4, 2, 30)).astype(np.float32))]
     with pytest.warns(UserWarning, match=r"the layers 'up' \(ConvTranspose1d\) stay in floating point, outside"):
         auto = eqx_quant.auto_recipe(model, batches, average_bits=4)

@@ -117,7 +117,8 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.rotate(eqx_quant.quantize(mlp), key=0)),
         (TypeError, "`where` must be a function `f(path, layer)`, a regular expression or None, got where=0.",
          lambda: eqx_quant.rotate(eqx_quant.quantize(mlp), key=jax.random.key(0), where=0)),
-        (ValueError, "`where`='layers.(' is not a regular expression: missing ), unterminated subpattern at position 7.",
+        (ValueError, "`where`='layers.(' is not a regular expression: missing ), unterminated subpattern at "
+                     "position 7.",
          lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), [jnp.ones((2, 3))], where="layers.(")),
         (TypeError, "`batched` must be a bool, got batched='yes'.",
          lambda: eqx_quant.rotate(eqx_quant.quantize(mlp), key=jax.random.key(0), batched="yes")),
