@@ -658,6 +658,8 @@ def quantize(
                     "Exclude it with `where`, or pass subclasses='skip' (keep it float) or subclasses='wrap'."
                 )
 
+    float_backward = []  # layers a `QuantizedBackward` reaches that cannot take it
+
     def wrap(path: str, layer: Any) -> Any:
         decision = decisions.get(path)
         if decision is None or not isinstance(layer, FLOAT_LAYERS) or path in normalised:
@@ -668,12 +670,14 @@ def quantize(
         if isinstance(layer, eqx.nn.Embedding):
             return QuantEmbedding(layer, weight_quant=decision.weight)
         unquantized = decision.backward if isinstance(decision.backward, UnquantizedBackward) else None
+        integer = all(integer_grid(q) for q in (decision.weight, decision.input))
+        if isinstance(decision.backward, QuantizedBackward) and (isinstance(layer, eqx.nn.Conv) or not integer):
+            float_backward.append(path)
         if isinstance(layer, eqx.nn.Conv):
             return QuantConv(
                 layer, weight_quant=decision.weight, input_quant=decision.input, matmul=decision.matmul,
                 backward=unquantized,
             )  # fmt: skip
-        integer = all(integer_grid(q) for q in (decision.weight, decision.input))
         return QuantLinear(
             layer, weight_quant=decision.weight, input_quant=decision.input, matmul=decision.matmul,
             backward=decision.backward if integer else unquantized,
@@ -682,6 +686,13 @@ def quantize(
     # The layers are wrapped first and the products traced on the wrapped model, so that the products the wrapped
     # layers compute are theirs (a quantized attention's, say), at quantize time as at every call.
     wrapped = map_nodes(model, layer_types, wrap)
+    if float_backward:
+        warnings.warn(
+            f"`QuantizedBackward` computes the backward products of linear layers whose weight and input are both on "
+            f"integer grids: the layers at {float_backward} (convolutions, or operands not both on such grids) keep "
+            "the float backward of the fake-quantized operands.",
+            stacklevel=caller_stacklevel(),
+        )
     if wants_products:
         wrapped = _wrap_products(wrapped, decisions)
     traced, activations, problems, operands = _traced_products(wrapped, example)

@@ -81,13 +81,15 @@ def quantized(
 ) -> eqx.Module:
     """Weights quantized per output channel (dynamic, symmetric); inputs per tensor on an unsigned grid, since every
     layer of the convnet sees non-negative inputs (pixels, then ReLU outputs); they are calibrated afterwards.
-    `backward` is the linear layers' [`eqx_quant.QuantizedBackward`][], or `None` for the float backward."""
-    return eqx_quant.quantize(
-        model,
-        weights=eqx_quant.DynamicFakeQuant(weight_bits, axis=0),
-        activations=eqx_quant.DynamicFakeQuant(activation_bits, signed=False),
-        backward=backward,
-    )
+    `backward` is the linear layers' [`eqx_quant.QuantizedBackward`][] (the convolutions keep the float backward), or
+    `None` for the float backward."""
+    weight = eqx_quant.DynamicFakeQuant(weight_bits, axis=0)
+    inputs = eqx_quant.DynamicFakeQuant(activation_bits, signed=False)
+    rules = [
+        eqx_quant.Rule(r"conv\d", weight=weight, input=inputs),
+        eqx_quant.Rule(r"linear\d", weight=weight, input=inputs, backward=backward),
+    ]
+    return eqx_quant.quantize(model, rules)
 
 
 def calibrated(model: eqx.Module, images: np.ndarray, activation_bits: int) -> eqx.Module:
