@@ -378,7 +378,8 @@ def _legacy_rules(
         raise TypeError(f"`where` must be None, a regular expression or a predicate on (path, layer), got {where!r}.")
     used = _Used()
 
-    def decide(path: str, layer: eqx.Module, product: bool) -> _Decision | None:
+    def decide(path: str, layer: eqx.Module, product: bool, aliases: Sequence[str] = ()) -> _Decision | None:
+        del aliases  # the keyword arguments' patterns read the path the layer has as found
         if not select(path, layer):
             return None
         if product:
@@ -418,9 +419,9 @@ def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable, Callable]:
         raise TypeError(f"`rules` must be a list of eqx_quant.Rule, got {rules!r}.")
     used: set[int] = set()
 
-    def decide(path: str, layer: eqx.Module, product: bool) -> _Decision | None:
+    def decide(path: str, layer: eqx.Module, product: bool, aliases: Sequence[str] = ()) -> _Decision | None:
         for i, rule in enumerate(rules):
-            if re.fullmatch(rule.pattern, path) is None:
+            if all(re.fullmatch(rule.pattern, p) is None for p in (path, *aliases)):
                 continue
             used.add(i)
             if product:
@@ -487,7 +488,8 @@ def quantize(
     [`eqx_quant.nn.QuantEinsum`][], and every `eqx.nn.MultiheadAttention` a
     [`eqx_quant.nn.QuantMultiheadAttention`][] whose two products (at `<path>.scores` and `<path>.values`) are
     quantized (its four projections are linear layers, quantized like any other, at
-    `<path>.attention.query_proj` and so on once wrapped). Otherwise both stay in floating point.
+    `<path>.attention.query_proj` and so on once wrapped; a rule may name them by either path). Otherwise both stay
+    in floating point.
 
     **Subclasses.** A subclass of `eqx.nn.Linear`, `eqx.nn.Conv` or `eqx.nn.Embedding` that overrides `__call__`
     computes something the quantized wrapper (which runs the base layer's computation) would not: by default
@@ -623,9 +625,21 @@ def quantize(
     attention_paths = {path for path, _ in nodes(model, (QuantMultiheadAttention,))} if wants_products else set()
     products_of += [(path, m, path.rpartition(".")[0] if path.rpartition(".")[0] in attention_paths else None)
                     for path, m in einsums if isinstance(m, Einsum)]  # fmt: skip
+    # The projections of an `eqx.nn.MultiheadAttention` at `a` also answer to `a.attention.query_proj` and so on,
+    # their paths once `products` wrap it (as `summary` and the algorithms name them).
+    attention_paths_found = [path for path, _ in nodes(model, (eqx.nn.MultiheadAttention,))]
+
+    def aliases(path: str) -> tuple[str, ...]:
+        for attention in attention_paths_found:
+            prefix = f"{attention}." if attention else ""
+            rest = path[len(prefix) :] if path.startswith(prefix) else ""
+            if rest in ("query_proj", "key_proj", "value_proj", "output_proj"):
+                return (f"{prefix}attention.{rest}",)
+        return ()
+
     decisions = {}
     for path, layer in layers:
-        decision = decide(path, layer, False)
+        decision = decide(path, layer, False, aliases(path))
         if decision is not None:
             decisions[path] = decision
     for path, einsum, attention in products_of:

@@ -112,6 +112,21 @@ def test_multihead_attention_wrapper_equals_equinox():
         assert_bitwise_equal(wrapped(x, kv, kv, **kwargs), mha(x, kv, kv, **kwargs))
 
 
+def test_rules_name_an_attention_projection_by_either_of_its_paths():
+    """`attn.query_proj` (its path as `quantize` finds it) and `attn.attention.query_proj` (once the attention is
+    wrapped, as `summary` lists it) reach the same layer."""
+    model = Block(jax.random.key(8))
+    four = DynamicFakeQuant(4, axis=0)
+    chosen = {}
+    for pattern in (r"attn\.query_proj", r"attn\.attention\.query_proj"):
+        rules = [eqx_quant.Rule(pattern, weight=four), *eqx_quant.recipe("w8a8_attn")["rules"]]
+        chosen[pattern] = eqx_quant.quantize(model, rules)
+        assert chosen[pattern].attn.attention.query_proj.weight_quant == four
+        assert chosen[pattern].attn.attention.key_proj.weight_quant != four
+        assert "attn.attention.query_proj" in [row.path for row in eqx_quant.summary(chosen[pattern]).rows]
+    assert eqx.tree_equal(*chosen.values())
+
+
 @pytest.mark.slow
 def test_quantize_attention_products_and_convert():
     model = Block(jax.random.key(8))
