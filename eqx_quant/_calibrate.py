@@ -103,8 +103,9 @@ def calibrate(
     several times per example gets the statistics of all its inputs. A layer that no batch reaches is an error (its
     input would stay dynamic). JAX takes no reports to the host from a `jax.lax.cond` or `jax.lax.switch` under
     `jax.vmap`: for a model with quantized layers in such branches, the examples of each batch run one after another
-    (`jax.lax.map`) instead, each observed in the branch it takes (slower, and the same statistics); a model that maps
-    such a branch with a `jax.vmap` of its own (`batched=True`) cannot be observed. The other algorithms that run the
+    (`jax.lax.map`) instead, each observed in the branch it takes (slower; the same statistics, up to the order of
+    their float sums); a model that maps such a branch with a `jax.vmap` of its own (over tokens, or with
+    `batched=True`) cannot be observed. The other algorithms that run the
     model on batches ([`eqx_quant.gptq`][], [`eqx_quant.smoothquant`][], ...) do the same.
 
     **Stacked layers.** A layer built with `eqx.filter_vmap` (weights of shape `(layers, ...)`) and run with
@@ -180,7 +181,7 @@ def calibrate(
         raise TypeError(f"`batches` must be re-iterable for method={method!r} (it is read twice), got an iterator.")
 
     totals = fold(model, targets, batches, batched, "stats", progress=progress)
-    check_called(targets, totals)
+    check_called(targets, totals, where=False)
     _check_finite(totals)
     if two_passes:
         observed = [(path, layer) for path, layer in targets if path in totals]

@@ -359,14 +359,16 @@ def _lines(items: Iterable, description: str) -> Iterator:
         yield item
 
 
-def check_called(targets: list[tuple[str, Any]], found: dict[str, Any]) -> None:
-    """Raises, naming them, if some of the target layers have no statistics: they were never called."""
+def check_called(targets: list[tuple[str, Any]], found: dict[str, Any], where: bool = True) -> None:
+    """Raises, naming them, if some of the target layers have no statistics: they were never called. The way out
+    names `where` if the algorithm takes one."""
     never = [path for path, _ in targets if path not in found]
     if never:
+        leave = "a `where` that leaves them out, or " if where else ""
         raise ValueError(
             f"The layers at {never} were never called on the calibration batches: pass batches that reach them, or "
-            "leave them out of the configuration (a rule `Rule(pattern, weight=None, input=None)` before the "
-            "others, or a `where` that leaves them out)."
+            f"leave them out ({leave}at `quantize`, a rule `Rule(pattern, input=None)` before the others, which "
+            "keeps their inputs float)."
         )
 
 
@@ -513,11 +515,13 @@ def fold(
         except Exception as error:
             if first:
                 add_batch_note(error, batch, batched)
-                if batched and _vmapped_cond(error):
+                if _vmapped_cond(error):
                     error.add_note(
-                        "eqx_quant: the model maps a `jax.lax.cond` or `jax.lax.switch` holding quantized layers "
-                        "with `jax.vmap`, where JAX refuses the observers' reports to the host. Write the model for "
-                        "one example and pass `batched=False`: the examples then run one after another."
+                        "eqx_quant: a `jax.lax.cond` or `jax.lax.switch` holding quantized layers runs under a "
+                        "`jax.vmap` of the model's own (over tokens, say, or over the batch with `batched=True`), "
+                        "where JAX refuses the observers' reports to the host. Without a `jax.vmap` around the "
+                        "branch (a model written for one example, `batched=False`, whose examples then run one after "
+                        "another), or with both branches computed and one chosen by `jnp.where`, they can be observed."
                     )
             raise
         finally:

@@ -27,7 +27,7 @@ from ._layout import Layout
 from ._misc import computed_before, flat, reshape_blocks, whole_batch
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
-from ._tree import path_string
+from ._tree import nodes, path_string
 
 
 class _View(NamedTuple):
@@ -212,6 +212,19 @@ def _sub_jaxpr(eqn: Any) -> Any:
     return None
 
 
+_weight_pairs: list[set[int]] = []  # `_multiplied_by_weights`: the leaves of products of two weights
+
+
+def _multiplied_by_weights(jaxpr: Any, views: Sequence[_View | None]) -> set[int]:
+    """The leaves of `jaxpr`'s products of two of the model's arrays (or of values computed from them alone)."""
+    _weight_pairs.append(set())
+    try:
+        walk(jaxpr, views, [])
+        return _weight_pairs[-1]
+    finally:
+        _weight_pairs.pop()
+
+
 def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
     """The use of a product equation that sums over something: of a weight, if one operand is a view of a leaf and
     the other an activation; of two activations (`leaf` -1), if both are and the equation is a `dot_general` outside
@@ -233,6 +246,9 @@ def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
     if derived or (lhs is not None and rhs is not None):
         if len(derived) == 1 and (lhs is None or rhs is None) and derived[0].leaf >= 0:
             return _Use(derived[0].leaf, (), (), (), "unfollowed", where.loop, None, eqn, where.outer)
+        pair = {v.leaf for v in (lhs, rhs) if v is not None and v.leaf >= 0}
+        if _weight_pairs and len(pair) == 2:  # two arrays (not a constant, nor an array with itself: `w.T @ w`)
+            _weight_pairs[-1].update(pair)
         return None  # products of two weights (or of values computed from them alone)
     if eqn.primitive.name == "dot_general":
         weight_side = 0 if lhs is not None else 1
@@ -518,8 +534,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequ
              followed: set[int] | None = None) -> list[Any]:  # fmt: skip
     """Runs `jaxpr` on `args`, quantizing with `inputs` the activation operand of every product of a leaf view (on
     integers, from the view's `codes`, where the formats allow it); everything else runs as traced. Adds to
-    `followed` the leaves of those products (inside the equations that hold them too). Raises `_Unfollowed` for a
-    product of a leaf with quantizers that no scale layout follows."""
+    `followed` the leaves of the products of leaf views (inside the equations that hold them too)."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     seen: dict[Any, _View | None] = dict(zip(jaxpr.invars, views, strict=True))
@@ -535,9 +550,6 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequ
         )
         uses: list[_Use] = []
         out_views = eqn_views(eqn, in_views, uses)
-        unfollowed = [use.leaf for use in uses if use.primitive == "unfollowed" and use.leaf in inputs.quantizers]
-        if unfollowed:
-            raise _Unfollowed(unfollowed[0])
         if followed is not None:
             followed.update(use.leaf for use in uses if use.leaf >= 0)
         out_codes: list[Codes | None] = [None] * len(eqn.outvars)
@@ -611,15 +623,6 @@ def _evaluate_with_products(eqn: Any, key: tuple[int, ...], ins: list[Any], view
     # Calls (`jit`) run inline; a custom-derivative function whose body holds a quantized product runs its body, so
     # that its product is quantized (its own derivative rule then gives way to the quantized body's).
     return run(args, arg_codes)[: len(eqn.outvars)]
-
-
-class _Unfollowed(Exception):
-    """Raised by `evaluate` where a call reads a traced weight (by program input: `leaf`) into a product that no
-    scale layout follows, which tracing the example would have refused."""
-
-    def __init__(self, leaf: int):
-        super().__init__(leaf)
-        self.leaf = leaf
 
 
 def _holds_products(key: tuple[int, ...], uses: list[_Use], inputs: Inputs) -> bool:
@@ -933,6 +936,19 @@ def _integer_dot_jvp(dims, side, weight_first, group, primals, tangents):
     pair = lambda x, w: (w, x) if side == 1 else (x, w)  # noqa: E731
     dy = jax.lax.dot_general(*pair(dfx, fw), dims) + jax.lax.dot_general(*pair(fx, dfw), dims)
     return y, dy.astype(y.dtype)
+
+
+@functools.cache
+def _layer_types() -> tuple[type, ...]:
+    """The modules whose arrays compute their own products (the layers `quantize` wraps, quantized or converted):
+    their arrays are no traced weights, and their products no products of two activations."""
+    from .nn._attention import QuantMultiheadAttention  # here: `eqx_quant.nn` imports this module
+    from .nn._converted import AbstractConvertedLayer
+    from .nn._einsum import Einsum, QuantEinsum
+    from .nn._layers import AbstractQuantLayer
+
+    return (eqx.nn.Linear, eqx.nn.Conv, eqx.nn.Embedding, eqx.nn.MultiheadAttention, AbstractQuantLayer,
+            AbstractConvertedLayer, Einsum, QuantEinsum, QuantMultiheadAttention)  # fmt: skip
 
 
 def _under(path: str, roots: Sequence[str]) -> bool:
@@ -1349,6 +1365,7 @@ class QuantTraced(eqx.Module):
         index = {path: i for i, path in enumerate(self.weight_paths)}
         model, codes, bounds = self._quantized()
         traced = _trace(lambda inputs: inputs[0](*inputs[1], **inputs[2]), (model, args, kwargs))
+        layers = [path for path, _ in nodes(model, _layer_types())]
         owner: dict[int, int] = {}  # program input -> traced weight
         integer: dict[int, IntWeight] = {}  # program input -> its grid, for integer products
         views: list[_View | None] = []
@@ -1363,7 +1380,8 @@ class QuantTraced(eqx.Module):
                 if path in bounds:
                     integer[i] = bounds[path]
             else:  # the model's other arrays: their products are not products of two activations
-                views.append(_leaf_view(leaf, i, layer=True) if path is not None and _candidate(leaf) else None)
+                other = path is not None and (_candidate(leaf) or _under(path, layers))  # a converted layer's codes too
+                views.append(_leaf_view(leaf, i, layer=True) if other else None)
         quantizers = {
             leaf: ((self.input_transforms[k], self.input_quants[k]), len(self.stacks[k])) for leaf, k in owner.items()
         }
@@ -1376,24 +1394,21 @@ class QuantTraced(eqx.Module):
         pairings = {leaf: self.pairings[k] for leaf, k in owner.items()}
         inputs = Inputs(quantizers, tokens, integer, products, holders, pairings)
         followed: set[int] = set()
-        try:
-            outs = evaluate(closed.jaxpr, closed.consts, traced.leaves, views, held, inputs, followed=followed)
-            # A traced weight in no product of this call that it reads all the same (in a product with another
-            # weight, say): the example's products of it, which its quantizers follow, are not computed.
-            unseen = {i: (jnp.shape(traced.leaves[i]), self.pairings[k]) for i, k in owner.items() if i not in followed}
-            read = stray_reads(closed.jaxpr, views, unseen)[0] if unseen else set()
-            if read:
-                raise _Unfollowed(min(read))
-        except _Unfollowed as error:
-            path = self.weight_paths[owner[error.leaf]]
-            raise ValueError(
-                f"This call reads the traced weight {path!r} into a product otherwise than the example did: computed "
-                "from other arrays first (a product with another weight, arithmetic), or reshaped so that a summed and "
-                "a kept axis merge. Its quantizers follow the example's products, which this call does not compute. "
-                "A `jnp.einsum` of three or more operands chooses the order of its products from the operands' "
-                "shapes: give it `optimize=False` (left to right) or write it as products of two operands, or "
-                "quantize with an example of the shapes the model is called with."
-            ) from None
+        outs = evaluate(closed.jaxpr, closed.consts, traced.leaves, views, held, inputs, followed=followed)
+        # A traced weight with an input quantizer, in no product with an activation in this call but in a product
+        # with another weight: the example's products of it, whose inputs its quantizer quantizes, were computed
+        # in another order (a `jnp.einsum` of three operands orders its products by the operands' shapes).
+        unseen = [i for i, k in owner.items() if i not in followed and self.input_quants[k] is not None]
+        paired = _multiplied_by_weights(closed.jaxpr, views) if unseen else set()
+        for i in unseen:
+            if i in paired:
+                raise ValueError(
+                    f"This call multiplies the traced weight {self.weight_paths[owner[i]]!r} by another of the "
+                    "model's arrays, and by no activation: the example's products of it, whose inputs its quantizer "
+                    "quantizes, are not computed. A `jnp.einsum` of three or more operands chooses the order of its "
+                    "products from the operands' shapes: give it `optimize=False` (left to right) or write it as "
+                    "products of two operands, or quantize with an example of the shapes the model is called with."
+                )
         out_dynamic, out_static = traced.out
         return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_dynamic), outs), out_static)
 

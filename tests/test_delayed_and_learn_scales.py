@@ -236,6 +236,11 @@ def test_learn_scales_on_a_traced_model_with_a_tied_head_keeps_its_products():
     learned = eqx_quant.learn_scales(traced)
     assert isinstance(learned.model.embed.weight_quant, eqx_quant.LearnedFakeQuant)
     np.testing.assert_array_equal(np.asarray(learned(tokens)), np.asarray(traced(tokens)))
+    # Converted, the table is stored as integer codes: still the embedding layer's arrays, the same products.
+    for model in (traced, learned):
+        converted = eqx_quant.convert(model)
+        np.testing.assert_array_equal(np.asarray(converted(tokens)), np.asarray(model(tokens)))
+        np.testing.assert_array_equal(np.asarray(eqx.filter_jit(converted)(tokens)), np.asarray(model(tokens)))
 
 
 def test_learn_scales_rejects_models_without_weight_quantizers():

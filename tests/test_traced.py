@@ -330,6 +330,54 @@ def test_converted_matches_fake_quant_bit_for_bit(name):
     assert_bitwise_equal(converted(*args), quantized(*args))
 
 
+class _LoRA(eqx.Module):
+    a: jax.Array
+    b: jax.Array
+    optimize: bool = eqx.field(static=True, default=True)
+
+    def __call__(self, x):
+        return jnp.einsum("ti,ir,ro->to", x, self.a, self.b, optimize="auto" if self.optimize else False)
+
+
+class _Calls(eqx.Module):
+    """Calls that compute none of a traced weight's products with an input: a loop of one step (`zeros @ u`), a
+    regulariser alone (`w.T @ w`)."""
+
+    w: jax.Array
+    u: jax.Array
+
+    def __call__(self, xs, product=True):
+        h = jnp.zeros(8)
+        for x in xs:
+            h = jnp.tanh(x @ self.w + h @ self.u)
+        return (h if product else xs[0]) + jnp.trace(self.w.T @ self.w)
+
+
+def test_a_call_that_multiplies_a_traced_weight_by_another_array_alone_raises():
+    """`jnp.einsum` of three operands orders its products by shape: traced on one token `(x a) b`, on eight tokens
+    `x (a b)`, where `a`'s input quantizer has no input: an error naming the weight, not a product left float. A
+    weight-only recipe has nothing to follow there and runs; calls that multiply a weight by a constant or by itself
+    alone, and none of its products, run."""
+    lora = _LoRA(jax.random.normal(jax.random.key(0), (32, 64)) / 4, jax.random.normal(jax.random.key(1), (64, 4)))
+    one, eight = jnp.ones((1, 32)), jnp.ones((8, 32))
+    w8a8 = eqx_quant.quantize(lora, **eqx_quant.recipe("w8a8"), example=(one,))
+    w8a8(one)
+    with pytest.raises(ValueError, match=r"multiplies the traced weight 'a' by another .* `optimize=False`"):
+        w8a8(eight)
+    # Left to right at every shape: the eight tokens' call computes the example's products, each token alike.
+    ordered = eqx_quant.quantize(_LoRA(lora.a, lora.b, optimize=False), **eqx_quant.recipe("w8a8"), example=(one,))
+    rows = jax.random.normal(jax.random.key(4), (8, 32))
+    assert_bitwise_equal(ordered(rows)[3], ordered(rows[3:4])[0])
+    w8a16 = eqx_quant.quantize(lora, **eqx_quant.recipe("w8a16"), example=(one,))
+    fake = _LoRA(w8a16.weight_quants[0](lora.a), w8a16.weight_quants[1](lora.b))
+    assert_bitwise_equal(w8a16(eight), fake(eight))
+    calls = _Calls(jax.random.normal(jax.random.key(2), (8, 8)), jax.random.normal(jax.random.key(3), (8, 8)))
+    traced = eqx_quant.quantize(calls, **eqx_quant.recipe("w8a8"), example=(jnp.ones((3, 8)),))
+    assert traced.weight_paths == ("w", "u")
+    for args in ((jnp.ones((1, 8)),), (jnp.ones((2, 8)), False)):
+        assert np.all(np.isfinite(np.asarray(traced(*args))))
+
+
 def test_exporters_refuse_traced_weights_and_name_save(tmp_path):
     """A converted model of traced weights has no layer names for a file format: each exporter says so (not that the
     model lacks converted layers) and points to `eqx_quant.save`; nothing is written."""

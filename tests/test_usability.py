@@ -207,7 +207,7 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
         assert_bitwise_equal(layer.bias, fake.layer.bias)
     # Calibration batches that never reach a quantized layer: its input would stay dynamic.
     unused = eqx_quant.quantize({"used": mlp, "unused": mlp.layers[0]}, **eqx_quant.recipe("w8a8"))
-    never = r"The layers at \['args.0.unused'\] were never called .*: pass batches that reach"
+    never = r"The layers at \['args.0.unused'\] were never called .*: pass batches that reach them, or leave them out"
     with pytest.raises(ValueError, match=never):
         eqx_quant.calibrate(eqx.Partial(lambda m, x: m["used"](x), unused), [jnp.ones((2, 32))])
     # A recipe's groups that a layer's inputs do not split into.
@@ -260,7 +260,7 @@ def test_calibrate_and_gptq_observe_layers_inside_a_cond_one_example_at_a_time()
     # A model that maps the cond itself (`batched=True`) cannot be observed: the error says what to do instead.
     with pytest.raises(NotImplementedError, match="vmap-of-cond") as caught:
         eqx_quant.calibrate(eqx.Partial(lambda m, x: jax.vmap(m)(x), quantized), [jnp.asarray(xs)], batched=True)
-    assert any("pass `batched=False`" in note for note in caught.value.__notes__)
+    assert any("`batched=False`, whose examples then run one after another" in note for note in caught.value.__notes__)
 
 
 @pytest.mark.slow
