@@ -93,7 +93,9 @@ def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> 
     kept. Biases stay float32.
 
     Input quantizers are kept; a per-tensor [`eqx_quant.LearnedFakeQuant`][] is frozen into a static
-    [`eqx_quant.FakeQuant`][] with its current scale and zero point. Layers whose input quantizer has
+    [`eqx_quant.FakeQuant`][] with its current scale and zero point (except in a stack of layers built with
+    `eqx.filter_vmap`, whose scan needs the scales as arrays: it stays, computing what that static quantizer
+    would). Layers whose input quantizer has
     one scale for the whole input (static, or a per-tensor dynamic one) and whose integer weight has one scale per
     tensor, per output channel or (linear layers) per group along the contraction then compute on integers (see
     [`eqx_quant.nn.ConvertedLinear`][]); the others (float formats among them) on the dequantized weight, which is
@@ -156,6 +158,12 @@ def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> 
             raise ValueError(
                 "`model` is converted already: its layers store their weights quantized, and there is nothing left to "
                 "convert. `convert` takes the fake-quantized model of `eqx_quant.quantize` (and of PTQ or QAT)."
+            )
+        if nodes(model, (QuantEinsum,)):
+            raise ValueError(
+                "`model` quantizes products of two activations alone (eqx_quant.nn.QuantEinsum), which hold no "
+                "weights to store: it runs as it is, and `convert` has nothing to do. Its layers are quantized by "
+                "rules that reach them (`eqx_quant.recipe('w8a8_attn')` gives both)."
             )
         raise ValueError(
             "`model` has no quantized layer to convert (an eqx_quant.nn.QuantLinear, QuantConv, QuantEmbedding or "

@@ -125,6 +125,11 @@ def test_rules_name_an_attention_projection_by_either_of_its_paths():
         assert chosen[pattern].attn.attention.key_proj.weight_quant != four
         assert "attn.attention.query_proj" in [row.path for row in eqx_quant.summary(chosen[pattern]).rows]
     assert eqx.tree_equal(*chosen.values())
+    # A rule naming the attention reaches its products alone: nothing for `convert` to store, and it says why.
+    products_only = eqx_quant.quantize(model, [eqx_quant.Rule("attn", products=DynamicFakeQuant(8))])
+    assert type(products_only.attn.attention.query_proj) is eqx.nn.Linear
+    with pytest.raises(ValueError, match=r"quantizes products of two activations alone .* nothing to do"):
+        eqx_quant.convert(products_only)
 
 
 @pytest.mark.slow

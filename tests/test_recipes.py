@@ -98,6 +98,14 @@ def test_rules_refuse_the_legacy_arguments_and_say_how_to_keep_layers_float(mlp)
     assert (first.weight_quant, first.input_quant) == (None, None) and second.weight_quant is not None
     x = jnp.linspace(-1.0, 1.0, 64)
     assert_bitwise_equal(first(x), mlp.layers[0](x))
+    # Called eagerly, a layer kept float computes as the float layer that `convert` gives back (a scalar input's
+    # product, compiled as one program, rounded otherwise in some outputs).
+    scalar = eqx.nn.Linear("scalar", 3, key=jax.random.key(1))
+    kept = quantize({"l": scalar}, [eqx_quant.Rule("l", weight=None, input=None)])
+    converted = eqx_quant.convert({"l": kept["l"], "other": quantize(mlp)})["l"]
+    assert type(converted) is eqx.nn.Linear
+    for value in jnp.linspace(-3.0, 3.0, 16):
+        assert_bitwise_equal(kept["l"](value), converted(value))
 
 
 def test_full_match_patterns():

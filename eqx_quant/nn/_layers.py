@@ -439,6 +439,8 @@ class QuantLinear(AbstractQuantLayer):
             check_input(self.layer, x)
             if self.input_transform is not None:
                 x = self.input_transform(x)
+            elif self.weight_quant is None and self.input_quant is None:
+                return self.layer(x, key=key)  # the float layer that `convert` gives back, called alike
             return quant_forward(self, x, key)
 
 
@@ -512,6 +514,8 @@ class QuantConv(AbstractQuantLayer):
         """Like `eqx.nn.Conv.__call__`, on the fake-quantized weight and input."""
         with jax.named_scope("eqx_quant.QuantConv"):
             check_input(self.layer, x)
+            if self.weight_quant is None and self.input_quant is None:
+                return self.layer(x, key=key)  # the float layer that `convert` gives back, called alike
             return quant_forward(self, x, key)
 
 
