@@ -105,8 +105,8 @@ def calibrate(
     `jax.vmap`: for a model with quantized layers in such branches, the examples of each batch run one after another
     (`jax.lax.map`) instead, each observed in the branch it takes (slower; the same statistics, up to the order of
     their float sums); a model that maps such a branch with a `jax.vmap` of its own (over tokens, or with
-    `batched=True`) cannot be observed. The other algorithms that run the
-    model on batches ([`eqx_quant.gptq`][], [`eqx_quant.smoothquant`][], ...) do the same.
+    `batched=True`) cannot be observed. The other algorithms that run the model on batches ([`eqx_quant.gptq`][],
+    [`eqx_quant.smoothquant`][], ...) do the same.
 
     **Stacked layers.** A layer built with `eqx.filter_vmap` (weights of shape `(layers, ...)`) and run with
     `jax.lax.scan` gets statistics and a scale per layer of the stack. Static configuration cannot vary along a

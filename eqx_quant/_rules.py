@@ -16,7 +16,7 @@ from ._layout import Layout
 from ._misc import caller_stacklevel
 from ._observe import shapes_of
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
-from ._traced import TRACED_ONLY, QuantTraced, TracedProduct, find_products, trace_call, weight_layout
+from ._traced import TRACED_ONLY, QuantTraced, TracedProduct, find_products, layer_types, trace_call, weight_layout
 from ._tree import map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._converted import AbstractConvertedLayer
@@ -627,15 +627,10 @@ def quantize(
                     for path, m in einsums if isinstance(m, Einsum)]  # fmt: skip
     # The projections of an `eqx.nn.MultiheadAttention` at `a` also answer to `a.attention.query_proj` and so on,
     # their paths once `products` wrap it (as `summary` and the algorithms name them).
-    attention_paths_found = [path for path, _ in nodes(model, (eqx.nn.MultiheadAttention,))]
+    unwrapped = [f"{path}." if path else "" for path, _ in nodes(model, (eqx.nn.MultiheadAttention,))]
 
     def aliases(path: str) -> tuple[str, ...]:
-        for attention in attention_paths_found:
-            prefix = f"{attention}." if attention else ""
-            rest = path[len(prefix) :] if path.startswith(prefix) else ""
-            if rest in ("query_proj", "key_proj", "value_proj", "output_proj"):
-                return (f"{prefix}attention.{rest}",)
-        return ()
+        return tuple(f"{a}attention.{path[len(a) :]}" for a in unwrapped if path.startswith(a))
 
     decisions = {}
     for path, layer in layers:
@@ -861,9 +856,7 @@ def _traced_products(model: PyTree, example: object) -> tuple[
     if example is None:
         return {}, [], {}, {}
     call = trace_call(example)
-    skipped = FLOAT_LAYERS + (AbstractQuantLayer, Einsum, QuantEinsum, eqx.nn.MultiheadAttention,
-                              QuantMultiheadAttention)  # fmt: skip
-    excluded = [path for path, _ in nodes(model, skipped)]
+    excluded = [path for path, _ in nodes(model, layer_types())]
     found: dict[str, TracedProduct] = {}
     try:
         traced = find_products(model, call, excluded)

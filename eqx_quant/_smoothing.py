@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from ._fold import Fold, find_folds, scale_leaves
-from ._misc import FLOAT32_TINY, as_where, check_int, check_real, check_where
+from ._misc import FLOAT32_TINY, as_where, check_int, check_real
 from ._observe import (
     check_callable,
     check_called,
@@ -103,7 +103,6 @@ def _targets(
     them: a tie would carry one side's transformed weight to the other, untransformed, side. Traced weights that
     cannot be transformed are left out with a warning by default, and refused when `where` selects them; none is
     chosen unless `traced_too`."""
-    check_where(where)
     traced, where_of, left = [], {}, {}
     if traced_too:
         traced, where_of, left = traced_layers(model, where, default, what, wanted, batch, batched, which)

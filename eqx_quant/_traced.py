@@ -534,7 +534,7 @@ def evaluate(jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], views: Sequ
              followed: set[int] | None = None) -> list[Any]:  # fmt: skip
     """Runs `jaxpr` on `args`, quantizing with `inputs` the activation operand of every product of a leaf view (on
     integers, from the view's `codes`, where the formats allow it); everything else runs as traced. Adds to
-    `followed` the leaves of the products of leaf views (inside the equations that hold them too)."""
+    `followed` the leaves of every product of a leaf view it finds (inside the equations that hold them too)."""
     env: dict[Any, Any] = dict(zip(jaxpr.constvars, consts, strict=True))
     env.update(zip(jaxpr.invars, args, strict=True))
     seen: dict[Any, _View | None] = dict(zip(jaxpr.invars, views, strict=True))
@@ -939,7 +939,7 @@ def _integer_dot_jvp(dims, side, weight_first, group, primals, tangents):
 
 
 @functools.cache
-def _layer_types() -> tuple[type, ...]:
+def layer_types() -> tuple[type, ...]:
     """The modules whose arrays compute their own products (the layers `quantize` wraps, quantized or converted):
     their arrays are no traced weights, and their products no products of two activations."""
     from .nn._attention import QuantMultiheadAttention  # here: `eqx_quant.nn` imports this module
@@ -1365,7 +1365,7 @@ class QuantTraced(eqx.Module):
         index = {path: i for i, path in enumerate(self.weight_paths)}
         model, codes, bounds = self._quantized()
         traced = _trace(lambda inputs: inputs[0](*inputs[1], **inputs[2]), (model, args, kwargs))
-        layers = [path for path, _ in nodes(model, _layer_types())]
+        layers = [path for path, _ in nodes(model, layer_types())]
         owner: dict[int, int] = {}  # program input -> traced weight
         integer: dict[int, IntWeight] = {}  # program input -> its grid, for integer products
         views: list[_View | None] = []

@@ -125,7 +125,7 @@ class QuantKVCache(eqx.Module):
         if groups > 1:
             q = q.reshape(heads, groups, dim)
         scores, mix = ("hgd,shd->hgs", "hgs,shd->hgd") if groups > 1 else ("hd,shd->hs", "hs,shd->hd")
-        fq, tq, nq = DynamicFakeQuant(self.bits, axis=tuple(range(q.ndim - 1))).fake_quant_and_array(q)
+        tq, nq = DynamicFakeQuant(self.bits, axis=tuple(range(q.ndim - 1))).quantize_with_mask(q)
         fmt = int_format(self.bits)
         stored = QuantizedArray(
             self.keys, self.key_scales, None, None, fmt, Layout((0, 1)), self.keys.shape, "float32", None
