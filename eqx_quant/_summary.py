@@ -31,13 +31,25 @@ def _layout(layout: Layout) -> str:
 
 
 def describe_quantizer(quantizer: AbstractQuantizer | None) -> str:
-    """A quantizer in a few words: its kind, format and layout (`"float"` for none)."""
+    """A quantizer in a few words: its format, kind (static, dynamic or learned; asymmetric where it has a zero
+    point) and layout (`"float"` for none)."""
     if quantizer is None:
         return "float"
     if not isinstance(quantizer, AbstractFakeQuantizer):
         return type(quantizer).__name__
     kind = {FakeQuant: "static", DynamicFakeQuant: "dynamic", LearnedFakeQuant: "learned"}.get(type(quantizer), "")
+    if _asymmetric(quantizer):
+        kind += " asymmetric"
     return f"{quantizer.format.name} {kind}, {_layout(quantizer.layout)}".replace(" ,", ",")
+
+
+def _asymmetric(quantizer: AbstractFakeQuantizer) -> bool:
+    """Whether the quantizer has a zero point (other than 0)."""
+    if isinstance(quantizer, FakeQuant):
+        return any(zp != 0 for zp in jax.tree.leaves(quantizer.zero_point))
+    if isinstance(quantizer, DynamicFakeQuant):
+        return not quantizer.symmetric
+    return getattr(quantizer, "zero_point", None) is not None
 
 
 def _nbytes(tree: Any) -> int:

@@ -99,6 +99,23 @@ def test_summary_counts_the_bytes_a_converted_model_stores():
     assert rows["blocks.attn.scores"].kind == "QuantEinsum"
 
 
+def test_summary_says_which_quantizers_have_a_zero_point():
+    model = {name: init(lambda k: eqx.nn.Linear(4, 4, key=k), i) for i, name in enumerate("abcd")}
+    static, learned = eqx_quant.FakeQuant, eqx_quant.LearnedFakeQuant
+    dynamic = DynamicFakeQuant(8, axis=0)
+    rules = [
+        eqx_quant.Rule("a", weight=static(0.1, -128, 127), input=static(0.1, -128, 127, zero_point=3)),
+        eqx_quant.Rule("b", weight=dynamic, input=DynamicFakeQuant(8, symmetric=False)),
+        eqx_quant.Rule("c", weight=dynamic, input=learned(0.1, -128, 127, zero_point=0.0)),
+        eqx_quant.Rule("d", weight=dynamic, input=learned(0.1, -128, 127)),
+    ]
+    rows = {row.path: row for row in eqx_quant.summary(eqx_quant.quantize(model, rules)).rows}
+    assert rows["a"].weight == "int8 static, per tensor" and rows["a"].input == "int8 static asymmetric, per tensor"
+    assert rows["b"].input == "int8 dynamic asymmetric, per tensor"
+    # A learned zero point makes the quantizer asymmetric whatever its value.
+    assert rows["c"].input == "int8 learned asymmetric, per tensor" and rows["d"].input == "int8 learned, per tensor"
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoints that describe themselves.
 
