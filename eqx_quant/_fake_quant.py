@@ -4,6 +4,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from beartype import beartype
 from jaxtyping import Array, ArrayLike, Bool, Float, Float32, Real, jaxtyped
@@ -25,6 +26,7 @@ from ._format import (
 )
 from ._layout import Layout
 from ._misc import (
+    FLOAT32_TINY,
     as_float_input,
     check_broadcastable,
     check_int,
@@ -226,6 +228,25 @@ def _check_values(name: str, a: np.ndarray, ok: np.ndarray | np.bool_, requireme
         raise ValueError(
             f"`{name}` must be {requirement}, got {name}[{', '.join(map(str, index))}]={a[index].item()!r}."
         )
+
+
+def valid_scales(values: np.ndarray, kind: str) -> tuple[np.ndarray | np.bool_, str]:
+    """Which of `values` are scales of the scale format `kind` (one of `SCALE_FORMATS`), and the requirement in
+    words: the one check of static, initial and concrete scales."""
+    v = np.asarray(values, np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        finite = np.isfinite(v)
+        if kind == "float32":
+            return finite & (v >= FLOAT32_TINY) & (v <= 1 / FLOAT32_TINY), "finite, positive and a normal float32"
+        if kind == "float16":
+            return finite & (np.abs(v) <= np.finfo(np.float32).max), "a finite float32 (of either sign)"
+        if kind == "e8m0":
+            mantissa, exponent = np.frexp(np.where(finite, v, 0.0))
+            ok = (v == 0) | (finite & (v > 0) & (mantissa == 0.5) & (np.abs(exponent - 1) <= 127))
+            return ok, "a power of two 2**e with -127 <= e <= 127 (or 0 for 2**-127)"
+        as_e4m3 = np.clip(np.where(finite, v, 0.0), 0, E4M3.bound).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+        ok = finite & (v >= 0) & (v <= E4M3.bound) & (as_e4m3.astype(np.float64) == v)
+        return ok, "a non-negative float8_e4m3fn value"
 
 
 def prepare_scale(scale: object, x_shape: tuple[int, ...], dtype: np.dtype, *, check: bool = True) -> Array:
@@ -517,11 +538,12 @@ def fake_quant_format(
     - `x`: the array to quantize. Floating dtypes are kept (float16 and bfloat16 are computed in float32 and cast
         back); integer and bool inputs are promoted to float32.
     - `scale`: the scales, broadcasting to `x` without changing its shape. Float32 scales must be positive and
-        normal (checked when concrete); an E8M0 scale is a power of two (0 standing for `2**-127`), an E4M3 one a
-        `float8_e4m3fn` value, NaN for a block that quantizes to NaN.
+        normal; an E8M0 scale is a power of two (0 standing for `2**-127`), an E4M3 one a non-negative
+        `float8_e4m3fn` value, or NaN for a block that quantizes to NaN (each checked when concrete).
     - `format`: a [`eqx_quant.Format`][], its name, or an int (signed integers of that many bits).
     - `zero_point`: the integer that represents 0, for integer grids with float32 scales.
-    - `tensor_scale`: the float32 scale of the whole tensor of two-level formats (NVFP4).
+    - `tensor_scale`: the float32 scale of the whole tensor of two-level formats (NVFP4): finite and non-negative
+        (checked when concrete; 0 quantizes to zeros).
 
     **Returns:**
 
@@ -546,6 +568,16 @@ def fake_quant_format(
         raise ValueError(f"`tensor_scale` is for two-level scales (NVFP4), got it for {fmt.name}.")
     if not fmt.zero_points and not (isinstance(zero_point, (int, np.integer)) and int(zero_point) == 0):
         raise ValueError(f"{fmt.name} has no zero point, got zero_point={zero_point!r}.")
+    # Float32 scales are checked by `_apply`; block scales may also be NaN (a block that quantizes to NaN).
+    if fmt.scale in ("e8m0", "e4m3") and is_concrete(scale):
+        s = np.asarray(scale, np.float64)
+        ok, requirement = valid_scales(s, fmt.scale)
+        _check_values("scale", s, ok | np.isnan(s), f"{requirement}, or NaN, for {fmt.name}")
+    if tensor_scale is not None and is_concrete(tensor_scale):
+        t = np.asarray(tensor_scale, np.float64)
+        with np.errstate(invalid="ignore"):
+            ok = np.isfinite(t) & (t >= 0) & (t <= np.finfo(np.float32).max)
+        _check_values("tensor_scale", t, ok, "a finite, non-negative float32 (0 quantizes to zeros)")
     with jax.named_scope("eqx_quant.fake_quant_format"):
         return _apply(_fake_quant_jit, x, scale, fmt, zero_point, tensor_scale)
 
@@ -648,8 +680,8 @@ def mx_fake_quant(
     x: RealLike,
     fmt: str,
     *,
-    axis: int = -1,
-    block_size: int = 32,
+    axis: int | np.integer = -1,
+    block_size: int | np.integer = 32,
     scale_rule: str = "floor",
 ) -> Float[Array, "*shape"]:
     r"""Fake-quantizes `x` to an OCP Microscaling (MX v1.0) format: blocks of contiguous elements share a power-of-two
@@ -729,12 +761,12 @@ def mx_fake_quant(
 
 
 @jaxtyped(typechecker=beartype)
-def nvfp4_fake_quant(x: RealLike, *, axis: int = -1) -> Float[Array, "*shape"]:
+def nvfp4_fake_quant(x: RealLike, *, axis: int | np.integer = -1) -> Float[Array, "*shape"]:
     r"""Fake-quantizes `x` to NVFP4: `float4_e2m1fn` elements in blocks of 16, each block with a `float8_e4m3fn`
     scale, under one float32 scale for the whole tensor.
 
     With `amax` the largest finite $|x|$ of the whole array and `amax_b` that of a block of 16 consecutive elements
-    along `axis`, in the compute dtype (float32) and in this order:
+    along `axis`, in the compute dtype (float32; float64 for float64 `x`, tensor scale included) and in this order:
 
     - the tensor scale is `t = amax / 2688` ($2688 = 448 \cdot 6$);
     - the block scale is `b = float8_e4m3fn(clip(amax_b / (6 * t), 0, 448))`, rounded to nearest, ties to even;

@@ -29,9 +29,10 @@ def _group(bits: int) -> tuple[int, int]:
     return values, values * bits // 8
 
 
-def _check_bits(bits: int) -> None:
-    if isinstance(bits, bool) or bits not in PACKED_WIDTHS:
+def _check_bits(bits: object) -> int:
+    if isinstance(bits, (bool, np.bool_)) or bits not in PACKED_WIDTHS:
         raise ValueError(f"`bits` must be one of {PACKED_WIDTHS}, got {bits!r}.")
+    return int(bits)  # pyright: ignore[reportArgumentType]
 
 
 def _check_range(values: Array, bits: int) -> None:
@@ -49,7 +50,7 @@ def _check_range(values: Array, bits: int) -> None:
 
 
 @jaxtyped(typechecker=beartype)
-def pack_bits(values: Int[Array, "rows n"], bits: int) -> UInt8[Array, "rows packed"]:
+def pack_bits(values: Int[Array, "rows n"], bits: int | np.integer) -> UInt8[Array, "rows packed"]:
     """Packs `bits`-bit integers along the last axis into bytes, each row a little-endian bit stream.
 
     Each value is stored as its `bits`-bit two's complement pattern (`value & (2**bits - 1)`). Element `j` of a row
@@ -88,7 +89,7 @@ def pack_bits(values: Int[Array, "rows n"], bits: int) -> UInt8[Array, "rows pac
         assert (eqx_quant.unpack_bits(packed, 5, 3) == values).all()
         ```
     """
-    _check_bits(bits)
+    bits = _check_bits(bits)
     _check_range(values, bits)
     return _pack(values, bits)
 
@@ -108,7 +109,9 @@ def _pack(values: Array, bits: int) -> Array:
 
 
 @jaxtyped(typechecker=beartype)
-def unpack_bits(packed: UInt8[Array, "rows packed"], n: int, bits: int, *, signed: bool = True) -> Int[Array, "rows _"]:
+def unpack_bits(
+    packed: UInt8[Array, "rows packed"], n: int | np.integer, bits: int | np.integer, *, signed: bool = True
+) -> Int[Array, "rows _"]:
     """Unpacks what [`eqx_quant.pack_bits`][] packed.
 
     **Arguments:**
@@ -127,11 +130,11 @@ def unpack_bits(packed: UInt8[Array, "rows packed"], n: int, bits: int, *, signe
 
     `ValueError` if `bits` is not 2, 3 or 4, or `n` does not match the length of the packed rows.
     """
-    _check_bits(bits)
+    bits = _check_bits(bits)
     rows, length = packed.shape
-    if isinstance(n, bool) or n < 0 or length != -(-n * bits // 8):
+    if isinstance(n, (bool, np.bool_)) or n < 0 or length != -(-n * bits // 8):
         raise ValueError(f"`n`={n!r} does not match the packed row length {length} for {bits}-bit values.")
-    return _unpack(packed, n, bits, signed)
+    return _unpack(packed, int(n), bits, signed)
 
 
 @one_program
@@ -190,7 +193,9 @@ def pack_int4(values: Int[Array, "rows n"]) -> UInt8[Array, "rows packed"]:
 
 
 @jaxtyped(typechecker=beartype)
-def unpack_int4(packed: UInt8[Array, "rows packed"], n: int, *, signed: bool = True) -> Int[Array, "rows _"]:
+def unpack_int4(
+    packed: UInt8[Array, "rows packed"], n: int | np.integer, *, signed: bool = True
+) -> Int[Array, "rows _"]:
     """Unpacks what [`eqx_quant.pack_int4`][] packed.
 
     **Arguments:**

@@ -50,7 +50,8 @@ class QuantizedArray(eqx.Module):
         they are shared: float32 values (float64 for float64 tensors), one E8M0 byte per block (the exponent plus
         127; 255 is NaN), or one `float8_e4m3fn` byte per block.
     - `zero_point`: the zero points of an asymmetric integer grid (floats holding integers), else `None`.
-    - `tensor_scale`: the float32 scale of the whole tensor of two-level formats (NVFP4), else `None`.
+    - `tensor_scale`: the float32 scale of the whole tensor of two-level formats (NVFP4; float64 for float64
+        tensors, as `scale`), else `None`.
 
     The static fields say what the codes mean: `format` (a [`eqx_quant.Format`][]), `layout`, and the `shape` and
     `dtype` of the tensor. Arrays of stacked layers (built with `eqx.filter_vmap`) carry the stack in front of every

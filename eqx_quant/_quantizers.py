@@ -7,14 +7,20 @@ from typing import Literal
 import equinox as eqx
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 
 from ._clip import clip_passthrough
-from ._fake_quant import check_blocks, e4m3_ste, fake_quant_scales, pow2_ste, round_ste, scale_gradient
+from ._fake_quant import (
+    check_blocks,
+    e4m3_ste,
+    fake_quant_scales,
+    pow2_ste,
+    round_ste,
+    scale_gradient,
+    valid_scales,
+)
 from ._format import (
-    E4M3,
     NVFP4,
     NVFP4_BLOCK,
     Format,
@@ -29,7 +35,6 @@ from ._format import (
 )
 from ._layout import Layout
 from ._misc import (
-    FLOAT32_TINY,
     AxisName,
     as_float_input,
     as_static_floats,
@@ -283,18 +288,7 @@ def _layout_of(layout: object, axis: object, group_size: object, group_axis: obj
 def _check_scale_values(name: str, values: list[float], kind: str) -> None:
     """Raises unless static or initial scales are ones of the scale format `kind` (see `SCALE_FORMATS`)."""
     for v in values:
-        if kind == "float32":
-            ok = math.isfinite(v) and FLOAT32_TINY <= v <= 1 / FLOAT32_TINY
-            requirement = "finite, positive and a normal float32"
-        elif kind == "float16":
-            ok = math.isfinite(v) and abs(v) <= float(np.finfo(np.float32).max)
-            requirement = "a finite float32 (of either sign)"
-        elif kind == "e8m0":
-            ok = v == 0 or (math.isfinite(v) and v > 0 and math.frexp(v)[0] == 0.5 and -127 <= math.log2(v) <= 127)
-            requirement = "a power of two 2**e with -127 <= e <= 127 (or 0 for 2**-127)"
-        else:
-            ok = math.isfinite(v) and 0 <= v <= E4M3.bound and float(np.float32(v).astype(ml_dtypes.float8_e4m3fn)) == v
-            requirement = "a non-negative float8_e4m3fn value"
+        ok, requirement = valid_scales(np.asarray(v), kind)
         if not ok:
             raise ValueError(f"`{name}` must be {requirement}, got {name}={v!r}.")
 

@@ -1,6 +1,8 @@
 """Number formats as one description: names, the one fake-quant entry, MXINT8, one stored array for every format,
 calibration of float-format inputs, GPTQ on float grids, learned block scales, tiles along any axis."""
 
+import re
+
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -99,6 +101,28 @@ def test_fake_quant_format_is_each_primitive():
         eqx_quant.fake_quant_format(x, 1.0, "nvfp4")
     with pytest.raises(ValueError, match="float8_e4m3fn has no zero point"):
         eqx_quant.fake_quant_format(x, 1.0, "float8_e4m3fn", zero_point=1)
+    # Concrete block scales that their scale format cannot hold are errors, as in `FakeQuant` (NaN is a NaN block).
+    bad = [
+        ("mxfp4", 0.3, None, "scale=0.3"),
+        ("mxfp4", -2.0, None, "scale=-2.0"),
+        ("mxfp4", 2.0**128, None, "scale="),
+        ("nvfp4", 0.3, 1.0, "scale=0.3"),  # not a float8_e4m3fn value
+        ("nvfp4", 512.0, 1.0, "scale=512.0"),
+        ("nvfp4", 1.0, -1.0, "tensor_scale=-1.0"),
+        ("nvfp4", 1.0, float("nan"), "tensor_scale=nan"),
+    ]
+    for fmt, scale, tensor_scale, named in bad:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            eqx_quant.fake_quant_format(x, scale, fmt, tensor_scale=tensor_scale)
+    with pytest.raises(ValueError, match=re.escape("scale[1, 0]=0.75")):
+        eqx_quant.fake_quant_format(x, jnp.array([[0.5], [0.75], [1.0], [2.0]]), "mxfp4")
+    block_nan = jnp.array([[0.5], [jnp.nan], [0.0], [2.0**-127]])  # NaN, and 0 for 2**-127, are block scales
+    out = np.asarray(eqx_quant.fake_quant_format(x, block_nan, "mxfp4"))
+    assert np.isnan(out[1]).all() and not np.isnan(out[[0, 2, 3]]).any()
+    # NumPy integers are ints wherever an int is taken.
+    assert_bitwise_equal(eqx_quant.mx_fake_quant(x, "mxfp4", axis=np.int64(1), block_size=np.int32(16)),
+                         eqx_quant.mx_fake_quant(x, "mxfp4", axis=1, block_size=16))  # fmt: skip
+    assert_bitwise_equal(eqx_quant.nvfp4_fake_quant(x, axis=np.int64(-1)), eqx_quant.nvfp4_fake_quant(x))
 
 
 def ref_mxint8(x, block):

@@ -118,6 +118,9 @@ def test_round_trip_against_python_loop(bits):
             np.testing.assert_array_equal(np.asarray(unpacked), values)
             np.testing.assert_array_equal(np.asarray(UNPACK[bits](packed, n, signed=signed)), values)
             np.testing.assert_array_equal(py_unpack(np.asarray(packed), n, bits, signed), values)
+    # NumPy integers for the widths and lengths, as for every int argument.
+    assert_bitwise_equal(pack_bits(jnp.asarray(values, jnp.int8), np.int64(bits)), packed)
+    assert_bitwise_equal(unpack_bits(packed, np.int32(n), np.int64(bits), signed=signed), unpacked)
 
 
 def test_jit_packs_as_eager_and_does_not_check():
