@@ -49,28 +49,39 @@ def _whole_tensor(quantizer: AbstractFakeQuantizer) -> AbstractFakeQuantizer:
 def sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
     """`tensor` with its integers, scales and zero points sharded like the weight they come from.
 
-    An axis of a leaf that has the length of the weight's axis in the same position (the weight's own axes, and the
-    channel axis of a per-channel scale) takes that axis' partitioning; the other axes are replicated. Packed
-    integers keep the partitioning of the weight's first axis. A weight without a `NamedSharding` (on one device,
-    or traced) leaves `tensor` as it is.
+    Each axis of a leaf that runs along an axis of the weight, with its length, takes that axis' partitioning: the
+    stacked layers' axes, the weight's own axes in the codes, and in the scales the channel axes and, for tiles, the
+    axes other than the tiled one (split into tiles, it is replicated). Packed codes keep the partitioning of the
+    first axis of each tensor (one row of bytes per index along it). The other axes are replicated. A weight without
+    a `NamedSharding` (on one device, or traced) leaves `tensor` as it is.
     """
     sharding = named_sharding(weight)
     if sharding is None:
         return tensor
     spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
-    if tensor.view_shape != weight.shape:  # grouped: the view's axes are not the weight's
-        return tensor
+    depth = tensor.stack_depth
+    own = list(range(depth, weight.ndim))  # the weight's axes of one tensor
+    tile = tensor.layout.tile_axis(tensor.shape)
+    if tensor.packed:
+        codes = list(range(depth)) + [own[0] if own else None, None]
+    else:
+        codes = list(range(weight.ndim))
+    scales = list(range(depth)) + (own if tile is None else own[:tile] + [None, None] + own[tile + 1 :])
 
-    def place(leaf: Any) -> Any:
-        if not isinstance(leaf, jax.Array):
-            return leaf
-        if tensor.packed and leaf is tensor.values:
-            leaf_spec = (spec[0], None)
-        else:
-            leaf_spec = tuple(s if n == m else None for s, n, m in zip(spec, leaf.shape, weight.shape, strict=True))
+    def place(leaf: Any, axes: list[int | None]) -> Any:
+        if leaf is None:
+            return None
+        kept = (a is not None and leaf.shape[i] == weight.shape[a] for i, a in enumerate(axes))
+        leaf_spec = (spec[a] if keep else None for keep, a in zip(kept, axes, strict=True))
         return jax.device_put(leaf, NamedSharding(sharding.mesh, PartitionSpec(*leaf_spec)))
 
-    return jax.tree.map(place, tensor)
+    return dataclasses.replace(
+        tensor,
+        values=place(tensor.values, codes),
+        scale=place(tensor.scale, scales),
+        zero_point=place(tensor.zero_point, scales),
+        tensor_scale=place(tensor.tensor_scale, list(range(depth))),
+    )
 
 
 @functools.cache

@@ -34,7 +34,7 @@ from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, Learned
 from ._summary import describe_quantizer
 from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, replaced
 from ._traced_layers import traced_probes
-from ._tree import map_nodes, nodes, path_string
+from ._tree import join_path, map_nodes, nodes, path_string
 from .nn._layers import QuantLinear, per_layer
 
 
@@ -543,7 +543,7 @@ def _traced_targets(model: PyTree, where: Callable | None, name: str) -> tuple[l
     found = [(root, traced, inner, target) for root, traced in nodes(model, (QuantTraced,))
              for inner, target in traced_inputs(traced)]  # fmt: skip
     for root, traced, inner, target in found:
-        full = ".".join(p for p in (root, inner) if p)
+        full = join_path(root, inner)
         target = target._replace(root=root)
         path, quantizer = traced.weight_paths[target.index], traced.weight_quants[target.index]
         weight = leaves_by_path(traced.model)[path]

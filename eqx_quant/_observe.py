@@ -22,7 +22,7 @@ from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer
 from ._scales import finite_or, stats
 from ._traced import QuantTraced, each_token, leaves_by_path, replaced, two_level
-from ._tree import map_nodes, nodes
+from ._tree import join_path, map_nodes, nodes
 from .nn._converted import AbstractConvertedLayer
 from .nn._layers import AbstractQuantLayer, QuantConv, stack_shape
 
@@ -285,7 +285,7 @@ def traced_inputs(model: PyTree) -> list[tuple[str, TracedInput]]:
     found = []
     for root, traced in nodes(model, (QuantTraced,)):
         for i, (path, stack) in enumerate(zip(traced.weight_paths, traced.stacks, strict=True)):
-            name = ".".join(p for p in (root, "model", path) if p)
+            name = join_path(root, "model", path)
             found.append((name, TracedInput(root, i, stack, traced.input_quants[i])))
     return found
 
@@ -297,7 +297,7 @@ def with_traced_inputs(model: PyTree, replace: Callable[[str, TracedInput], Any]
     def swap(root: str, traced: QuantTraced) -> QuantTraced:
         inputs = list(traced.input_quants)
         for name, target in traced_inputs(traced):
-            name = ".".join(p for p in (root, name) if p)
+            name = join_path(root, name)
             inputs[target.index] = replace(name, target._replace(root=root))
         return replaced(traced, input_quants=inputs)
 

@@ -17,7 +17,7 @@ from ._misc import caller_stacklevel
 from ._observe import shapes_of
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
 from ._traced import TRACED_ONLY, QuantTraced, TracedProduct, find_products, layer_types, trace_call, weight_layout
-from ._tree import map_nodes, nodes
+from ._tree import join_path, map_nodes, nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._converted import AbstractConvertedLayer
 from .nn._einsum import Einsum, QuantEinsum
@@ -726,7 +726,7 @@ def quantize(
             f"{path or 'the model itself'!r} ({type(node).__name__})"
             for path, node in nodes(model, (*TRACED_ONLY, QuantTraced))  # not inside a traced model
             if isinstance(node, TRACED_ONLY)
-            and any(reaches(".".join(p for p in (path, w) if p), node) for w in ("weight", "weight_ih", "weight_hh"))
+            and any(reaches(join_path(path, w), node) for w in ("weight", "weight_ih", "weight_hh"))
         ]
         if untraced:
             warnings.warn(

@@ -24,7 +24,7 @@ from ._qarray import QuantizedArray, quantize_array
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant, PassthroughClip
 from ._scales import Scales
 from ._traced import QuantTraced, leaves_by_path
-from ._tree import map_nodes, path_string, unique_nodes
+from ._tree import join_path, map_nodes, path_string, unique_nodes
 from .nn._attention import QuantMultiheadAttention
 from .nn._converted import AbstractConvertedLayer, ConvertedConv, ConvertedEmbedding, ConvertedLinear
 from .nn._einsum import Einsum, QuantEinsum
@@ -348,11 +348,11 @@ def _rebuilt(
         saved_path, record = at[path]
         kind = record["type"]
         stack = stack_shape(node)
-        inputs = None if isinstance(node, eqx.nn.Embedding) else quantizer(f"{saved_path}.input_quant", stack)
+        inputs = None if isinstance(node, eqx.nn.Embedding) else quantizer(join_path(saved_path, "input_quant"), stack)
         transform = _empty_transform(record.get("input_transform"), stack + (getattr(node, "in_features", 0),))
         if kind.startswith("Converted"):
             # Sharded as `convert` shards it, from the float weight's partitioning.
-            qweight = sharded_like(_empty_array(tensors[f"{saved_path}.qweight"], stack), node.weight)
+            qweight = sharded_like(_empty_array(tensors[join_path(saved_path, "qweight")], stack), node.weight)
             skeleton = eqx.tree_at(lambda l: l.weight, node, None)
             if kind == "ConvertedEmbedding":
                 return ConvertedEmbedding(skeleton, qweight)
@@ -360,7 +360,7 @@ def _rebuilt(
             if kind == "ConvertedLinear":
                 return ConvertedLinear(skeleton, qweight, inputs, transform, matmul)
             return ConvertedConv(skeleton, qweight, inputs, matmul)
-        weights = quantizer(f"{saved_path}.weight_quant", stack)
+        weights = quantizer(join_path(saved_path, "weight_quant"), stack)
         if kind == "QuantEmbedding":
             return QuantEmbedding(node, weight_quant=weights)
         backward = _backward(record.get("backward"))
@@ -373,14 +373,15 @@ def _rebuilt(
         if path not in at:
             return einsum
         saved_path, record = at[path]
-        lhs, rhs = quantizer(f"{saved_path}.lhs_quant", ()), quantizer(f"{saved_path}.rhs_quant", ())
+        lhs, rhs = quantizer(join_path(saved_path, "lhs_quant"), ()), quantizer(join_path(saved_path, "rhs_quant"), ())
         return QuantEinsum(einsum, lhs_quant=lhs, rhs_quant=rhs, matmul=record["matmul"])
 
     def attention(path: str, node: Any) -> Any:
         if path not in at:
             return node
         wrapped = QuantMultiheadAttention(node)
-        scores, values = product(f"{path}.scores", wrapped.scores), product(f"{path}.values", wrapped.values)
+        scores = product(join_path(path, "scores"), wrapped.scores)
+        values = product(join_path(path, "values"), wrapped.values)
         return QuantMultiheadAttention(node, scores=scores, values=values)
 
     traced = [(p, record) for p, record in modules.items() if record["type"] == "QuantTraced"]

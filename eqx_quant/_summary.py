@@ -13,7 +13,7 @@ from ._layout import Layout
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._traced import TRACED_ONLY, QuantTraced, leaves_by_path
-from ._tree import nodes
+from ._tree import join_path, nodes
 from .nn._converted import AbstractConvertedLayer
 from .nn._einsum import QuantEinsum
 from .nn._layers import AbstractQuantLayer, per_layer, stack_depth
@@ -212,7 +212,7 @@ def summary(model: PyTree) -> Summary:
         ```
     """
     traced = nodes(model, (QuantTraced,))
-    traced_weights = {".".join(p for p in (root, "model", leaf) if p)
+    traced_weights = {join_path(root, "model", leaf)
                       for root, module in traced for leaf in module.weight_paths}  # fmt: skip
     rows = []
     for path, layer in nodes(model, _FLOAT_LAYERS + TRACED_ONLY + (AbstractQuantLayer, AbstractConvertedLayer,
@@ -245,7 +245,7 @@ def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
         strict=True,
     ):  # fmt: skip
         weight, extra = leaves[leaf_path], 0
-        name = ".".join(p for p in (path, "model", leaf_path) if p)
+        name = join_path(path, "model", leaf_path)
         if per_token and isinstance(inputs, DynamicFakeQuant):  # laid out at each product: one scale per token
             inputs = f"{inputs.format.name} dynamic, per token"
         else:
@@ -267,7 +267,7 @@ def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
         rows.append(SummaryRow(name, "traced", describe_quantizer(quantizer), inputs, quantizer.format.bits,
                                float_bytes, _nbytes(stored) + extra))  # fmt: skip
     for k, (lhs, rhs) in zip(traced.product_indices, traced.product_quants, strict=True):
-        name = ".".join(p for p in (path, f"products.{k}") if p)
+        name = join_path(path, f"products.{k}")
         operands = f"{describe_quantizer(lhs)} x {describe_quantizer(rhs)}"
         rows.append(SummaryRow(name, "traced product", "-", operands, None, None, None))
     return rows

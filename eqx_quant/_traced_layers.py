@@ -16,7 +16,7 @@ from ._observe import add_batch_note
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant
 from ._traced import QuantTraced, as_matrix, from_matrix, leaves_by_path, probe_batches, probe_reads, replaced
-from ._tree import map_nodes, nodes, path_string
+from ._tree import join_path, map_nodes, nodes, path_string
 from .nn._layers import QuantLinear
 
 
@@ -132,7 +132,7 @@ def traced_layers(
     chosen, where_of, left = [], {}, {}
     for root, traced, i in found:
         path = traced.weight_paths[i]
-        name = ".".join(p for p in (root, "model", path) if p)
+        name = join_path(root, "model", path)
         leaf = leaves[root][path]
         weight_quant, input_quant = traced.weight_quants[i], traced.input_quants[i]
         if where is None and not default(weight_quant, input_quant):

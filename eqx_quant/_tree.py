@@ -12,6 +12,12 @@ def path_string(path: tuple) -> str:
     return jax.tree_util.keystr(path, simple=True, separator=".")
 
 
+def join_path(*parts: str) -> str:
+    """The path of `parts` one inside the other, the empty ones (a model's root) left out: `join_path("", "qweight")`
+    is `"qweight"`."""
+    return ".".join(p for p in parts if p)
+
+
 def map_nodes(model: PyTree, types: tuple[type, ...], fn: Callable[[str, Any], Any]) -> PyTree:
     """Replaces every node of `model` that is an instance of `types` by `fn(path, node)`; other leaves are kept."""
     is_node = lambda node: isinstance(node, types)  # noqa: E731

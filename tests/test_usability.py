@@ -149,6 +149,18 @@ def test_load_into_the_float_model_rebuilds_the_saved_structure(tmp_path):
         eqx_quant.load(tmp_path / "converted.eqx", fake)
 
 
+def test_a_model_that_is_one_layer_loads_into_its_float_layer(tmp_path):
+    linear = init(lambda k: eqx.nn.Linear(64, 16, key=k), 12)
+    x = jnp.asarray(np.random.default_rng(12).normal(size=(64,)).astype(np.float32))
+    fake = eqx_quant.calibrate(eqx_quant.quantize(linear), [x[None]])
+    for name, model in (("fake", fake), ("converted", eqx_quant.convert(fake))):
+        eqx_quant.save(tmp_path / f"{name}.eqx", model)
+        loaded = eqx_quant.load(tmp_path / f"{name}.eqx", linear)  # the file names its arrays from the root
+        assert type(loaded) is type(model)
+        assert_trees_equal(loaded, model)
+        assert_bitwise_equal(loaded(x), model(x))
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # No silent no-ops.
 

@@ -396,6 +396,25 @@ def test_load_gives_arrays_the_shardings_of_like(tmp_path):
     loaded = eqx_quant.load(tmp_path / "bare.eqx", bare)
     assert_same_shardings(loaded, stored)
     assert "model" in loaded.model.w.values.sharding.spec
+    # Grouped 4-bit codes and stacked layers: the codes and the scales keep the axes they share with the weight, in
+    # the converted model and loaded into the sharded float model.
+    grouped = eqx_quant.convert(eqx_quant.quantize(shard(float_model("mlp"), AUTO), **eqx_quant.recipe("w4a16_g32")))
+    stacked_float = jax.tree.map(
+        lambda a: jax.device_put(a, NamedSharding(AUTO, P(None, "model"))),
+        eqx.filter_vmap(lambda k: eqx.nn.Linear(64, 32, key=k))(jax.random.split(jax.random.key(3), 2)),
+    )
+    stacked = eqx_quant.convert(eqx_quant.quantize(stacked_float, **eqx_quant.recipe("w8a16")))
+    for name, model, like, tensor, expected in (
+        ("grouped", grouped, shard(float_model("mlp"), AUTO), grouped.layers[0].qweight, P("model")),
+        ("stacked", stacked, stacked_float, stacked.qweight, P(None, "model")),
+    ):
+        assert tensor.values.sharding.is_equivalent_to(NamedSharding(AUTO, expected), tensor.values.ndim), name
+        assert tensor.scale.sharding.is_equivalent_to(NamedSharding(AUTO, expected), tensor.scale.ndim), name
+        eqx_quant.save(tmp_path / f"{name}.eqx", model)
+        loaded = eqx_quant.load(tmp_path / f"{name}.eqx", like)
+        assert_same_shardings(loaded, model)
+        for a, b in zip(arrays(loaded), arrays(model), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 class _Bare(eqx.Module):
