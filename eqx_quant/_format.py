@@ -18,7 +18,7 @@ import ml_dtypes
 import numpy as np
 from jaxtyping import Array
 
-from ._misc import check_int, expand_to_rank, sharded_in_type
+from ._misc import check_int, expand_to_rank, lookup
 
 
 SCALE_FORMATS = ("float32", "e8m0", "e4m3", "float16")
@@ -626,10 +626,7 @@ class FloatFormat(Format):
         return jnp.where(jnp.isnan(levels), self.nan_code, code).astype(jnp.uint8)
 
     def decode(self, codes: Array, dtype: np.dtype) -> Array:
-        table, indices = jnp.asarray(_table(self.element), dtype), codes.astype(jnp.int32)
-        if sharded_in_type(indices):  # over Explicit mesh axes: the codes' sharding, kept
-            return table.at[indices].get(out_sharding=jax.typeof(indices).sharding)
-        return table[indices]
+        return lookup(jnp.asarray(_table(self.element), dtype), codes.astype(jnp.int32))
 
     @property
     def nan_code(self) -> int:

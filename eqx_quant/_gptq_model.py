@@ -10,12 +10,22 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
 from ._format import Format, IntFormat, apply_scale
 from ._gptq import check_scale_method, gptq_solve
 from ._layout import Layout
-from ._misc import FLOAT32_TINY, as_where, caller_stacklevel, check_real, placed_like, where_traced
+from ._misc import (
+    FLOAT32_TINY,
+    as_where,
+    caller_stacklevel,
+    check_real,
+    named_sharding,
+    placed_like,
+    sharded_in_type,
+    where_traced,
+)
 from ._observe import (
     TracedInput,
     add_batch_note,
@@ -469,7 +479,13 @@ def _mapped(weight: Array, record: dict[str, Any], damp: float) -> Array:
 def _solved(solve: Callable, weight: Array, record: dict[str, Any], damp: float | None) -> tuple:
     """`solve(weight, hessian)` on one layer's record (`_mapped`'s weight with quantized inputs), its solved weight
     in the dtype of `weight`."""
-    new, compact, t = solve(weight if damp is None else _mapped(weight, record, damp), jnp.asarray(record["gram"]))
+    target = weight if damp is None else _mapped(weight, record, damp)
+    sharding = named_sharding(target)
+    if sharding is not None and sharded_in_type(target):
+        # Split over Explicit mesh axes, whose column updates would each need a sharding: solved whole on every
+        # device (it is put back with the weight's partitioning).
+        target = jax.device_put(target, NamedSharding(sharding.mesh, PartitionSpec()))
+    new, compact, t = solve(target, jnp.asarray(record["gram"]))
     return new.astype(weight.dtype), compact, t
 
 

@@ -75,6 +75,14 @@ def sharded_in_type(x: Array) -> bool:
     return any(axis is not None for axis in jax.typeof(x).sharding.spec)
 
 
+def lookup(table: Array, indices: Array) -> Array:
+    """`table[indices]` for a 1-D `table`, sharded as `indices` where they are sharded in their type (over Explicit
+    mesh axes, where JAX asks a gather for its output's sharding)."""
+    if sharded_in_type(indices):
+        return table.at[indices].get(out_sharding=jax.typeof(indices).sharding)
+    return table[indices]
+
+
 def check_where(where: object) -> None:
     """Raises a `TypeError` unless `where` is a predicate `f(path, layer)` or `None`."""
     if where is not None and not callable(where):

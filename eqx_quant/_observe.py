@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import io_callback
+from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._misc import FLOAT32_TINY, caller_stacklevel
+from ._misc import FLOAT32_TINY, caller_stacklevel, sharded_in_type
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer
 from ._scales import finite_or, stats
@@ -72,7 +73,7 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
     @jax.custom_batching.custom_vmap
     def tap(index: Array, record: dict[str, Array]) -> Array:
         if "vector" in record:  # one input vector: its outer products
-            record = _outer_products(record, jnp.outer)
+            record = _outer_products(record, _outer)
         io_callback(functools.partial(_report, path), None, index, record, ordered=False)
         return index
 
@@ -103,14 +104,29 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
 _VECTORS = ("vector", "quantized")  # the input vectors of a record, whose outer products the tap sums
 
 
+def _outer(a: Array, b: Array) -> Array:
+    """`a ⊗ b`, replicated where an operand is sharded in its type (see `_replicated`)."""
+    replicated = _replicated(a, b)
+    return jnp.einsum("i,j->ij", a, b, **replicated) if replicated else jnp.outer(a, b)
+
+
 def _summed_outer(a: Array, b: Array) -> Array:
     """`Σ_n a[n] ⊗ b[n]` over the leading axis of both."""
-    return jnp.einsum("ni,nj->ij", a, b, precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("ni,nj->ij", a, b, precision=jax.lax.Precision.HIGHEST, **_replicated(a, b))
 
 
 def _summed_outer_per_index(a: Array, b: Array) -> Array:
     """`Σ_n a[k, n] ⊗ b[k, n]` for each index `k` of the leading axis of both."""
-    return jnp.einsum("kni,knj->kij", a, b, precision=jax.lax.Precision.HIGHEST)
+    return jnp.einsum("kni,knj->kij", a, b, precision=jax.lax.Precision.HIGHEST, **_replicated(a, b))
+
+
+def _replicated(a: Array, b: Array) -> dict[str, Any]:
+    """The keyword that makes an outer product (or a sum of them) replicated where an operand is sharded in its type
+    (examples or features split over Explicit mesh axes), where JAX asks how to shard the result: the statistics of
+    the whole batch, on every device."""
+    if not (sharded_in_type(a) or sharded_in_type(b)):
+        return {}
+    return {"out_sharding": NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec())}
 
 
 def _outer_products(record: dict[str, Array], outer: Callable[[Array, Array], Array]) -> dict[str, Array]:
@@ -140,7 +156,8 @@ def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
     finite = jnp.isfinite(x)
     width = jnp.maximum(top, FLOAT32_TINY) / num_bins
     index = jnp.clip(jnp.floor(finite_or(x, 0.0) / width), 0, num_bins - 1).astype(jnp.int32)
-    return {"hist": jnp.zeros(num_bins, jnp.float32).at[index].add(finite.astype(jnp.float32))}
+    counts = jnp.zeros(num_bins, jnp.float32).at[index].add(finite.astype(jnp.float32), **_replicated(index, index))
+    return {"hist": counts}
 
 
 def _gram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:

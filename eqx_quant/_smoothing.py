@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from ._fold import Fold, find_folds, scale_leaves
-from ._misc import FLOAT32_TINY, as_where, check_int, check_real
+from ._misc import FLOAT32_TINY, as_where, check_int, check_real, lookup
 from ._observe import (
     check_callable,
     check_called,
@@ -650,7 +650,7 @@ def _awq_clip(quantizer, weight: Array, gram: Array, multiplier: Array, group: i
     if group is None:
         best = ratios[jnp.argmin(jnp.sum(errors, axis=(1, 2)))]
     else:
-        best = ratios[jnp.argmin(errors, axis=0)][..., None]
+        best = lookup(ratios, jnp.argmin(errors, axis=0))[..., None]
     limit = top * best
     clipped = jnp.clip(rows, -limit, limit).reshape(out, n)
     if quantizer.format.scale != "e4m3":  # each group's rounding depends on that group alone

@@ -306,6 +306,25 @@ def test_explicit_axes_with_weight_only_grouped_and_float_format_recipes(recipe)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(forward(one_device, x)))
 
 
+def test_explicit_axes_gptq_awq_and_histograms_on_batches_split_over_data():
+    """`gptq`, `awq` and the histograms of `calibrate` sum their statistics (Gram matrices, counts) over
+    calibration batches split over an Explicit `data` axis, with column-parallel weights: the results equal the
+    one-device run's up to the order of the float sums."""
+    x, _ = batch("mlp")
+    runs = {
+        "gptq": lambda m, b: eqx_quant.gptq(eqx_quant.quantize(m, **eqx_quant.recipe("w4a16_g32")), b),
+        "awq": lambda m, b: eqx_quant.awq(eqx_quant.quantize(m, **eqx_quant.recipe("w4a16_g32")), b),
+        "mse": lambda m, b: eqx_quant.calibrate(eqx_quant.quantize(m), b, method="mse"),
+    }
+    one_device = {name: run(float_model("mlp"), [x]) for name, run in runs.items()}
+    with jax.set_mesh(EXPLICIT):
+        sx = jax.device_put(x, NamedSharding(EXPLICIT, P("data", None)))
+        for name, expected in one_device.items():
+            result = runs[name](shard(float_model("mlp"), EXPLICIT, row_parallel=()), [sx])
+            for got, want in zip(arrays(result), arrays(expected), strict=True):
+                np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=name)
+
+
 class _BareThenLinear(eqx.Module):
     w: jax.Array
     linear: eqx.nn.Linear
