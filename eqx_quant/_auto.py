@@ -210,6 +210,15 @@ def _distance(kind: str, out: PyTree, reference: PyTree) -> Array:
     return total
 
 
+def _batch_list(batches: Iterable[PyTree], loss: object) -> list[PyTree]:
+    """`batches` as a list, not empty, checked to hold examples for the built-in losses (a loss of its own reads
+    them its own way)."""
+    batches = list(batches) if callable(loss) else checked(batches)
+    if not batches:
+        raise ValueError("`batches` is empty: at least one batch is needed.")
+    return batches
+
+
 def auto_recipe(
     model: PyTree,
     batches: Iterable[PyTree] | AutoRecipeReport,
@@ -351,6 +360,8 @@ def auto_recipe(
     if not (activations is None or isinstance(activations, AbstractQuantizer) or callable(activations)):
         raise TypeError(f"`activations` must be a quantizer, a factory f(path, layer) or None, got {activations!r}.")
     check_not_one_array(batches)
+    if isinstance(batches, Sequence):  # checked now (an iterator is read once the other arguments are)
+        batches = _batch_list(batches, loss)
     patterns = _check_patterns(keep)
     if nodes(model, (AbstractQuantLayer,)):
         raise ValueError("`model` already holds quantized layers: give auto_recipe the float model.")
@@ -405,7 +416,7 @@ def auto_recipe(
         else (lambda m, batch, ref: _distance(kind, m(batch) if batched else jax.vmap(m)(batch), ref))
     )
     reference_of = eqx.filter_jit(lambda m, b: None if callable(loss) else (m(b) if batched else jax.vmap(m)(b)))
-    batches = list(batches) if callable(loss) else checked(batches)  # a loss of its own reads batches its own way
+    batches = _batch_list(batches, loss)
     data = []
     for i, batch in enumerate(batches):
         try:

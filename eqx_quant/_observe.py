@@ -18,7 +18,7 @@ from jax.experimental import io_callback
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import Array, PRNGKeyArray, PyTree
 
-from ._misc import FLOAT32_TINY, caller_stacklevel, sharded_in_type
+from ._misc import FLOAT32_TINY, caller_stacklevel, check_float_input, sharded_in_type
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer
 from ._scales import finite_or, stats
@@ -218,6 +218,7 @@ class _Observer(AbstractQuantizer):
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         del key
+        check_float_input(x)  # as the input quantizer it stands in for: the calibrated model takes what it took
         if self.index.ndim:
             raise ValueError(
                 f"The stacked layer {self.path!r} was called on the whole stack at once; `calibrate` observes stacked "
@@ -457,7 +458,7 @@ def checked(batches: Iterable[PyTree]) -> list[PyTree]:
     check_not_one_array(batches)
     batches = list(batches)
     if not batches:
-        raise ValueError("`batches` is empty: calibration needs at least one batch.")
+        raise ValueError("`batches` is empty: at least one batch is needed.")
     for i, batch in enumerate(batches):
         check_examples(batch, i)
     return batches

@@ -265,6 +265,9 @@ def check_input(layer: eqx.Module, x: Array) -> None:
     the quantized layer and its converted integer layer both make first, so that they fail alike. A linear layer's
     input is checked against its weight's input features where it holds a weight (the quantized layer's, a shard of
     them inside `jax.shard_map`), else against `in_features` (the converted layer's skeleton, whose codes are whole)."""
+    if not (hasattr(x, "shape") and hasattr(x, "dtype")):
+        pairs = " (for (inputs, labels) pairs, pass the inputs alone)" if isinstance(x, (tuple, list)) else ""
+        raise TypeError(f"`x` must be an array, one example, got a {type(x).__name__}{pairs}.")
     if isinstance(layer, eqx.nn.Linear):
         features = layer.in_features
         if features != "scalar" and eqx.is_array(layer.weight):

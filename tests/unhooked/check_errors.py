@@ -155,3 +155,20 @@ def test_literal_and_bool_arguments():
         with pytest.raises(error) as info:
             call()
         assert str(info.value) == message, (str(info.value), message)
+
+
+def test_calibration_batches_the_quantized_model_would_refuse_are_refused():
+    """Integer batches for a model whose first layer quantizes its input, and (inputs, labels) pairs, are the
+    `TypeError`s that the calibrated model would raise on them, with a note of the batch. (Under the hook, the
+    layer's annotation refuses them first.)"""
+    mlp = eqx.nn.MLP(4, 3, 16, 1, key=jax.random.key(0))
+    q = eqx_quant.quantize(mlp)
+    x = jnp.arange(32.0).reshape(8, 4)
+    with pytest.raises(TypeError, match="`x` must be a floating array, got dtype int32") as info:
+        eqx_quant.calibrate(q, [x.astype(jnp.int32)])
+    assert "int32[8, 4]" in "".join(info.value.__notes__)
+    pair = r"`x` must be an array, one example, got a tuple \(for \(inputs, labels\) pairs, pass the inputs alone\)"
+    with pytest.raises(TypeError, match=pair):
+        eqx_quant.calibrate(q, [(x, jnp.zeros(8, jnp.int32))])
+    with pytest.raises(TypeError, match=pair):
+        q((x[0], 0))
