@@ -356,6 +356,7 @@ class _Decision:
     products: Any
     backward: QuantizedBackward | UnquantizedBackward | None
     matmul: str
+    kept_float: bool = False  # by a rule that says so (`weight=None, input=None`), not by a factory's choice
 
 
 def _legacy_rules(
@@ -430,7 +431,7 @@ def _rule_list(rules: Sequence[Rule]) -> tuple[Callable, Callable, Callable]:
             weight = _resolve("weight", rule.weight, path, layer, "full", _Used())
             inputs = None if isinstance(layer, eqx.nn.Embedding) else _resolve("input", rule.input, path, layer,
                                                                               "full", _Used())  # fmt: skip
-            return _Decision(weight, inputs, None, rule.backward, rule.matmul)
+            return _Decision(weight, inputs, None, rule.backward, rule.matmul, rule.weight is rule.input is None)
         return None
 
     def check(paths: list[str]) -> None:
@@ -751,9 +752,21 @@ def quantize(
     if not (layers or products_of or traced or activations or problems):
         return model  # every layer is quantized already
     chosen_weight = lambda d: d is not None and (d.weight is not None or d.input is not None)  # noqa: E731
+    unquantizable = []  # weights that a rule reaches, which their reads keep in floating point
     for path, (product, why) in problems.items():
-        if chosen_weight(decide(path, product, False)):
+        decision = decide(path, product, False)
+        if chosen_weight(decision):
             raise ValueError(why)
+        if decision is not None and not decision.kept_float:
+            unquantizable.append(path)
+    if unquantizable:
+        warnings.warn(
+            f"The rules reach the model's arrays {unquantizable}, which reach their products through operations "
+            "other than views of them (a gather, as of experts chosen per token; a concatenation; arithmetic): no "
+            "scale layout follows them there, and they stay in floating point (`summary` lists them). A rule "
+            "`Rule(path, weight=None, input=None)` keeps them so without this warning.",
+            stacklevel=caller_stacklevel(),
+        )
     unreached = []  # traced weights that no rule reaches
     for path, product in traced.items():
         decision = decide(path, product, False)
@@ -800,8 +813,11 @@ def quantize(
     matmuls = tuple(d.matmul for _, d in chosen)
     quantizers = tuple(q if isinstance(q, tuple) else (q, q) for _, q in pairs)
     pairings = tuple(traced[path].pairing for path, _ in chosen)
+    left = tuple(path for path in (*traced, *problems) if path not in decisions)
+    shapes = tuple((activations[k].input_shape, activations[k].rhs_shape) for k, _ in pairs)
     return QuantTraced(wrapped, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls, quantizers,
-                       tuple(k for k, _ in pairs), len(activations), pairings, per_token)  # fmt: skip
+                       tuple(k for k, _ in pairs), len(activations), pairings, per_token, None, left,
+                       shapes)  # fmt: skip
 
 
 def _per_token(quantizer: object, product: TracedProduct) -> bool:

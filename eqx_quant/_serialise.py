@@ -422,7 +422,8 @@ def _rebuilt_traced(like: PyTree, records: list, quantizer: Callable, tensors: d
         for kind, path, stack, pairing in zip(kinds, paths, stacks, pairings, strict=True)
     ]
     return QuantTraced(model, weights, inputs, paths, stacks, matmuls, pairs, indices, record.get("product_count"),
-                       pairings, per_token, transforms)  # fmt: skip
+                       pairings, per_token, transforms, record.get("float_paths", ()),
+                       _tuples(record.get("product_shapes", [])))  # fmt: skip
 
 
 def _empty_transform(kind: str | None, shape: tuple[int, ...]) -> AbstractInputTransform | None:

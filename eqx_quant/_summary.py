@@ -97,9 +97,9 @@ class Summary:
             for r in self.rows
         ]  # fmt: skip
         quantized = sum(_quantizes(r) for r in self.rows)
-        ratio = self.stored_bytes / self.float_bytes if self.float_bytes else float("nan")
+        ratio = f" ({self.stored_bytes / self.float_bytes:.1%})" if self.float_bytes else ""  # no weights: no ratio
         cells.append(("total", f"{quantized} of {len(self.rows)} quantized", "", "", "", f"{self.float_bytes:,}",
-                      f"{self.stored_bytes:,} ({ratio:.1%})"))  # fmt: skip
+                      f"{self.stored_bytes:,}{ratio}"))  # fmt: skip
         return text_table(cells, numeric=(4, 5, 6))
 
 
@@ -214,6 +214,7 @@ def summary(model: PyTree) -> Summary:
     traced = nodes(model, (QuantTraced,))
     traced_weights = {join_path(root, "model", leaf)
                       for root, module in traced for leaf in module.weight_paths}  # fmt: skip
+    covered = set()  # the weights of the float layers that have rows of their own
     rows = []
     for path, layer in nodes(model, _FLOAT_LAYERS + TRACED_ONLY + (AbstractQuantLayer, AbstractConvertedLayer,
                                                                         QuantEinsum)):  # fmt: skip
@@ -223,8 +224,9 @@ def summary(model: PyTree) -> Summary:
         names = [name for name in ("weight", "weight_ih", "weight_hh") if hasattr(layer, name)]
         if not any(f"{path}.{name}" in traced_weights for name in names):  # else its traced weights have rows
             rows.append(_untraced_row(path, layer, [getattr(layer, name) for name in names]))
+            covered.update(f"{path}.{name}" for name in names)
     for path, module in traced:
-        rows += _traced_rows(path, module)
+        rows += _traced_rows(path, module, covered)
     return Summary(tuple(rows))
 
 
@@ -236,8 +238,9 @@ def _untraced_row(path: str, layer: Any, weights: list[Any]) -> SummaryRow:
     return SummaryRow(path, type(layer).__name__, "float", "float", None, size, size)
 
 
-def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
-    """A row per traced weight of a [`eqx_quant.nn.QuantTraced`][] at `path`, named by the leaf's path in it."""
+def _traced_rows(path: str, traced: QuantTraced, covered: set[str]) -> list[SummaryRow]:
+    """A row per traced weight of a [`eqx_quant.nn.QuantTraced`][] at `path`, named by the leaf's path in it, and
+    per weight it leaves float (but those of `covered`, whose layers have rows)."""
     leaves = leaves_by_path(traced.model)
     rows = []
     for leaf_path, quantizer, inputs, transform, per_token in zip(
@@ -266,8 +269,18 @@ def _traced_rows(path: str, traced: QuantTraced) -> list[SummaryRow]:
         stored = eqx.filter_eval_shape(lambda q, w: q.quantize_array(w), quantizer, weight)
         rows.append(SummaryRow(name, "traced", describe_quantizer(quantizer), inputs, quantizer.format.bits,
                                float_bytes, _nbytes(stored) + extra))  # fmt: skip
-    for k, (lhs, rhs) in zip(traced.product_indices, traced.product_quants, strict=True):
+    for leaf_path in traced.float_paths:  # found multiplied with activations, left in floating point
+        name = join_path(path, "model", leaf_path)
+        size = leaves[leaf_path].size * leaves[leaf_path].dtype.itemsize
+        rows += [] if name in covered else [SummaryRow(name, "traced", "float", "float", None, size, size)]
+    shapes = traced.product_shapes or ((None, None),) * len(traced.product_indices)
+    for k, (lhs, rhs), (lhs_shape, rhs_shape) in zip(
+        traced.product_indices, traced.product_quants, shapes, strict=True
+    ):
         name = join_path(path, f"products.{k}")
-        operands = f"{describe_quantizer(lhs)} x {describe_quantizer(rhs)}"
+        if lhs_shape is None:
+            operands = f"{describe_quantizer(lhs)} x {describe_quantizer(rhs)}"
+        else:  # which operand is which: `jnp.einsum` may take them in the other order than written
+            operands = f"lhs {lhs_shape}: {describe_quantizer(lhs)}; rhs {rhs_shape}: {describe_quantizer(rhs)}"
         rows.append(SummaryRow(name, "traced product", "-", operands, None, None, None))
     return rows

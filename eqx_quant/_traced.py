@@ -64,7 +64,10 @@ class TracedProduct(eqx.Module):
 
     A product of two activations (named `products.k`, for a rule's `products`) is described alike, with `weight`
     `None`: `input_shape` and `input_contracted` describe its left operand, `contracted` the right operand's
-    contracted axes.
+    contracted axes, and `rhs_shape` is the right operand's shape. Left and right are the operands of the
+    `dot_general` as the program computes it: `jnp.einsum` may take its two operands in the other order than they
+    are written (it picks the order that spares a transpose), so a rule's `(lhs, rhs)` pair follows these shapes,
+    which [`eqx_quant.summary`][] shows.
     """
 
     path: str = eqx.field(static=True)
@@ -75,6 +78,7 @@ class TracedProduct(eqx.Module):
     primitive: str = eqx.field(static=True)
     stack: tuple[int, ...] = eqx.field(static=True, default=())
     pairing: tuple[int, ...] | None = eqx.field(static=True, default=None)
+    rhs_shape: tuple[int, ...] | None = eqx.field(static=True, default=None)
 
     @property
     def input_free(self) -> tuple[int, ...]:
@@ -1025,8 +1029,9 @@ def find_products(model: PyTree, call: Callable[[PyTree], Any], layers: Sequence
         if use.leaf < 0:
             if not use.loop:
                 name = f"products.{len(found.activations)}"
+                rhs = tuple(use.eqn.invars[1].aval.shape)
                 found.activations.append(TracedProduct(name, None, use.contracted, use.input_shape,
-                                                       use.input_contracted, use.primitive))  # fmt: skip
+                                                       use.input_contracted, use.primitive, rhs_shape=rhs))  # fmt: skip
             continue
         path, leaf = paths[use.leaf], traced.leaves[use.leaf]
         stack = tuple(leaf.shape[: use.sliced or 0])
@@ -1129,6 +1134,8 @@ class QuantTraced(eqx.Module):
         else as the float product of the quantized operands.
     - `product_indices`: which products of two activations those are: `k` for `products.k`, the `k`-th `dot_general`
         of two activations in the program's order (static; see [`eqx_quant.TracedProduct`][]).
+    - `product_shapes`: the shapes `(lhs, rhs)` of the operands of each of those products in the example (static;
+        see [`eqx_quant.TracedProduct`][] for which operand is which), or `()` where not known.
     - `product_count`: how many products of two activations the example computed (static), or `None`: a call that
         computes another number of them (another path through the model) is a `ValueError`, since `products.k`
         would name other products.
@@ -1141,6 +1148,9 @@ class QuantTraced(eqx.Module):
         quantizer has one scale per index of exactly those axes of the example's first product (as
         [`eqx_quant.LayerQuantizer`][]`(..., per_token=True)` makes it); its own layout is then that product's.
         Convolutions keep the quantizer as it is.
+    - `float_paths`: the paths of the model's other leaves that tracing found multiplied with activations, left in
+        floating point (by the rules, or read through operations other than views, such as experts gathered by
+        token) (static): [`eqx_quant.summary`][] lists them.
     - `input_transforms`: for each traced weight, an input transform `T` of its products' activation operand (from
         [`eqx_quant.smoothquant`][], [`eqx_quant.awq`][] or [`eqx_quant.rotate`][]), applied before its input
         quantizer, or `None`. It acts on the axes the products sum over, flattened in the order of the weight's
@@ -1162,6 +1172,8 @@ class QuantTraced(eqx.Module):
     pairings: tuple[tuple[int, ...] | None, ...] = eqx.field(static=True)
     per_token: tuple[bool, ...] = eqx.field(static=True)
     input_transforms: tuple[Any, ...]
+    float_paths: tuple[str, ...] = eqx.field(static=True)
+    product_shapes: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] = eqx.field(static=True)
 
     def __init__(
         self,
@@ -1177,9 +1189,12 @@ class QuantTraced(eqx.Module):
         pairings: Sequence[tuple[int, ...] | None] | None = None,
         per_token: Sequence[bool] | None = None,
         input_transforms: Sequence[Any] | None = None,
+        float_paths: Sequence[str] = (),
+        product_shapes: Sequence[tuple[tuple[int, ...], tuple[int, ...]]] = (),
     ):
         """**Arguments:** the fields, in order; by default `stacks` is `()`, `matmuls` `"int"`, `per_token` `False`
-        and `input_transforms` `None` for every weight, and no product of two activations is quantized."""
+        and `input_transforms` `None` for every weight, no product of two activations is quantized and no other
+        weight is listed."""
         self.model = model
         self.weight_quants = tuple(weight_quants)
         self.input_quants = tuple(input_quants)
@@ -1195,6 +1210,8 @@ class QuantTraced(eqx.Module):
         )
         self.per_token = tuple(bool(t) for t in per_token) if per_token is not None else (False,) * n
         self.input_transforms = tuple(input_transforms) if input_transforms is not None else (None,) * n
+        self.float_paths = tuple(float_paths)
+        self.product_shapes = tuple((tuple(lhs), tuple(rhs)) for lhs, rhs in product_shapes)
 
     def __check_init__(self):
         from .nn._transforms import AbstractInputTransform  # here: `eqx_quant.nn` imports this module
@@ -1221,10 +1238,12 @@ class QuantTraced(eqx.Module):
         for matmul in self.matmuls:
             if matmul not in ("int", "float"):
                 raise ValueError(f"`matmuls` must hold 'int' or 'float', got {matmul!r}.")
-        if len(self.product_quants) != len(self.product_indices):
+        shapes = len(self.product_shapes)
+        if len(self.product_quants) != len(self.product_indices) or shapes not in (0, len(self.product_indices)):
             raise ValueError(
-                f"`product_quants` and `product_indices` must have one entry per product, got "
-                f"{len(self.product_quants)} and {len(self.product_indices)}."
+                f"`product_quants` and `product_indices` (and `product_shapes`, unless empty) must have one entry "
+                f"per product, got {len(self.product_quants)}, {len(self.product_indices)} and "
+                f"{len(self.product_shapes)}."
             )
 
     def quantized_model(self) -> PyTree:
@@ -1419,7 +1438,8 @@ def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:
                   weight_paths=traced.weight_paths, stacks=traced.stacks, matmuls=traced.matmuls,
                   product_quants=traced.product_quants, product_indices=traced.product_indices,
                   product_count=traced.product_count, pairings=traced.pairings,
-                  per_token=traced.per_token, input_transforms=traced.input_transforms)  # fmt: skip
+                  per_token=traced.per_token, input_transforms=traced.input_transforms,
+                  float_paths=traced.float_paths, product_shapes=traced.product_shapes)  # fmt: skip
     return QuantTraced(**(fields | changes))
 
 

@@ -116,6 +116,56 @@ def test_summary_says_which_quantizers_have_a_zero_point():
     assert rows["c"].input == "int8 learned asymmetric, per tensor" and rows["d"].input == "int8 learned, per tensor"
 
 
+class _RoutedBare(eqx.Module):
+    router: jax.Array
+    up: jax.Array
+    gate: jax.Array
+
+    def __call__(self, x):
+        weights = jax.nn.softmax(x @ self.router)
+        return (x @ self.up) * weights[0] + x @ jnp.where(self.gate > 0, self.gate, 0.0)
+
+
+def test_summary_lists_the_traced_weights_left_float(tmp_path):
+    model = init(lambda k: _RoutedBare(*(jax.random.normal(j, s) for j, s in zip(
+        jax.random.split(k, 3), [(8, 2), (8, 4), (8, 4)], strict=True))), 13)  # fmt: skip
+    x = jnp.ones(8)
+    rules = [eqx_quant.Rule("router|gate", weight=None, input=None), *eqx_quant.recipe("w8a8")["rules"]]
+    quantized = eqx_quant.quantize(model, rules, example=(x,))
+    for m in (quantized, eqx_quant.convert(quantized)):
+        table = eqx_quant.summary(m)
+        rows = {row.path: row for row in table.rows}
+        # The router kept float by its rule, and `gate` (read through `jnp.where`, no view of it), with their bytes.
+        assert list(rows) == ["model.up", "model.router", "model.gate"]
+        assert [rows[p].weight for p in ("model.router", "model.gate")] == ["float", "float"]
+        assert rows["model.router"].float_bytes == rows["model.router"].stored_bytes == 8 * 2 * 4
+        assert table.float_bytes == 4 * (8 * 2 + 8 * 4 + 8 * 4) and "1 of 3 quantized" in str(table)
+    eqx_quant.save(tmp_path / "m.eqx", quantized)
+    assert eqx_quant.load(tmp_path / "m.eqx", model).float_paths == ("router", "gate")
+
+
+class _Mix(eqx.Module):
+    def __call__(self, p, v):
+        return jnp.einsum("hts,she->the", p, v)  # computed as `dot_general(v, p)`: the operands swap
+
+
+def test_summary_shows_which_operand_of_a_product_a_pair_quantizes(tmp_path):
+    rng = np.random.default_rng(14)
+    p, v = (jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in [(2, 6, 6), (6, 2, 16)])
+    q = DynamicFakeQuant(8)
+    seen = []
+    factory = lambda path, product: seen.append(product) or (None, q)  # noqa: E731
+    quantized = eqx_quant.quantize(_Mix(), [eqx_quant.Rule(r"products\.0", products=factory)], example=(p, v))
+    assert (seen[0].input_shape, seen[0].rhs_shape) == ((6, 2, 16), (2, 6, 6))
+    # The pair's right quantizer quantizes the right operand of the product as computed: `p`, as the table says.
+    (row,) = eqx_quant.summary(quantized).rows
+    assert row.input == "lhs (6, 2, 16): float; rhs (2, 6, 6): int8 dynamic, per tensor"
+    assert_bitwise_equal(quantized(p, v), jnp.einsum("hts,she->the", q(p), v))
+    assert str(eqx_quant.summary(quantized)).splitlines()[-1].split()[-2:] == ["0", "0"]  # no weights: no ratio
+    eqx_quant.save(tmp_path / "m.eqx", quantized)
+    assert eqx_quant.load(tmp_path / "m.eqx", _Mix()).product_shapes == (((6, 2, 16), (2, 6, 6)),)
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # Checkpoints that describe themselves.
 
