@@ -815,6 +815,17 @@ def quantize(
     pairings = tuple(traced[path].pairing for path, _ in chosen)
     left = tuple(path for path in (*traced, *problems) if path not in decisions)
     shapes = tuple((activations[k].input_shape, activations[k].rhs_shape) for k, _ in pairs)
+    for (k, _), pair, operand_shapes in zip(pairs, quantizers, shapes, strict=True):
+        for side, quantizer, shape in zip(("lhs", "rhs"), pair, operand_shapes, strict=True):
+            layout = getattr(quantizer, "layout", None)
+            try:
+                if layout is not None:
+                    layout.view_shape(shape)
+            except ValueError as error:
+                raise ValueError(
+                    f"The {side} quantizer of products.{k} ({layout}) does not fit its {side} operand, of shape "
+                    f"{shape}: {error}"
+                ) from None
     return QuantTraced(wrapped, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls, quantizers,
                        tuple(k for k, _ in pairs), len(activations), pairings, per_token, None, left,
                        shapes)  # fmt: skip

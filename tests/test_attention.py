@@ -1,5 +1,6 @@
 """Products of two activations on integers (QuantEinsum), multi-head attention with them, and `quantize` on them."""
 
+import re
 from typing import Any
 
 import equinox as eqx
@@ -203,6 +204,14 @@ def test_integer_kv_cache_decodes_like_the_quantized_products(bits, groups):
         cache.append(keys[0, 0], values[0], 0)
     with pytest.raises((ValueError, TypeError), match="query"):  # 3 query heads for 2 cached heads
         cache.attend(jnp.ones((3, dim)), 1)
+    # Positions outside the cache, where `dynamic_update_slice` would write the last one instead.
+    with pytest.raises(ValueError, match=re.escape(f"`index` must be in [0, {max_len - 1}] for this cache, got index")):
+        cache.append(keys[0], values[0], max_len)
+    for length in (0, max_len + 1):
+        with pytest.raises(ValueError, match=re.escape(f"`length` must be in [1, {max_len}]")):
+            cache.attend(queries[0], length)
+    with pytest.raises(TypeError, match="`index` must be an integer scalar"):
+        cache.append(keys[0], values[0], 1.0)
 
 
 @pytest.mark.slow

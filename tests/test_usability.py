@@ -164,6 +164,11 @@ def test_summary_shows_which_operand_of_a_product_a_pair_quantizes(tmp_path):
     assert str(eqx_quant.summary(quantized)).splitlines()[-1].split()[-2:] == ["0", "0"]  # no weights: no ratio
     eqx_quant.save(tmp_path / "m.eqx", quantized)
     assert eqx_quant.load(tmp_path / "m.eqx", _Mix()).product_shapes == (((6, 2, 16), (2, 6, 6)),)
+    # A quantizer that does not fit its operand is refused by `quantize`, not at the first call.
+    with pytest.raises(ValueError, match=r"The lhs quantizer of products\.0 .* of shape \(6, 2, 16\): `axis` must"):
+        eqx_quant.quantize(
+            _Mix(), [eqx_quant.Rule(r"products\.0", products=DynamicFakeQuant(8, axis=5))], example=(p, v)
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------------------

@@ -69,12 +69,14 @@ class QuantKVCache(eqx.Module):
         **Arguments:**
 
         - `key_`, `value`: one position's keys and values, shape `(num_heads, head_dim)`.
-        - `index`: the position to write.
+        - `index`: the position to write, in `[0, max_len)` (checked when concrete; a traced `index` beyond the
+            cache writes its last position, as `jax.lax.dynamic_update_slice` does).
 
         **Returns:**
 
         The new cache.
         """
+        _check_position("index", index, 0, self.keys.shape[0] - 1)
         expected = self.keys.shape[1:]
         if key_.shape != expected or value.shape != expected:
             raise ValueError(f"`key_` and `value` must have shape {expected}, got {key_.shape} and {value.shape}.")
@@ -107,12 +109,14 @@ class QuantKVCache(eqx.Module):
         **Arguments:**
 
         - `query`: shape `(query_heads, head_dim)`, `query_heads` a multiple of `num_heads`.
-        - `length`: the number of positions written so far (may be traced).
+        - `length`: the number of positions written so far, in `[1, max_len]` (checked when concrete; may be
+            traced).
 
         **Returns:**
 
         The attended values, shape `(query_heads, head_dim)`.
         """
+        _check_position("length", length, 1, self.keys.shape[0])
         heads, dim = self.keys.shape[1:]
         if query.ndim != 2 or query.shape[1] != dim or query.shape[0] % heads:
             raise ValueError(
@@ -135,6 +139,17 @@ class QuantKVCache(eqx.Module):
         logits = jnp.where(jnp.arange(self.keys.shape[0]) < length, logits, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(logits, axis=-1)
         return jnp.einsum(mix, weights, self.dequantized()[1]).reshape(query.shape)
+
+
+def _check_position(name: str, value: object, low: int, high: int) -> None:
+    """Raises unless a concrete `value` is an integer in `[low, high]` (a traced one is taken as it is)."""
+    if isinstance(value, jax.core.Tracer):
+        return
+    a = jnp.asarray(value)
+    if a.ndim or not jnp.issubdtype(a.dtype, jnp.integer):
+        raise TypeError(f"`{name}` must be an integer scalar, got {name}={value!r}.")
+    if not low <= int(a) <= high:
+        raise ValueError(f"`{name}` must be in [{low}, {high}] for this cache, got {name}={int(a)}.")
 
 
 def _check_not_float64(**arrays: Array) -> None:
