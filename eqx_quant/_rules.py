@@ -970,7 +970,8 @@ def float_model(model: PyTree) -> PyTree:
     The float model, whose leaves are exactly the wrapped layers' leaves (after training, the trained ones), except
     the weight of a layer with an input transform `T` ([`eqx_quant.smoothquant`][], [`eqx_quant.awq`][],
     [`eqx_quant.rotate`][]), which becomes `layer.weight @ T`: the weight that computes on the input what the
-    transformed layer computed in floating point (the float weight it was made from, to rounding error). A
+    transformed layer computed in floating point (the float weight it was made from, to rounding error, unless
+    `awq` clipped it: its clipping, `clip=True`, stays). A
     [`eqx_quant.nn.QuantTraced`][] becomes its model, each traced weight float (its stored codes dequantized) and,
     with an input transform, restored alike along the axes its products sum over. A converted layer (of
     [`eqx_quant.convert`][]) becomes its float layer with the dequantized weight: the fake-quantized weight it was

@@ -311,7 +311,10 @@ def quantized_after(
     the same weights, so that training updates the weights the quantized layers will use; from `step >= n_steps` on,
     `fn(model, ...)`. The choice is a `jax.lax.cond` on the traced `step`: a jitted training step is traced and
     compiled once, with both branches, and each step runs one of them. Before the switch, the quantizers' own arrays
-    (learned scales) receive zero gradients, and keep the values they had; a learned scale that should follow the
+    (learned scales) receive zero gradients, and keep the values they had under an optimizer that moves a leaf by its
+    gradient alone (an optimizer's weight decay, as `optax.adamw`'s, still shrinks them: give it as `mask`
+    `eqx_quant.trainable(params, scales=False, zero_points=False, input_quantizers=False)`, the weights alone, for
+    the `params` it updates); a learned scale that should follow the
     weights trained in float can be re-initialised at the switch (which costs one more compilation), or the
     quantizers kept dynamic.
 

@@ -410,7 +410,9 @@ def table(results: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="qat_demo.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--epochs", type=int, default=30, help="float training epochs (QAT runs half as many)")
+    parser.add_argument(
+        "--epochs", type=int, default=30, help="float training epochs (QAT runs half as many; default: %(default)s)"
+    )
     parser.add_argument(
         "--bits", default=",".join(CONFIGS), help="comma-separated bit widths for PTQ and QAT (default: %(default)s)"
     )
