@@ -370,6 +370,7 @@ def across_shards(axis_name: AxisName | None, maxima: tuple[Array, ...], minima:
     `pmin`, returned in that order."""
     if axis_name is None:
         return maxima + minima
+    shards(axis_name)  # an unbound name is a clear error here (inside `jax.shard_map`, `pmax` fails an assertion)
     try:
         return tuple(jax.lax.pmax(a, axis_name) for a in maxima) + tuple(jax.lax.pmin(a, axis_name) for a in minima)
     except NameError as error:

@@ -677,6 +677,7 @@ def quantize(
         if subclasses == "skip" and _overrides_call(layer):
             return layer
         _check_weight_fits(path, decision.weight, layer)
+        _check_input_fits(path, decision.input, layer)
         if isinstance(layer, eqx.nn.Embedding):
             return QuantEmbedding(layer, weight_quant=decision.weight)
         unquantized = decision.backward if isinstance(decision.backward, UnquantizedBackward) else None
@@ -930,6 +931,21 @@ def _check_weight_fits(path: str, quantizer: object, layer: Any) -> None:
         layout.view_shape(shape)
     except ValueError as error:
         raise ValueError(f"Layer {path!r}: its weight quantizer does not fit its weight: {error}") from None
+
+
+def _check_input_fits(path: str, quantizer: object, layer: Any) -> None:
+    """A `ValueError` naming the layer for an input quantizer whose layout does not fit a linear layer's input (one
+    example, `(in_features,)`), raised here rather than when the model first runs."""
+    layout = getattr(quantizer, "layout", None)
+    if not isinstance(layout, Layout) or layout.stacked or not isinstance(layer, eqx.nn.Linear):
+        return
+    shape = () if layer.in_features == "scalar" else (layer.in_features,)
+    try:
+        layout.view_shape(shape)
+    except ValueError as error:
+        raise ValueError(
+            f"Layer {path!r}: its input quantizer does not fit its input, of shape {shape}: {error}"
+        ) from None
 
 
 def _wrap_products(model: PyTree, decisions: dict[str, _Decision]) -> PyTree:

@@ -60,6 +60,11 @@ def test_quantize_refuses_a_group_size_that_does_not_fit_a_weight_naming_the_lay
     with pytest.raises(ValueError, match=r"Layer 's': .* of size 12 \(shape \(4, 12\)\)"):
         eqx_quant.quantize({"s": stack}, weights=DynamicFakeQuant(4, group_size=8))
     assert eqx_quant.quantize({"s": stack}, weights=DynamicFakeQuant(4, group_size=4))["s"].weight_quant is not None
+    # An input quantizer in tiles that do not divide a linear layer's input features: refused alike.
+    with pytest.raises(ValueError, match=r"Layer 'fc': its input quantizer does not fit its input, of shape \(12,\)"):
+        eqx_quant.quantize(model, activations=DynamicFakeQuant("nvfp4", group_size=16), where="fc")
+    tiled = eqx_quant.quantize(model, activations=DynamicFakeQuant(8, group_size=4), where="fc")["fc"]
+    assert tiled(jnp.ones(12)).shape == (4,)
 
 
 @pytest.mark.slow

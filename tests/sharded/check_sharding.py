@@ -476,6 +476,9 @@ def test_shard_map_per_tensor_statistics_with_axis_name():
     local = on_shards(eqx_quant.DynamicFakeQuant(4))
     assert not np.array_equal(local, whole)
     np.testing.assert_array_equal(local[:4], np.asarray(eqx_quant.DynamicFakeQuant(4)(whole_w[:4])))
+    # A name the `shard_map` does not bind (a typo) is an error naming it; JAX's `pmax` fails an empty assertion there.
+    with pytest.raises(ValueError, match="`axis_name`='modle' names an axis that is not bound here"):
+        on_shards(eqx_quant.DynamicFakeQuant(4, axis_name="modle"))
 
 
 def test_shard_map_learned_scale_gradient_with_axis_name():
