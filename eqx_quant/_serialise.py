@@ -232,6 +232,7 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
         "static_quantizers": _static_quantizers(found),
         "quantized_arrays": _tensor_table(_tensor_descriptions(found)),
         "modules": _modules(model, "model"),
+        "array_shapes": _array_shapes(model),
     }
     others = _other_quantizers(model, "model")
     if others:  # none in a converted, calibrated model
@@ -243,6 +244,38 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
         eqx.tree_serialise_leaves(f, model)
 
     write_replacing(path, write)
+
+
+def _array_shapes(model: PyTree) -> dict[str, list[int]]:
+    """The shape of each array of `model` (or of its `eqx.filter_eval_shape` skeleton) by path, in the order
+    `eqx.tree_serialise_leaves` writes them."""
+    leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+    return {
+        path_string(p): list(leaf.shape)
+        for p, leaf in leaves
+        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
+    }
+
+
+def _check_array_shapes(saved: dict[str, list[int]], like: dict[str, list[int]], path: str | os.PathLike) -> None:
+    """Raises, saying where, unless `like` has the arrays of the file, by path and shape."""
+    if saved == like:
+        return
+    missing = [p for p in saved if p not in like]
+    extra = [p for p in like if p not in saved]
+    shapes = [f"{p!r} ({tuple(saved[p])} in the file, {tuple(like[p])} in `like`)"
+              for p in saved if p in like and saved[p] != like[p]]  # fmt: skip
+    parts = []
+    for what, items in (("arrays that `like` does not have", missing), ("arrays that the file does not have", extra),
+                        ("arrays of other shapes", shapes)):  # fmt: skip
+        if items:
+            shown = ", ".join(items[:4] if items is shapes else map(repr, items[:4]))
+            what = what if len(items) > 1 else what.replace("arrays", "array", 1)
+            parts.append(f"{len(items)} {what} ({shown}{', ...' if len(items) > 4 else ''})")
+    raise ValueError(
+        f"The model saved in `path`={str(path)!r} is not `like`: the file has {len(saved)} arrays and `like` "
+        f"{len(like)}; " + "; ".join(parts) + "." + _HINT
+    )
 
 
 def write_replacing(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
@@ -540,6 +573,8 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
         _check_tensors(tensors, _tensor_descriptions(found), path)
         _check_other_quantizers(others, _other_quantizers(like, "like"), path)
         like = map_nodes(like, (FakeQuant,), lambda name, quantizer: _restore_static(saved[name]))
+        if "array_shapes" in header:  # files written before it: the arrays alone say whether they fit
+            _check_array_shapes(header["array_shapes"], _array_shapes(like), path)
         try:
             model = eqx.tree_deserialise_leaves(f, like)
         except (ValueError, EOFError, RuntimeError) as error:

@@ -105,11 +105,17 @@ def test_more_data_than_like_reads(model, tmp_path):
     longer.write_bytes(path.read_bytes() + b"\0")
     with pytest.raises(ValueError, match="holds more data than `like` reads"):
         eqx_quant.load(longer, model)
-    # A model with one more array after those of `like` (its quantized tensors are the same).
+    # A model with one more array after those of `like` (its quantized tensors are the same): the file's table of
+    # arrays says which.
     extended = tmp_path / "extended.eqx"
     eqx_quant.save(extended, model + [jnp.arange(3.0)])
-    with pytest.raises(ValueError, match="holds more data than `like` reads"):
+    with pytest.raises(ValueError, match=r"has 7 arrays and `like` 6; 1 array that `like` does not have \('2'\)\."):
         eqx_quant.load(extended, model + [None])
+    # One array more in `like`, and one of another shape.
+    wider = [model[0], eqx.tree_at(lambda l: l.layer.bias, model[1], jnp.zeros(5)), jnp.zeros(2)]
+    with pytest.raises(ValueError, match=r"1 array that the file does not have \('2'\); 1 array of other shapes "
+                                         r"\('1.layer.bias' \(\(3,\) in the file, \(5,\) in `like`\)\)"):  # fmt: skip
+        eqx_quant.load(path, wider)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
