@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._format import Format, IntFormat
-from ._misc import FLOAT32_TINY, check_int
+from ._misc import FLOAT32_TINY, check_int, keeps_the_mesh
 from ._observe import (
     TracedInput,
     check_callable,
@@ -64,6 +64,7 @@ def _check_finite(totals: dict[str, list[dict[str, np.ndarray]]]) -> None:
         warnings.warn(f"Calibration inputs held NaN or inf values, left out of the statistics: {listed}.", stacklevel=3)
 
 
+@keeps_the_mesh
 def calibrate(
     model: PyTree,
     batches: Iterable[PyTree],

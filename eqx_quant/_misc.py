@@ -62,6 +62,28 @@ def named_sharding(x: object) -> jax.sharding.NamedSharding | None:
     return sharding
 
 
+def on_mesh_of(model: Any, reference: Any) -> Any:
+    """`model` with its arrays that are on no mesh (made on one device: calibrated scales, input transforms)
+    replicated over the mesh of `reference`'s arrays, where they are on one; else `model` as it is."""
+    mesh = next((s.mesh for leaf in jax.tree.leaves(reference) if (s := named_sharding(leaf)) is not None), None)
+    if mesh is None:
+        return model
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    place = lambda a: jax.device_put(a, replicated) if eqx.is_array(a) and named_sharding(a) is None else a  # noqa: E731
+    return jax.tree.map(place, model)
+
+
+def keeps_the_mesh(function: Callable) -> Callable:
+    """Decorates a transformation of a model (its first argument) so that every array of the model it returns is
+    on the model's mesh, where the model has one (see `on_mesh_of`)."""
+
+    @functools.wraps(function)
+    def transformed(model: Any, *args: Any, **kwargs: Any) -> Any:
+        return on_mesh_of(function(model, *args, **kwargs), model)
+
+    return transformed
+
+
 def placed_like(new: Any, old: object) -> Any:
     """`new` (an array) with the sharding of `old` where that is placed over a mesh (a sharded model's weight), so
     that a weight computed again keeps the partitioning it had; else `new` as it is."""

@@ -19,7 +19,7 @@ from ._backward import QuantizedBackward, UnquantizedBackward
 from ._convert import sharded_like
 from ._format import Format, format_from_json, format_named
 from ._layout import Layout
-from ._misc import placed_like
+from ._misc import on_mesh_of, placed_like
 from ._qarray import QuantizedArray, quantize_array
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant, PassthroughClip
 from ._scales import Scales
@@ -585,4 +585,4 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
             raise ValueError(
                 f"`path`={str(path)!r} holds more data than `like` reads: it was saved from another model."
             )
-        return jax.tree.map(placed_like, model, like)
+        return on_mesh_of(jax.tree.map(placed_like, model, like), like)

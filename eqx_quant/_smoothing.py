@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from ._fold import Fold, find_folds, scale_leaves
-from ._misc import FLOAT32_TINY, as_where, check_int, check_real, lookup
+from ._misc import FLOAT32_TINY, as_where, check_int, check_real, keeps_the_mesh, lookup
 from ._observe import (
     check_callable,
     check_called,
@@ -189,6 +189,7 @@ def _replace(model: PyTree, done: dict[str, QuantLinear], where_of: dict[str, Tr
     return map_nodes(model, (QuantLinear,), lambda path, layer: done.get(path, layer))
 
 
+@keeps_the_mesh
 @warns_of_nonfinite("smoothquant")
 def smoothquant(
     model: PyTree,
@@ -663,6 +664,7 @@ def _awq_clip(quantizer, weight: Array, gram: Array, multiplier: Array, group: i
     return jnp.where(total(clipped) <= total(weight), clipped, weight)
 
 
+@keeps_the_mesh
 @warns_of_nonfinite("awq")
 def awq(
     model: PyTree,
@@ -835,6 +837,7 @@ def awq(
     return _place(model, targets, folds, unit_of, multipliers, weights, where_of)
 
 
+@keeps_the_mesh
 def rotate(
     model: PyTree, *, key: Array, where: Where = None, batch: PyTree | None = None, batched: bool = False
 ) -> PyTree:

@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int, PyTree
 
 from ._backward import UnquantizedBackward
-from ._misc import FLOAT32_TINY, is_concrete, one_program
+from ._misc import FLOAT32_TINY, is_concrete, keeps_the_mesh, one_program
 from ._observe import check_not_converted, layer_stack
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._rules import float_model
@@ -209,6 +209,7 @@ def _learned_like(quantizer: FakeQuant | DynamicFakeQuant, weight: Array) -> Lea
     )
 
 
+@keeps_the_mesh
 def learn_scales(model: PyTree) -> PyTree:
     """Makes the scales of every weight quantizer learned, starting exactly where they are: the step for training
     the result of post-training quantization on (QAT from PTQ).

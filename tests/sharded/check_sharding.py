@@ -325,6 +325,41 @@ def test_explicit_axes_gptq_awq_and_histograms_on_batches_split_over_data():
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_arrays_the_algorithms_make_are_on_the_model_mesh(tmp_path):
+    """The arrays that calibration, SmoothQuant, rotations, `learn_scales` and `load` make for a sharded model
+    (per-layer input scales of a stack, input transforms, learned scales) are on its mesh, replicated where they
+    have no axis of a weight: a training step then keeps every array's sharding."""
+    x, _ = batch("mlp")
+    sx = jax.device_put(x, NamedSharding(AUTO, P("data", None)))
+    model = shard(float_model("mlp"), AUTO)
+    stacked_float = jax.tree.map(
+        lambda a: jax.device_put(a, NamedSharding(AUTO, P(None, "model"))),
+        eqx.filter_vmap(lambda k: eqx.nn.Linear(64, 64, key=k))(jax.random.split(jax.random.key(4), 2)),
+    )
+
+    class Stack(eqx.Module):
+        layers: eqx.nn.Linear
+
+        def __call__(self, h):
+            dynamic, static = eqx.partition(self.layers, eqx.is_array)
+            return jax.lax.scan(lambda h, d: (eqx.combine(d, static)(h), None), h, dynamic)[0]
+
+    w8a8 = eqx_quant.recipe("w8a8")
+    made = {
+        "smoothquant": eqx_quant.smoothquant(eqx_quant.quantize(model, **w8a8), [sx]),
+        "rotate": eqx_quant.rotate(eqx_quant.quantize(model, **w8a8), key=jax.random.key(0)),
+        "calibrate (stacked)": eqx_quant.calibrate(eqx_quant.quantize(Stack(stacked_float), **w8a8), [sx]),
+        "learn_scales": eqx_quant.learn_scales(eqx_quant.quantize(model, **w8a8)),
+    }
+    eqx_quant.save(tmp_path / "m.eqx", eqx_quant.convert(made["smoothquant"]))
+    made["load"] = eqx_quant.load(tmp_path / "m.eqx", model)
+    for name, result in made.items():
+        for leaf in arrays(result):
+            assert isinstance(leaf.sharding, NamedSharding) and leaf.sharding.mesh == AUTO, (name, leaf.shape)
+    signs = made["rotate"].layers[0].input_transform.signs
+    assert signs.sharding.is_equivalent_to(NamedSharding(AUTO, P()), 1)
+
+
 class _BareThenLinear(eqx.Module):
     w: jax.Array
     linear: eqx.nn.Linear
