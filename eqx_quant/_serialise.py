@@ -232,7 +232,6 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
         "static_quantizers": _static_quantizers(found),
         "quantized_arrays": _tensor_table(_tensor_descriptions(found)),
         "modules": _modules(model, "model"),
-        "array_shapes": _array_shapes(model),
     }
     others = _other_quantizers(model, "model")
     if others:  # none in a converted, calibrated model
@@ -246,35 +245,42 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
     write_replacing(path, write)
 
 
-def _array_shapes(model: PyTree) -> dict[str, list[int]]:
-    """The shape of each array of `model` (or of its `eqx.filter_eval_shape` skeleton) by path, in the order
-    `eqx.tree_serialise_leaves` writes them."""
-    leaves = jax.tree_util.tree_flatten_with_path(model)[0]
-    return {
-        path_string(p): list(leaf.shape)
-        for p, leaf in leaves
-        if isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct, np.ndarray))
-    }
+def _stored_shapes(path: str | os.PathLike, start: int) -> list[tuple[int, ...]]:
+    """The shapes of the arrays that `eqx.tree_serialise_leaves` wrote from byte `start` of the file (in NumPy's
+    format, one after another), as far as they are whole."""
+    shapes = []
+    with open(path, "rb") as f:
+        f.seek(start)
+        while True:
+            try:
+                major, _ = np.lib.format.read_magic(f)
+                read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
+                shape, _, dtype = read(f)
+            except ValueError:  # the end of the file, or an array cut short within its header
+                return shapes
+            end = f.tell() + math.prod(shape) * dtype.itemsize
+            if end > os.fstat(f.fileno()).st_size:
+                return shapes
+            shapes.append(tuple(shape))
+            f.seek(end)
 
 
-def _check_array_shapes(saved: dict[str, list[int]], like: dict[str, list[int]], path: str | os.PathLike) -> None:
-    """Raises, saying where, unless `like` has the arrays of the file, by path and shape."""
-    if saved == like:
-        return
-    missing = [p for p in saved if p not in like]
-    extra = [p for p in like if p not in saved]
-    shapes = [f"{p!r} ({tuple(saved[p])} in the file, {tuple(like[p])} in `like`)"
-              for p in saved if p in like and saved[p] != like[p]]  # fmt: skip
-    parts = []
-    for what, items in (("arrays that `like` does not have", missing), ("arrays that the file does not have", extra),
-                        ("arrays of other shapes", shapes)):  # fmt: skip
-        if items:
-            shown = ", ".join(items[:4] if items is shapes else map(repr, items[:4]))
-            what = what if len(items) > 1 else what.replace("arrays", "array", 1)
-            parts.append(f"{len(items)} {what} ({shown}{', ...' if len(items) > 4 else ''})")
-    raise ValueError(
-        f"The model saved in `path`={str(path)!r} is not `like`: the file has {len(saved)} arrays and `like` "
-        f"{len(like)}; " + "; ".join(parts) + "." + _HINT
+def _arrays_note(path: str | os.PathLike, start: int, like: PyTree) -> str:
+    """Where the arrays of the file and those of `like` first differ in shape or number, or `""` where they do not
+    (a file cut short within an array)."""
+    stored = _stored_shapes(path, start)
+    leaves = jax.tree_util.tree_flatten_with_path(like)[0]
+    stored_kinds = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float, complex)
+    ours = [(path_string(p), tuple(np.shape(leaf))) for p, leaf in leaves if isinstance(leaf, stored_kinds)]
+    if stored == [shape for _, shape in ours]:
+        return ""
+    pairs = list(zip(stored, (shape for _, shape in ours), strict=False))  # up to the shorter
+    i = next((k for k, (a, b) in enumerate(pairs) if a != b), len(pairs))
+    there = f"an array of shape {stored[i]}" if i < len(stored) else "no more arrays"
+    here = f"`like`'s {ours[i][0]!r}, of shape {ours[i][1]}" if i < len(ours) else "the end of `like`'s arrays"
+    return (
+        f" The file holds {len(stored)} arrays and `like` {len(ours)}; the first that differ are {here} and, in the "
+        f"file, {there}."
     )
 
 
@@ -573,16 +579,18 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
         _check_tensors(tensors, _tensor_descriptions(found), path)
         _check_other_quantizers(others, _other_quantizers(like, "like"), path)
         like = map_nodes(like, (FakeQuant,), lambda name, quantizer: _restore_static(saved[name]))
-        if "array_shapes" in header:  # files written before it: the arrays alone say whether they fit
-            _check_array_shapes(header["array_shapes"], _array_shapes(like), path)
+        start = len(_MAGIC) + 8 + length
         try:
             model = eqx.tree_deserialise_leaves(f, like)
         except (ValueError, EOFError, RuntimeError) as error:
+            note = _arrays_note(path, start, like)
             raise ValueError(
-                f"The arrays in `path`={str(path)!r} are cut short or do not match those of `like`: {error}"
+                f"The arrays in `path`={str(path)!r} are cut short or do not match those of `like`: "
+                + (f"t{note.strip()[1:]}{_HINT}" if note else str(error))  # "the file holds ..."
             ) from error
         if f.read(1):
             raise ValueError(
                 f"`path`={str(path)!r} holds more data than `like` reads: it was saved from another model."
+                + _arrays_note(path, start, like)
             )
         return on_mesh_of(jax.tree.map(placed_like, model, like), like)

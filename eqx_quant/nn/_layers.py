@@ -117,7 +117,9 @@ def _select(weight: Array, x: Array) -> Array:
 
 # The branches of `_select`, defined once, so that eager calls reuse their compiled programs.
 def _select_on_cpu(weight: Array, x: Array) -> Array:
-    first = jnp.isnan(x.reshape(-1)[0])
+    # The entry at the origin, sliced out: a batch sharded across devices is not gathered for it (a reshape first
+    # would gather the whole batch).
+    first = jnp.isnan(x[(0,) * x.ndim])
     return jnp.where(first & jnp.isnan(weight), jnp.nan, weight).astype(weight.dtype)
 
 
