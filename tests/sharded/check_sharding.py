@@ -360,6 +360,20 @@ def test_arrays_the_algorithms_make_are_on_the_model_mesh(tmp_path):
     assert signs.sharding.is_equivalent_to(NamedSharding(AUTO, P()), 1)
 
 
+@pytest.mark.parametrize("recipe", ["w8a16", "w4a16_g32"])
+def test_weight_only_tensor_parallel_forward_gathers_no_activation(recipe):
+    """A column- then row-parallel MLP with weight-only layers communicates as the float model does: the row-parallel
+    layer's partial sums, and no gather of a layer's input (which the CPU's ordering of a dequantized weight after
+    its layer's input once took)."""
+    model = eqx_quant.quantize(shard(float_model("mlp"), AUTO), **eqx_quant.recipe(recipe))
+    x, _ = batch("mlp")
+    sx = jax.device_put(x, NamedSharding(AUTO, P("data", None)))
+    dynamic, static = eqx.partition(model, eqx.is_array)
+    hlo = jax.jit(lambda d, x: jax.vmap(eqx.combine(d, static))(x)).lower(dynamic, sx).compile().as_text()
+    assert "all-gather" not in hlo
+    np.testing.assert_array_equal(np.asarray(forward(model, sx)), np.asarray(forward(eqx_quant.convert(model), sx)))
+
+
 class _BareThenLinear(eqx.Module):
     w: jax.Array
     linear: eqx.nn.Linear
