@@ -8,6 +8,7 @@ integers, so that the two agree bit for bit.
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import equinox as eqx
@@ -302,19 +303,27 @@ def group_sums(lhs: Array, rhs: Array, dims: Any, length: int) -> Array:
     holds exactly, so a float32 product at `Precision.HIGHEST` gives the int32 one bit for bit, summed in any order.
     On CPU that product is used: XLA's CPU integer product of many short tiles (a batch of products each summing
     32 elements) is half as fast again as its float one. Other platforms keep the int32 product."""
-
-    def integer(lhs, rhs):
-        return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
-
-    def exact_float(lhs, rhs):
-        f32 = jnp.float32
-        return jax.lax.dot_general(lhs.astype(f32), rhs.astype(f32), dims, precision=jax.lax.Precision.HIGHEST,
-                                   preferred_element_type=f32)  # fmt: skip
-
+    integer, exact_float = _products(dims)
     bound = (jnp.iinfo(lhs.dtype).max + 1) * (jnp.iinfo(rhs.dtype).max + 1)  # the largest |product| of two levels
     if length * bound > FLOAT32_EXACT:
         return integer(lhs, rhs)
     return jax.lax.platform_dependent(lhs, rhs, cpu=exact_float, default=integer)
+
+
+@functools.cache
+def _products(dims: Any) -> tuple[Callable[[Array, Array], Array], Callable[[Array, Array], Array]]:
+    """The int32 and the exact float32 `dot_general` of `group_sums`, made once for each `dims`: the branches of
+    `jax.lax.platform_dependent`, which an eager call compiles again for branches it has not seen."""
+
+    def integer(lhs: Array, rhs: Array) -> Array:
+        return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
+
+    def exact_float(lhs: Array, rhs: Array) -> Array:
+        f32 = jnp.float32
+        return jax.lax.dot_general(lhs.astype(f32), rhs.astype(f32), dims, precision=jax.lax.Precision.HIGHEST,
+                                   preferred_element_type=f32)  # fmt: skip
+
+    return integer, exact_float
 
 
 @jax.jit  # one call when run eagerly, not one per term
@@ -358,18 +367,7 @@ def int_conv(
     or transform-based algorithms, keep the integer convolution.
     """
     lhs, rhs = _common_int(x[None], w)
-    conv = functools.partial(
-        jax.lax.conv_general_dilated, window_strides=spec.stride, padding=spec.padding, rhs_dilation=spec.dilation,
-        feature_group_count=spec.groups,
-    )  # fmt: skip
-
-    def integer(lhs, rhs):
-        return conv(lhs, rhs, preferred_element_type=jnp.int32).astype(jnp.float32)
-
-    def exact_float(lhs, rhs):
-        f32 = jnp.float32
-        return conv(lhs.astype(f32), rhs.astype(f32), precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
-
+    conv, integer, exact_float = _convolutions(spec)
     if math.prod(rhs.shape[1:]) * spec.product_bound <= FLOAT32_EXACT:
         acc = jax.lax.platform_dependent(lhs, rhs, cpu=exact_float, default=integer)
     else:
@@ -382,6 +380,25 @@ def int_conv(
         per_group = y.reshape((spec.groups, -1) + y.shape[1:])
         y = _with_nan(per_group, hits[:, None]).reshape(y.shape)
     return unfused(y, w_scale)
+
+
+@functools.cache
+def _convolutions(spec: ConvSpec) -> tuple[Callable[..., Array], ...]:
+    """The convolution of `spec`, and its int32 and exact float32 forms of `int_conv`, made once for each `spec`
+    (see `_products`)."""
+    conv = functools.partial(
+        jax.lax.conv_general_dilated, window_strides=spec.stride, padding=spec.padding, rhs_dilation=spec.dilation,
+        feature_group_count=spec.groups,
+    )  # fmt: skip
+
+    def integer(lhs: Array, rhs: Array) -> Array:
+        return conv(lhs, rhs, preferred_element_type=jnp.int32).astype(jnp.float32)
+
+    def exact_float(lhs: Array, rhs: Array) -> Array:
+        f32 = jnp.float32
+        return conv(lhs.astype(f32), rhs.astype(f32), precision=jax.lax.Precision.HIGHEST, preferred_element_type=f32)
+
+    return conv, integer, exact_float
 
 
 def _float_linear(spec: LinearSpec, w: Array, x: Array, bias: Array | None) -> Array:

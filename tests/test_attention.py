@@ -212,6 +212,9 @@ def test_integer_kv_cache_decodes_like_the_quantized_products(bits, groups):
             cache.attend(queries[0], length)
     with pytest.raises(TypeError, match="`index` must be an integer scalar"):
         cache.append(keys[0], values[0], 1.0)
+    # A Python int inside `jit` (static, or in a loop written out) is checked and taken, as outside it.
+    step = eqx.filter_jit(lambda c, i: c.append(keys[i], values[i], i).attend(queries[i], i + 1))
+    assert_bitwise_equal(step(cache, 2), decode_step(cache, 2)[1])
 
 
 @pytest.mark.slow

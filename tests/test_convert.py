@@ -1070,6 +1070,49 @@ def test_weight_reads_and_mapped_calls_outside_jit_compile_once():
     assert_bitwise_equal(first[1][0], first[0][0])
 
 
+class _BareProduct(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x):
+        return x @ self.w.T
+
+
+def test_integer_products_outside_jit_compile_once():
+    # The grouped integer product and the integer convolution choose their form per platform with conditionals whose
+    # branches were defined anew at each call: every eager call (of a traced model, or a `jax.vmap` of a layer)
+    # compiled them again.
+    key1, key2 = jax.random.split(jax.random.key(1))
+    grouped = eqx_quant.recipe("w4a8_g32", group_size=8)
+    linear = eqx_quant.quantize(eqx.nn.Linear(16, 4, key=key1), **grouped)
+    conv = eqx_quant.quantize(eqx.nn.Conv1d(2, 4, 3, key=key2), **eqx_quant.recipe("w8a8"))
+    bare = _BareProduct(jax.random.normal(key1, (4, 16)))
+    traced = eqx_quant.quantize(bare, **grouped, example=(jnp.ones((3, 16)),))
+    calls = [
+        (model, inputs, call)
+        for layer, inputs, call in [
+            (linear, jnp.ones((3, 16)), jax.vmap),
+            (conv, jnp.ones((3, 2, 5)), jax.vmap),
+            (traced, jnp.ones((3, 16)), lambda m: m),
+        ]
+        for model in (layer, eqx_quant.convert(layer))
+    ]
+
+    def run():
+        return [call(model)(inputs) for model, inputs, call in calls]
+
+    first = run()  # compiles
+    events = []
+    listener = lambda event, duration, **kwargs: events.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        again = run()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert [e for e in events if e == "/jax/core/compile/backend_compile_duration"] == []
+    for y1, y2 in zip(first, again, strict=True):
+        assert_bitwise_equal(y2, y1)
+
+
 class _Readout(eqx.Module):
     linear: eqx.nn.Linear
 

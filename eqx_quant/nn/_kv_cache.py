@@ -5,6 +5,7 @@ import math
 import equinox as eqx
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float
 
 from .._format import int_format
@@ -69,8 +70,9 @@ class QuantKVCache(eqx.Module):
         **Arguments:**
 
         - `key_`, `value`: one position's keys and values, shape `(num_heads, head_dim)`.
-        - `index`: the position to write, in `[0, max_len)` (checked when concrete; a traced `index` beyond the
-            cache writes its last position, as `jax.lax.dynamic_update_slice` does).
+        - `index`: the position to write, in `[0, max_len)`: a Python or NumPy int (checked) or an integer scalar
+            array (traced, say; one beyond the cache writes its last position, as `jax.lax.dynamic_update_slice`
+            does).
 
         **Returns:**
 
@@ -109,8 +111,8 @@ class QuantKVCache(eqx.Module):
         **Arguments:**
 
         - `query`: shape `(query_heads, head_dim)`, `query_heads` a multiple of `num_heads`.
-        - `length`: the number of positions written so far, in `[1, max_len]` (checked when concrete; may be
-            traced).
+        - `length`: the number of positions written so far, in `[1, max_len]`: a Python or NumPy int (checked) or
+            an integer scalar array (traced, say).
 
         **Returns:**
 
@@ -142,14 +144,19 @@ class QuantKVCache(eqx.Module):
 
 
 def _check_position(name: str, value: object, low: int, high: int) -> None:
-    """Raises unless a concrete `value` is an integer in `[low, high]` (a traced one is taken as it is)."""
-    if isinstance(value, jax.core.Tracer):
+    """Raises unless `value` is an integer scalar, in `[low, high]` where it is a Python or NumPy integer (an array
+    is taken as it is: reading it would wait for the device, or it is traced)."""
+    if isinstance(value, np.ndarray) and value.ndim == 0:
+        value = value[()]  # a NumPy scalar
+    if isinstance(value, (jax.Array, np.ndarray)):
+        shape, dtype = jnp.shape(value), value.dtype
+        if shape or not jnp.issubdtype(dtype, jnp.integer):
+            raise TypeError(f"`{name}` must be an integer scalar, got an array of shape {shape} and dtype {dtype}.")
         return
-    a = jnp.asarray(value)
-    if a.ndim or not jnp.issubdtype(a.dtype, jnp.integer):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"`{name}` must be an integer scalar, got {name}={value!r}.")
-    if not low <= int(a) <= high:
-        raise ValueError(f"`{name}` must be in [{low}, {high}] for this cache, got {name}={int(a)}.")
+    if not low <= int(value) <= high:
+        raise ValueError(f"`{name}` must be in [{low}, {high}] for this cache, got {name}={int(value)}.")
 
 
 def _check_not_float64(**arrays: Array) -> None:
