@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -49,30 +50,38 @@ def _whole_tensor(quantizer: AbstractFakeQuantizer) -> AbstractFakeQuantizer:
 def sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
     """`tensor` with its integers, scales and zero points sharded like the weight they come from.
 
-    Each axis of a leaf that runs along an axis of the weight, with its length, takes that axis' partitioning: the
-    stacked layers' axes, the weight's own axes in the codes, and in the scales the channel axes and, for tiles, the
-    axes other than the tiled one (split into tiles, it is replicated). Packed codes keep the partitioning of the
-    first axis of each tensor (one row of bytes per index along it). The other axes are replicated. A weight without
-    a `NamedSharding` (on one device, or traced) leaves `tensor` as it is.
+    Each axis of a leaf that runs along an axis of the weight takes that axis' partitioning: with its length, the
+    stacked layers' axes, the weight's own axes in the codes and the channel axes in the scales; and where it
+    divides evenly among the axis' devices, the tiles of the tiled axis in the scales, and in packed codes (one row
+    of bytes per index along the first axis) the bytes of a matrix's second axis. The other axes are replicated, as
+    everything is where the weight has no `NamedSharding` (on one device, or traced).
     """
     sharding = named_sharding(weight)
     if sharding is None:
         return tensor
     spec = tuple(sharding.spec) + (None,) * (weight.ndim - len(sharding.spec))
     depth = tensor.stack_depth
-    own = list(range(depth, weight.ndim))  # the weight's axes of one tensor
-    tile = tensor.layout.tile_axis(tensor.shape)
-    if tensor.packed:
-        codes = list(range(depth)) + [own[0] if own else None, None]
+    whole = [(a, True) for a in range(weight.ndim)]  # (weight axis, whether the leaf's axis has its length)
+    own = whole[depth:]  # the weight's axes of one tensor
+    none = (None, True)
+    if tensor.packed:  # rows, then bytes: those of a matrix's second axis, or of the other axes flattened
+        codes = whole[:depth] + [own[0] if own else none, (own[1][0], False) if len(own) == 2 else none]
     else:
-        codes = list(range(weight.ndim))
-    scales = list(range(depth)) + (own if tile is None else own[:tile] + [None, None] + own[tile + 1 :])
+        codes = whole
+    tile = tensor.layout.tile_axis(tensor.shape)
+    scales = whole[:depth] + (own if tile is None else own[:tile] + [(own[tile][0], False), none] + own[tile + 1 :])
 
-    def place(leaf: Any, axes: list[int | None]) -> Any:
+    def devices(entry: Any) -> int:
+        names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+        return math.prod(sharding.mesh.shape[name] for name in names)
+
+    def place(leaf: Any, axes: list[tuple[int | None, bool]]) -> Any:
         if leaf is None:
             return None
-        kept = (a is not None and leaf.shape[i] == weight.shape[a] for i, a in enumerate(axes))
-        leaf_spec = (spec[a] if keep else None for keep, a in zip(kept, axes, strict=True))
+        leaf_spec = []
+        for n, (a, exact) in zip(leaf.shape, axes, strict=True):
+            fits = a is not None and (n == weight.shape[a] if exact else n % devices(spec[a]) == 0)
+            leaf_spec.append(spec[a] if fits else None)
         return jax.device_put(leaf, NamedSharding(sharding.mesh, PartitionSpec(*leaf_spec)))
 
     return dataclasses.replace(
@@ -80,8 +89,15 @@ def sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
         values=place(tensor.values, codes),
         scale=place(tensor.scale, scales),
         zero_point=place(tensor.zero_point, scales),
-        tensor_scale=place(tensor.tensor_scale, list(range(depth))),
+        tensor_scale=place(tensor.tensor_scale, whole[:depth]),
     )
+
+
+def _placed(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
+    """Where `convert` puts the stored `tensor` of `weight`: sharded like it (`sharded_like`), but a tiled or stacked
+    tensor stays where the program that computed it put it, from the weight's partitioning (its dequantized weight
+    then computes as the fake-quantized one does, bit for bit, where the mapping of `sharded_like` did not always)."""
+    return tensor if tensor.view_shape != weight.shape else sharded_like(tensor, weight)
 
 
 @functools.cache
@@ -199,7 +215,7 @@ def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> 
         _check_finite_weight(f"Layer {path or '(the model itself)'!r}", weight)
         depth = stack_depth(layer.layer, weight.shape)
         tensor = _weight_quantization(depth)(_whole_tensor(layer.weight_quant), weight)
-        tensor = sharded_like(tensor, weight)
+        tensor = _placed(tensor, weight)
         skeleton = eqx.tree_at(lambda l: l.weight, layer.layer, None)
         if isinstance(layer, QuantEmbedding):
             return ConvertedEmbedding(skeleton, tensor)
@@ -244,7 +260,7 @@ def _convert_traced(traced: QuantTraced, matmul: str | None) -> QuantTraced:
         if quantizer is None or isinstance(leaf, QuantizedArray):
             return leaf
         _check_finite_weight(f"Traced weight {path_string(key_path)!r}", leaf)
-        return sharded_like(_weight_quantization(0)(_whole_tensor(quantizer), leaf), leaf)
+        return _placed(_weight_quantization(0)(_whole_tensor(quantizer), leaf), leaf)
 
     is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731
     model = jax.tree_util.tree_map_with_path(store, traced.model, is_leaf=is_stored)

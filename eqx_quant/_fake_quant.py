@@ -576,8 +576,8 @@ def fake_quant_format(
     if tensor_scale is not None and is_concrete(tensor_scale):
         t = np.asarray(tensor_scale, np.float64)
         with np.errstate(invalid="ignore"):
-            ok = np.isfinite(t) & (t >= 0) & (t <= np.finfo(np.float32).max)
-        _check_values("tensor_scale", t, ok, "a finite, non-negative float32 (0 quantizes to zeros)")
+            ok = np.isfinite(t) & (t >= 0) & (t <= np.finfo(compute_dtype(x.dtype)).max)
+        _check_values("tensor_scale", t, ok, "finite and non-negative (0 quantizes to zeros)")
     with jax.named_scope("eqx_quant.fake_quant_format"):
         return _apply(_fake_quant_jit, x, scale, fmt, zero_point, tensor_scale)
 

@@ -31,13 +31,13 @@ from ._observe import (
     add_batch_note,
     check_callable,
     check_called,
+    check_convolutions,
     check_not_converted,
     checked,
     fold,
     layer_stack,
     progress_bar,
     traced_inputs,
-    warn_convolutions_left,
     warns_of_nonfinite,
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
@@ -334,12 +334,12 @@ def solve_weights(
         if unpaired
         else ""
     )
+    check_convolutions(model, where, name, lambda layer: layer.weight_quant is not None)
     if not layers and not traced:
         raise ValueError(
             f"`model` has no QuantLinear layer (nor traced weight) with a weight quantizer to quantize with `{name}`"
             + (f": {left}." if unpaired else ".")
         )
-    warn_convolutions_left(model, where, name, lambda layer: layer.weight_quant is not None)
     if unpaired:
         warnings.warn(f"`{name}` cannot solve them: {left}. Choose the weights with `where` to silence this.",
                       stacklevel=caller_stacklevel())  # fmt: skip

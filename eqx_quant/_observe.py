@@ -218,7 +218,8 @@ class _Observer(AbstractQuantizer):
 
     def __call__(self, x: Array, *, key: PRNGKeyArray | None = None) -> Array:
         del key
-        check_float_input(x)  # as the input quantizer it stands in for: the calibrated model takes what it took
+        if self.statistic in ("stats", "hist"):  # `calibrate`'s, of an input quantizer: the model takes no other input
+            check_float_input(x)
         if self.index.ndim:
             raise ValueError(
                 f"The stacked layer {self.path!r} was called on the whole stack at once; `calibrate` observes stacked "
@@ -390,10 +391,19 @@ def check_called(targets: list[tuple[str, Any]], found: dict[str, Any], where: b
         )
 
 
-def warn_convolutions_left(model: PyTree, where: object, what: str, kept: Callable[[QuantConv], bool]) -> None:
-    """Where the algorithm `what` chose its layers by default (`where` None), warns of the quantized convolutions
-    it would transform if it transformed convolutions (those `kept` keeps), which it leaves as they are."""
+def check_convolutions(
+    model: PyTree, where: Callable[[str, Any], bool] | None, what: str, kept: Callable[[QuantConv], bool]
+) -> None:
+    """For the quantized convolutions that the algorithm `what` would transform if it transformed convolutions
+    (those `kept` keeps): a `ValueError` naming those that `where` chooses, as for traced convolutions; where it
+    chose its layers by default (`where` None), a warning that it leaves them as they are."""
     if where is not None:
+        chosen = [path or "(the model itself)" for path, layer in nodes(model, (QuantConv,)) if where(path, layer)]
+        if chosen:
+            raise ValueError(
+                f"`where` chooses the convolutions {chosen}, which `{what}` does not transform (it transforms "
+                "linear layers). Exclude them with `where`."
+            )
         return
     convolutions = [path or "(the model itself)" for path, layer in nodes(model, (QuantConv,)) if kept(layer)]
     if convolutions:

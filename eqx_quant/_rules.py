@@ -819,9 +819,11 @@ def quantize(
     for (k, _), pair, operand_shapes in zip(pairs, quantizers, shapes, strict=True):
         for side, quantizer, shape in zip(("lhs", "rhs"), pair, operand_shapes, strict=True):
             layout = getattr(quantizer, "layout", None)
+            # Its axes against the operand's rank; not its tiles against the example's lengths, which may be shorter
+            # than a call's.
             try:
                 if layout is not None:
-                    layout.view_shape(shape)
+                    layout.view_shape(tuple(n * (layout.group_size or 1) for n in shape))
             except ValueError as error:
                 raise ValueError(
                     f"The {side} quantizer of products.{k} ({layout}) does not fit its {side} operand, of shape "

@@ -20,12 +20,12 @@ from ._misc import FLOAT32_TINY, as_where, check_int, check_real, keeps_the_mesh
 from ._observe import (
     check_callable,
     check_called,
+    check_convolutions,
     check_not_converted,
     checked,
     fold as fold_statistics,
     layer_stack,
     progress_bar,
-    warn_convolutions_left,
     warns_of_nonfinite,
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
@@ -114,6 +114,7 @@ def _targets(
         chosen = [(p, l) for p, l in chosen if layer_default(l) and not tied(p)]
     else:
         chosen = [(p, l) for p, l in chosen if where(p, l)]
+    check_convolutions(model, where, what, layer_default)
     if not chosen and not traced:
         selection = "that `where` selects" if where is not None else wanted
         unusable = f" Traced weights left out: {_left_text(left)}." if left else ""
@@ -135,7 +136,6 @@ def _targets(
             raise ValueError(f"Layer {name!r} is not a layer {wanted}, so `{what}` would do nothing for it. "
                              "Exclude it with `where`.")  # fmt: skip
         _check_layer(path, layer, what)
-    warn_convolutions_left(model, where, what, layer_default)
     return chosen, traced, where_of
 
 

@@ -232,7 +232,7 @@ def test_convert_shards_integers_like_weights(kind, variant):
         weight = quant.layer.weight
         spec = tuple(weight.sharding.spec) + (None,) * (weight.ndim - len(weight.sharding.spec))
         tensor = integer.qweight
-        expected_values = P(spec[0], None) if tensor.packed else P(*spec)
+        expected_values = P(*spec)  # packed too: a row's bytes follow its input features (which divide evenly here)
         assert tensor.values.sharding.is_equivalent_to(NamedSharding(AUTO, expected_values), tensor.values.ndim)
         per_channel = tensor.scale.shape[0] > 1
         expected_scale = P(spec[0] if per_channel else None, *([None] * (tensor.scale.ndim - 1)))
