@@ -1765,7 +1765,8 @@ class _ConvThenLinear(eqx.Module):
 @pytest.mark.slow
 def test_transforms_and_solvers_name_the_convolutions_they_leave_alone():
     """The algorithms transform linear layers only: choosing layers by default in a model with quantized
-    convolutions, each warns naming them (and still transforms the linear layers); with `where`, none warns."""
+    convolutions, each warns naming them (and still transforms the linear layers); with `where`, none warns, and a
+    `where` that chooses a convolution is an error."""
     model = init(lambda k: _ConvThenLinear(eqx.nn.Conv1d(2, 2, 3, key=k), eqx.nn.Linear(12, 16, key=k)), 5)
     quantized = eqx_quant.quantize(model, **eqx_quant.recipe("w4a16_g32", group_size=4))
     linear = lambda path, layer: path == "fc"  # noqa: E731
@@ -1779,3 +1780,10 @@ def test_transforms_and_solvers_name_the_convolutions_they_leave_alone():
         solved = eqx_quant.gptq(quantized, [x])
     assert eqx.tree_equal(solved.conv, quantized.conv)
     assert_bitwise_equal(eqx_quant.gptq(quantized, [x], where=linear).fc.layer.weight, solved.fc.layer.weight)
+    # A `where` that chooses a convolution is an error naming it, as for a traced convolution.
+    chooses = r"^`where` chooses the convolutions \['conv'\], which `{}` does not transform"
+    for where in ("conv", "conv|fc"):
+        with pytest.raises(ValueError, match=chooses.format("rotate")):
+            eqx_quant.rotate(quantized, key=key, where=where)
+        with pytest.raises(ValueError, match=chooses.format("gptq")):
+            eqx_quant.gptq(quantized, [x], where=where)
