@@ -1044,17 +1044,8 @@ def test_a_tied_head_of_one_row_converts_bit_for_bit_under_jit(recipe):
         np.testing.assert_allclose(head(quantized, h), np.asarray(h, np.float64) @ table.T, rtol=1e-5, atol=1e-5)
 
 
-def test_weight_reads_and_mapped_calls_outside_jit_compile_once():
-    # `.weight` and a weight-only layer's call pass conditionals (`computed_before`, `after_input`); with their
-    # branches defined anew at each call, every eager read compiled them again.
-    layer = eqx_quant.quantize(
-        eqx.nn.Linear(8, 4, key=jax.random.key(0)), **eqx_quant.recipe("w4a16_g32", group_size=8)
-    )
-    layers, x = (layer, eqx_quant.convert(layer)), jnp.ones((3, 8))
-
-    def run():
-        return [(each.weight, jax.vmap(each)(x)) for each in layers]
-
+def _run_twice_compiling_once(run):
+    """`run()` twice, the second time checking that XLA compiles nothing; both results."""
     first = run()  # compiles
     events = []
     listener = lambda event, duration, **kwargs: events.append(event)  # noqa: E731
@@ -1064,6 +1055,18 @@ def test_weight_reads_and_mapped_calls_outside_jit_compile_once():
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert [e for e in events if e == "/jax/core/compile/backend_compile_duration"] == []
+    return first, again
+
+
+def test_weight_reads_and_mapped_calls_outside_jit_compile_once():
+    # `.weight` and a weight-only layer's call pass conditionals (`computed_before`, `after_input`); with their
+    # branches defined anew at each call, every eager read compiled them again.
+    layer = eqx_quant.quantize(
+        eqx.nn.Linear(8, 4, key=jax.random.key(0)), **eqx_quant.recipe("w4a16_g32", group_size=8)
+    )
+    layers, x = (layer, eqx_quant.convert(layer)), jnp.ones((3, 8))
+
+    first, again = _run_twice_compiling_once(lambda: [(each.weight, jax.vmap(each)(x)) for each in layers])
     for (w1, y1), (w2, y2) in zip(first, again, strict=True):
         assert_bitwise_equal(w2, w1)
         assert_bitwise_equal(y2, y1)
@@ -1097,18 +1100,7 @@ def test_integer_products_outside_jit_compile_once():
         for model in (layer, eqx_quant.convert(layer))
     ]
 
-    def run():
-        return [call(model)(inputs) for model, inputs, call in calls]
-
-    first = run()  # compiles
-    events = []
-    listener = lambda event, duration, **kwargs: events.append(event)  # noqa: E731
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        again = run()
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
-    assert [e for e in events if e == "/jax/core/compile/backend_compile_duration"] == []
+    first, again = _run_twice_compiling_once(lambda: [call(model)(inputs) for model, inputs, call in calls])
     for y1, y2 in zip(first, again, strict=True):
         assert_bitwise_equal(y2, y1)
 
