@@ -398,7 +398,11 @@ def check_convolutions(
     (those `kept` keeps): a `ValueError` naming those that `where` chooses, as for traced convolutions; where it
     chose its layers by default (`where` None), a warning that it leaves them as they are."""
     if where is not None:
-        chosen = [path or "(the model itself)" for path, layer in nodes(model, (QuantConv,)) if where(path, layer)]
+        chosen = [
+            path or "(the model itself)"
+            for path, layer in nodes(model, (QuantConv,))
+            if kept(layer) and where(path, layer)
+        ]
         if chosen:
             raise ValueError(
                 f"`where` chooses the convolutions {chosen}, which `{what}` does not transform (it transforms "
