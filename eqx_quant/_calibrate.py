@@ -11,7 +11,7 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._format import Format, IntFormat
-from ._misc import FLOAT32_TINY, check_int, keeps_the_mesh
+from ._misc import FLOAT32_TINY, caller_stacklevel, check_int, keeps_the_mesh
 from ._observe import (
     TracedInput,
     check_callable,
@@ -61,7 +61,8 @@ def _check_finite(totals: dict[str, list[dict[str, np.ndarray]]]) -> None:
     noisy = {path: (int(bad), int(count)) for path, (bad, count) in counts.items() if bad}
     if noisy:
         listed = ", ".join(f"{path!r} {bad:,} of {count:,}" for path, (bad, count) in noisy.items())
-        warnings.warn(f"Calibration inputs held NaN or inf values, left out of the statistics: {listed}.", stacklevel=3)
+        warnings.warn(f"Calibration inputs held NaN or inf values, left out of the statistics: {listed}.",
+                      stacklevel=caller_stacklevel())  # fmt: skip
 
 
 @keeps_the_mesh

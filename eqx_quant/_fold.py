@@ -19,7 +19,7 @@ import numpy as np
 from jax.extend import core as jex
 from jaxtyping import Array, PyTree
 
-from ._misc import reshape_blocks
+from ._misc import caller_stacklevel, reshape_blocks
 from ._tree import map_nodes, path_string
 from .nn._layers import QuantLinear
 from .nn._transforms import AbstractInputTransform
@@ -247,7 +247,7 @@ def find_folds(
                 f"The model could not be traced with its layers wrapped to see what reads them ({type(error).__name__}"
                 f": {error}). No layer's factors fold into a linear layer before it, and reads of a layer's weight "
                 "besides its call go unseen.",
-                stacklevel=4,
+                stacklevel=caller_stacklevel(),
             )
         producers, wrapped = [], []
         closed, paths, stand_ins = trace({})

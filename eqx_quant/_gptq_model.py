@@ -392,7 +392,7 @@ def _without_tied(traced: list["_TracedTarget"], reads: dict[str, str | None], l
     )
     if not layers and not kept:
         raise ValueError(f"`{name}` would change nothing: {what}")
-    warnings.warn(what, stacklevel=5)  # the caller of the public function (under `warns_of_nonfinite`)
+    warnings.warn(what, stacklevel=caller_stacklevel())
     return kept
 
 

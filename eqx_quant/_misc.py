@@ -64,10 +64,12 @@ def named_sharding(x: object) -> jax.sharding.NamedSharding | None:
 
 def on_mesh_of(model: Any, reference: Any) -> Any:
     """`model` with its arrays that are on no mesh (made on one device: calibrated scales, input transforms)
-    replicated over the mesh of `reference`'s arrays, where they are on one; else `model` as it is."""
-    mesh = next((s.mesh for leaf in jax.tree.leaves(reference) if (s := named_sharding(leaf)) is not None), None)
-    if mesh is None:
+    replicated over the mesh of `reference`'s arrays, where they are all on one; else `model` as it is (on one
+    device, or split over several meshes, where an array made for one part would not know which)."""
+    meshes = {s.mesh for leaf in jax.tree.leaves(reference) if (s := named_sharding(leaf)) is not None}
+    if len(meshes) != 1:
         return model
+    (mesh,) = meshes
     replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     place = lambda a: jax.device_put(a, replicated) if eqx.is_array(a) and named_sharding(a) is None else a  # noqa: E731
     return jax.tree.map(place, model)

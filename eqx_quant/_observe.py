@@ -391,6 +391,15 @@ def check_called(targets: list[tuple[str, Any]], found: dict[str, Any], where: b
         )
 
 
+def _takes(where: Callable[[str, Any], bool], path: str, layer: Any) -> bool:
+    """Whether `where` chooses a convolution: a predicate written for linear layers (that reads `in_features`, say)
+    may fail on one, and then does not choose it."""
+    try:
+        return bool(where(path, layer))
+    except (AttributeError, TypeError, ValueError):
+        return False
+
+
 def check_convolutions(
     model: PyTree, where: Callable[[str, Any], bool] | None, what: str, kept: Callable[[QuantConv], bool]
 ) -> None:
@@ -401,7 +410,7 @@ def check_convolutions(
         chosen = [
             path or "(the model itself)"
             for path, layer in nodes(model, (QuantConv,))
-            if kept(layer) and where(path, layer)
+            if kept(layer) and _takes(where, path, layer)
         ]
         if chosen:
             raise ValueError(
@@ -604,7 +613,7 @@ def warns_of_nonfinite(what: str) -> Callable[[Callable], Callable]:
                 warnings.warn(
                     f"`{what}`: the calibration inputs held NaN or inf values, which its statistics take as zeros "
                     f"or leave out: {listed}.",
-                    stacklevel=2,
+                    stacklevel=caller_stacklevel(),
                 )
             return result
 

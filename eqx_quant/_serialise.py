@@ -245,30 +245,35 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
     write_replacing(path, write)
 
 
-def _stored_shapes(path: str | os.PathLike, start: int) -> list[tuple[int, ...]]:
+def _stored_shapes(path: str | os.PathLike, start: int) -> list[tuple[int, ...]] | None:
     """The shapes of the arrays that `eqx.tree_serialise_leaves` wrote from byte `start` of the file (in NumPy's
-    format, one after another), as far as they are whole."""
+    format, one after another), or `None` where the file ends within one (cut short)."""
     shapes = []
     with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         f.seek(start)
         while True:
+            if f.tell() == size:
+                return shapes  # the end of the file, after a whole array
             try:
                 major, _ = np.lib.format.read_magic(f)
                 read = np.lib.format.read_array_header_1_0 if major == 1 else np.lib.format.read_array_header_2_0
                 shape, _, dtype = read(f)
-            except ValueError:  # the end of the file, or an array cut short within its header
-                return shapes
+            except ValueError:  # an array cut short within its header
+                return None
             end = f.tell() + math.prod(shape) * dtype.itemsize
-            if end > os.fstat(f.fileno()).st_size:
-                return shapes
+            if end > size:
+                return None
             shapes.append(tuple(shape))
             f.seek(end)
 
 
 def _arrays_note(path: str | os.PathLike, start: int, like: PyTree) -> str:
-    """Where the arrays of the file and those of `like` first differ in shape or number, or `""` where they do not
-    (a file cut short within an array)."""
+    """Where the arrays of the file and those of `like` first differ in shape or number, or `""` where they do not,
+    or the file is cut short within an array."""
     stored = _stored_shapes(path, start)
+    if stored is None:
+        return ""
     leaves = jax.tree_util.tree_flatten_with_path(like)[0]
     stored_kinds = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic, bool, int, float, complex)
     ours = [(path_string(p), tuple(np.shape(leaf))) for p, leaf in leaves if isinstance(leaf, stored_kinds)]

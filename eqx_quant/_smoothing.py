@@ -16,7 +16,7 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from ._fold import Fold, find_folds, scale_leaves
-from ._misc import FLOAT32_TINY, as_where, check_int, check_real, keeps_the_mesh, lookup
+from ._misc import FLOAT32_TINY, as_where, caller_stacklevel, check_int, check_real, keeps_the_mesh, lookup
 from ._observe import (
     check_callable,
     check_called,
@@ -82,7 +82,7 @@ def _warn_left_alone(left: dict[str, str], what: str) -> None:
         reasons = _left_text(left)
         # The caller of `what`: past this, `_targets`, `what` and (but for `rotate`) its `warns_of_nonfinite`.
         warnings.warn(f"`{what}` leaves traced weights as they are: {reasons}. Choose the weights with `where` to "
-                      "silence this.", stacklevel=4 if what == "rotate" else 5)  # fmt: skip
+                      "silence this.", stacklevel=caller_stacklevel())  # fmt: skip
 
 
 def _targets(
@@ -447,7 +447,7 @@ def _leave_read_out(targets: list, groups: list[Fold], read: frozenset[str], whe
     if not targets and not others:
         raise ValueError(f"`{what}` would change nothing: {why}.")
     warnings.warn(f"`{what}` leaves layers as they are: {why}. Choose the layers with `where` to silence this.",
-                  stacklevel=3)  # fmt: skip
+                  stacklevel=caller_stacklevel())  # fmt: skip
     return targets, [g for g in groups if not set(g.layers) & read]
 
 
