@@ -93,8 +93,10 @@ def test_arrays_cut_short(model, tmp_path):
     # right after the header, inside the first array's NumPy header, inside the last array's data
     for length in (header_end(data), header_end(data) + 20, len(data) - 1):
         cut.write_bytes(data[:length])
-        with pytest.raises(ValueError, match="are cut short or do not match those of `like`"):
+        with pytest.raises(ValueError, match="are cut short or do not match those of `like`") as info:
             eqx_quant.load(cut, model)
+        if length > header_end(data):  # cut within an array: not taken for a file of another model
+            assert "the file holds" not in str(info.value)
 
 
 def test_more_data_than_like_reads(model, tmp_path):

@@ -1782,6 +1782,11 @@ def test_transforms_and_solvers_name_the_convolutions_they_leave_alone():
     assert_bitwise_equal(eqx_quant.gptq(quantized, [x], where=linear).fc.layer.weight, solved.fc.layer.weight)
     # A `where` that chooses a convolution is an error naming it, as for a traced convolution.
     chooses = r"^`where` chooses the convolutions \['conv'\], which `{}` does not transform"
+    # A predicate written for linear layers (it reads `in_features`) chooses no convolution.
+    assert_bitwise_equal(
+        eqx_quant.gptq(quantized, [x], where=lambda path, layer: layer.layer.in_features == 12).fc.layer.weight,
+        solved.fc.layer.weight,
+    )
     for where in ("conv", "conv|fc"):
         with pytest.raises(ValueError, match=chooses.format("rotate")):
             eqx_quant.rotate(quantized, key=key, where=where)
