@@ -1080,6 +1080,7 @@ class _BareProduct(eqx.Module):
         return x @ self.w.T
 
 
+@pytest.mark.slow
 def test_integer_products_outside_jit_compile_once():
     # The grouped integer product and the integer convolution choose their form per platform with conditionals whose
     # branches were defined anew at each call: every eager call (of a traced model, or a `jax.vmap` of a layer)
