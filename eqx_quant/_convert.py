@@ -133,10 +133,10 @@ def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> 
 
     **Sharding.** The integers, scales and zero points of a weight with a `NamedSharding` are sharded like it: the
     weight's axes keep their partitioning and per-channel scales follow their channels; packed 4-bit integers (one
-    row of bytes per output channel) keep only the partitioning of the first axis, and grouped weights (and
-    float-format weights) are left where the conversion put them. A weight quantizer's `axis_name` (for statistics
-    across the shards of a `jax.shard_map`) is dropped: conversion sees the whole weight. Input quantizers keep
-    theirs. See
+    row of bytes per output channel) keep the partitioning of the first axis, and of a matrix's input features where
+    the bytes divide evenly; tiled and stacked weights are left where the conversion's program put them. A weight
+    quantizer's `axis_name` (for statistics across the shards of a `jax.shard_map`) is dropped: conversion sees the
+    whole weight. Input quantizers keep theirs. See
     [Sharded training](../how-to/sharded.md).
 
     **Arguments:**

@@ -120,13 +120,13 @@ def _summed_outer_per_index(a: Array, b: Array) -> Array:
     return jnp.einsum("kni,knj->kij", a, b, precision=jax.lax.Precision.HIGHEST, **_replicated(a, b))
 
 
-def _replicated(a: Array, b: Array) -> dict[str, Any]:
+def _replicated(*operands: Array) -> dict[str, Any]:
     """The keyword that makes an outer product (or a sum of them) replicated where an operand is sharded in its type
     (examples or features split over Explicit mesh axes), where JAX asks how to shard the result: the statistics of
     the whole batch, on every device."""
-    if not (sharded_in_type(a) or sharded_in_type(b)):
+    if not any(sharded_in_type(a) for a in operands):
         return {}
-    return {"out_sharding": NamedSharding(jax.typeof(a).sharding.mesh, PartitionSpec())}
+    return {"out_sharding": NamedSharding(jax.typeof(operands[0]).sharding.mesh, PartitionSpec())}
 
 
 def _outer_products(record: dict[str, Array], outer: Callable[[Array, Array], Array]) -> dict[str, Array]:
@@ -156,7 +156,7 @@ def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
     finite = jnp.isfinite(x)
     width = jnp.maximum(top, FLOAT32_TINY) / num_bins
     index = jnp.clip(jnp.floor(finite_or(x, 0.0) / width), 0, num_bins - 1).astype(jnp.int32)
-    counts = jnp.zeros(num_bins, jnp.float32).at[index].add(finite.astype(jnp.float32), **_replicated(index, index))
+    counts = jnp.zeros(num_bins, jnp.float32).at[index].add(finite.astype(jnp.float32), **_replicated(index))
     return {"hist": counts}
 
 

@@ -819,16 +819,13 @@ def quantize(
     for (k, _), pair, operand_shapes in zip(pairs, quantizers, shapes, strict=True):
         for side, quantizer, shape in zip(("lhs", "rhs"), pair, operand_shapes, strict=True):
             layout = getattr(quantizer, "layout", None)
+            if not isinstance(layout, Layout):
+                continue
             # Its axes against the operand's rank; not its tiles against the example's lengths, which may be shorter
             # than a call's.
-            try:
-                if layout is not None:
-                    layout.view_shape(tuple(n * (layout.group_size or 1) for n in shape))
-            except ValueError as error:
-                raise ValueError(
-                    f"The {side} quantizer of products.{k} ({layout}) does not fit its {side} operand, of shape "
-                    f"{shape}: {error}"
-                ) from None
+            widened = tuple(n * (layout.group_size or 1) for n in shape)
+            what = f"The {side} quantizer of products.{k} ({layout}) does not fit its {side} operand, of shape {shape}"
+            _check_layout(layout, widened, what)
     return QuantTraced(wrapped, weights, inputs, tuple(path for path, _ in chosen), stacks, matmuls, quantizers,
                        tuple(k for k, _ in pairs), len(activations), pairings, per_token, None, left,
                        shapes)  # fmt: skip
@@ -929,10 +926,15 @@ def _check_weight_fits(path: str, quantizer: object, layer: Any) -> None:
         return
     # A quantizer of stacked layers sees one layer's weight, unless its layout has the stacked axes itself.
     shape = weight.shape if layout.stacked else weight.shape[stack_depth(layer, weight.shape) :]
+    _check_layout(layout, shape, f"Layer {path!r}: its weight quantizer does not fit its weight")
+
+
+def _check_layout(layout: Layout, shape: tuple[int, ...], what: str) -> None:
+    """A `ValueError` saying `what` and why, where `layout` does not fit an array of `shape`."""
     try:
         layout.view_shape(shape)
     except ValueError as error:
-        raise ValueError(f"Layer {path!r}: its weight quantizer does not fit its weight: {error}") from None
+        raise ValueError(f"{what}: {error}") from None
 
 
 def _check_input_fits(path: str, quantizer: object, layer: Any) -> None:
@@ -942,12 +944,7 @@ def _check_input_fits(path: str, quantizer: object, layer: Any) -> None:
     if not isinstance(layout, Layout) or layout.stacked or not isinstance(layer, eqx.nn.Linear):
         return
     shape = () if layer.in_features == "scalar" else (layer.in_features,)
-    try:
-        layout.view_shape(shape)
-    except ValueError as error:
-        raise ValueError(
-            f"Layer {path!r}: its input quantizer does not fit its input, of shape {shape}: {error}"
-        ) from None
+    _check_layout(layout, shape, f"Layer {path!r}: its input quantizer does not fit its input, of shape {shape}")
 
 
 def _wrap_products(model: PyTree, decisions: dict[str, _Decision]) -> PyTree:

@@ -269,8 +269,8 @@ def _stored_shapes(path: str | os.PathLike, start: int) -> list[tuple[int, ...]]
 
 
 def _arrays_note(path: str | os.PathLike, start: int, like: PyTree) -> str:
-    """Where the arrays of the file and those of `like` first differ in shape or number, or `""` where they do not,
-    or the file is cut short within an array."""
+    """Where the arrays of the file and those of `like` first differ in shape or number, as a clause ("the file
+    holds ..."), or `""` where they do not, or the file is cut short within an array."""
     stored = _stored_shapes(path, start)
     if stored is None:
         return ""
@@ -284,8 +284,8 @@ def _arrays_note(path: str | os.PathLike, start: int, like: PyTree) -> str:
     there = f"an array of shape {stored[i]}" if i < len(stored) else "no more arrays"
     here = f"`like`'s {ours[i][0]!r}, of shape {ours[i][1]}" if i < len(ours) else "the end of `like`'s arrays"
     return (
-        f" The file holds {len(stored)} arrays and `like` {len(ours)}; the first that differ are {here} and, in the "
-        f"file, {there}."
+        f"the file holds {len(stored)} arrays and `like` {len(ours)}; the first that differ are {here} and, in the "
+        f"file, {there}"
     )
 
 
@@ -591,11 +591,12 @@ def load(path: str | os.PathLike, like: PyTree) -> PyTree:
             note = _arrays_note(path, start, like)
             raise ValueError(
                 f"The arrays in `path`={str(path)!r} are cut short or do not match those of `like`: "
-                + (f"t{note.strip()[1:]}{_HINT}" if note else str(error))  # "the file holds ..."
+                + (f"{note}.{_HINT}" if note else str(error))
             ) from error
         if f.read(1):
+            note = _arrays_note(path, start, like)
             raise ValueError(
                 f"`path`={str(path)!r} holds more data than `like` reads: it was saved from another model."
-                + _arrays_note(path, start, like)
+                + (f" {note[:1].upper()}{note[1:]}." if note else "")
             )
         return on_mesh_of(jax.tree.map(placed_like, model, like), like)

@@ -222,9 +222,9 @@ def summary(model: PyTree) -> Summary:
             rows.append(_row(path, layer))
             continue
         names = [name for name in ("weight", "weight_ih", "weight_hh") if hasattr(layer, name)]
-        if not any(f"{path}.{name}" in traced_weights for name in names):  # else its traced weights have rows
+        if not any(join_path(path, name) in traced_weights for name in names):  # else its traced weights have rows
             rows.append(_untraced_row(path, layer, [getattr(layer, name) for name in names]))
-            covered.update(f"{path}.{name}" for name in names)
+            covered.update(join_path(path, name) for name in names)
     for path, module in traced:
         rows += _traced_rows(path, module, covered)
     return Summary(tuple(rows))
@@ -272,7 +272,8 @@ def _traced_rows(path: str, traced: QuantTraced, covered: set[str]) -> list[Summ
     for leaf_path in traced.float_paths:  # found multiplied with activations, left in floating point
         name = join_path(path, "model", leaf_path)
         size = leaves[leaf_path].size * leaves[leaf_path].dtype.itemsize
-        rows += [] if name in covered else [SummaryRow(name, "traced", "float", "float", None, size, size)]
+        if name not in covered:
+            rows.append(SummaryRow(name, "traced", "float", "float", None, size, size))
     shapes = traced.product_shapes or ((None, None),) * len(traced.product_indices)
     for k, (lhs, rhs), (lhs_shape, rhs_shape) in zip(
         traced.product_indices, traced.product_quants, shapes, strict=True
