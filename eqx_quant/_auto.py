@@ -19,7 +19,7 @@ from ._observe import add_batch_note, check_not_one_array, checked
 from ._quantizers import AbstractQuantizer
 from ._rules import LayerQuantizer, Rule, quantize
 from ._summary import _FLOAT_LAYERS, describe_quantizer, summary, text_table
-from ._traced import TRACED_ONLY
+from ._traced import TRACED_ONLY, find_products, layer_types
 from ._tree import nodes
 from .nn._layers import AbstractQuantLayer, _quantized_weight, stack_depth
 
@@ -210,6 +210,27 @@ def _distance(kind: str, out: PyTree, reference: PyTree) -> Array:
     return total
 
 
+def _warn_of_traced_weights(model: PyTree, batch: PyTree, loss: object, batched: bool | None) -> None:
+    """Warns, naming them, of the model's own arrays that are weights of products outside its layers (bare arrays,
+    custom layer classes, `jnp.einsum`), found by tracing one batch: they stay float, outside the budget."""
+    call = (
+        (lambda m: loss(m, batch))  # pyright: ignore[reportCallIssue]
+        if callable(loss)
+        else (lambda m: m(batch) if batched else jax.vmap(m)(batch))
+    )
+    layers = [path for path, _ in nodes(model, (*layer_types(), *TRACED_ONLY))]  # warned of apart
+    found = find_products(model, call, layers)
+    sizes = {p.path: p.weight.size for p in found.weights} | {p: t.weight.size for p, (t, _) in found.problems.items()}
+    if sizes:
+        names = ", ".join(repr(path) for path in sizes)
+        warnings.warn(
+            f"auto_recipe allocates among Linear, Conv and Embedding layers: the model's arrays {names} "
+            f"({sum(sizes.values()):,} weights) are weights of products outside them and stay in floating point, "
+            "outside the budget and the report (`quantize(..., example=)` quantizes them, with rules of your own).",
+            stacklevel=caller_stacklevel(),
+        )
+
+
 def _batch_list(batches: Iterable[PyTree], loss: object) -> list[PyTree]:
     """`batches` as a list, not empty, checked to hold examples for the built-in losses (a loss of its own reads
     them its own way)."""
@@ -239,7 +260,10 @@ def auto_recipe(
     a size budget. `eqx_quant.quantize(model, **auto_recipe(model, batches, average_bits=4))`.
 
     Every `Linear`, `Conv` and `Embedding` of the float `model` (but those `keep` names) is a unit of the allocation;
-    a stack of layers (built with `eqx.filter_vmap`, run with `jax.lax.scan`) is one unit. For each unit $u$ and
+    a stack of layers (built with `eqx.filter_vmap`, run with `jax.lax.scan`) is one unit. Weights the model
+    multiplies outside such layers (bare arrays, custom layer classes, `jnp.einsum`; found by tracing the first
+    batch) and layers that only tracing quantizes (`ConvTranspose`, `GRUCell`, `LSTMCell`) stay float, outside the
+    budget, with a warning naming them. For each unit $u$ and
     candidate format $c$ the weight is quantized as `quantize` would quantize it (round to nearest, with the
     candidate's [`eqx_quant.LayerQuantizer`][]), and the loss increase $\Delta_{u,c}$ is predicted:
 
@@ -426,6 +450,7 @@ def auto_recipe(
             raise
     if not data:
         raise ValueError("`batches` is empty: give at least one batch of inputs.")
+    _warn_of_traced_weights(model, data[0][0], loss, batched)
     if method == "hessian":
         costs, traces = _hessian_costs(model, units, quantized, len(options), data, evaluate, probes, key)
     else:

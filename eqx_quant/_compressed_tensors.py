@@ -19,6 +19,7 @@ from ._export import (
     named_leaves,
     resolve_names,
     split_stacked,
+    tied_heads,
     write_safetensors,
 )
 from ._format import FloatFormat, Format, IntFormat
@@ -304,7 +305,10 @@ def export_compressed_tensors(
             raise ValueError(f"Two tensors are named {name!r}: {sources[name]!r} and {source!r}.")
         tensors[name], sources[name] = np.ascontiguousarray(array), source
 
+    tied = tuple(f"{path}." for path in tied_heads(model))  # their weight quantizer quantizes the table again
     for name, leaf in leaves:
+        if isinstance(leaf, AbstractQuantizer) and name.startswith(tied):
+            continue
         if isinstance(leaf, AbstractQuantizer):
             layer = converted.get(name.rsplit(".", 1)[0] if "." in name else "")
             if not (isinstance(layer, ConvertedLinear) and name.endswith("input_quant")):

@@ -53,11 +53,28 @@ def _tensor_name(path: str, prefixes: list[str]) -> str:
 
 
 def check_exportable(model: PyTree, what: str) -> None:
-    """Raises, naming the layer, if a layer of `model` is quantized but not converted, or has an input transform."""
-    for path, _ in nodes(model, (AbstractQuantLayer,)):
-        raise ValueError(f"Layer {path or '(the model itself)'!r} is quantized but not converted: call "
-                         "`eqx_quant.convert` on the model first.")  # fmt: skip
+    """Raises, naming the layer, if `model` has traced weights or input transforms, or a layer of it is quantized
+    but not converted. The head of an `eqx.nn.Shared` tie, whose weight is the placeholder of another layer's (it
+    stays a quantized layer after `convert`), has nothing of its own to write and is left out: a reader of tied
+    weights uses the table for it. With an input quantizer, which the file would not describe, it is refused."""
     refuse_input_transforms(model, what)
+    tied = tied_heads(model)
+    for path, layer in nodes(model, (AbstractQuantLayer,)):
+        name = path or "(the model itself)"
+        if path in tied:
+            if layer.input_quant is None:
+                continue
+            raise ValueError(
+                f"Layer {name!r} reads its weight through an `eqx.nn.Shared` tie and quantizes its input, which {what} "
+                f"has no place for in a layer without a weight of its own. Quantize it without an input quantizer "
+                f"(a rule `eqx_quant.Rule({path!r}, input=None)` before the others) or export the model untied."
+            )
+        raise ValueError(f"Layer {name!r} is quantized but not converted: call `eqx_quant.convert` on the model first.")
+
+
+def tied_heads(model: PyTree) -> set[str]:
+    """The paths of the quantized layers of `model` whose weight is the placeholder of an `eqx.nn.Shared` tie."""
+    return {path for path, layer in nodes(model, (AbstractQuantLayer,)) if not eqx.is_array(layer.layer.weight)}
 
 
 def refuse_input_transforms(model: PyTree, what: str) -> None:

@@ -170,7 +170,7 @@ def _fake_quant_bwd(fmt, residuals, g):
     low, high = fmt.limits(zero_point, x.ndim)
     inside = (v >= low) & (v <= high)  # False for NaN (as `v < low` and `v > high` are below)
     zero = jnp.zeros((), g.dtype)
-    grad_x = jax.lax.select(inside, g, jax.lax.full_like(g, 0))
+    grad_x = jnp.where(inside, g, zero)
     grad_scale = grad_zero_point = grad_tensor_scale = None
     if scale_wanted is not None or tensor_scale_wanted is not None:
         below, above = v < low, v > high

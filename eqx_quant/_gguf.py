@@ -20,6 +20,7 @@ from ._export import (
     resolve_names,
     split_stacked,
     stack_length,
+    tied_heads,
 )
 from ._format import GGML_BLOCK, GGML_FORMATS, FloatFormat, Format, IntFormat, mx_format
 from ._layout import Layout
@@ -284,8 +285,9 @@ def export_gguf(
         _encode_value(value, _value_type(value, key), key)  # checked before anything is computed
     check_exportable(model, "a GGUF file")
     leaves, _ = named_leaves(model)
+    tied = tuple(f"{path}." for path in tied_heads(model))  # their weight quantizer quantizes the table again
     for name, leaf in leaves:
-        if isinstance(leaf, AbstractQuantizer):
+        if isinstance(leaf, AbstractQuantizer) and not name.startswith(tied):
             raise ValueError(
                 f"{name!r} is a {type(leaf).__name__}, but llama.cpp computes activations in floating point: a GGUF "
                 "file holds weights only. Quantize with rules that leave inputs float (`input=None`, as the recipes "

@@ -167,7 +167,7 @@ def _tag_nan(scale: Array, nan: Array | None) -> Array:
     nan = nan.reshape(nan.shape + (1,) * (scale.ndim - nan.ndim))
     shape = jnp.broadcast_shapes(nan.shape, scale.shape)  # a per-tensor scale takes the shape of the rows' mask
     scale = jnp.broadcast_to(scale, shape)
-    return jax.lax.select(jnp.broadcast_to(nan, shape), jax.lax.full_like(scale, jnp.nan), scale)
+    return jnp.where(nan, jnp.asarray(jnp.nan, scale.dtype), scale)
 
 
 _NAN_BITS = 0x7FC00001  # a NaN whose bits `opaque` may flip into another NaN; no number has them
@@ -281,11 +281,14 @@ def _grouped_sum_of(weight: tuple[Array, Array], x: Array) -> Array:
     out, groups, group = w.shape
     batch = x.shape[:-1]
     xs = jnp.moveaxis(x.reshape(-1, groups, group), 1, 0)  # (groups, examples, group)
-    spec = jax.typeof(xs).sharding.spec
+    sharding = jax.typeof(xs).sharding
+    spec = sharding.spec
     if spec[0] is not None:
         # Input features sharded in their type (Explicit mesh axes), as a column-parallel layer's output is: every
         # device needs all the groups for its outputs, gathered here (the float product gathers them too).
-        xs = jax.sharding.reshard(xs, jax.sharding.PartitionSpec(None, *spec[1:]))
+        xs = jax.sharding.reshard(
+            xs, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec[1:]))
+        )
     dims = (((2,), (2,)), ((0,), (0,)))  # contract within a group; groups along the batch axis
     acc = group_sums(xs, jnp.moveaxis(w, 1, 0), dims, group)  # (groups, examples, out)
     terms = opaque(acc * jnp.moveaxis(w_scale.reshape(out, groups), 1, 0)[:, None, :])

@@ -132,9 +132,10 @@ def recipe(
     - `group_size`: the group size of the grouped recipes (default: the number in the name); `None` keeps it. For
         a per-channel recipe it is ignored unless given, in which case its weights are grouped too.
     - `keep`: patterns (regular expressions matched against the whole path, see [`eqx_quant.Rule`][]) of layers
-        kept at 8 bits, weights per output channel and activations dynamic (W8A8; Q8_0 weights and float activations
-        for the GGML recipes): typically the first and last layers, e.g. `keep=("embed", "head")`. A pattern that
-        reaches no layer is an error when the rules are applied.
+        kept at 8 bits, weights per output channel, their activations dynamic int8 where the recipe quantizes
+        activations (W8A8) and float where it does not (W8A16 for the weight-only recipes; Q8_0 weights for the GGML
+        recipes): typically the first and last layers, e.g. `keep=("embed", "head")`. A pattern that reaches no
+        layer is an error when the rules are applied.
     - `learned`: weights get a [`eqx_quant.LearnedFakeQuant`][] initialised from each layer's weight with the scales
         round to nearest uses (`init_from(..., method="absmax")`, so that training starts from the
         round-to-nearest model; stacked layers get one per layer), for quantization-aware training, instead of a
@@ -214,7 +215,8 @@ def recipe(
         weight = LayerQuantizer(int_format(bits), group, learned=learned)
         inputs = None if activation_bits is None else dynamic(int_format(activation_bits))
         products = DynamicFakeQuant(8) if attention else None
-    kept = [Rule(pattern, weight=LayerQuantizer(int_format(8), learned=learned), input=dynamic(int_format(8)))
+    kept_input = None if inputs is None else dynamic(int_format(8))  # a weight-only recipe keeps float inputs
+    kept = [Rule(pattern, weight=LayerQuantizer(int_format(8), learned=learned), input=kept_input)
             for pattern in patterns]  # fmt: skip
     rule = Rule(".*", weight=weight, input=inputs, products=products)
     return {"rules": [dataclasses.replace(r, backward=backward) for r in (*kept, rule)]}

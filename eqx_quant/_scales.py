@@ -144,7 +144,7 @@ def minmax_scale(
 
 def finite_or(x: Array, fill: float) -> Array:
     """`x` with its non-finite entries replaced by `fill`, so that statistics ignore NaN and infinity."""
-    return jax.lax.select(jax.lax.is_finite(x), x, jax.lax.full_like(x, fill))
+    return jnp.where(jax.lax.is_finite(x), x, jnp.asarray(fill, x.dtype))
 
 
 def finite_absmax(x: Array, axes: tuple[int, ...]) -> Array:

@@ -24,7 +24,7 @@ from jaxtyping import PyTree
 from ._format import IntFormat
 from ._int_ops import INT32_MAX, any_float64, group_sums, integer_grid, opaque, sum_in_order, unfused
 from ._layout import Layout
-from ._misc import computed_before, flat, reshape_blocks, whole_batch
+from ._misc import computed_before, flat, one_program, reshape_blocks, whole_batch
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
 from ._tree import nodes, path_string
@@ -1102,8 +1102,8 @@ class QuantTraced(eqx.Module):
 
     Calling it calls the model (its `__call__`: other methods of the model run unquantized on `model`, or, after
     [`eqx_quant.convert`][], whose traced weights are stored codes, on `eqx_quant.float_model(traced)`): the program
-    of `model(*args, **kwargs)` is traced (once per compilation under
-    `eqx.filter_jit`; at every call eagerly) and run again with each quantized weight leaf replaced by its
+    of `model(*args, **kwargs)` is traced (once per compilation: an eager call is compiled as under `eqx.filter_jit`,
+    see `__call__`) and run again with each quantized weight leaf replaced by its
     fake-quantized value (or, after [`eqx_quant.convert`][], the dequantized stored codes, bit for bit the same) and
     the activation operand of each of its products replaced by that operand's quantized value. Everything else in
     the program runs as traced. Where both operands are on symmetric integer grids with float32 scales, the input's
@@ -1380,7 +1380,16 @@ class QuantTraced(eqx.Module):
         return jax.tree_util.tree_map_with_path(float_leaf, self.model, is_leaf=is_stored)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """`model(*args, **kwargs)` with the traced weights and their products' inputs quantized."""
+        """`model(*args, **kwargs)` with the traced weights and their products' inputs quantized.
+
+        Called eagerly (no argument traced) with arrays, PyTrees of arrays, `None`, booleans and strings, it runs as
+        one program compiled once per shape, as under `jax.jit`; with other Python values (numbers a call may branch
+        on), it runs the model's operations one by one, tracing the model at every call."""
+        if _probes or _batch_probes or not all(_static_free(leaf) for leaf in jax.tree.leaves((args, kwargs))):
+            return self._call(*args, **kwargs)
+        return _one_call(self, *args, **kwargs)
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
         index = {path: i for i, path in enumerate(self.weight_paths)}
         model, codes, bounds = self._quantized()
         traced = _trace(lambda inputs: inputs[0](*inputs[1], **inputs[2]), (model, args, kwargs))
@@ -1430,6 +1439,14 @@ class QuantTraced(eqx.Module):
                 )
         out_dynamic, out_static = traced.out
         return eqx.combine(jax.tree.unflatten(jax.tree.structure(out_dynamic), outs), out_static)
+
+
+def _static_free(leaf: object) -> bool:
+    """Whether an argument's leaf is one that `jax.jit` would not compile a program for each value of."""
+    return eqx.is_array(leaf) or leaf is None or isinstance(leaf, (bool, str))
+
+
+_one_call = one_program(lambda traced, *args, **kwargs: traced._call(*args, **kwargs))
 
 
 def replaced(traced: QuantTraced, **changes: Any) -> QuantTraced:

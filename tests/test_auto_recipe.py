@@ -317,6 +317,25 @@ def test_layers_quantized_only_by_tracing_stay_float_with_a_warning():
     assert type(eqx_quant.quantize(model, **auto).up) is eqx.nn.ConvTranspose1d
 
 
+def test_weights_of_products_outside_the_layers_stay_float_with_a_warning():
+    """Bare weight arrays multiplied by activations (found by tracing the first batch) are outside the allocation:
+    `auto_recipe` names them and their size (before, it allocated the budget over the one linear layer silently)."""
+
+    class Bare(eqx.Module):
+        w: jax.Array
+        head: eqx.nn.Linear
+
+        def __call__(self, x):
+            return self.head(jnp.tanh(x @ self.w.T))
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    model = Bare(jax.random.normal(k1, (32, 16)) / 4, eqx.nn.Linear(32, 4, key=k2))
+    batches = [jnp.asarray(RNG.standard_normal((8, 16)).astype(np.float32))]
+    with pytest.warns(UserWarning, match=r"the model's arrays 'w' \(512 weights\) are weights of products outside"):
+        auto = eqx_quant.auto_recipe(model, batches, average_bits=4, method="measured", candidates=SMALL)
+    assert [row.path for row in auto.report.rows] == ["head"]
+
+
 def test_a_model_with_several_outputs_sums_their_errors():
     class TwoOutputs(eqx.Module):
         mlp: eqx.nn.MLP

@@ -249,6 +249,25 @@ def test_a_learned_asymmetric_input_writes_its_step_size_and_rounded_zero_point(
         np.testing.assert_array_equal(tensors["a.input_zero_point"], np.asarray([stored], np.int8))
 
 
+def test_a_head_tied_by_shared_is_written_once_and_its_input_quantizer_refused(tmp_path):
+    """A head tied with `eqx.nn.Shared` has no weight of its own: the checkpoint holds the table once (an embedding:
+    its dequantized float32 values), for a reader that ties the head to it; a tied head that quantizes its input,
+    which the checkpoint cannot describe without a weight, is refused naming it and the rule that fixes it."""
+    from .test_gguf import _Tied
+
+    model = eqx_quant.convert(eqx_quant.quantize(_Tied(), **eqx_quant.recipe("w4a16_g32")))
+    with pytest.warns(UserWarning, match=r"\['shared\.pytree\.0\.weight'\] \(of embeddings or convolutions\)"):
+        eqx_quant.export_compressed_tensors(tmp_path / "w4", model)
+    tensors, _ = read_safetensors(tmp_path / "w4" / "model.safetensors")
+    assert list(tensors) == ["shared.pytree.0.weight"]
+    np.testing.assert_array_equal(tensors["shared.pytree.0.weight"], np.asarray(model.shared()[0].weight))
+    w8a8 = eqx_quant.convert(eqx_quant.quantize(_Tied(), **eqx_quant.recipe("w8a8")))
+    with pytest.raises(ValueError, match=r"Layer 'shared\.pytree\.1' reads its weight through an `eqx\.nn\.Shared` "
+                                         r"tie and quantizes its input.*Rule\('shared\.pytree\.1', input=None\)"):  # fmt: skip
+        eqx_quant.export_compressed_tensors(tmp_path / "w8a8", w8a8)
+    assert not (tmp_path / "w8a8").exists()
+
+
 def test_errors(tmp_path):
     mlp = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
 

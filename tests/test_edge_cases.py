@@ -177,6 +177,21 @@ def test_convert_refuses_a_nan_weight_naming_the_layer():
         eqx_quant.convert(eqx_quant.quantize(mlp))
 
 
+def test_convert_under_jit_stores_a_nan_weight_as_level_zero():
+    """Under `jax.jit` the weight cannot be inspected: the NaN entry is stored as level 0 (XLA's NaN-to-integer
+    conversion), so the converted outputs are finite where the quantized model's are NaN (documented)."""
+    mlp = eqx.nn.MLP(3, 2, 4, 1, key=jax.random.key(0))
+    mlp = eqx.tree_at(lambda m: m.layers[1].weight, mlp, mlp.layers[1].weight.at[0, 2].set(jnp.nan))
+    quantized = eqx_quant.quantize(mlp, **eqx_quant.recipe("w8a16"))
+    converted = eqx.filter_jit(eqx_quant.convert)(quantized)
+    levels = np.asarray(converted.layers[1].qweight.values)
+    assert levels[0, 2] == 0
+    x = jnp.ones(3)
+    assert np.isnan(np.asarray(quantized(x))[0]) and np.all(np.isfinite(np.asarray(converted(x))))
+    nan_free = eqx.tree_at(lambda m: m.layers[1].layer.weight, quantized, jnp.nan_to_num(quantized.layers[1].layer.weight))
+    assert_bitwise_equal(converted(x), eqx_quant.convert(nan_free)(x))
+
+
 def test_infinite_inputs_saturate_like_the_float_product():
     # fake_quant maps +inf to qmax * scale and -inf to qmin * scale (the scale ignores them), on every path.
     layer = linear()

@@ -257,6 +257,35 @@ def test_export_read_back_by_gguf(name, tmp_path):
     assert_same_bits(tensors["norm.weight"][1], model["norm"].weight)
 
 
+class _Tied(eqx.Module):
+    shared: eqx.nn.Shared
+
+    def __init__(self):
+        embed = eqx.nn.Embedding(40, 64, key=jax.random.key(0))
+        head = eqx.nn.Linear(64, 40, use_bias=False, key=jax.random.key(1))
+        self.shared = eqx.nn.Shared((embed, head), lambda p: p[1].weight, lambda p: p[0].weight)
+
+    def __call__(self, tokens):
+        embed, head = self.shared()
+        return jax.vmap(head)(jax.vmap(embed)(tokens))
+
+
+def test_a_head_tied_by_shared_is_written_once_as_the_table(tmp_path):
+    """A head tied with `eqx.nn.Shared` has no weight of its own (it stays a quantized layer after `convert`): the
+    file holds the table once, which a reader of tied weights uses for the head. (Before, the export refused the
+    converted model as "quantized but not converted".)"""
+    model = eqx_quant.convert(eqx_quant.quantize(_Tied(), **eqx_quant.recipe("q8_0")))
+    eqx_quant.export_gguf(tmp_path / "m.gguf", model)
+    tensors, _ = _read(tmp_path / "m.gguf")
+    assert list(tensors) == ["shared.pytree.0.weight"] and tensors["shared.pytree.0.weight"][0] == T.Q8_0
+    embed, _ = model.shared()
+    assert_same_bits(tensors["shared.pytree.0.weight"][1], embed.weight)
+    # The head computed from the file's table: the model's head requantizes it on the same grid.
+    tokens = jnp.arange(5)
+    np.testing.assert_allclose(model(tokens), (tensors["shared.pytree.0.weight"][1][tokens] @ embed.weight.T),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+
+
 def test_names_split_stacked_layers_and_round_trip(tmp_path):
     model = eqx_quant.convert(eqx_quant.quantize(_model(), **eqx_quant.recipe("q4_0")))
     names = {"embed.weight": "token_embd.weight", "blocks.weight": "blk.{layer}.ffn.weight",

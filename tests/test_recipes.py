@@ -40,7 +40,11 @@ def test_recipe_keeps_first_and_last_layers_at_8_bits(mlp):
     qmodel = quantize(mlp, **recipe("w2a16_g32", keep=(r"layers\.0", r"layers\.3")))
     bits = [layer.weight_quant.bits for layer in qmodel.layers]
     assert bits == [8, 2, 2, 8]
-    assert qmodel.layers[0].input_quant == DynamicFakeQuant(8) and qmodel.layers[1].input_quant is None
+    # A weight-only recipe keeps its layers' inputs float, kept layers' too; one with activations gives them int8.
+    assert [layer.input_quant for layer in qmodel.layers] == [None] * 4
+    w4a8 = quantize(mlp, **recipe("w4a8_g32", keep=r"layers\.0"))
+    assert [layer.input_quant for layer in w4a8.layers] == [DynamicFakeQuant(8)] * 4
+    assert w4a8.layers[0].weight_quant == DynamicFakeQuant(8, axis=0)
     # Full match: "layers.0" does not keep "layers.0x" style paths; a bare "0" keeps nothing, which is an error.
     with pytest.raises(ValueError, match=r"Rule 0 \(pattern '0'\) reaches none of the layers; the paths there are: "
                        r"'layers.0', 'layers.1'.* must match a whole path"):  # fmt: skip

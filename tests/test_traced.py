@@ -378,6 +378,34 @@ def test_a_call_that_multiplies_a_traced_weight_by_another_array_alone_raises():
         assert np.all(np.isfinite(np.asarray(traced(*args))))
 
 
+class _Scaled(eqx.Module):
+    w: jax.Array
+
+    def __call__(self, x, factor=None):
+        h = x @ self.w.T
+        return h if factor is None else h * factor
+
+
+def test_an_eager_call_runs_as_one_compiled_program():
+    """An eager call with array arguments compiles the traced program once (before: each of its operations, dozens
+    of programs, and traced again at every call), and gives the bits of the call under `eqx.filter_jit`; with a
+    Python number among its arguments (which the model may branch on) it runs operation by operation, as before."""
+    traced = eqx_quant.quantize(_Scaled(jnp.ones((7, 13)) / 3), **eqx_quant.recipe("w8a8"), example=(jnp.ones(13),))
+    x = jax.random.normal(jax.random.key(0), (5, 13))
+    compiles = []
+    listener = lambda event, duration, **kwargs: compiles.append(event)  # noqa: E731
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        eager = traced(x, jnp.float32(2.0))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert len([e for e in compiles if e == "/jax/core/compile/backend_compile_duration"]) <= 1
+    assert_bitwise_equal(eager, eqx.filter_jit(lambda m, x: m(x, jnp.float32(2.0)))(traced, x))
+    assert_bitwise_equal(traced(x, 2.0), eager)
+    assert_bitwise_equal(eager, traced(x) * 2)  # doubling is exact
+    assert not np.array_equal(np.asarray(traced(x)), np.asarray(x @ traced.model.w.T))  # quantized
+
+
 def test_exporters_refuse_traced_weights_and_name_save(tmp_path):
     """A converted model of traced weights has no layer names for a file format: each exporter says so (not that the
     model lacks converted layers) and points to `eqx_quant.save`; nothing is written."""

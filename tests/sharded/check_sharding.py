@@ -325,6 +325,28 @@ def test_explicit_axes_gptq_awq_and_histograms_on_batches_split_over_data():
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+def test_explicit_axes_outside_a_mesh_context():
+    """Arrays on Explicit mesh axes need no `jax.set_mesh` around eager calls, as for the float layers: a rotation
+    of column-parallel outputs and the grouped integer product of input features sharded by the layer before gather
+    them on the arrays' own mesh (before, both named a bare `PartitionSpec`, which JAX refuses outside a mesh
+    context), and the quantizers' statistics and NaN tags make no array of another mesh. (An eager gradient needs
+    the mesh context, of the float layers too.)"""
+    x, _ = batch("mlp")
+    sx = jax.device_put(x, NamedSharding(EXPLICIT, P("data", None)))
+    for recipe in ("w8a8", "w4a8_g32", "fp8"):
+        rules = eqx_quant.recipe(recipe, group_size=16) if recipe == "w4a8_g32" else eqx_quant.recipe(recipe)
+        one_device = eqx_quant.quantize(float_model("mlp"), **rules)
+        model = eqx_quant.quantize(shard(float_model("mlp"), EXPLICIT, row_parallel=()), **rules)
+        out = forward(model, sx)
+        np.testing.assert_array_equal(np.asarray(forward(eqx_quant.convert(model), sx)), np.asarray(out))
+        if recipe != "fp8":  # integer products: the one device's bits
+            np.testing.assert_array_equal(np.asarray(out), np.asarray(forward(one_device, x)))
+    rotated = lambda m, b: eqx_quant.calibrate(eqx_quant.rotate(eqx_quant.quantize(m), key=jax.random.key(0)), b)  # noqa: E731
+    want = rotated(float_model("mlp"), [x])
+    got = rotated(shard(float_model("mlp"), EXPLICIT, row_parallel=()), [sx])
+    np.testing.assert_allclose(np.asarray(forward(got, sx)), np.asarray(forward(want, x)), rtol=1e-5, atol=1e-5)
+
+
 def test_arrays_the_algorithms_make_are_on_the_model_mesh(tmp_path):
     """The arrays that calibration, SmoothQuant, rotations, `learn_scales` and `load` make for a sharded model
     (per-layer input scales of a stack, input transforms, learned scales) are on its mesh, replicated where they
