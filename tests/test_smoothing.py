@@ -926,6 +926,7 @@ class _ReadsWeight(eqx.Module):
         return self.fc(h) + self.enc.weight.T @ h
 
 
+@pytest.mark.slow
 def test_transforms_leave_out_layers_whose_weight_the_model_reads():
     """A layer whose weight the model reads besides calling it would compute that read with the transformed weight:
     `smoothquant` and `awq` leave it as it is with a warning naming it (and nothing folds into it), and refuse it

@@ -909,6 +909,7 @@ def test_per_token_inputs(tmp_path):
         eqx_quant.LayerQuantizer("mxfp8_e4m3", 32, input=True, per_token=True)
 
 
+@pytest.mark.slow
 def test_nvfp4_inputs_take_their_tensor_scale_per_token():
     # NVFP4's second-level (tensor) scale of a dynamic input was one for the whole operand of a traced product: an
     # earlier token's quantized input depended on the later tokens (a causal model's decoding step differed from its

@@ -135,6 +135,7 @@ def test_smoothquant_smooths_each_traced_product_against_a_numpy_twin():
     np.testing.assert_allclose(_apply(smoothed, X), _apply(layers, X), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_a_smoothed_scanned_stack_converts_saves_and_loads_bit_for_bit(tmp_path):
     """A scanned stack of bare weights: one multiplier per layer, stepped through with the weights; smoothquant →
     calibrate → convert computes the fake-quant bits (compiled and eager), `save`/`load` keep them, and
@@ -399,6 +400,7 @@ def test_awq_and_gptq_on_traced_weights_as_on_the_same_linear_layers():
     assert_bitwise_equal(_apply(eqx_quant.convert(solved), X), _apply(solved, X))
 
 
+@pytest.mark.slow
 def test_gptq_with_quantized_inputs_on_traced_weights_as_on_the_same_linear_layers():
     """GPTQ with `quantized_inputs=True` on the traced products quantizes each input token by token, as the same
     model written with linear layers mapped over the tokens does (one scale per token, not per tensor), and finds
