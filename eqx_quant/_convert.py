@@ -53,7 +53,9 @@ def sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
     Each axis of a leaf that runs along an axis of the weight takes that axis' partitioning: with its length, the
     stacked layers' axes, the weight's own axes in the codes and the channel axes in the scales; and where it
     divides evenly among the axis' devices, the tiles of the tiled axis in the scales, and in packed codes (one row
-    of bytes per index along the first axis) the bytes of a matrix's second axis. The other axes are replicated, as
+    of bytes per index along the first axis, the other axes flattened) the bytes, as the weight's second axis is
+    split, where the axes after it are not (a matrix's input features, a kernel's input channels: contiguous runs of
+    bytes). The other axes are replicated, as
     everything is where the weight has no `NamedSharding` (on one device, or traced).
     """
     sharding = named_sharding(weight)
@@ -64,8 +66,9 @@ def sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
     whole = [(a, True) for a in range(weight.ndim)]  # (weight axis, whether the leaf's axis has its length)
     own = whole[depth:]  # the weight's axes of one tensor
     none = (None, True)
-    if tensor.packed:  # rows, then bytes: those of a matrix's second axis, or of the other axes flattened
-        codes = whole[:depth] + [own[0] if own else none, (own[1][0], False) if len(own) == 2 else none]
+    if tensor.packed:  # rows, then the bytes of the other axes flattened: their first axis' when it alone is split
+        alone = len(own) >= 2 and all(spec[a] is None for a, _ in own[2:])
+        codes = whole[:depth] + [own[0] if own else none, (own[1][0], False) if alone else none]
     else:
         codes = whole
     tile = tensor.layout.tile_axis(tensor.shape)

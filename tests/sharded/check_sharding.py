@@ -347,6 +347,23 @@ def test_explicit_axes_outside_a_mesh_context():
     np.testing.assert_allclose(np.asarray(forward(got, sx)), np.asarray(forward(want, x)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("spec", [P(None, "model"), P("data", "model")])
+def test_packed_convolution_kernels_split_along_input_channels_convert_bit_for_bit(spec):
+    """A convolution's int4 codes, packed two to a byte along its flattened input channels and kernel positions,
+    keep a split along the input channels (contiguous runs of bytes): its converted outputs are then the
+    fake-quantized ones bit for bit (before, the codes were replicated and the converted convolution summed its
+    channels in another order than the fake-quantized one)."""
+    conv = eqx.nn.Conv2d(8, 16, 3, key=jax.random.key(0))
+    conv = eqx.tree_at(lambda c: c.weight, conv, jax.device_put(conv.weight, NamedSharding(AUTO, spec)))
+    x = jax.random.normal(jax.random.key(1), (2, 8, 6, 6))
+    quantized = eqx_quant.quantize(conv, weights=eqx_quant.DynamicFakeQuant(4, axis=0), activations=None)
+    converted = eqx_quant.convert(quantized)
+    assert converted.qweight.values.shape == (16, 36)
+    assert tuple(converted.qweight.values.sharding.spec) == tuple(spec)
+    run = eqx.filter_jit(forward)
+    np.testing.assert_array_equal(np.asarray(run(converted, x)), np.asarray(run(quantized, x)))
+
+
 def test_arrays_the_algorithms_make_are_on_the_model_mesh(tmp_path):
     """The arrays that calibration, SmoothQuant, rotations, `learn_scales` and `load` make for a sharded model
     (per-layer input scales of a stack, input transforms, learned scales) are on its mesh, replicated where they
