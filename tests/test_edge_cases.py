@@ -205,6 +205,14 @@ def test_infinite_inputs_saturate_like_the_float_product():
         assert_bitwise_equal(outputs[name], outputs["fake"])
 
 
+def test_an_infinite_or_nan_learned_scale_makes_every_output_nan():
+    x = jnp.array([0.0, 1.0, -3.0, 1e30])
+    for bad in (jnp.inf, jnp.nan):
+        q = eqx.tree_at(lambda q: q.scale, eqx_quant.LearnedFakeQuant(0.5, -8, 7), jnp.float32(bad))
+        for y in (q(x), eqx.filter_jit(lambda q, x: q(x))(q, x)):
+            assert np.all(np.isnan(np.asarray(y))), (bad, y)
+
+
 def test_nan_gradient_at_a_nan_entry_does_not_reach_the_learned_scale():
     q = eqx_quant.LearnedFakeQuant(0.5, -8, 7)
     x = jnp.array([np.nan, 0.7, 9.0, -1.3])
