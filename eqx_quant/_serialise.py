@@ -354,8 +354,9 @@ def _rebuilt(
 
     def float_path(path: str) -> str:  # a projection inside a wrapped attention, at its float path
         for a in attentions:
-            if path.startswith(f"{a}.attention."):
-                return f"{a}.{path.removeprefix(f'{a}.attention.')}"
+            inner = join_path(a, "attention") + "."
+            if path.startswith(inner):
+                return join_path(a, path.removeprefix(inner))
         return path
 
     at = {float_path(p): (p, record) for p, record in modules.items()}

@@ -286,3 +286,16 @@ def test_converted_equals_fake_quant_through_a_rotary_embedding_and_fused_attent
     quantized = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), **example)
     run = eqx.filter_jit(lambda m, x: jax.vmap(m)(x))
     assert_bitwise_equal(run(eqx_quant.convert(quantized), x), run(quantized, x))
+
+
+def test_an_attention_at_the_root_saves_and_loads_into_its_float_attention(tmp_path):
+    """A model that is one `eqx.nn.MultiheadAttention` with quantized products loads into the float attention, fake
+    and converted, as one a level down does (before, its projections' paths at the root were not recognised)."""
+    mha = eqx.nn.MultiheadAttention(2, 16, key=jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (5, 16))
+    quantized = eqx_quant.quantize(mha, **eqx_quant.recipe("w8a8_attn"))
+    for model in (quantized, eqx_quant.convert(quantized)):
+        eqx_quant.save(tmp_path / "m.eqxq", model)
+        loaded = eqx_quant.load(tmp_path / "m.eqxq", mha)
+        assert type(loaded) is type(model) and type(loaded.attention.key_proj) is type(model.attention.key_proj)
+        assert_bitwise_equal(loaded(x, x, x), model(x, x, x))
