@@ -18,7 +18,7 @@ from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._serialise import write_replacing
 from ._traced import QuantTraced
-from ._tree import nodes, path_string, unique_nodes
+from ._tree import join_path, nodes, path_string, unique_nodes
 from .nn._converted import AbstractConvertedLayer
 from .nn._layers import AbstractQuantLayer
 
@@ -63,6 +63,7 @@ def check_exportable(model: PyTree, what: str) -> None:
         name = path or "(the model itself)"
         if path in tied:
             if layer.input_quant is None:
+                _check_tied_grid(name, layer.weight_quant, tied[path], what)
                 continue
             raise ValueError(
                 f"Layer {name!r} reads its weight through an `eqx.nn.Shared` tie and quantizes its input, which {what} "
@@ -72,9 +73,32 @@ def check_exportable(model: PyTree, what: str) -> None:
         raise ValueError(f"Layer {name!r} is quantized but not converted: call `eqx_quant.convert` on the model first.")
 
 
-def tied_heads(model: PyTree) -> set[str]:
-    """The paths of the quantized layers of `model` whose weight is the placeholder of an `eqx.nn.Shared` tie."""
-    return {path for path, layer in nodes(model, (AbstractQuantLayer,)) if not eqx.is_array(layer.layer.weight)}
+def tied_heads(model: PyTree) -> dict[str, Any]:
+    """The quantized layers of `model` whose weight is the placeholder of an `eqx.nn.Shared` tie, by path: the
+    weight each reads through the tie (the other layer's `.weight`, the dequantized table after `convert`)."""
+    tied = {}
+    for at, shared in nodes(model, (eqx.nn.Shared,)):
+        restored = dict(nodes(shared(), (AbstractQuantLayer,)))
+        for path, layer in nodes(shared.pytree, (AbstractQuantLayer,)):
+            if not eqx.is_array(layer.layer.weight):
+                tied[join_path(at, "pytree", path)] = restored[path].layer.weight
+    return tied
+
+
+def _check_tied_grid(name: str, quantizer: AbstractQuantizer | None, weight: Any, what: str) -> None:
+    """Raises unless the tied layer's weight quantizer leaves the weight it reads as it is, up to the float32
+    rounding of scales (the same grid): the file holds that weight once, and a reader computes with it."""
+    if quantizer is None:
+        return
+    w = np.asarray(weight, np.float32)
+    moved = float(np.max(np.abs(np.asarray(quantizer(weight), np.float32) - w), initial=0.0))
+    if moved > 2.0**-20 * float(np.max(np.abs(w), initial=0.0)):
+        raise ValueError(
+            f"Layer {name!r} reads its weight through an `eqx.nn.Shared` tie and quantizes it again with "
+            f"{type(quantizer).__name__} in format {getattr(quantizer, 'format', None) and quantizer.format.name}, "
+            f"which moves it by up to {moved:.3g}: {what} holds the tied weight once, as the other layer stores it. "
+            "Quantize both layers of the tie with one format and layout, or the reading one with `weight=None`."
+        )
 
 
 def refuse_input_transforms(model: PyTree, what: str) -> None:

@@ -19,7 +19,7 @@ from jaxtyping import Array
 
 from ._fake_quant import fake_quant_scales
 from ._format import Format, IntFormat
-from ._misc import compute_dtype, is_zero_tangent, value_computed_before, vary_alike, whole_batch
+from ._misc import compute_dtype, is_zero_tangent, value_computed_before, vary_alike, whole_along, whole_batch
 from ._qarray import QuantizedArray, shifted_range
 from ._scales import Scales
 
@@ -281,14 +281,8 @@ def _grouped_sum_of(weight: tuple[Array, Array], x: Array) -> Array:
     out, groups, group = w.shape
     batch = x.shape[:-1]
     xs = jnp.moveaxis(x.reshape(-1, groups, group), 1, 0)  # (groups, examples, group)
-    sharding = jax.typeof(xs).sharding
-    spec = sharding.spec
-    if spec[0] is not None:
-        # Input features sharded in their type (Explicit mesh axes), as a column-parallel layer's output is: every
-        # device needs all the groups for its outputs, gathered here (the float product gathers them too).
-        xs = jax.sharding.reshard(
-            xs, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(None, *spec[1:]))
-        )
+    # Every device needs all the groups for its outputs (the float product gathers them too).
+    xs = whole_along(xs, 0)
     dims = (((2,), (2,)), ((0,), (0,)))  # contract within a group; groups along the batch axis
     acc = group_sums(xs, jnp.moveaxis(w, 1, 0), dims, group)  # (groups, examples, out)
     terms = opaque(acc * jnp.moveaxis(w_scale.reshape(out, groups), 1, 0)[:, None, :])

@@ -99,6 +99,20 @@ def sharded_in_type(x: Array) -> bool:
     return any(axis is not None for axis in jax.typeof(x).sharding.spec)
 
 
+def whole_along(x: Array, axis: int) -> Array:
+    """`x`, gathered along `axis` where that axis is sharded in its type (over Explicit mesh axes, as a
+    column-parallel layer's output features are), on `x`'s own mesh: for operations that need every index of the
+    axis on each device (tiles of a contraction, a transform that mixes them), which JAX does not gather itself
+    there. Under Auto axes (or on one device) `x` as it is: XLA gathers what it needs."""
+    sharding = jax.typeof(x).sharding
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    axis = axis % x.ndim
+    if spec[axis] is None:
+        return x
+    whole = jax.sharding.PartitionSpec(*spec[:axis], None, *spec[axis + 1 :])
+    return jax.sharding.reshard(x, jax.sharding.NamedSharding(sharding.mesh, whole))
+
+
 def lookup(table: Array, indices: Array) -> Array:
     """`table[indices]` for a 1-D `table`, sharded as `indices` where they are sharded in their type (over Explicit
     mesh axes, where JAX asks a gather for its output's sharding)."""

@@ -57,7 +57,7 @@ def _tiles_fit(layer: eqx.Module, size: int) -> bool:
         return (layer.in_channels // layer.groups) % size == 0  # then `in_channels`, a multiple of it, splits too
     if isinstance(layer, eqx.nn.Linear):
         return layer.in_features != "scalar" and layer.in_features % size == 0
-    return layer.weight.shape[-1] % size == 0  # pyright: ignore  # an embedding: tiles along its features
+    return layer.embedding_size % size == 0  # pyright: ignore  # an embedding (its weight may be a tie's placeholder)
 
 
 _FP8 = float_format("float8_e4m3fn")
@@ -75,7 +75,7 @@ class LayerQuantizer:
         and a block format (MX, NVFP4) to `float8_e4m3fn` per output channel, with a warning naming the layer. A GGML
         format (`"q4_0"`, ...) tiles the last axis of linear and embedding weights (the rows of a GGUF tensor); where
         its blocks do not fit the weight stays float (the factory returns `None`, with a warning), and so do
-        convolutions, by design.
+        convolutions, by design (with a warning too).
     - Inputs (`input=True`): per tile along the contraction (block formats), else per tensor; where blocks do not
         fit, `float8_e4m3fn` per tensor. With `per_token=True` (formats with float32 scales), one scale per token:
         per index of the free axes of the product's input, the axes it does not sum over (for a traced product,
@@ -134,6 +134,12 @@ class LayerQuantizer:
             warnings.warn(
                 f"Layer {path!r}: its contraction does not split into tiles of {group}, so its "
                 f"{'input' if self.input else 'weight'} {instead} instead of {fmt.name} in tiles of {group}.",
+                stacklevel=caller_stacklevel(),
+            )
+        if ggml and isinstance(layer, eqx.nn.Conv) and not self.input:
+            warnings.warn(
+                f"Layer {path!r} is a convolution, whose weight {fmt.name} does not quantize (GGUF's blocks run along "
+                "the rows of linear and embedding weights): it stays float.",
                 stacklevel=caller_stacklevel(),
             )
         if ggml and (not fits or isinstance(layer, eqx.nn.Conv)):

@@ -24,7 +24,7 @@ from jaxtyping import PyTree
 from ._format import IntFormat
 from ._int_ops import INT32_MAX, any_float64, group_sums, integer_grid, opaque, sum_in_order, unfused
 from ._layout import Layout
-from ._misc import computed_before, flat, one_program, reshape_blocks, whole_batch
+from ._misc import computed_before, flat, one_program, reshape_blocks, whole_along, whole_batch
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
 from ._tree import nodes, path_string
@@ -854,8 +854,8 @@ def _integer_sums(lhs: Any, rhs: Any, dims: Any, group: int | None) -> Any:
         dims = ((tuple(range(lhs.ndim - nc, lhs.ndim)), tuple(range(rhs.ndim - nc, rhs.ndim))),
                 (tuple(range(nb)), tuple(range(nb))))  # fmt: skip
         return jax.lax.dot_general(lhs, rhs, dims, preferred_element_type=jnp.int32).astype(jnp.float32)
-    # The tiles as a batch axis, first: (tiles, batch, free, free).
-    tiled = lambda a: a.reshape(a.shape[:-1] + (a.shape[-1] // group, group))  # noqa: E731
+    # The tiles as a batch axis, first: (tiles, batch, free, free); each device needs every tile of its rows.
+    tiled = lambda a: whole_along(a, -1).reshape(a.shape[:-1] + (a.shape[-1] // group, group))  # noqa: E731
     lhs, rhs = tiled(lhs), tiled(rhs)
     dims = (((lhs.ndim - 1,), (rhs.ndim - 1,)), ((lhs.ndim - 2, *range(nb)), (rhs.ndim - 2, *range(nb))))
     return group_sums(lhs, rhs, dims, group)
@@ -1383,9 +1383,11 @@ class QuantTraced(eqx.Module):
         """`model(*args, **kwargs)` with the traced weights and their products' inputs quantized.
 
         Called eagerly (no argument traced) with arrays, PyTrees of arrays, `None`, booleans and strings, it runs as
-        one program compiled once per shape, as under `jax.jit`; with other Python values (numbers a call may branch
-        on), it runs the model's operations one by one, tracing the model at every call."""
-        if _probes or _batch_probes or not all(_static_free(leaf) for leaf in jax.tree.leaves((args, kwargs))):
+        one program compiled once per shape, as under `eqx.filter_jit` (whose cache keeps the model's non-array
+        parts, not its arrays); with other Python values (numbers a call may branch on), or a model whose non-array
+        parts cannot be hashed, it runs the model's operations one by one, tracing the model at every call."""
+        eager = not (_probes or _batch_probes) and all(_static_free(leaf) for leaf in jax.tree.leaves((args, kwargs)))
+        if not (eager and _hashable(self)):
             return self._call(*args, **kwargs)
         return _one_call(self, *args, **kwargs)
 
@@ -1444,6 +1446,15 @@ class QuantTraced(eqx.Module):
 def _static_free(leaf: object) -> bool:
     """Whether an argument's leaf is one that `jax.jit` would not compile a program for each value of."""
     return eqx.is_array(leaf) or leaf is None or isinstance(leaf, (bool, str))
+
+
+def _hashable(tree: PyTree) -> bool:
+    """Whether `eqx.filter_jit` can key its cache on `tree`'s structure and non-array leaves."""
+    try:
+        hash((jax.tree.structure(tree), *(leaf for leaf in jax.tree.leaves(tree) if not eqx.is_array(leaf))))
+    except TypeError:
+        return False
+    return True
 
 
 _one_call = one_program(lambda traced, *args, **kwargs: traced._call(*args, **kwargs))

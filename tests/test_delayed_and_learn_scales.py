@@ -224,7 +224,6 @@ class _TiedAttention(eqx.Module):
         return (jax.nn.softmax(scores) @ h) @ self.embed.weight.T
 
 
-@pytest.mark.slow
 def test_learn_scales_on_a_traced_model_with_a_tied_head_keeps_its_products():
     """A quantized embedding's `.weight` read by a tied head is computed from the layer's arrays alone, whatever its
     quantizer: the head's product is no product of two activations, with the table's dynamic scales (before

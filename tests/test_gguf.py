@@ -205,10 +205,14 @@ def test_formats_and_recipes():
     k = jax.random.split(jax.random.key(0), 4)
     model = {"a": eqx.nn.Linear(64, 8, key=k[0]), "b": eqx.nn.Linear(40, 8, key=k[1]),
              "c": eqx.nn.Conv2d(32, 4, 3, key=k[2]), "d": eqx.nn.Linear(32, 8, key=k[3])}  # fmt: skip
-    with pytest.warns(
-        UserWarning, match="'b': its contraction does not split into tiles of 32, so its weight stays float"
-    ):
+    with pytest.warns(UserWarning) as caught:
         quantized = eqx_quant.quantize(model, **eqx_quant.recipe("q4_0", keep="d"))
+    assert [str(w.message) for w in caught] == [
+        "Layer 'b': its contraction does not split into tiles of 32, so its weight stays float instead of q4_0 in "
+        "tiles of 32.",
+        "Layer 'c' is a convolution, whose weight q4_0 does not quantize (GGUF's blocks run along the rows of linear "
+        "and embedding weights): it stays float.",
+    ]
     assert quantized["a"].weight_quant.format.name == "q4_0" and quantized["a"].input_quant is None
     assert quantized["b"].weight_quant is None and quantized["c"].weight_quant is None
     assert quantized["d"].weight_quant.format.name == "q8_0"
@@ -260,10 +264,11 @@ def test_export_read_back_by_gguf(name, tmp_path):
 class _Tied(eqx.Module):
     shared: eqx.nn.Shared
 
-    def __init__(self):
+    def __init__(self, reverse=False):
         embed = eqx.nn.Embedding(40, 64, key=jax.random.key(0))
         head = eqx.nn.Linear(64, 40, use_bias=False, key=jax.random.key(1))
-        self.shared = eqx.nn.Shared((embed, head), lambda p: p[1].weight, lambda p: p[0].weight)
+        where, get = (lambda p: p[1].weight), (lambda p: p[0].weight)
+        self.shared = eqx.nn.Shared((embed, head), get if reverse else where, where if reverse else get)
 
     def __call__(self, tokens):
         embed, head = self.shared()
@@ -284,6 +289,19 @@ def test_a_head_tied_by_shared_is_written_once_as_the_table(tmp_path):
     tokens = jnp.arange(5)
     np.testing.assert_allclose(model(tokens), (tensors["shared.pytree.0.weight"][1][tokens] @ embed.weight.T),
                                rtol=1e-5, atol=1e-5)  # fmt: skip
+    # A head that quantizes the table again on a coarser grid computes other weights than the file holds: refused.
+    coarse = eqx_quant.convert(eqx_quant.quantize(_Tied(), **eqx_quant.recipe("q4_0", keep="shared.pytree.0")))
+    message = r"'shared\.pytree\.1' reads its weight through an `eqx\.nn\.Shared` tie and quantizes it again with "
+    with pytest.raises(ValueError, match=message + "DynamicFakeQuant in format q4_0, which moves it"):
+        eqx_quant.export_gguf(tmp_path / "coarse.gguf", coarse)
+    assert not (tmp_path / "coarse.gguf").exists()
+    # The other way round (the table read through the head's weight), the embedding is the tied layer.
+    reverse = _Tied(reverse=True)
+    converted = eqx_quant.convert(eqx_quant.quantize(reverse, **eqx_quant.recipe("q8_0")))
+    eqx_quant.export_gguf(tmp_path / "reverse.gguf", converted)
+    tensors, _ = _read(tmp_path / "reverse.gguf")
+    assert list(tensors) == ["shared.pytree.1.weight"]
+    assert_same_bits(tensors["shared.pytree.1.weight"][1], converted.shared()[1].weight)
 
 
 def test_names_split_stacked_layers_and_round_trip(tmp_path):

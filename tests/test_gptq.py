@@ -508,7 +508,6 @@ def _quantized_rows(x, bits):
     return reference_fake_quant(x, scales, qmin, qmax)
 
 
-@pytest.mark.slow
 def test_quantized_inputs_solve_each_layer_for_its_float_output_from_its_quantized_inputs():
     """GPTQ with `quantized_inputs=True`: each layer's levels are GPTQ's of the damped least-squares weight
     `W (C + λI)(G + λI)⁻¹` under the Hessian `G`, where `G = Σ q qᵀ` and `C = Σ x qᵀ` over the layer's inputs `x`

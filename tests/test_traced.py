@@ -6,6 +6,7 @@ summary) on them, and the errors."""
 import dataclasses
 import functools
 import re
+from typing import Any
 
 import equinox as eqx
 import jax
@@ -380,9 +381,11 @@ def test_a_call_that_multiplies_a_traced_weight_by_another_array_alone_raises():
 
 class _Scaled(eqx.Module):
     w: jax.Array
+    config: Any = None
 
     def __call__(self, x, factor=None):
         h = x @ self.w.T
+        factor = self.config if factor is None else factor
         return h if factor is None else h * factor
 
 
@@ -404,6 +407,19 @@ def test_an_eager_call_runs_as_one_compiled_program():
     assert_bitwise_equal(traced(x, 2.0), eager)
     assert_bitwise_equal(eager, traced(x) * 2)  # doubling is exact
     assert not np.array_equal(np.asarray(traced(x)), np.asarray(x @ traced.model.w.T))  # quantized
+    # A model with a non-array part that cannot be hashed (a mutable dataclass) cannot key a compiled program: it
+    # runs operation by operation, with the same bits.
+    config = _Unhashable(2.0)
+    odd = eqx_quant.quantize(_Scaled(traced.model.w, config), **eqx_quant.recipe("w8a8"), example=(jnp.ones(13),))
+    assert_bitwise_equal(odd(x), eager)
+
+
+@dataclasses.dataclass
+class _Unhashable:
+    factor: float
+
+    def __rmul__(self, h):
+        return h * self.factor
 
 
 def test_exporters_refuse_traced_weights_and_name_save(tmp_path):

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int8
 
+from .._misc import whole_along
+
 
 class AbstractInputTransform(eqx.Module):
     """An invertible linear map `T` of a linear layer's input (the last axis), applied before the input quantizer.
@@ -125,14 +127,7 @@ def walsh_hadamard(x: Array, order: int, *, transpose: bool = False) -> Array:
     n = x.shape[-1]
     lead = x.shape[:-1]
     power = n // order
-    sharding = jax.typeof(x).sharding
-    spec = tuple(sharding.spec)
-    if len(spec) == x.ndim and spec[-1] is not None:
-        # The transformed axis sharded in its type (Explicit mesh axes), as a column-parallel layer's output is:
-        # every output mixes every input, so it is gathered first (under Auto axes, XLA gathers it itself).
-        x = jax.sharding.reshard(
-            x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(*spec[:-1], None))
-        )
+    x = whole_along(x, -1)  # every output mixes every input
     y = x.reshape(*lead, order, power)
     h = 1
     while h < power:  # Sylvester's H is symmetric: one butterfly stage per bit of the index

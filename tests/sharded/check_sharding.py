@@ -325,12 +325,20 @@ def test_explicit_axes_gptq_awq_and_histograms_on_batches_split_over_data():
                 np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6, err_msg=name)
 
 
+class _TwoProducts(eqx.Module):
+    w1: jax.Array
+    w2: jax.Array
+
+    def __call__(self, x):
+        return jax.nn.gelu(x @ self.w1) @ self.w2
+
+
 def test_explicit_axes_outside_a_mesh_context():
     """Arrays on Explicit mesh axes need no `jax.set_mesh` around eager calls, as for the float layers: a rotation
     of column-parallel outputs and the grouped integer product of input features sharded by the layer before gather
     them on the arrays' own mesh (before, both named a bare `PartitionSpec`, which JAX refuses outside a mesh
-    context), and the quantizers' statistics and NaN tags make no array of another mesh. (An eager gradient needs
-    the mesh context, of the float layers too.)"""
+    context), and the quantizers' statistics and NaN tags make no array of another mesh; traced products' tiles
+    alike. (An eager gradient needs the mesh context, of the float layers too.)"""
     x, _ = batch("mlp")
     sx = jax.device_put(x, NamedSharding(EXPLICIT, P("data", None)))
     for recipe in ("w8a8", "w4a8_g32", "fp8"):
@@ -341,6 +349,12 @@ def test_explicit_axes_outside_a_mesh_context():
         np.testing.assert_array_equal(np.asarray(forward(eqx_quant.convert(model), sx)), np.asarray(out))
         if recipe != "fp8":  # integer products: the one device's bits
             np.testing.assert_array_equal(np.asarray(out), np.asarray(forward(one_device, x)))
+    # The same for traced weights: the tiles of a bare product's contraction split over `model` by the one before.
+    w1, w2 = jax.random.normal(jax.random.key(1), (64, 128)) / 8, jax.random.normal(jax.random.key(2), (128, 16)) / 11
+    bare = _TwoProducts(jax.device_put(w1, NamedSharding(EXPLICIT, P(None, "model"))), w2)
+    grouped = eqx_quant.recipe("w4a8_g32", group_size=16)
+    want = eqx_quant.quantize(_TwoProducts(w1, w2), **grouped, example=(x,))(x)
+    np.testing.assert_array_equal(np.asarray(eqx_quant.quantize(bare, **grouped, example=(sx,))(sx)), np.asarray(want))
     rotated = lambda m, b: eqx_quant.calibrate(eqx_quant.rotate(eqx_quant.quantize(m), key=jax.random.key(0)), b)  # noqa: E731
     want = rotated(float_model("mlp"), [x])
     got = rotated(shard(float_model("mlp"), EXPLICIT, row_parallel=()), [sx])
