@@ -288,6 +288,7 @@ def test_converted_equals_fake_quant_through_a_rotary_embedding_and_fused_attent
     assert_bitwise_equal(run(eqx_quant.convert(quantized), x), run(quantized, x))
 
 
+@pytest.mark.slow
 def test_an_attention_at_the_root_saves_and_loads_into_its_float_attention(tmp_path):
     """A model that is one `eqx.nn.MultiheadAttention` with quantized products loads into the float attention, fake
     and converted, as one a level down does (before, its projections' paths at the root were not recognised)."""
