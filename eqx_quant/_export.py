@@ -77,22 +77,29 @@ def tied_heads(model: PyTree) -> dict[str, Any]:
     """The quantized layers of `model` whose weight is the placeholder of an `eqx.nn.Shared` tie, by path: the
     weight each reads through the tie (the other layer's `.weight`, the dequantized table after `convert`)."""
     tied = {}
-    for at, shared in nodes(model, (eqx.nn.Shared,)):
-        restored = dict(nodes(shared(), (AbstractQuantLayer,)))
-        for path, layer in nodes(shared.pytree, (AbstractQuantLayer,)):
-            if not eqx.is_array(layer.layer.weight):
-                tied[join_path(at, "pytree", path)] = restored[path].layer.weight
+
+    def visit(tree: PyTree, prefix: str) -> None:
+        for at, shared in nodes(tree, (eqx.nn.Shared,)):
+            restored = dict(nodes(shared(), (AbstractQuantLayer,)))
+            for path, layer in nodes(shared.pytree, (AbstractQuantLayer,)):
+                weight = restored[path].layer.weight
+                if not eqx.is_array(layer.layer.weight) and eqx.is_array(weight):  # else a tie of a `Shared` inside
+                    tied[join_path(prefix, at, "pytree", path)] = weight
+            visit(shared.pytree, join_path(prefix, at, "pytree"))
+
+    visit(model, "")
     return tied
 
 
 def _check_tied_grid(name: str, quantizer: AbstractQuantizer | None, weight: Any, what: str) -> None:
-    """Raises unless the tied layer's weight quantizer leaves the weight it reads as it is, up to the float32
-    rounding of scales (the same grid): the file holds that weight once, and a reader computes with it."""
+    """Raises unless the tied layer's weight quantizer leaves each entry of the weight it reads as it is, up to the
+    float32 rounding of scales (the same grid): the file holds that weight once, and a reader computes with it."""
     if quantizer is None:
         return
     w = np.asarray(weight, np.float32)
-    moved = float(np.max(np.abs(np.asarray(quantizer(weight), np.float32) - w), initial=0.0))
-    if moved > 2.0**-20 * float(np.max(np.abs(w), initial=0.0)):
+    change = np.abs(np.asarray(quantizer(weight), np.float32) - w)
+    if np.any(change > 2.0**-20 * np.abs(w)):  # each entry: beyond its own float32 rounding
+        moved = float(np.max(change))
         raise ValueError(
             f"Layer {name!r} reads its weight through an `eqx.nn.Shared` tie and quantizes it again with "
             f"{type(quantizer).__name__} in format {getattr(quantizer, 'format', None) and quantizer.format.name}, "

@@ -1385,11 +1385,19 @@ class QuantTraced(eqx.Module):
         Called eagerly (no argument traced) with arrays, PyTrees of arrays, `None`, booleans and strings, it runs as
         one program compiled once per shape, as under `eqx.filter_jit` (whose cache keeps the model's non-array
         parts, not its arrays); with other Python values (numbers a call may branch on), or a model whose non-array
-        parts cannot be hashed, it runs the model's operations one by one, tracing the model at every call."""
+        parts cannot be hashed or compared, it runs the model's operations one by one, tracing the model at every
+        call."""
         eager = not (_probes or _batch_probes) and all(_static_free(leaf) for leaf in jax.tree.leaves((args, kwargs)))
         if not (eager and _hashable(self)):
             return self._call(*args, **kwargs)
-        return _one_call(self, *args, **kwargs)
+        try:
+            return _one_call(self, *args, **kwargs)
+        except ValueError as error:
+            # Non-array parts that hash but do not compare (NumPy arrays in static fields): the compiled programs'
+            # cache cannot tell them from another model's. Refused before any tracing, so nothing has run.
+            if "static arguments should be comparable" not in str(error):
+                raise
+            return self._call(*args, **kwargs)
 
     def _call(self, *args: Any, **kwargs: Any) -> Any:
         index = {path: i for i, path in enumerate(self.weight_paths)}

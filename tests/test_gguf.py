@@ -295,6 +295,13 @@ def test_a_head_tied_by_shared_is_written_once_as_the_table(tmp_path):
     with pytest.raises(ValueError, match=message + "DynamicFakeQuant in format q4_0, which moves it"):
         eqx_quant.export_gguf(tmp_path / "coarse.gguf", coarse)
     assert not (tmp_path / "coarse.gguf").exists()
+    # Each entry counts: a table of one row on both grids and tiny other rows, which the coarse head moves.
+    table = jnp.concatenate([jnp.tile(jnp.float32([8.0, -8.0]), (1, 32)), jax.random.normal(jax.random.key(2),
+                             (39, 64)) * 1e-5])  # fmt: skip
+    small = eqx.tree_at(lambda m: m.shared.pytree[0].weight, _Tied(), table)
+    coarse = eqx_quant.convert(eqx_quant.quantize(small, **eqx_quant.recipe("q4_0", keep="shared.pytree.0")))
+    with pytest.raises(ValueError, match=message):
+        eqx_quant.export_gguf(tmp_path / "coarse.gguf", coarse)
     # The other way round (the table read through the head's weight), the embedding is the tied layer.
     reverse = _Tied(reverse=True)
     converted = eqx_quant.convert(eqx_quant.quantize(reverse, **eqx_quant.recipe("q8_0")))

@@ -412,6 +412,21 @@ def test_an_eager_call_runs_as_one_compiled_program():
     config = _Unhashable(2.0)
     odd = eqx_quant.quantize(_Scaled(traced.model.w, config), **eqx_quant.recipe("w8a8"), example=(jnp.ones(13),))
     assert_bitwise_equal(odd(x), eager)
+    # NumPy arrays in a static field hash but do not compare: a second such model runs operation by operation too.
+    for factor in (2.0, 3.0):
+        with pytest.warns(UserWarning, match="being set as static"):  # Equinox's, for the array in a static field
+            model = _StaticFactor(traced.model.w, np.full((1, 7), factor, np.float32))
+        static = eqx_quant.quantize(model, **eqx_quant.recipe("w8a8"), example=(x[:1],))
+        like = eqx_quant.quantize(_Scaled(traced.model.w, factor), **eqx_quant.recipe("w8a8"), example=(x[:1],))
+        np.testing.assert_allclose(static(x), like(x), rtol=1e-6)  # (compiled alike or not)
+
+
+class _StaticFactor(eqx.Module):
+    w: jax.Array
+    factor: np.ndarray = eqx.field(static=True)
+
+    def __call__(self, x):
+        return (x @ self.w.T) * self.factor
 
 
 @dataclasses.dataclass
