@@ -19,7 +19,6 @@ from ._export import (
     named_leaves,
     resolve_names,
     split_stacked,
-    tied_heads,
     write_safetensors,
 )
 from ._format import FloatFormat, Format, IntFormat
@@ -288,7 +287,7 @@ def export_compressed_tensors(
         print(sorted(os.listdir(directory)))  # ['config.json', 'model.safetensors']
         ```
     """
-    check_exportable(model, "a compressed-tensors checkpoint")
+    tied = check_exportable(model, "a compressed-tensors checkpoint")
     converted = dict(nodes(model, (AbstractConvertedLayer,)))
     leaves, _ = named_leaves(model)
     tensors_of = [name for name, leaf in leaves if is_tensor(leaf)]
@@ -305,11 +304,8 @@ def export_compressed_tensors(
             raise ValueError(f"Two tensors are named {name!r}: {sources[name]!r} and {source!r}.")
         tensors[name], sources[name] = np.ascontiguousarray(array), source
 
-    tied = tuple(f"{path}." for path in tied_heads(model))  # their weight quantizer quantizes the table again
     for name, leaf in leaves:
-        if isinstance(leaf, AbstractQuantizer) and name.startswith(tied):
-            continue
-        if isinstance(leaf, AbstractQuantizer):
+        if isinstance(leaf, AbstractQuantizer) and not name.startswith(tied):  # (a tied head's: left out)
             layer = converted.get(name.rsplit(".", 1)[0] if "." in name else "")
             if not (isinstance(layer, ConvertedLinear) and name.endswith("input_quant")):
                 owner = name.rsplit(".", 1)[0] if "." in name else ""

@@ -55,8 +55,8 @@ def sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
     divides evenly among the axis' devices, the tiles of the tiled axis in the scales, and in packed codes (one row
     of bytes per index along the first axis, the other axes flattened) the bytes, as the weight's second axis is
     split, where the axes after it are not (a matrix's input features, a kernel's input channels: contiguous runs of
-    bytes). The other axes are replicated, as
-    everything is where the weight has no `NamedSharding` (on one device, or traced).
+    bytes). The other axes are replicated, as everything is where the weight has no `NamedSharding` (on one device,
+    or traced).
     """
     sharding = named_sharding(weight)
     if sharding is None:

@@ -52,11 +52,12 @@ def _tensor_name(path: str, prefixes: list[str]) -> str:
     return path
 
 
-def check_exportable(model: PyTree, what: str) -> None:
+def check_exportable(model: PyTree, what: str) -> tuple[str, ...]:
     """Raises, naming the layer, if `model` has traced weights or input transforms, or a layer of it is quantized
     but not converted. The head of an `eqx.nn.Shared` tie, whose weight is the placeholder of another layer's (it
     stays a quantized layer after `convert`), has nothing of its own to write and is left out: a reader of tied
-    weights uses the table for it. With an input quantizer, which the file would not describe, it is refused."""
+    weights uses the table for it. With an input quantizer, which the file would not describe, it is refused.
+    Returns the prefixes (`"path."`) of the names of those heads' leaves, for the exporter to leave out."""
     refuse_input_transforms(model, what)
     tied = tied_heads(model)
     for path, layer in nodes(model, (AbstractQuantLayer,)):
@@ -71,6 +72,7 @@ def check_exportable(model: PyTree, what: str) -> None:
                 f"(a rule `eqx_quant.Rule({path!r}, input=None)` before the others) or export the model untied."
             )
         raise ValueError(f"Layer {name!r} is quantized but not converted: call `eqx_quant.convert` on the model first.")
+    return tuple(f"{path}." for path in tied)
 
 
 def tied_heads(model: PyTree) -> dict[str, Any]:

@@ -20,7 +20,6 @@ from ._export import (
     resolve_names,
     split_stacked,
     stack_length,
-    tied_heads,
 )
 from ._format import GGML_BLOCK, GGML_FORMATS, FloatFormat, Format, IntFormat, mx_format
 from ._layout import Layout
@@ -283,9 +282,8 @@ def export_gguf(
     metadata.setdefault("general.quantization_version", np.uint32(2))
     for key, value in metadata.items():
         _encode_value(value, _value_type(value, key), key)  # checked before anything is computed
-    check_exportable(model, "a GGUF file")
+    tied = check_exportable(model, "a GGUF file")  # tied heads: their weight quantizer requantizes the table
     leaves, _ = named_leaves(model)
-    tied = tuple(f"{path}." for path in tied_heads(model))  # their weight quantizer quantizes the table again
     for name, leaf in leaves:
         if isinstance(leaf, AbstractQuantizer) and not name.startswith(tied):
             raise ValueError(

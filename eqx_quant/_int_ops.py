@@ -165,9 +165,7 @@ def _tag_nan(scale: Array, nan: Array | None) -> Array:
     if nan is None:
         return scale
     nan = nan.reshape(nan.shape + (1,) * (scale.ndim - nan.ndim))
-    shape = jnp.broadcast_shapes(nan.shape, scale.shape)  # a per-tensor scale takes the shape of the rows' mask
-    scale = jnp.broadcast_to(scale, shape)
-    return jnp.where(nan, jnp.asarray(jnp.nan, scale.dtype), scale)
+    return jnp.where(nan, jnp.asarray(jnp.nan, scale.dtype), scale)  # a per-tensor scale takes the mask's shape
 
 
 _NAN_BITS = 0x7FC00001  # a NaN whose bits `opaque` may flip into another NaN; no number has them

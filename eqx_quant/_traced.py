@@ -1387,15 +1387,14 @@ class QuantTraced(eqx.Module):
         parts, not its arrays); with other Python values (numbers a call may branch on), or a model whose non-array
         parts cannot be hashed or compared, it runs the model's operations one by one, tracing the model at every
         call."""
-        eager = not (_probes or _batch_probes) and all(_static_free(leaf) for leaf in jax.tree.leaves((args, kwargs)))
-        if not (eager and _hashable(self)):
+        if _probes or _batch_probes or not all(_static_free(leaf) for leaf in jax.tree.leaves((args, kwargs))):
             return self._call(*args, **kwargs)
         try:
             return _one_call(self, *args, **kwargs)
         except ValueError as error:
-            # Non-array parts that hash but do not compare (NumPy arrays in static fields): the compiled programs'
-            # cache cannot tell them from another model's. Refused before any tracing, so nothing has run.
-            if "static arguments should be comparable" not in str(error):
+            # Non-array parts that do not hash or compare (a mutable dataclass, a NumPy array in a static field): the
+            # compiled programs' cache cannot key on them. Refused before any tracing, so nothing has run.
+            if not any(why in str(error) for why in _UNKEYED):
                 raise
             return self._call(*args, **kwargs)
 
@@ -1456,13 +1455,8 @@ def _static_free(leaf: object) -> bool:
     return eqx.is_array(leaf) or leaf is None or isinstance(leaf, (bool, str))
 
 
-def _hashable(tree: PyTree) -> bool:
-    """Whether `eqx.filter_jit` can key its cache on `tree`'s structure and non-array leaves."""
-    try:
-        hash((jax.tree.structure(tree), *(leaf for leaf in jax.tree.leaves(tree) if not eqx.is_array(leaf))))
-    except TypeError:
-        return False
-    return True
+# JAX's refusals of static arguments that its compiled programs' cache cannot key on.
+_UNKEYED = ("Non-hashable static arguments", "static arguments should be comparable")
 
 
 _one_call = one_program(lambda traced, *args, **kwargs: traced._call(*args, **kwargs))
