@@ -5,6 +5,7 @@ import json
 import math
 import os
 import secrets
+import stat
 import struct
 from collections.abc import Callable
 from typing import Any
@@ -210,7 +211,8 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
     model it is loaded into. Save with this function.
 
     The file is written to a temporary file beside `path` and then renamed over it, so a save that fails leaves an
-    existing file at `path` as it was.
+    existing file at `path` as it was. A file replaced so keeps its permission bits, and a symbolic link at `path`
+    keeps pointing where it did (its target is replaced), as when writing with `open(path, "wb")`.
 
     Quantizers and quantized arrays are named in the header by their path, keys joined with `.` as
     [`eqx_quant.quantize`][] names layers: a dict key holding a `.` may make two of them share a name (the key
@@ -291,8 +293,11 @@ def _arrays_note(path: str | os.PathLike, start: int, like: PyTree) -> str:
 
 def write_replacing(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
     """Calls `write` on a fresh temporary file beside `path`, then renames it over `path`: a write that fails leaves
-    an existing file at `path` as it was (and no temporary file behind)."""
-    directory, base = os.path.split(os.path.abspath(os.fspath(path)))
+    an existing file at `path` as it was (and no temporary file behind). An existing file keeps its permission bits,
+    and a symbolic link at `path` keeps pointing where it did (its target is replaced), as `open(path, "wb")`
+    would."""
+    path = os.path.realpath(os.fspath(path))
+    directory, base = os.path.split(path)
     while True:  # a fresh name beside `path`, created with the permissions `open(path, "wb")` would give
         temporary = os.path.join(directory, f".{base}.{secrets.token_hex(6)}.tmp")
         try:
@@ -301,6 +306,8 @@ def write_replacing(path: str | os.PathLike, write: Callable[[Any], None]) -> No
         except FileExistsError:
             continue
     try:
+        if os.path.isfile(path):
+            os.chmod(fd if os.chmod in os.supports_fd else temporary, stat.S_IMODE(os.stat(path).st_mode))
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()

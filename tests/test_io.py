@@ -238,6 +238,21 @@ def test_save_replaces_the_file_with_the_usual_permissions(model, tmp_path):
         pass
     assert os.stat(path).st_mode == os.stat(plain).st_mode
     assert sorted(os.listdir(tmp_path)) == ["model.eqx", "plain"]
+    # An existing file keeps its permission bits (a private checkpoint stays private), as `open(path, "wb")` keeps
+    # them; a symbolic link keeps pointing at its target, whose contents are replaced.
+    os.chmod(path, 0o600)
+    os.chmod(plain, 0o600)
+    with open(plain, "wb"):
+        pass
+    eqx_quant.save(path, model)
+    assert os.stat(path).st_mode == os.stat(plain).st_mode
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    link = tmp_path / "link.eqx"
+    os.symlink(path, link)
+    eqx_quant.save(link, converted(seed=9))
+    assert os.path.islink(link) and os.readlink(link) == str(path)
+    assert_trees_equal(eqx_quant.load(path, converted(seed=9)), converted(seed=9))
+    assert sorted(os.listdir(tmp_path)) == ["link.eqx", "model.eqx", "plain"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
