@@ -383,7 +383,8 @@ def auto_recipe(
         raise ValueError("`batched` is for the built-in losses; a `loss` function calls the model itself.")
     if not (activations is None or isinstance(activations, AbstractQuantizer) or callable(activations)):
         raise TypeError(f"`activations` must be a quantizer, a factory f(path, layer) or None, got {activations!r}.")
-    check_not_one_array(batches)
+    if earlier is None:
+        check_not_one_array(batches)
     if isinstance(batches, Sequence):  # checked now (an iterator is read once the other arguments are)
         batches = _batch_list(batches, loss)
     patterns = _check_patterns(keep)

@@ -177,7 +177,8 @@ def autoround(
     the learned grid points; [`eqx_quant.convert`][] stores them.
 
     **Non-finite data.** NaN and infinite calibration inputs count as zeros in the Hessians, with a warning that
-    counts them per layer.
+    counts them per layer; a layer whose calibration inputs are all zero (a zero Hessian: nothing to fit) and a NaN
+    or infinite weight entry are a `ValueError` naming the layer, as for [`eqx_quant.gptq`][].
 
     **Arguments:**
 

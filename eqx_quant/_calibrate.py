@@ -11,12 +11,13 @@ import numpy as np
 from jaxtyping import PyTree
 
 from ._format import Format, IntFormat
-from ._misc import FLOAT32_TINY, caller_stacklevel, check_int, keeps_the_mesh
+from ._misc import FLOAT32_TINY, caller_stacklevel, check_flags, check_int, keeps_the_mesh
 from ._observe import (
     TracedInput,
     check_callable,
     check_called,
     check_not_converted,
+    check_not_one_array,
     fold,
     layer_stack,
     traced_inputs,
@@ -154,6 +155,8 @@ def calibrate(
     """
     check_callable(model)
     check_not_converted(model, "calibrate")
+    check_flags(batched=batched, progress=progress)
+    check_not_one_array(batches)
     check_method(method, percentile, num_candidates)
     if check_int("num_bins", num_bins) < 1:
         raise ValueError(f"`num_bins` must be >= 1, got num_bins={num_bins}.")

@@ -209,6 +209,28 @@ def _weight_tensors(w: QuantizedArray, args: dict[str, Any], compression: str) -
     return out
 
 
+def _check_config(config: Any) -> dict[str, Any]:
+    """`config` as a dict that `config.json` can hold (JSON, without NaN or infinity), or raises naming the key."""
+    if config is None:
+        return {}
+    if not isinstance(config, Mapping):
+        raise TypeError(f"`config` must be a mapping (the model's configuration) or None, got config={config!r} of "
+                        f"type {type(config).__name__}.")  # fmt: skip
+    for key, value in config.items():
+        if not isinstance(key, str):
+            raise TypeError(f"`config` keys must be strings, got {key!r} of type {type(key).__name__}.")
+        if key == "quantization_config":
+            raise ValueError(f"`config` holds 'quantization_config' (={value!r}), which export_compressed_tensors "
+                             "writes itself, describing `model`: leave it out of `config`.")  # fmt: skip
+        try:
+            json.dumps(value, sort_keys=True, allow_nan=False)
+        except TypeError as error:
+            raise TypeError(f"`config`[{key!r}]={value!r} is not JSON: {error}.") from None
+        except ValueError as error:  # NaN or infinity (or a circular reference), which JSON has no value for
+            raise ValueError(f"`config`[{key!r}]={value!r} is not valid JSON: {error}.") from None
+    return dict(config)
+
+
 def export_compressed_tensors(
     directory: str | os.PathLike,
     model: PyTree,
@@ -260,15 +282,17 @@ def export_compressed_tensors(
         `{layer}` splits stacked layers as for [`eqx_quant.export_gguf`][]; without it a stack (of
         `eqx.filter_vmap`) is written whole, each tensor with the stack's axes in front (and `weight_shape` saying
         so), which vLLM's modules, one layer each, do not load.
-    - `config`: the model's own configuration (`architectures`, `hidden_size`, ...), to which the
-        `quantization_config` is added.
+    - `config`: the model's own configuration (`architectures`, `hidden_size`, ...), a mapping with string keys and
+        JSON values (finite numbers), to which the `quantization_config` is added; it must not hold one itself.
 
     **Raises:**
 
-    `ValueError`, before anything is written, for a linear layer whose weight format or input quantizer
-    compressed-tensors does not store (naming the layer and the format), a layer that is quantized but not
-    converted, any other quantizer in the model, or names that repeat, miss a tensor, or (for a quantized weight) do
-    not end in `weight`.
+    `ValueError`, before anything is written, for a model without a converted layer, a linear layer whose weight
+    format or input quantizer compressed-tensors does not store (naming the layer and the format), a layer that is
+    quantized but not converted, any other quantizer in the model, names that repeat, miss a tensor, leave out every
+    tensor, or (for a quantized weight) do not end in `weight`, or a `config` that holds a `quantization_config` or a
+    NaN or infinity (naming the key). `TypeError` for a `config` that is not a mapping with string keys and JSON
+    values.
 
     !!! example
 
@@ -287,8 +311,11 @@ def export_compressed_tensors(
         print(sorted(os.listdir(directory)))  # ['config.json', 'model.safetensors']
         ```
     """
+    user_config = _check_config(config)
     tied = check_exportable(model, "a compressed-tensors checkpoint")
     converted = dict(nodes(model, (AbstractConvertedLayer,)))
+    if not converted:
+        raise ValueError("`model` has no converted layer; convert it first with `eqx_quant.convert`.")
     leaves, _ = named_leaves(model)
     tensors_of = [name for name, leaf in leaves if is_tensor(leaf)]
     mapped = resolve_names(names, tensors_of, "model")
@@ -376,8 +403,8 @@ def export_compressed_tensors(
         "transform_config": {},
         "version": _VERSION,
     }
-    full = {**dict(config or {}), "quantization_config": quantization_config}
+    full = {**user_config, "quantization_config": quantization_config}
+    encoded = json.dumps(full, indent=2, sort_keys=True, allow_nan=False).encode()
     os.makedirs(directory, exist_ok=True)
     write_safetensors(os.path.join(directory, "model.safetensors"), tensors, {"format": "pt"})
-    encoded = json.dumps(full, indent=2, sort_keys=True).encode()
     write_replacing(os.path.join(directory, "config.json"), lambda f: f.write(encoded))

@@ -15,7 +15,7 @@ from jaxtyping import PyTree
 from ._misc import named_sharding
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
-from ._traced import QuantTraced, replaced
+from ._traced import QuantTraced, each_layer_array, replaced, two_level
 from ._tree import map_nodes, nodes, path_string
 from .nn._converted import AbstractConvertedLayer, ConvertedConv, ConvertedEmbedding, ConvertedLinear
 from .nn._einsum import QuantEinsum
@@ -92,7 +92,7 @@ def sharded_like(tensor: QuantizedArray, weight: Any) -> QuantizedArray:
         values=place(tensor.values, codes),
         scale=place(tensor.scale, scales),
         zero_point=place(tensor.zero_point, scales),
-        tensor_scale=place(tensor.tensor_scale, whole[:depth]),
+        tensor_scale=place(tensor.tensor_scale, whole[: depth + tensor.layout.stacked]),
     )
 
 
@@ -108,6 +108,12 @@ def _weight_quantization(depth: int) -> Callable[[Any, Any], Any]:
     """`quantizer.quantize(weight)` for a layer stacked `depth` times, compiled: one program per layer (reused across
     layers of the same shapes and an equal quantizer), rather than one per operation of an eager call."""
     return eqx.filter_jit(per_layer(lambda quantizer, weight: quantizer.quantize_array(weight), depth))
+
+
+@functools.cache
+def _layers_quantization(depth: int) -> Callable[[Any, Any], Any]:
+    """`each_layer_array` of a traced weight stacked `depth` times, compiled."""
+    return eqx.filter_jit(lambda quantizer, weight: each_layer_array(quantizer, weight, depth))
 
 
 def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> PyTree:
@@ -263,6 +269,9 @@ def _convert_traced(traced: QuantTraced, matmul: str | None) -> QuantTraced:
         if quantizer is None or isinstance(leaf, QuantizedArray):
             return leaf
         _check_finite_weight(f"Traced weight {path_string(key_path)!r}", leaf)
+        depth = 0 if i is None else len(traced.stacks[i])
+        if two_level(quantizer) and depth:  # one tensor scale per layer of the stack, as the traced model takes them
+            return _placed(_layers_quantization(depth)(_whole_tensor(quantizer), leaf), leaf)
         return _placed(_weight_quantization(0)(_whole_tensor(quantizer), leaf), leaf)
 
     is_stored = lambda x: isinstance(x, QuantizedArray)  # noqa: E731

@@ -153,7 +153,8 @@ def is_tensor(leaf: Any) -> bool:
 
 
 def resolve_names(names: Names, paths: list[str], what: str) -> dict[str, str | None]:
-    """The file's name of each path (`None`: left out), from `names`; a mapping must name every path, and only them."""
+    """The file's name of each path (`None`: left out), from `names`; a mapping must name every path, and only them,
+    and `names` must keep at least one."""
     if names is None:
         return {path: path for path in paths}
     if isinstance(names, Mapping):
@@ -175,6 +176,9 @@ def resolve_names(names: Names, paths: list[str], what: str) -> dict[str, str | 
     for path, name in out.items():
         if name is not None and not isinstance(name, str):
             raise TypeError(f"`names` must give a string (or None) for each tensor, got {name!r} for {path!r}.")
+    if paths and all(out[path] is None for path in paths):
+        raise ValueError(f"`names` leaves out every tensor of `{what}` (None for each of {paths}), which leaves "
+                         f"nothing to write or read, got names={names!r}.")  # fmt: skip
     return out  # pyright: ignore[reportReturnType]
 
 

@@ -213,7 +213,7 @@ def _apply(
     dtype, checked, and alike in `jax.shard_map`), cast back to the dtype of `x`."""
     dtype = compute_dtype(x.dtype)
     scale = prepare_scale(scale, x.shape, dtype, check=fmt.scale == "float32")
-    zero_point = None if zero_point is None else prepare_zero_point(zero_point, x.shape, dtype)
+    zero_point = None if zero_point is None else prepare_zero_point(zero_point, x.shape, dtype, fmt)
     if tensor_scale is not None:
         tensor_scale = jnp.asarray(tensor_scale).astype(dtype)
     xc, scale, zero_point, tensor_scale = vary_alike(x.astype(dtype), scale, zero_point, tensor_scale)
@@ -270,23 +270,41 @@ def prepare_scale(scale: object, x_shape: tuple[int, ...], dtype: np.dtype, *, c
     return scale
 
 
-def prepare_zero_point(zero_point: object, x_shape: tuple[int, ...], dtype: np.dtype) -> Array | None:
-    """Validates `zero_point` and returns it as an array of `dtype`, or `None` for a zero Python int."""
+def check_zero_points(zero_point: object, fmt: Format | None = None, integer: bool = True) -> None:
+    """Raises unless the zero points `zero_point` (concrete numbers) are finite and integer-valued (unless
+    `integer=False`: a learned zero point, rounded as it is used), and lie in `[qmin, qmax]` on an integer grid
+    `fmt`: the one check of static, initial and concrete zero points."""
+    z = np.asarray(zero_point)
+    if z.dtype.kind not in "iuf":
+        z = z.astype(np.float64)  # Python ints beyond int64
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(z) & ((z == np.round(z)) | (not integer))
+        kind = "integer-valued" if integer else "finite"
+        requirement = f"{kind} and finite" if integer else "finite"
+        if isinstance(fmt, IntFormat):
+            ok = ok & (z >= fmt.qmin) & (z <= fmt.qmax)
+            requirement = f"{kind} and in [qmin, qmax] = [{fmt.qmin}, {fmt.qmax}]"
+    _check_values("zero_point", z, ok, requirement)
+
+
+def prepare_zero_point(
+    zero_point: object, x_shape: tuple[int, ...], dtype: np.dtype, fmt: Format | None = None
+) -> Array | None:
+    """Validates `zero_point` (type, broadcasting, and its value when concrete, on the grid of `fmt` if given) and
+    returns it as an array of `dtype`, or `None` for a zero Python int."""
     if isinstance(zero_point, (bool, np.bool_)):
         raise TypeError(f"`zero_point` must be an int or an integer-valued float array, got {zero_point!r}.")
     if isinstance(zero_point, (int, np.integer)):
         if int(zero_point) == 0:
             return None
+        check_zero_points(int(zero_point), fmt)  # before the cast, which an int beyond int32 would overflow
     zero_point = jnp.asarray(zero_point)
     if not (jnp.issubdtype(zero_point.dtype, jnp.floating) or jnp.issubdtype(zero_point.dtype, jnp.integer)):
         raise TypeError(f"`zero_point` must be an int or an integer-valued float array, got dtype {zero_point.dtype}.")
     check_broadcastable("zero_point", zero_point.shape, x_shape)
     zero_point = zero_point.astype(dtype)
     if is_concrete(zero_point):
-        z = np.asarray(zero_point)
-        with np.errstate(invalid="ignore"):
-            ok = np.isfinite(z) & (z == np.round(z))
-        _check_values("zero_point", z, ok, "integer-valued and finite")
+        check_zero_points(zero_point, fmt)
     return zero_point
 
 
@@ -334,9 +352,9 @@ def fake_quant(
         shape (per-channel or per-group scales, e.g. of shape `(channels, 1)`).
     - `qmin`, `qmax`: the inclusive integer range, Python ints (or NumPy integer scalars) with `qmin <= qmax`; see
         [`eqx_quant.int_range`][].
-    - `zero_point`: the integer that represents real zero. A Python int, or an integer-valued array broadcastable to
-        `x`. A float array receives a gradient; a learned zero point must be rounded before it is passed here, as
-        [`eqx_quant.LearnedFakeQuant`][] does with a straight-through rounding.
+    - `zero_point`: the integer that represents real zero, in `[qmin, qmax]`. A Python int, or an integer-valued
+        array broadcastable to `x`. A float array receives a gradient; a learned zero point must be rounded before
+        it is passed here, as [`eqx_quant.LearnedFakeQuant`][] does with a straight-through rounding.
 
     **Returns:**
 
@@ -346,7 +364,7 @@ def fake_quant(
 
     `TypeError` for a non-integer or bool `qmin`/`qmax`, or a non-real `x`, `scale` or `zero_point`. `ValueError` if
     `qmin > qmax`, if `scale` or `zero_point` does not broadcast to `x`, if `scale` is not finite, positive and normal
-    (nor its reciprocal), or if `zero_point` is not integer-valued and finite.
+    (nor its reciprocal), or if `zero_point` is not integer-valued and finite or lies outside `[qmin, qmax]`.
 
     !!! note "Values known only at run time"
 
@@ -541,7 +559,7 @@ def fake_quant_format(
         normal; an E8M0 scale is a power of two (0 standing for `2**-127`), an E4M3 one a non-negative
         `float8_e4m3fn` value, or NaN for a block that quantizes to NaN (each checked when concrete).
     - `format`: a [`eqx_quant.Format`][], its name, or an int (signed integers of that many bits).
-    - `zero_point`: the integer that represents 0, for integer grids with float32 scales.
+    - `zero_point`: the integer that represents 0, in `[qmin, qmax]`, for integer grids with float32 scales.
     - `tensor_scale`: the float32 scale of the whole tensor of two-level formats (NVFP4): finite and non-negative
         (checked when concrete; 0 quantizes to zeros).
 

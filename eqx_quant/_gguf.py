@@ -52,6 +52,9 @@ _SCALAR_CODES = {_UINT8: "<B", _INT8: "<b", _UINT16: "<H", _INT16: "<h", _UINT32
 _NUMPY_VALUE_TYPES = {"uint8": _UINT8, "int8": _INT8, "uint16": _UINT16, "int16": _INT16, "uint32": _UINT32,
                       "int32": _INT32, "float32": _FLOAT32, "bool": _BOOL, "uint64": _UINT64, "int64": _INT64,
                       "float64": _FLOAT64}  # fmt: skip
+# The types GGUF's specification gives the standard keys that llama.cpp reads while loading a file (and checks)
+_STANDARD_KEYS = {"general.architecture": str, "general.name": str, "general.alignment": np.uint32,
+                  "general.quantization_version": np.uint32, "general.file_type": np.uint32}  # fmt: skip
 
 
 def _ggml_type(fmt: Format, layout: Layout, shape: tuple[int, ...]) -> int | None:
@@ -143,14 +146,32 @@ def _string(text: str) -> bytes:
     return struct.pack("<Q", len(data)) + data
 
 
+def _int_type(items: list[int], key: str, value: Any) -> int:
+    """INT32, else INT64, else UINT64: the first of GGUF's integer types that holds every item."""
+    low, high = min(items, default=0), max(items, default=0)
+    if -(2**31) <= low and high < 2**31:
+        return _INT32
+    if -(2**63) <= low and high < 2**63:
+        return _INT64
+    if 0 <= low and high < 2**64:
+        return _UINT64
+    raise ValueError(f"`metadata`[{key!r}]={value!r} holds an integer outside GGUF's 64-bit types (INT64 and UINT64: "
+                     "-2**63 to 2**64 - 1).")  # fmt: skip
+
+
 def _value_type(value: Any, key: str) -> int:
     if isinstance(value, np.generic | np.ndarray) and value.dtype.name in _NUMPY_VALUE_TYPES:
         return _ARRAY if isinstance(value, np.ndarray) and value.ndim else _NUMPY_VALUE_TYPES[value.dtype.name]
     if isinstance(value, bool):
         return _BOOL
     if isinstance(value, int):
-        return _INT32 if -(2**31) <= value < 2**31 else _INT64
+        return _int_type([value], key, value)
     if isinstance(value, float):
+        try:
+            struct.pack("<f", value)
+        except OverflowError:
+            raise ValueError(f"`metadata`[{key!r}]={value!r} is beyond FLOAT32, the type of a Python float: pass "
+                             "np.float64(value) for a FLOAT64.") from None  # fmt: skip
         return _FLOAT32
     if isinstance(value, str):
         return _STRING
@@ -173,18 +194,24 @@ def _encode_value(value: Any, kind: int, key: str) -> bytes:
             raise ValueError(f"`metadata`[{key!r}] must be a 1-D array, got shape {value.shape}.")
         inner = _NUMPY_VALUE_TYPES[value.dtype.name]
     else:
-        kinds = {_value_type(item, key) for item in items}
-        if _ARRAY in kinds or len(kinds) > 1:
-            raise ValueError(f"`metadata`[{key!r}] must be a list of values of one type, got {value!r}.")
-        inner = kinds.pop() if kinds else _INT32
-        if inner == _INT32 and any(not -(2**31) <= item < 2**31 for item in items):
-            inner = _INT64
+        if items and all(type(item) is int for item in items):  # Python ints: the type that holds them all
+            inner = _int_type(items, key, value)
+        else:
+            kinds = {_value_type(item, key) for item in items}
+            if _ARRAY in kinds or len(kinds) > 1:
+                raise ValueError(f"`metadata`[{key!r}] must be a list of values of one type, got {value!r}.")
+            inner = kinds.pop() if kinds else _INT32
     return struct.pack("<IQ", inner, len(items)) + b"".join(_encode_value(item, inner, key) for item in items)
 
 
-def _write(path: str | os.PathLike, metadata: dict[str, Any], tensors: list[tuple[str, int, tuple[int, ...], bytes]]):
+def _write(
+    path: str | os.PathLike,
+    metadata: dict[str, Any],
+    tensors: list[tuple[str, int, tuple[int, ...], bytes]],
+    alignment: int,
+):
     """A GGUF (version 3) file: the header, the metadata, the tensor descriptions, then the data, each tensor's at an
-    offset aligned to 32 bytes."""
+    offset aligned to `alignment` bytes."""
     head = [_MAGIC, struct.pack("<IQQ", _VERSION, len(tensors), len(metadata))]
     for key, value in metadata.items():
         kind = _value_type(value, key)
@@ -194,15 +221,15 @@ def _write(path: str | os.PathLike, metadata: dict[str, Any], tensors: list[tupl
         dims = tuple(reversed(shape)) or (1,)  # GGUF lists the fastest-varying axis first
         head.append(_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims))
         head.append(struct.pack("<IQ", ggml, offset))
-        offset += len(data) + (-len(data) % _ALIGNMENT)
+        offset += len(data) + (-len(data) % alignment)
     header = b"".join(head)
-    header += b"\0" * (-len(header) % _ALIGNMENT)
+    header += b"\0" * (-len(header) % alignment)
 
     def write(f):
         f.write(header)
         for _, _, _, data in tensors:
             f.write(data)
-            f.write(b"\0" * (-len(data) % _ALIGNMENT))
+            f.write(b"\0" * (-len(data) % alignment))
 
     write_replacing(path, write)
 
@@ -244,18 +271,24 @@ def export_gguf(
         `"blk.{layer}.attn_q.weight"` becoming `blk.0.attn_q.weight`, `blk.1.attn_q.weight`, ...; without it, a
         stacked tensor is one tensor with the stack as its slowest axes.
     - `metadata`: key-value pairs written into the file, in order. Python values take `gguf`'s types (`bool`,
-        `int` as INT32 (INT64 beyond it), `float` as FLOAT32, `str`, lists as arrays); NumPy scalars and 1-D arrays
-        keep theirs (`np.uint32(4096)`: llama.cpp reads most integer keys as UINT32).
-        `general.quantization_version` is 2 unless given.
+        `int` as INT32 (INT64, then UINT64, beyond it), `float` as FLOAT32, `str`, lists as arrays); NumPy scalars
+        and 1-D arrays keep theirs (`np.uint32(4096)`: llama.cpp reads most integer keys as UINT32). The standard
+        keys llama.cpp checks take GGUF's types: `general.architecture` and `general.name` a `str`;
+        `general.alignment`, `general.quantization_version` and `general.file_type` UINT32 (a Python `int` is
+        written so). `general.quantization_version` is 2 unless given; `general.alignment` (a power of two, 32
+        unless given) is the alignment the tensors' data is written at. The file states no `general.architecture`
+        unless given.
     - `float_type`: `"F32"`, `"F16"` or `"BF16"`: the type of float tensors of rank 2 or more (rank 0 and 1 are
         always F32, as llama.cpp reads its norms).
 
     **Raises:**
 
-    `ValueError`, before anything is written: for a quantized weight whose format has no GGML type (naming the
-    layer, the format and its blocks); for a layer that is quantized but not converted, or that quantizes its input
-    (or any other quantizer in the model); for names that repeat, exceed 63 bytes, or a `names` mapping that misses a
-    tensor or names one the model does not have. `TypeError` for metadata of other types.
+    `ValueError`, before anything is written: for a model without arrays; for a quantized weight whose format has no
+    GGML type (naming the layer, the format and its blocks); for a layer that is quantized but not converted, or
+    that quantizes its input (or any other quantizer in the model); for names that repeat, exceed 63 bytes, leave
+    out every tensor, or a `names` mapping that misses a tensor or names one the model does not have; for a metadata
+    integer outside INT64 and UINT64, a float beyond FLOAT32, or a `general.alignment` that is not a power of two of
+    at least 8. `TypeError` for metadata of other types (and standard keys of other types than GGUF's).
 
     !!! example
 
@@ -275,11 +308,27 @@ def export_gguf(
     """
     if float_type not in ("F32", "F16", "BF16"):
         raise ValueError(f"`float_type` must be 'F32', 'F16' or 'BF16', got float_type={float_type!r}.")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise TypeError(f"`metadata` must be a mapping or None, got metadata={metadata!r} of type "
+                        f"{type(metadata).__name__}.")  # fmt: skip
     metadata = dict(metadata or {})
     for key in metadata:
         if not isinstance(key, str):
             raise TypeError(f"`metadata` keys must be strings, got {key!r}.")
     metadata.setdefault("general.quantization_version", np.uint32(2))
+    for key, kind in _STANDARD_KEYS.items():
+        if key not in metadata:
+            continue
+        value = metadata[key]
+        if kind is np.uint32 and type(value) is int and 0 <= value < 2**32:
+            value = metadata[key] = np.uint32(value)
+        if not isinstance(value, kind):
+            want = "a str" if kind is str else "an np.uint32 (or an int from 0 to 2**32 - 1)"
+            raise TypeError(f"`metadata`[{key!r}] must be {want}, its type in GGUF, which llama.cpp checks; got "
+                            f"{value!r} of type {type(value).__name__}.")  # fmt: skip
+    alignment = int(metadata.get("general.alignment", _ALIGNMENT))
+    if alignment < 8 or alignment & (alignment - 1):
+        raise ValueError(f"`metadata`['general.alignment'] must be a power of two of at least 8, got {alignment}.")
     for key, value in metadata.items():
         _encode_value(value, _value_type(value, key), key)  # checked before anything is computed
     tied = check_exportable(model, "a GGUF file")  # tied heads: their weight quantizer requantizes the table
@@ -292,6 +341,8 @@ def export_gguf(
                 "'q8_0', 'q4_0', 'q5_0' do)."
             )
     arrays = [(name, leaf) for name, leaf in leaves if is_tensor(leaf)]
+    if not arrays:
+        raise ValueError(f"`model` has no array to write to a GGUF file, got model={model!r}.")
     for name, leaf in arrays:
         if isinstance(leaf, QuantizedArray) and _ggml_type(leaf.format, leaf.layout, leaf.shape) is None:
             if leaf.layout.group_size is not None:
@@ -325,7 +376,7 @@ def export_gguf(
                 raise ValueError(f"Two tensors are named {part!r}: {seen[part]!r} and {where!r}.")
             seen[part] = where
             tensors.append((part, *_tensor_data(piece, float_type)))
-    _write(path, metadata, tensors)
+    _write(path, metadata, tensors, alignment)
 
 
 def _tensor_data(leaf: Any, float_type: str) -> tuple[int, tuple[int, ...], bytes]:
@@ -383,17 +434,31 @@ class _Reader:
                 size = count * _PLAIN[ggml].itemsize
             else:
                 size = 0
+            if start + offset + size > len(self.data):
+                raise self._truncated(f"the data of tensor {name!r}")
             raw = np.frombuffer(self.data, np.uint8, size, start + offset)
             self.tensors[name] = (ggml, shape, raw)
 
+    def _truncated(self, what: str) -> ValueError:
+        return ValueError(f"`path`={self.path!r} is truncated or not a GGUF file: {what} would end past its "
+                          f"{len(self.data)} bytes.")  # fmt: skip
+
     def _unpack(self, fmt: str) -> tuple:
+        if self.pos + struct.calcsize(fmt) > len(self.data):
+            raise self._truncated(f"the header's field at byte {self.pos}")
         out = struct.unpack_from(fmt, self.data, self.pos)
         self.pos += struct.calcsize(fmt)
         return out
 
     def _string(self) -> str:
         (n,) = self._unpack("<Q")
-        text = self.data[self.pos : self.pos + n].decode()
+        if self.pos + n > len(self.data):
+            raise self._truncated(f"the header's string at byte {self.pos}")
+        try:
+            text = self.data[self.pos : self.pos + n].decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"`path`={self.path!r} is not a GGUF file: its string at byte {self.pos} is not "
+                             "UTF-8.") from None  # fmt: skip
         self.pos += n
         return text
 
@@ -403,6 +468,8 @@ class _Reader:
         if kind == _ARRAY:
             inner, n = self._unpack("<IQ")
             return [self._value(inner) for _ in range(n)]
+        if kind not in _SCALAR_CODES:
+            raise ValueError(f"`path`={self.path!r} is not a GGUF file: a metadata value has the unknown type {kind}.")
         return self._unpack(_SCALAR_CODES[kind])[0]
 
 
@@ -477,8 +544,9 @@ def load_gguf(path: str | os.PathLike, like: PyTree, *, names: Names = None) -> 
 
     **Raises:**
 
-    `ValueError` if the file is not GGUF, lacks a tensor that `like` needs, holds one of another shape, of a type
-    eqx_quant does not read, or a float tensor where `like` has a quantized array.
+    `ValueError` if `like` has no array (or `names` leaves out every one), the file is not GGUF or is truncated,
+    lacks a tensor that `like` needs, holds one of another shape, of a type eqx_quant does not read, or a float
+    tensor where `like` has a quantized array.
 
     !!! example
 
@@ -498,10 +566,13 @@ def load_gguf(path: str | os.PathLike, like: PyTree, *, names: Names = None) -> 
         print(bool((qat.layers[0].layer.weight == model.layers[0].weight).all()))  # True
         ```
     """
-    reader = _Reader(path)
     leaves, treedef = named_leaves(like)
     arrays = [name for name, leaf in leaves if is_tensor(leaf)]
+    if not arrays:
+        raise ValueError(f"`like` has no array to read into, got like={like!r}: give the model whose arrays the file "
+                         "holds.")  # fmt: skip
     mapped = resolve_names(names, arrays, "like")
+    reader = _Reader(path)
     new = []
     for name, leaf in leaves:
         if not is_tensor(leaf) or mapped[name] is None:

@@ -51,6 +51,7 @@ def _check(
         raise ValueError(
             f"`hessian` must have shape ({n}, {n}) for a weight of shape {weight.shape}, got shape {hessian.shape}."
         )
+    _check_values(weight, hessian)
     if isinstance(fmt, IntFormat) and not (fmt.qmin <= 0 < fmt.qmax):
         raise ValueError(
             f"GPTQ quantizes symmetrically: the grid needs `qmin` <= 0 < `qmax`, got qmin={fmt.qmin} and "
@@ -73,6 +74,30 @@ def _check(
     if check_int("block_size", block_size) < 1:
         raise ValueError(f"`block_size` must be >= 1, got block_size={block_size}.")
     check_scale_method(method, num_candidates, fmt)
+
+
+def _check_values(weight: Array, hessian: Array) -> None:
+    """Raises for concrete values GPTQ cannot solve with: a non-finite weight or Hessian entry, a negative diagonal
+    entry of the Hessian (no second moment has one) or a zero Hessian (which would zero the whole weight)."""
+    for name, array in (("weight", weight), ("hessian", hessian)):
+        if not isinstance(array, jax.core.Tracer):
+            bad = np.argwhere(~np.isfinite(np.asarray(array)))
+            if len(bad):
+                index = tuple(int(i) for i in bad[0])
+                raise ValueError(f"`{name}` must be finite, got {np.asarray(array)[index]} at index {index}.")
+    if isinstance(hessian, jax.core.Tracer):
+        return
+    diagonal = np.diagonal(np.asarray(hessian))
+    if (diagonal < 0).any():
+        i = int(np.argmax(diagonal < 0))
+        raise ValueError(
+            f"`hessian` must be a second moment `Σ x xᵀ`, whose diagonal is >= 0, got {diagonal[i]} at index "
+            f"({i}, {i})."
+        )
+    if not diagonal.any():
+        raise ValueError(
+            "`hessian` is zero (the calibration inputs were all zero): GPTQ would set every weight to zero."
+        )
 
 
 def check_scale_method(method: object, num_candidates: object, fmt: Format | None = None) -> None:
@@ -165,9 +190,11 @@ def gptq_quantize(
     **Raises:**
 
     `TypeError` for non-floating `weight` or `hessian`, or arguments of the wrong type; `ValueError` for shapes that
-    do not fit, a grid without 0 or positive levels, a `group_size` that does not divide `in_features`, a negative or
-    non-finite `damp`, a `block_size` below 1, a `method` other than `"absmax"` and `"mse"` (or `"mse"` on a
-    format with block scales) or a `num_candidates` below 1.
+    do not fit, a NaN or infinite entry of `weight` or `hessian`, a negative diagonal entry of `hessian` or a zero
+    `hessian` (values checked where they are known, outside `jax.jit` and `jax.vmap`), a grid without 0 or positive
+    levels, a `group_size` that does not divide `in_features`, a negative or non-finite `damp`, a `block_size`
+    below 1, a `method` other than `"absmax"` and `"mse"` (or `"mse"` on a format with block scales) or a
+    `num_candidates` below 1.
 
     !!! note
 

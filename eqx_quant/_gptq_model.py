@@ -20,6 +20,7 @@ from ._misc import (
     FLOAT32_TINY,
     as_where,
     caller_stacklevel,
+    check_flags,
     check_real,
     named_sharding,
     placed_like,
@@ -33,6 +34,7 @@ from ._observe import (
     check_called,
     check_convolutions,
     check_not_converted,
+    check_not_one_array,
     checked,
     fold,
     layer_stack,
@@ -253,7 +255,10 @@ def gptq(
     inputs' rounding noise: compare on held-out data.
 
     **Non-finite data.** NaN and infinite calibration inputs count as zeros in the Hessians, with a warning that
-    counts them per layer.
+    counts them per layer. A layer (or layer of a stack) whose calibration inputs are all zero so has a zero Hessian,
+    on which GPTQ would set its whole weight to zero: a `ValueError` names it. A NaN or infinite weight entry, which
+    the error feedback would spread over its row, is a `ValueError` naming the weight and the index, before the
+    batches are read.
 
     **Arguments:**
 
@@ -316,9 +321,9 @@ def solve_weights(
     and the weight solved is the least-squares map of those onto the float outputs, damped by it (`_mapped`)."""
     check_callable(model)
     check_not_converted(model, name)
-    if not isinstance(sequential, bool):
-        raise TypeError(f"`sequential` must be a bool, got sequential={sequential!r}.")
-    where = as_where(where)
+    check_flags(sequential=sequential, batched=batched, progress=progress)
+    check_not_one_array(batches)
+    given, where = where, as_where(where)
     layers = [
         (path, layer)
         for path, layer in nodes(model, (QuantLinear,))
@@ -326,6 +331,12 @@ def solve_weights(
         if layer.weight_quant is not None and eqx.is_array(layer.layer.weight)
     ]
     if where is not None:
+        candidates = [path for path, _ in layers] + [
+            join_path(root, inner)
+            for root, traced in nodes(model, (QuantTraced,))
+            for inner, target in traced_inputs(traced)
+            if traced.weight_quants[target.index] is not None
+        ]
         layers = [(path, layer) for path, layer in layers if where(path, layer)]
     traced, unpaired = _traced_targets(model, where, name)
     left = (
@@ -335,6 +346,8 @@ def solve_weights(
         else ""
     )
     check_convolutions(model, where, name, lambda layer: layer.weight_quant is not None)
+    if where is not None and candidates and not layers and not traced:
+        raise ValueError(f"`where`={given!r} chooses none of the weights `{name}` can solve: {candidates}.")
     if not layers and not traced:
         raise ValueError(
             f"`model` has no QuantLinear layer (nor traced weight) with a weight quantizer to quantize with `{name}`"
@@ -350,6 +363,11 @@ def solve_weights(
             make_solve(fmt, group_size)
         except ValueError as error:
             raise ValueError(f"{what}: {error}") from None
+
+    for what, weight in [(f"Layer {path!r}", layer.layer.weight) for path, layer in layers] + [
+        (f"Traced weight {t.name!r}", t.weight) for t in traced
+    ]:
+        _check_finite(what, weight, name)
 
     def check_inputs(traced: list) -> None:  # before the batches are read, and once the tied weights are left out
         unquantized = all(layer.input_quant is None for _, layer in layers)
@@ -411,6 +429,36 @@ def _with_batches(traced: list["_TracedTarget"], reads: dict[str, str | None], p
             t = t._replace(batch=axes)
         kept.append(t)
     return kept
+
+
+def _check_finite(what: str, weight: Array, name: str) -> None:
+    """A `ValueError` naming `what` if its concrete `weight` holds NaN or infinity, which the solvers' error feedback
+    would spread over its row (NaN becoming zeros)."""
+    if isinstance(weight, jax.core.Tracer):
+        return
+    bad = np.argwhere(~np.isfinite(np.asarray(weight)))
+    if len(bad):
+        index = tuple(int(i) for i in bad[0])
+        raise ValueError(
+            f"{what} has a non-finite weight entry, {np.asarray(weight)[index]} at index {index}, which `{name}` "
+            "cannot solve for (its error feedback would spread it over the row). Replace it before calling "
+            f"`{name}`, or leave the weight out with `where`."
+        )
+
+
+def _check_seen(grams: dict[str, list[dict[str, Any]]], name: str, kind: str = "Layer", index: int | None = None):
+    """A `ValueError` naming the weight whose calibration inputs were all zero (NaN and infinite entries count as
+    zeros): its Hessian is zero, and GPTQ would set every entry of the weight to zero."""
+    for path, records in grams.items():
+        for k, record in enumerate(records):
+            if not np.diagonal(np.asarray(record["gram"]), axis1=-2, axis2=-1).any():
+                at = index if index is not None else k if len(records) > 1 else None
+                where = "" if at is None else f" (layer {at} of its stack)"
+                raise ValueError(
+                    f"{kind} {path!r}{where} saw no nonzero calibration input (NaN and infinite entries count as "
+                    f"zeros): its Hessian is zero, and `{name}` would set its whole weight to zero. Pass batches "
+                    "that reach it with data, or leave it out with `where`."
+                )
 
 
 def _solve_apart(solve: Callable, weight: Array, record: dict[str, Any], damp: float | None, t: "_TracedTarget"):
@@ -517,6 +565,7 @@ def _solve_layers(model, layers, batches, name, make_solve, sequential, batched,
         grams = fold(model, layers, batches, batched, statistic, data, progress=progress,
                      description=f"{name} (Hessians)")  # fmt: skip
         check_called(layers, grams)
+        _check_seen(grams, name)
         solved = {}
         for path, layer in progress_bar(layers, progress, f"{name} (layers)"):
             stack, weight = layer_stack(layer), layer.layer.weight
@@ -674,6 +723,7 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
         grams = fold(model, observed(targets), batches, batched, statistic, data, progress=progress,
                      description=f"{name} (Hessians)", apart=apart)  # fmt: skip
         check_called(observed(targets), grams)
+        _check_seen(grams, name, "Traced weight")
         for t in targets:
             for k in range(layers(t)):
                 parts[t.name][k] = _solve_apart(solve[t.name], flat[t.name][k], grams[t.name][k], input_damp, t)
@@ -703,6 +753,7 @@ def _solve_traced(model, targets, make_solve, batches, name, sequential, batched
         for t, k in progress_bar(steps, progress, f"{name} (layers)"):
             grams = fold(current, observed([t]), batches, batched, statistic, data, apart=apart)
             check_called(observed([t]), grams)
+            _check_seen({t.name: grams[t.name][k : k + 1]}, name, "Traced weight", k if t.stack else None)
             parts[t.name][k] = _solve_apart(solve[t.name], flat[t.name][k], grams[t.name][k], input_damp, t)
             flat[t.name] = flat[t.name].at[k].set(parts[t.name][k][0])
             traced = dict(nodes(current, (QuantTraced,)))[t.root]
@@ -755,6 +806,7 @@ def _sequential(model, layers, solve, batches, batched, progress, name, input_da
         layer = dict(nodes(current, (QuantLinear,)))[path]
         grams = fold(current, [(path, layer)], batches, batched, *_statistic(input_damp, {path: layer.input_quant}))
         check_called([(path, layer)], grams)
+        _check_seen({path: grams[path][k : k + 1]}, name, "Layer", k if stacks[path] else None)
         stack = stacks[path]
         weights = layer.layer.weight.reshape((-1,) + layer.layer.weight.shape[len(stack) :])
         result = _solved(solve[path], weights[k], grams[path][k], input_damp)

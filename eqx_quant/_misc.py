@@ -27,6 +27,13 @@ def check_int(name: str, value: object) -> int:
     return int(value)
 
 
+def check_flags(**flags: object) -> None:
+    """A `TypeError` naming the first of `flags` that is not a bool, and its value."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"`{name}` must be a bool, got {name}={flag!r}.")
+
+
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 

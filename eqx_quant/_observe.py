@@ -459,7 +459,12 @@ def check_examples(batch: PyTree, i: int) -> None:
     """A `ValueError` for a batch of no examples (every array of it with a leading axis of length 0), whose
     statistics would be reductions over nothing."""
     arrays = [a for a in jax.tree.leaves(batch) if getattr(a, "ndim", 0)]
-    if arrays and all(a.shape[0] == 0 for a in arrays):
+    if not arrays:
+        raise ValueError(
+            f"`batches` holds a batch without arrays: batch {i} is {batch!r}; each batch is the model's input (an "
+            "array, or a PyTree of them) with a leading batch axis."
+        )
+    if all(a.shape[0] == 0 for a in arrays):
         shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in arrays)
         raise ValueError(
             f"`batches` holds a batch of no examples: batch {i} has arrays {shapes}, whose leading (batch) axis has "
@@ -468,7 +473,13 @@ def check_examples(batch: PyTree, i: int) -> None:
 
 
 def check_not_one_array(batches: object) -> None:
-    """A `TypeError` for one array passed as `batches`: iterating it would take its rows for the batches."""
+    """A `TypeError` for `batches` that are not an iterable of batches, or one array: iterating it would take its
+    rows for the batches."""
+    if not isinstance(batches, Iterable) or isinstance(batches, (str, bytes)):
+        raise TypeError(
+            "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), got "
+            f"{batches!r} of type {type(batches).__name__}."
+        )
     if isinstance(batches, (jax.Array, np.ndarray)):
         raise TypeError(
             "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), got one "

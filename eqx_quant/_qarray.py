@@ -51,7 +51,8 @@ class QuantizedArray(eqx.Module):
         127; 255 is NaN), or one `float8_e4m3fn` byte per block.
     - `zero_point`: the zero points of an asymmetric integer grid (floats holding integers), else `None`.
     - `tensor_scale`: the float32 scale of the whole tensor of two-level formats (NVFP4; float64 for float64
-        tensors, as `scale`), else `None`.
+        tensors, as `scale`), else `None`; one per index of the layout's `stacked` leading axes (a traced weight
+        stacked along them, one tensor scale per layer), of the shape of those axes.
 
     The static fields say what the codes mean: `format` (a [`eqx_quant.Format`][]), `layout`, and the `shape` and
     `dtype` of the tensor. Arrays of stacked layers (built with `eqx.filter_vmap`) carry the stack in front of every
@@ -125,7 +126,10 @@ class QuantizedArray(eqx.Module):
 
     def scales(self) -> Scales:
         """The scales as the quantizer computed with them (decoded from their stored form), with the stacked axes."""
-        return Scales(decode_scale(self.format, self.scale, self._compute_dtype), self.zero_point, self.tensor_scale)
+        tensor_scale = self.tensor_scale
+        if self.layout.stacked and tensor_scale is not None:
+            tensor_scale = self._per_tensor(lambda t: _on_view(t, len(self.view_shape)))(tensor_scale)
+        return Scales(decode_scale(self.format, self.scale, self._compute_dtype), self.zero_point, tensor_scale)
 
     @property
     def _compute_dtype(self) -> np.dtype:
@@ -134,6 +138,7 @@ class QuantizedArray(eqx.Module):
     def _dequantize(self) -> Array:
         def one(values, scale, zero_point, tensor_scale):
             levels = self.format.decode(self._unpacked(values).reshape(self.view_shape), self._compute_dtype)
+            tensor_scale = _on_view(tensor_scale, len(self.view_shape)) if self.layout.stacked else tensor_scale
             scales = Scales(decode_scale(self.format, scale, self._compute_dtype), zero_point, tensor_scale)
             return dequantize_levels(levels, scales, self.format).reshape(self.shape).astype(self.dtype)
 
@@ -180,6 +185,14 @@ class QuantizedArray(eqx.Module):
         return shift_levels(self.unpacked(), self.zero_point, self.format)
 
 
+def _on_view(tensor_scale: Array | None, rank: int) -> Array | None:
+    """A tensor scale broadcasting against a view of rank `rank`: one per index of a layout's stacked axes (its
+    leading axes) takes unit axes after them."""
+    if tensor_scale is None or not tensor_scale.ndim:
+        return tensor_scale
+    return tensor_scale.reshape(tensor_scale.shape + (1,) * (rank - tensor_scale.ndim))
+
+
 def check_storable(x: Array, fmt: Format) -> None:
     """Raises `ValueError` for a concrete `x` holding NaN when `fmt` is a float format with float32 scales and no NaN
     code (FP6, FP4): no code stores it."""
@@ -202,6 +215,9 @@ def quantize_array(
     `pack` packs codes of at most 4 bits at their width, as stored weights are, while `False` keeps one code per
     element, as the integer products take them.
 
+    Under a layout with `stacked` leading axes, a two-level format's tensor scale is one per index of them: given in
+    their shape (or as one for all), stored in their shape.
+
     Raises `ValueError` for a concrete `x` holding NaN when `fmt` is a float format with float32 scales and no NaN
     code (FP6, FP4).
     """
@@ -212,10 +228,14 @@ def quantize_array(
     zero_point = scales.zero_point
     zero_point = prepare_zero_point(0 if zero_point is None else jax.lax.stop_gradient(zero_point), view.shape, compute)
     tensor_scale = scales.tensor_scale
+    on_view = None
     if tensor_scale is not None:
-        tensor_scale = jax.lax.stop_gradient(jnp.asarray(tensor_scale)).astype(compute)
+        tensor_scale = on_view = jax.lax.stop_gradient(jnp.asarray(tensor_scale)).astype(compute)
+        if layout.stacked:  # one per stacked tensor: stored in the shape of the stack
+            tensor_scale = jnp.broadcast_to(tensor_scale, x.shape[: layout.stacked])
+            on_view = _on_view(tensor_scale, view.ndim)
     check_storable(x, fmt)
-    levels = quantize_levels(view.astype(compute), Scales(scale, zero_point, tensor_scale), fmt)
+    levels = quantize_levels(view.astype(compute), Scales(scale, zero_point, on_view), fmt)
     codes = fmt.encode(levels).reshape(x.shape)
     bits = fmt.packed_width if pack else None
     if bits is not None:

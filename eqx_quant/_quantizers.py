@@ -13,6 +13,7 @@ from jaxtyping import Array, ArrayLike, Float, PRNGKeyArray, Real
 from ._clip import clip_passthrough
 from ._fake_quant import (
     check_blocks,
+    check_zero_points,
     e4m3_ste,
     fake_quant_scales,
     pow2_ste,
@@ -45,6 +46,7 @@ from ._misc import (
     check_real,
     compute_dtype,
     flat,
+    is_concrete,
     one_program,
     shards,
 )
@@ -156,7 +158,6 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         return scale, 0 if s.zero_point is None else s.zero_point
 
     def _view(self, x: Array) -> Array:
-        check_float_input(x)
         if self.format.scale != "float32":
             assert self.layout.group_size is not None
             check_blocks(x.shape, self.layout.group_axis, self.layout.group_size, self.format)
@@ -176,6 +177,7 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         An array with the shape and dtype of `x`.
         """
         del key
+        check_input(x)
         return one_program(AbstractFakeQuantizer._call)(self, x)
 
     def _call(self, x: Array) -> Array:
@@ -197,6 +199,7 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         shortened by `group_size` per tile. The zero point is integer-valued (0 when symmetric); a two-level scale is
         given as the product of its two levels, an E8M0 scale `2**-127` as 0. No gradient flows through them.
         """
+        check_input(x)
         return one_program(AbstractFakeQuantizer._quantization_params)(self, x)
 
     def _quantization_params(self, x: Array) -> tuple[Array, Array]:
@@ -230,6 +233,7 @@ class AbstractFakeQuantizer(AbstractQuantizer):
     def quantize_with_mask(self, x: Float[Array, "*shape"], *, pack: bool = False) -> tuple[QuantizedArray, Array]:
         """[`eqx_quant.AbstractFakeQuantizer.quantize_array`][] (unpacked by default), and where its grid points are
         NaN (no integer holds NaN; the integer products take those positions apart)."""
+        check_input(x)
         check_storable(x, self.format)
         return one_program(AbstractFakeQuantizer._quantize_with_mask)(self, x, pack)
 
@@ -246,6 +250,7 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         computation of the scales: what the integer forward of a quantized layer needs of each operand. With
         `value=False`, the first is `x` itself with the call's derivatives (for products that use only the
         fake-quantized operand's tangent); with `mask=False`, the NaN mask is `None` (not computed)."""
+        check_input(x)
         check_storable(x, self.format)
         return one_program(AbstractFakeQuantizer._fake_quant_and_array)(self, x, value, mask)
 
@@ -255,6 +260,14 @@ class AbstractFakeQuantizer(AbstractQuantizer):
         fake = fake_quant_scales(view, scales, self.format, value=value).reshape(x.shape)
         array, nan = quantize_array(x, scales, self.format, self.layout, pack=False, mask=mask)
         return fake, array, nan
+
+
+def check_input(x: object) -> None:
+    """Raises a `TypeError` unless `x` is a floating JAX or NumPy array: what every quantizer's call takes (checked
+    before the call is compiled, which would take a list apart)."""
+    if not isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        raise TypeError(f"`x` must be a floating array, got {x!r} of type {type(x).__name__}.")
+    check_float_input(x)
 
 
 def _format_of(value: object, qmin: object, qmax: object, signed: bool = True, narrow: bool = False) -> Format:
@@ -395,11 +408,7 @@ class FakeQuant(AbstractFakeQuantizer):
         if not fmt.zero_points and any(zp != 0 for zp in flat(self.zero_point)):
             raise ValueError(f"{fmt.name} has no zero point, got zero_point={self.zero_point!r}.")
         if isinstance(fmt, IntFormat):
-            for zp in flat(self.zero_point):
-                if not fmt.qmin <= zp <= fmt.qmax:
-                    raise ValueError(
-                        f"`zero_point` must lie in [qmin, qmax] = [{fmt.qmin}, {fmt.qmax}], got zero_point={zp}."
-                    )
+            check_zero_points(self.zero_point, fmt)
         arrays = [name for name in ("scale", "zero_point") if isinstance(getattr(self, name), tuple)]
         if arrays and self.layout.is_per_tensor():
             if fmt.scale == "float32" and not isinstance(fmt, IntFormat) and arrays == ["scale"]:
@@ -611,7 +620,7 @@ class PassthroughClip(AbstractQuantizer):
 
     def __call__(self, x: Float[Array, "*shape"], *, key: PRNGKeyArray | None = None) -> Float[Array, "*shape"]:
         del key
-        check_float_input(x)
+        check_input(x)
         with jax.named_scope("eqx_quant.PassthroughClip"):
             return clip_passthrough(x, self.lo, self.hi)
 
@@ -792,11 +801,9 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
             `shard_map`'s transpose when the scale is replicated along those axes.)
         - `layout`: instead of `axis`, `group_size` and `group_axis`, the [`eqx_quant.Layout`][] itself.
         """
-        # An explicit dtype: Python numbers would otherwise make weakly typed leaves (which recompile once updated).
-        # A JAX array stays where it is, so a scale computed from a sharded weight keeps the weight's sharding.
-        self.scale = jnp.asarray(scale, jnp.float32)
-        self.zero_point = None if zero_point is None else jnp.asarray(zero_point, jnp.float32)
-        self.tensor_scale = None if tensor_scale is None else jnp.asarray(tensor_scale, jnp.float32)
+        self.scale = _learned_leaf("scale", scale)
+        self.zero_point = None if zero_point is None else _learned_leaf("zero_point", zero_point)
+        self.tensor_scale = None if tensor_scale is None else _learned_leaf("tensor_scale", tensor_scale)
         self.format = _format_of(format, qmin, qmax)
         self.layout = _layout_of(layout, axis, group_size, group_axis)
         self.min_scale = check_real("min_scale", min_scale)
@@ -822,6 +829,8 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
                 raise ValueError(
                     f"`zero_point` must have the shape of `scale`, {self.scale.shape}, got {self.zero_point.shape}."
                 )
+            if is_concrete(self.zero_point):  # a real number, rounded as it is used (and clipped once trained)
+                check_zero_points(self.zero_point, fmt, integer=False)
         if (fmt.scale == "e4m3") != (self.tensor_scale is not None):
             raise ValueError(f"`tensor_scale` is given exactly for two-level scales (NVFP4), got format={fmt.name!r}.")
         if not isinstance(self.scale, jax.core.Tracer):
@@ -948,6 +957,18 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
         scale, zero_point, tensor_scale = _initial_scales(view, layout, x.shape, fmt, min_scale, symmetric, method)
         return cls(scale, zero_point=zero_point, tensor_scale=tensor_scale, format=fmt, axis=layout.axis,
                    group_size=group_size, group_axis=group_axis, min_scale=min_scale, axis_name=axis_name)  # fmt: skip
+
+
+def _learned_leaf(name: str, value: object) -> Array:
+    """A learned quantizer's initial `scale`, `zero_point` or `tensor_scale` as a float32 array, or a `TypeError`
+    naming it."""
+    dtype = value.dtype if isinstance(value, jax.Array) else np.asarray(value).dtype
+    if isinstance(value, (bool, np.bool_)) or not (dtype.kind in "iuf" or dtype == jnp.bfloat16):
+        raise TypeError(f"`{name}` must be a real number or an array of them, got {value!r} of type "
+                        f"{type(value).__name__}.")  # fmt: skip
+    # An explicit dtype: Python numbers would otherwise make weakly typed leaves (which recompile once updated).
+    # A JAX array stays where it is, so a scale computed from a sharded weight keeps the weight's sharding.
+    return jnp.asarray(value, jnp.float32)
 
 
 def paretoq_divisor(fmt: Format) -> float | None:

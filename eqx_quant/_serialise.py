@@ -225,8 +225,19 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
 
     **Raises:**
 
-    `ValueError` if two quantizers or quantized arrays of `model` have the same path (nothing is written).
+    `ValueError` if two quantizers or quantized arrays of `model` have the same path, or if `model` holds no array
+    nor quantizer; `TypeError` for a PRNG key array among its leaves (save `jax.random.key_data(key)` instead);
+    `FileNotFoundError` or `IsADirectoryError` for a `path` in a directory that does not exist or naming a
+    directory. Nothing is written then.
     """
+    check_file_path(path)
+    leaves = jax.tree_util.tree_leaves_with_path(model)
+    for key_path, leaf in leaves:
+        if eqx.is_array(leaf) and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            raise TypeError(
+                f"`model` holds a PRNG key array at {jax.tree_util.keystr(key_path)}, which cannot be saved: save "
+                "`jax.random.key_data(key)` and rebuild the key with `jax.random.wrap_key_data` after loading."
+            )
     found = _header_nodes(model, "model")
     header = {
         "format": "eqx_quant",
@@ -238,6 +249,8 @@ def save(path: str | os.PathLike, model: PyTree) -> None:
     others = _other_quantizers(model, "model")
     if others:  # none in a converted, calibrated model
         header["other_quantizers"] = others
+    if not (found or others or any(eqx.is_array(leaf) for _, leaf in leaves)):
+        raise ValueError(f"`model` holds no array nor quantizer to save, got {type(model).__name__} {_short(model)}.")
     encoded = json.dumps(header, separators=(",", ":")).encode()
 
     def write(f):
@@ -291,11 +304,33 @@ def _arrays_note(path: str | os.PathLike, start: int, like: PyTree) -> str:
     )
 
 
+def _short(value: object) -> str:
+    """`repr(value)`, cut to 80 characters."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def check_file_path(path: object, name: str = "path") -> None:
+    """Raises, naming `name` and its value, unless `path` names a file that can be created or replaced: an existing
+    directory holds it, and it is not a directory itself."""
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"`{name}` must be a str or an os.PathLike, got {path!r} of type {type(path).__name__}.")
+    text = os.fspath(path)
+    if not isinstance(text, str) or not text:
+        raise ValueError(f"`{name}` must name a file, got {name}={path!r}.")
+    if os.path.isdir(text):
+        raise IsADirectoryError(f"`{name}` must name a file, got the directory {name}={text!r}.")
+    directory = os.path.dirname(os.path.realpath(text))
+    if not os.path.isdir(directory):
+        raise FileNotFoundError(f"`{name}` is in a directory that does not exist, got {name}={text!r}.")
+
+
 def write_replacing(path: str | os.PathLike, write: Callable[[Any], None]) -> None:
     """Calls `write` on a fresh temporary file beside `path`, then renames it over `path`: a write that fails leaves
     an existing file at `path` as it was (and no temporary file behind). An existing file keeps its permission bits,
     and a symbolic link at `path` keeps pointing where it did (its target is replaced), as `open(path, "wb")`
     would."""
+    check_file_path(path)
     path = os.path.realpath(os.fspath(path))
     directory, base = os.path.split(path)
     while True:  # a fresh name beside `path`, created with the permissions `open(path, "wb")` would give
@@ -381,10 +416,14 @@ def _rebuilt(
         if kind == "DynamicFakeQuant":
             return DynamicFakeQuant(_format(c), layout=layout, symmetric=c["symmetric"], axis_name=axis_name)
         if kind == "LearnedFakeQuant":  # made for one layer, and stacked like the layer (as `calibrate` makes it)
-            ones = {name: jnp.ones(shape, jnp.float32) for name, shape in arrays.items()}
+            # Placeholders for the file's values; a zero point's lies on the grid, which the quantizer checks.
+            fmt = _format(c)
+            zero = min(max(0, getattr(fmt, "qmin", 0)), getattr(fmt, "qmax", 0))
+            ones = {name: jnp.full(shape, zero if name == "zero_point" else 1, jnp.float32)
+                    for name, shape in arrays.items()}  # fmt: skip
 
             def learned(scale, zero_point, tensor_scale):
-                return LearnedFakeQuant(scale, format=_format(c), zero_point=zero_point, tensor_scale=tensor_scale,
+                return LearnedFakeQuant(scale, format=fmt, zero_point=zero_point, tensor_scale=tensor_scale,
                                         layout=layout, min_scale=c["min_scale"], axis_name=axis_name)  # fmt: skip
 
             stacked = per_layer(learned, len(stack)) if stack else learned

@@ -16,7 +16,16 @@ import numpy as np
 from jaxtyping import Array, PyTree
 
 from ._fold import Fold, find_folds, scale_leaves
-from ._misc import FLOAT32_TINY, as_where, caller_stacklevel, check_int, check_real, keeps_the_mesh, lookup
+from ._misc import (
+    FLOAT32_TINY,
+    as_where,
+    caller_stacklevel,
+    check_flags,
+    check_int,
+    check_real,
+    keeps_the_mesh,
+    lookup,
+)
 from ._observe import (
     check_callable,
     check_called,
@@ -39,12 +48,6 @@ from .nn._transforms import AbstractInputTransform, RotateInput, ScaleInput, abs
 
 # `f(path, layer)`, and `f(name, weight)` for a traced weight; or a regular expression that chosen paths match whole
 Where = Callable[[str, Any], bool] | str | None
-
-
-def _check_flags(**flags: object) -> None:
-    for name, flag in flags.items():
-        if not isinstance(flag, bool):
-            raise TypeError(f"`{name}` must be a bool, got {name}={flag!r}.")
 
 
 def _check_fold(fold: object) -> None:
@@ -324,7 +327,7 @@ def smoothquant(
     check_not_converted(model, "smoothquant")
     where = as_where(where)
     alphas = _check_alphas(alpha)
-    _check_flags(batched=batched, progress=progress)
+    check_flags(batched=batched, progress=progress)
     _check_fold(fold)
     batches = checked(batches)  # traced on its first batch, and read twice to search `alpha`
     targets, traced, where_of = _targets(model, where, lambda w, x: x is not None, "smoothquant",
@@ -772,7 +775,7 @@ def awq(
     max_shrink = check_real("max_shrink", max_shrink)
     if not 0 <= max_shrink < 1:
         raise ValueError(f"`max_shrink` must be in [0, 1), got max_shrink={max_shrink}.")
-    _check_flags(clip=clip, batched=batched, progress=progress)
+    check_flags(clip=clip, batched=batched, progress=progress)
     _check_fold(fold)
     shrinks = math.ceil(max_shrink * clip_grid - 1e-9)
     if clip and (clip_grid < 1 or shrinks < 2):  # only the ratio 1: no clipping
@@ -896,7 +899,7 @@ def rotate(
     check_not_converted(model, "rotate")
     where = as_where(where)
     has_quantizer = lambda w, x: w is not None or x is not None  # noqa: E731
-    _check_flags(batched=batched)
+    check_flags(batched=batched)
     targets, traced, where_of = _targets(
         model, where, has_quantizer, "rotate", "with a quantizer", batch, batched, which="`batch`"
     )

@@ -25,8 +25,9 @@ from ._format import IntFormat
 from ._int_ops import INT32_MAX, any_float64, group_sums, integer_grid, opaque, sum_in_order, unfused
 from ._layout import Layout
 from ._misc import computed_before, flat, one_program, reshape_blocks, whole_along, whole_batch
-from ._qarray import QuantizedArray
+from ._qarray import QuantizedArray, quantize_array
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
+from ._scales import Scales
 from ._tree import nodes, path_string
 
 
@@ -714,6 +715,37 @@ def two_level(quantizer: object) -> bool:
     return isinstance(quantizer, DynamicFakeQuant) and quantizer.format.scale == "e4m3"
 
 
+def layer_quantizer(quantizer: DynamicFakeQuant, depth: int) -> DynamicFakeQuant:
+    """`quantizer` of a traced weight stacked `depth` times as it applies to one layer of the stack: its axes
+    (counted from the start) shifted past the stack's."""
+    layout = quantizer.layout
+    shift = lambda a: a - depth if a >= 0 else a  # noqa: E731
+    one = layout._replace(axes=tuple(shift(a) for a in layout.axes), group_axis=shift(layout.group_axis))
+    return dataclasses.replace(quantizer, layout=one)
+
+
+def _each_layer(fn: Callable[[Any], Any], depth: int) -> Callable[[Any], Any]:
+    for _ in range(depth):
+        fn = jax.vmap(fn)
+    return fn
+
+
+def each_layer(quantizer: DynamicFakeQuant, weight: Any, depth: int) -> Any:
+    """A two-level `quantizer` (NVFP4) of a traced weight stacked `depth` times applied to each layer of the stack on
+    its own, as to the weight of a stack of layers built with `eqx.filter_vmap`: one tensor scale per layer, where the
+    whole leaf at once would share one among the layers (a layer's values would depend on the others')."""
+    return _each_layer(layer_quantizer(quantizer, depth), depth)(weight)
+
+
+def each_layer_array(quantizer: DynamicFakeQuant, weight: Any, depth: int) -> QuantizedArray:
+    """The [`eqx_quant.QuantizedArray`][] of `each_layer`: the whole leaf, its layout `stacked` `depth` times (one
+    tensor scale per layer), with the scales each layer takes on its own; its `dequantize()` is `each_layer`'s value
+    bit for bit."""
+    block, _, tensor = _each_layer(layer_quantizer(quantizer, depth).scales, depth)(weight)
+    layout = quantizer.layout._replace(stacked=depth)
+    return quantize_array(weight, Scales(block, None, tensor), quantizer.format, layout, mask=False)[0]
+
+
 def each_token(quantizer: DynamicFakeQuant, x: Any, contracted: Sequence[int]) -> Any:
     """`quantizer` applied to each token of a product's activation operand `x` on its own (each index of the axes
     that the product does not sum over, `contracted` the others), as it is applied to the input of a linear layer
@@ -1120,7 +1152,10 @@ class QuantTraced(eqx.Module):
 
     - `model`: the model, with its `eqx.nn` layers quantized as [`eqx_quant.quantize`][] quantizes them.
     - `weight_paths`: the paths of the traced weights in `model` (static).
-    - `weight_quants`: the quantizer of each traced weight, applied to the whole leaf wherever the program reads it.
+    - `weight_quants`: the quantizer of each traced weight, applied to the whole leaf wherever the program reads it;
+        a dynamic two-level one (NVFP4) of a stacked weight (see `stacks`) to each layer of the stack on its own, as
+        to a stack of linear layers: one tensor scale per layer ([`eqx_quant.convert`][] stores the leaf with its
+        layout `stacked` along the stack's axes).
     - `input_quants`: the quantizer of the activation operand of each traced weight's products, or `None`.
     - `stacks`: for each traced weight, the lengths of its leading axes that `jax.lax.scan`s step through (a stack
         of layers; see [`eqx_quant.TracedProduct`][]), `()` if none (static). An input quantizer whose arrays carry
@@ -1284,6 +1319,8 @@ class QuantTraced(eqx.Module):
             quantizer = self.weight_quants[i]
             if quantizer is None:
                 return leaf
+            if two_level(quantizer) and self.stacks[i]:  # one tensor scale per layer of the stack
+                return computed_before(each_layer(quantizer, leaf, len(self.stacks[i])), leaf)  # pyright: ignore[reportArgumentType]
             if not integer:
                 return computed_before(quantizer(leaf), leaf)
             value, array, nan = quantizer.fake_quant_and_array(leaf)  # pyright: ignore[reportAttributeAccessIssue]

@@ -138,7 +138,8 @@ def distillation_loss(
     over the last axis (the classes, or the vocabulary). The factor $T^2$ keeps the gradients' scale independent of
     the temperature (Hinton et al., 2015). The teacher's logits receive no gradient (`jax.lax.stop_gradient`).
     Computed in float32 (float16 and bfloat16 logits are promoted) with `log_softmax`, so that it is finite for any
-    finite logits; take the mean over positions (and the batch) for a scalar loss.
+    finite logits; take the mean over positions (and the batch) for a scalar loss. A class of teacher probability 0
+    (a logit of `-inf`, a masked vocabulary entry) contributes 0, the limit of $p \log p$, and no gradient.
 
     **Arguments:**
 
@@ -153,7 +154,7 @@ def distillation_loss(
     **Raises:**
 
     `ValueError` if the shapes differ, if the logits are scalars, or for a temperature that is not positive and
-    finite (when concrete). `TypeError` for a non-numeric temperature.
+    finite (when concrete). `TypeError` for a non-numeric temperature, or logits that are not floats.
 
     !!! example
 
@@ -171,6 +172,9 @@ def distillation_loss(
     if is_concrete(temperature) and not (np.isfinite(float(temperature)) and float(temperature) > 0):
         raise ValueError(f"`temperature` must be positive and finite, got temperature={temperature!r}.")
     student, teacher = jnp.asarray(student_logits), jnp.asarray(teacher_logits)
+    for name, logits in (("student_logits", student), ("teacher_logits", teacher)):
+        if not jnp.issubdtype(logits.dtype, jnp.floating):
+            raise TypeError(f"`{name}` must be floating logits, got dtype {logits.dtype}.")
     if student.shape != teacher.shape:
         raise ValueError(
             f"`student_logits` and `teacher_logits` must have the same shape, got {student.shape} and {teacher.shape}."
@@ -182,7 +186,8 @@ def distillation_loss(
     teacher = jax.lax.stop_gradient(teacher.astype(dtype))
     log_q = jax.nn.log_softmax(student / temperature, axis=-1)
     log_p = jax.nn.log_softmax(teacher / temperature, axis=-1)
-    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1) * (temperature * temperature)
+    p = jnp.exp(log_p)
+    return jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1) * (temperature * temperature)
 
 
 def _is_learnable(quantizer: object) -> bool:

@@ -217,6 +217,59 @@ def test_integer_kv_cache_decodes_like_the_quantized_products(bits, groups):
     assert_bitwise_equal(step(cache, 2), decode_step(cache, 2)[1])
 
 
+def np_attention(query, keys, values, length):
+    """Float attention of one query over positions `0 .. length - 1`, in float64 NumPy: query heads `i * g .. i * g
+    + g - 1` read the cache's head `i`."""
+    groups = query.shape[0] // keys.shape[1]
+    k, v = (np.repeat(np.asarray(a[:length], np.float64), groups, axis=1) for a in (keys, values))
+    with np.errstate(invalid="ignore"):
+        scores = np.einsum("hd,shd->hs", np.asarray(query, np.float64), k) / np.sqrt(keys.shape[2])
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        return np.einsum("hs,shd->hd", weights / weights.sum(axis=-1, keepdims=True), v)
+
+
+@pytest.mark.parametrize("groups", [1, 2])
+def test_integer_kv_cache_keeps_nan_where_float_attention_has_it(groups):
+    max_len, heads, dim = 4, 2, 4
+    rng = np.random.default_rng(5)
+    keys = rng.standard_normal((max_len, heads, dim)).astype(np.float32)
+    values = rng.standard_normal((max_len, heads, dim)).astype(np.float32)
+    keys[1, 0, 2] = np.nan  # every score of head 0 from length 2 on
+    values[2, 1, 3] = np.nan  # feature 3 of head 1's outputs from length 3 on
+    keys[3, 1, 0] = values[3, 0, 1] = np.nan  # read only with length 4
+    query = jnp.asarray(rng.standard_normal((heads * groups, dim)).astype(np.float32))
+    append = eqx.filter_jit(lambda c, k, v, i: c.append(k, v, i))
+    cache = eqx_quant.nn.QuantKVCache.empty(max_len, heads, dim)
+    for i in range(max_len):
+        cache = append(cache, jnp.asarray(keys[i]), jnp.asarray(values[i]), i)
+    for stored, appended in zip(cache.dequantized(), (keys, values), strict=True):
+        np.testing.assert_array_equal(np.isnan(stored), np.isnan(appended))
+    attend = eqx.filter_jit(lambda c, q, n: c.attend(q, n))
+    for length in range(1, max_len + 1):
+        want = np_attention(query, keys, values, length)
+        for got in (attend(cache, query, length), cache.attend(query, length)):
+            np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+            np.testing.assert_allclose(np.asarray(got)[~np.isnan(want)], want[~np.isnan(want)], atol=0.05)
+
+
+def test_integer_kv_cache_checks_concrete_array_positions():
+    cache = eqx_quant.nn.QuantKVCache.empty(4, 2, 4)
+    k = jnp.arange(8.0).reshape(2, 4)
+    for index in (jnp.array(5), jnp.array(-1), np.array(4)):
+        message = f"`index` must be in [0, 3] for this cache, got index={index}."
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cache.append(k, k, index)
+    for length in (jnp.array(9), jnp.array(0)):
+        message = f"`length` must be in [1, 4] for this cache, got length={length}."
+        with pytest.raises(ValueError, match=re.escape(message)):
+            cache.attend(k, length)
+    # In range, an array writes its position as a Python int does; traced, it cannot be checked, and one beyond
+    # the cache writes the last position (as `jax.lax.dynamic_update_slice` does).
+    assert_bitwise_equal(cache.append(k, k, jnp.array(2)).keys, cache.append(k, k, 2).keys)
+    traced = jax.jit(lambda c, i: c.append(k, k, i))(cache, jnp.array(5))
+    assert_bitwise_equal(traced.keys, cache.append(k, k, 3).keys)
+
+
 @pytest.mark.slow
 def test_calibrate_leaves_the_products_of_two_activations_dynamic(operands):
     # What `calibrate` documents: the linear layer's input quantizer becomes static, the product's operand

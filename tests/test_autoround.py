@@ -300,5 +300,7 @@ def test_autoround_errors():
     negative = eqx_quant.DynamicFakeQuant(eqx_quant.IntFormat(-8, 0), axis=0)
     with pytest.raises(ValueError, match=r"(?s)layers.0.*qmax=0.*`autoround` needs.*positive levels"):
         eqx_quant.autoround(eqx_quant.quantize(mlp, [eqx_quant.Rule(".*", weight=negative)]), x)
-    with pytest.raises(ValueError, match="no QuantLinear"):
+    with pytest.raises(ValueError, match=r"`where`=.* chooses none of the weights `autoround` can solve: \['layers.0'"):
         eqx_quant.autoround(eqx_quant.quantize(mlp, **eqx_quant.recipe("w4a16_g32")), x, where=lambda p, l: False)
+    with pytest.raises(ValueError, match="no QuantLinear"):
+        eqx_quant.autoround(eqx_quant.quantize(mlp, weights=None, activations=eqx_quant.DynamicFakeQuant(8)), x)

@@ -7,6 +7,7 @@ import struct
 
 import equinox as eqx
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -238,7 +239,9 @@ def test_a_learned_asymmetric_input_writes_its_step_size_and_rounded_zero_point(
     """The step size a LearnedFakeQuant uses (floored at `min_scale`) and its zero point rounded into the grid."""
     linear = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
     for zero_point, stored, scale in ((3.4, 3, 0.05), (300.0, 127, 1e-12)):
-        learned = eqx_quant.LearnedFakeQuant(scale, -128, 127, zero_point=zero_point, min_scale=1e-9)
+        learned = eqx_quant.LearnedFakeQuant(scale, -128, 127, zero_point=0.0, min_scale=1e-9)
+        # Set as training leaves it, off the grid perhaps (the constructor refuses a start outside it).
+        learned = eqx.tree_at(lambda q: q.zero_point, learned, jnp.float32(zero_point))
         rules = [Rule(".*", weight=DynamicFakeQuant(8, axis=0), input=learned)]
         eqx_quant.export_compressed_tensors(tmp_path, eqx_quant.convert(eqx_quant.quantize(linear, rules)))
         tensors, _ = read_safetensors(tmp_path / "model.safetensors")
@@ -302,3 +305,52 @@ def test_errors(tmp_path):
     conv = eqx_quant.convert(eqx_quant.quantize(net, rules))["conv"]
     tensors, _ = read_safetensors(tmp_path / "model.safetensors")
     np.testing.assert_array_equal(tensors["conv.weight"], conv.weight)  # the weight the converted model uses
+
+
+def test_a_bad_config_is_refused_before_anything_is_written(tmp_path):
+    """`config` is checked, and serialised, before the checkpoint is touched: an existing one keeps its bytes, a new
+    directory is not made. The exporter writes `quantization_config` itself: a `config` holding one is refused."""
+    linear = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
+    model = eqx_quant.convert(eqx_quant.quantize(linear, **eqx_quant.recipe("w4a16_g32")))
+    other = eqx_quant.convert(eqx_quant.quantize({"a": eqx.nn.Linear(64, 8, key=jax.random.key(1))},
+                                                 **eqx_quant.recipe("w4a16_g32")))  # fmt: skip
+    eqx_quant.export_compressed_tensors(tmp_path / "ct", model, config={"hidden_size": 64})
+    files = {name: (tmp_path / "ct" / name).read_bytes() for name in ("model.safetensors", "config.json")}
+    cases = [
+        (TypeError, r"`config`\['k'\]=<object object at .*> is not JSON: Object of type object", {"k": object()}),
+        (ValueError, r"`config`\['k'\]=nan is not valid JSON", {"k": float("nan")}),
+        (ValueError, r"`config`\['k'\]=\{'x': \[inf\]\} is not valid JSON", {"k": {"x": [float("inf")]}}),
+        # (Under this suite's jaxtyping hook, beartype names `config` first: "`config` must be a mapping ... got
+        # config='x' of type str" and "`config` keys must be strings, got 1 of type int" without it.)
+        (TypeError, "config", {1: 2}),
+        (TypeError, "config", "x"),
+        (ValueError, r"`config` holds 'quantization_config' \(=\{'format': 'dense'\}\), which export_compressed_"
+         r"tensors writes itself", {"hidden_size": 64, "quantization_config": {"format": "dense"}}),
+    ]  # fmt: skip
+    for error, message, config in cases:
+        with pytest.raises(error, match=message):
+            eqx_quant.export_compressed_tensors(tmp_path / "ct", other, config=config)
+        with pytest.raises(error, match=message):
+            eqx_quant.export_compressed_tensors(tmp_path / "fresh", model, config=config)
+        assert {name: (tmp_path / "ct" / name).read_bytes() for name in files} == files
+        assert not (tmp_path / "fresh").exists()
+
+
+def test_a_model_with_nothing_to_write_is_refused(tmp_path):
+    """No converted layer (None, a float model), or `names` that leave out every tensor: refused as
+    `export_safetensors` refuses them, nothing written. A partly converted model is written, its float layers
+    ignored."""
+    linear = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0)), "b": eqx.nn.Linear(8, 8, key=jax.random.key(1))}
+    for model in (None, linear):
+        with pytest.raises(ValueError, match="`model` has no converted layer; convert it first"):
+            eqx_quant.export_compressed_tensors(tmp_path / "ct", model)
+        with pytest.raises(ValueError, match="`model` has no converted layer"):
+            eqx_quant.export_safetensors(tmp_path / "ct.safetensors", model)
+    partly = eqx_quant.convert(eqx_quant.quantize(linear, [Rule("b", weight=None, input=None),
+                                                          *eqx_quant.recipe("w4a16_g32")["rules"]]))  # fmt: skip
+    with pytest.raises(ValueError, match=r"`names` leaves out every tensor of `model` \(None for each of \['a.bias'"):
+        eqx_quant.export_compressed_tensors(tmp_path / "ct", partly, names=lambda path: None)
+    assert not (tmp_path / "ct").exists()
+    eqx_quant.export_compressed_tensors(tmp_path / "ct", partly)
+    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert qc["ignore"] == ["b"] and [g["targets"] for g in qc["config_groups"].values()] == [["a"]]

@@ -484,6 +484,8 @@ def test_calibration_data_without_examples_is_a_clear_error():
             read([])
         with pytest.raises(ValueError, match=none.format(0)):
             read([jnp.zeros((0, 4))])
+        with pytest.raises(ValueError, match=r"`batches` holds a batch without arrays: batch 0 is None; each batch"):
+            read([None])
     with pytest.raises(ValueError, match=none.format(1)):
         eqx_quant.calibrate(w8a8, [jnp.ones((3, 4)), jnp.zeros((0, 4))])
 

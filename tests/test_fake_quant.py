@@ -1,3 +1,5 @@
+import re
+
 import equinox as eqx
 import hypothesis.extra.numpy as hnp
 import hypothesis.strategies as st
@@ -436,6 +438,25 @@ def test_bad_zero_points():
         fake_quant(jnp.ones(3), 0.5, -4, 3, jnp.array([0.0, jnp.nan, 1.0]))
     with pytest.raises(TypeError, match="`zero_point`"):
         fake_quant(jnp.ones(3), 0.5, -4, 3, True)
+
+
+def test_zero_point_outside_the_grid_is_refused_when_concrete():
+    # Every entry would saturate; `FakeQuant` refuses such a zero point with the same check and message.
+    x = np.array([0.3, 1.25, -0.75, 2.6, -6.0], np.float32)
+    message = re.escape("`zero_point` must be integer-valued and in [qmin, qmax] = [-8, 7], got zero_point=100.")
+    with pytest.raises(ValueError, match=message):
+        fake_quant(jnp.asarray(x), 0.5, -8, 7, 100)
+    with pytest.raises(ValueError, match=message):
+        eqx_quant.FakeQuant(0.5, -8, 7, zero_point=100)
+    with pytest.raises(ValueError, match=re.escape("[qmin, qmax] = [-8, 7], got zero_point[1, 0]=-9.0.")):
+        fake_quant(jnp.ones((2, 1)), 0.5, -8, 7, jnp.array([[0.0], [-9.0]]))
+    with pytest.raises(ValueError, match=re.escape("[qmin, qmax] = [-8, 7], got zero_point=8.")):
+        eqx_quant.fake_quant_format(jnp.asarray(x), 0.5, "int4", zero_point=8)
+    for z in (-8, 7):  # the ends of the grid are zero points
+        np.testing.assert_array_equal(fake_quant(jnp.asarray(x), 0.5, -8, 7, z), reference_fake_quant(x, 0.5, -8, 7, z))
+    # A traced zero point cannot be checked: the formula as it stands, every entry at the top, 0.5 * (7 - 100).
+    out = jax.jit(lambda z: fake_quant(jnp.asarray(x), 0.5, -8, 7, z))(jnp.float32(100))
+    np.testing.assert_array_equal(out, np.full(5, -46.5, np.float32))
 
 
 def test_bad_types():

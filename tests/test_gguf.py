@@ -1,6 +1,8 @@
 """The GGML formats against `gguf`'s reference quantizers (llama.cpp's own Python package), and GGUF files written by
 `export_gguf` read by `gguf.GGUFReader` and by `load_gguf`."""
 
+import re
+
 import equinox as eqx
 import gguf
 import jax
@@ -463,3 +465,82 @@ def test_gptq_on_q4_0_exports_bit_for_bit(tmp_path):
     scanned = eqx_quant.quantize(stacked, **eqx_quant.recipe("q4_0"))
     with pytest.raises(ValueError, match=r"Layer '' is stacked .* q4_0, whose block scales are signed"):
         eqx_quant.gptq(scanned, [x], batched=True)
+
+
+def _q4_file(tmp_path):
+    linear = {"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))}
+    q4 = eqx_quant.convert(eqx_quant.quantize(linear, **eqx_quant.recipe("q4_0")))
+    path = tmp_path / "m.gguf"
+    eqx_quant.export_gguf(path, q4)
+    return q4, path, path.read_bytes()
+
+
+def test_nothing_to_write_or_read_is_refused(tmp_path):
+    """A model without arrays, or `names` that leave out every tensor, would write a GGUF file of no tensor; a `like`
+    without arrays would read nothing: refused, the existing file (or none) left as it was."""
+    q4, path, before = _q4_file(tmp_path)
+    for where in (path, tmp_path / "new.gguf"):
+        with pytest.raises(ValueError, match=r"`model` has no array to write to a GGUF file, got model=None"):
+            eqx_quant.export_gguf(where, None)
+        with pytest.raises(ValueError, match=r"`names` leaves out every tensor of `model` \(None for each of "
+                                             r"\['a.bias', 'a.weight'\]\).* got names=<function"):  # fmt: skip
+            eqx_quant.export_gguf(where, q4, names=lambda p: None)
+    assert path.read_bytes() == before and not (tmp_path / "new.gguf").exists()
+    with pytest.raises(ValueError, match=r"`like` has no array to read into, got like=None"):
+        eqx_quant.load_gguf(path, None)
+    with pytest.raises(ValueError, match=r"`names` leaves out every tensor of `like`"):
+        eqx_quant.load_gguf(path, q4, names={"a.weight": None, "a.bias": None})
+
+
+def test_metadata_values_gguf_cannot_hold_are_refused(tmp_path):
+    """Integers beyond GGUF's 64-bit types, floats beyond FLOAT32, standard keys of another type than GGUF's (which
+    llama.cpp checks) and a `general.alignment` that is not a power of two: refused naming the key, before the file
+    is touched."""
+    q4, path, before = _q4_file(tmp_path)
+    cases = [
+        (ValueError, r"`metadata`\['k'\]=1180591620717411303424 holds an integer outside GGUF's 64-bit types",
+         {"k": 2**70}),
+        (ValueError, r"`metadata`\['k'\]=\[1, -18446744073709551616\] holds an integer outside", {"k": [1, -(2**64)]}),
+        (ValueError, r"`metadata`\['k'\]=1e\+39 is beyond FLOAT32", {"k": 1e39}),
+        (TypeError, r"`metadata`\['general.architecture'\] must be a str, .* got 3 of type int",
+         {"general.architecture": 3}),
+        (TypeError, r"`metadata`\['general.quantization_version'\] must be an np.uint32 .* got '2' of type str",
+         {"general.quantization_version": "2"}),
+        (TypeError, r"`metadata`\['general.alignment'\] must be an np.uint32 .* got -8 of type int",
+         {"general.alignment": -8}),
+        (ValueError, r"`metadata`\['general.alignment'\] must be a power of two of at least 8, got 48",
+         {"general.alignment": 48}),
+        # (beartype, under this suite's jaxtyping hook, names `metadata` first: "`metadata` must be a mapping or None,
+        # got metadata='x' of type str" without it.)
+        (TypeError, "metadata", "x"),
+    ]  # fmt: skip
+    for error, message, metadata in cases:
+        with pytest.raises(error, match=message):
+            eqx_quant.export_gguf(path, q4, metadata=metadata)
+    assert path.read_bytes() == before
+    # What GGUF holds is written: INT64 and UINT64 integers, a list in the type that holds all its items, the
+    # standard keys as UINT32 from Python ints, and the tensors' data at the alignment the file states.
+    metadata = {"general.architecture": "toy", "i64": -(2**40), "u64": 2**63, "ints": [1, 2**40],
+                "general.alignment": 64, "general.file_type": 2}  # fmt: skip
+    eqx_quant.export_gguf(path, q4, metadata=metadata)
+    reader = gguf.GGUFReader(path)
+    V = gguf.GGUFValueType
+    types = {f.name: f.types for f in reader.fields.values() if not f.name.startswith("GGUF.")}
+    assert types == {"general.architecture": [V.STRING], "i64": [V.INT64], "u64": [V.UINT64],
+                     "ints": [V.ARRAY, V.INT64], "general.alignment": [V.UINT32], "general.file_type": [V.UINT32],
+                     "general.quantization_version": [V.UINT32]}  # fmt: skip
+    assert reader.fields["u64"].contents() == 2**63 and reader.fields["ints"].contents() == [1, 2**40]
+    assert all(t.data_offset % 64 == 0 for t in reader.tensors)
+    tensors, _ = _read(path)
+    assert_same_bits(tensors["a.weight"][1], q4["a"].weight)
+    back = eqx_quant.load_gguf(path, q4)
+    assert_same_bits(back["a"].weight, q4["a"].weight)
+
+
+def test_a_truncated_file_is_refused_naming_it(tmp_path):
+    q4, path, before = _q4_file(tmp_path)
+    cut = tmp_path / "cut.gguf"
+    for end in (4, 20, 100, len(before) // 2, len(before) - 1):
+        cut.write_bytes(before[:end])
+        with pytest.raises(ValueError, match=rf"`path`='{re.escape(str(cut))}' is truncated or not a GGUF file"):
+            eqx_quant.load_gguf(cut, q4)

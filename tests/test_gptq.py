@@ -237,6 +237,15 @@ def test_errors():
         gptq_quantize(w, h, -8, 7, method="mse", num_candidates=2.0)  # pyright: ignore[reportArgumentType]
     with pytest.raises(ValueError, match="mxfp4 sets its block scales by its own rule"):
         gptq_quantize(jnp.ones((3, 32)), jnp.eye(32), format="mxfp4", group_size=32, method="mse")
+    # Values GPTQ cannot solve with (a NaN weight became a row of zero levels, a zero Hessian a zero weight).
+    with pytest.raises(ValueError, match=r"`weight` must be finite, got nan at index \(1, 2\)"):
+        gptq_quantize(w.at[1, 2].set(jnp.nan), h, -8, 7)
+    with pytest.raises(ValueError, match=r"`hessian` must be finite, got inf at index \(0, 3\)"):
+        gptq_quantize(w, h.at[0, 3].set(jnp.inf), -8, 7)
+    with pytest.raises(ValueError, match=r"diagonal is >= 0, got -1.0 at index \(0, 0\)"):
+        gptq_quantize(w, -h, -8, 7)
+    with pytest.raises(ValueError, match=r"`hessian` is zero .* every weight to zero"):
+        gptq_quantize(w, jnp.zeros((4, 4)), -8, 7)
 
 
 class Stacked(eqx.Module):
@@ -499,6 +508,27 @@ def test_bad_settings_are_refused_before_the_batches_are_read():
     weight_only = eqx_quant.quantize(mlp, weights=DynamicFakeQuant(4, axis=0), activations=None)
     with pytest.raises(ValueError, match=r"`quantized_inputs=True` would change nothing: none of the layers"):
         gptq(weight_only, batches(), quantized_inputs=True)
+    # A `where` that chooses nothing named the model as having no layer to quantize.
+    with pytest.raises(ValueError, match=r"`where`='nomatch' chooses none of the weights `gptq` can solve: \['layers"):
+        gptq(weight_only, batches(), where="nomatch")
+    # A NaN weight, which the error feedback spread over its row as zeros.
+    broken = eqx.tree_at(
+        lambda m: m.layers[1].layer.weight, weight_only, weight_only.layers[1].layer.weight.at[0, 5].set(jnp.nan)
+    )
+    with pytest.raises(ValueError, match=r"Layer 'layers.1' has a non-finite weight entry, nan at index \(0, 5\)"):
+        gptq(broken, batches())
+
+
+def test_calibration_inputs_that_are_all_zero_are_refused():
+    # A zero Hessian (all-zero data; NaN data, which counts as zeros) made GPTQ set the whole weight to zero.
+    mlp = init(lambda k: eqx.nn.MLP(32, 2, 32, 1, key=k), 25)
+    qmodel = eqx_quant.quantize(mlp, weights=DynamicFakeQuant(4, axis=0), activations=None)
+    zeros = jnp.zeros((4, 32))
+    for sequential in (True, False):
+        with pytest.raises(ValueError, match=r"Layer 'layers.0' saw no nonzero calibration input .* its whole weight"):
+            gptq(qmodel, [zeros], sequential=sequential)
+    with pytest.raises(ValueError, match=r"'layers.0' saw no nonzero calibration input \(NaN and infinite entries"):
+        gptq(qmodel, [zeros + jnp.nan])
 
 
 def _quantized_rows(x, bits):

@@ -193,6 +193,10 @@ def test_dynamic_and_learned_quantizers_of_another_configuration_are_refused(tmp
         eqx_quant.load(path, other_range)
     with pytest.raises(ValueError, match=r"has type='LearnedFakeQuant', .* but type='DynamicFakeQuant', "):
         eqx_quant.load(path, with_input(DynamicFakeQuant(8), seed=5, convert=False))
+    # Into the float model, on a grid without 0 or 1 (the rebuilt quantizer's placeholder zero point lies on it).
+    learned = with_input(eqx_quant.LearnedFakeQuant(0.1, 2, 5, zero_point=3.0), convert=False)
+    eqx_quant.save(path, learned)
+    assert_trees_equal(eqx_quant.load(path, eqx_quant.float_model(learned)), learned)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -226,6 +230,29 @@ def test_failing_save_keeps_the_old_file(model, tmp_path, monkeypatch):
     assert path.read_bytes() == old
     assert os.listdir(tmp_path) == ["model.eqx"]
     assert_trees_equal(eqx_quant.load(path, zeros_like_tree(model)), model)
+
+
+def test_saves_that_cannot_be_written_are_refused_before_any_work(model, tmp_path, monkeypatch):
+    # A directory or a missing directory failed naming the hidden temporary file, after serialising everything; a
+    # model without arrays wrote a file that holds nothing; a PRNG key failed inside Equinox.
+    path = tmp_path / "model.eqx"
+    eqx_quant.save(path, model)
+    old = path.read_bytes()
+    with monkeypatch.context() as patch:
+        patch.setattr(eqx, "tree_serialise_leaves", lambda f, tree: pytest.fail("serialised"))
+        with pytest.raises(IsADirectoryError, match=f"`path` must name a file, got the directory path='{tmp_path}'"):
+            eqx_quant.save(tmp_path, model)
+        with pytest.raises(FileNotFoundError, match="`path` is in a directory that does not exist, got path='"):
+            eqx_quant.save(tmp_path / "missing" / "model.eqx", model)
+        with pytest.raises(ValueError, match="`path` must name a file, got path=''"):
+            eqx_quant.save("", model)
+        for nothing in (None, "abc", {"a": 1.0}):
+            with pytest.raises(ValueError, match="`model` holds no array nor quantizer to save"):
+                eqx_quant.save(path, nothing)
+        with pytest.raises(TypeError, match=r"PRNG key array at \['key'\], which cannot be saved"):
+            eqx_quant.save(path, {"w": jnp.ones(2), "key": jax.random.key(0)})
+    assert path.read_bytes() == old
+    assert os.listdir(tmp_path) == ["model.eqx"]
 
 
 def test_save_replaces_the_file_with_the_usual_permissions(model, tmp_path):

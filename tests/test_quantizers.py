@@ -1,6 +1,7 @@
 import functools
 import itertools
 import math
+import re
 
 import equinox as eqx
 import hypothesis.extra.numpy as hnp
@@ -1098,6 +1099,30 @@ _X = jnp.ones((3, 4))
 def test_errors_name_the_argument(build, arg):
     with pytest.raises((ValueError, TypeError), match=_names(arg)):
         build()
+
+
+def test_learned_zero_point_is_checked_as_fake_quant_checks_it():
+    # Outside the grid every entry saturated; NaN made every output NaN. A learned zero point is a real number,
+    # rounded where it is used: a fraction in the grid is one (`LearnedFakeQuant`'s training moves it so).
+    cases = [(100.0, "zero_point=100.0"), (-9.0, "zero_point=-9.0"), (float("nan"), "zero_point=nan"),
+             (np.array([1.0, 8.0]), "zero_point[1]=8.0")]  # fmt: skip
+    for zero_point, shown in cases:
+        axis = 0 if np.ndim(zero_point) else None
+        scale = np.full(np.shape(zero_point), 0.5, np.float32)
+        message = re.escape(f"`zero_point` must be finite and in [qmin, qmax] = [-8, 7], got {shown}.")
+        with pytest.raises(ValueError, match=message):
+            LearnedFakeQuant(scale, -8, 7, zero_point=zero_point, axis=axis)
+    assert float(LearnedFakeQuant(0.5, -8, 7, zero_point=2.4).zero_point) == np.float32(2.4)
+
+
+def test_learned_zero_point_in_the_grid_and_traced():
+    x = np.array([0.3, 1.25, -0.75, 2.6, -6.0], np.float32)
+    for z in (-8, 3, 7):
+        q = LearnedFakeQuant(0.5, -8, 7, zero_point=float(z))
+        np.testing.assert_array_equal(_call(q, x), reference_fake_quant(x, np.float32(0.5), -8, 7, z))
+    # Built under `jax.jit`, the zero point is traced and cannot be checked (the forward clips it into the grid).
+    zero_point = jax.jit(lambda z: LearnedFakeQuant(0.5, -8, 7, zero_point=z).zero_point)(jnp.float32(100))
+    assert float(zero_point) == 100.0
 
 
 def test_integer_input_is_a_type_error():

@@ -89,6 +89,15 @@ def test_recipe_errors():
         recipe("w8a8", keep="(")
     with pytest.raises((ValueError, TypeError), match="group_size"):
         recipe("w4a8_g32", group_size=0)
+    # A rule's quantizer factory checks its settings when made (a zero group size divided by zero at `quantize`; a
+    # string flag acted as true).
+    with pytest.raises(ValueError, match="`group_size` must be None or a positive int, got group_size=0"):
+        eqx_quant.LayerQuantizer(4, group_size=0)
+    with pytest.raises(TypeError, match="group_size"):  # under the suite's hook, its annotation's TypeError
+        eqx_quant.LayerQuantizer(4, group_size="32")  # pyright: ignore[reportArgumentType]
+    for flag in ("learned", "input", "per_token"):
+        with pytest.raises(TypeError, match=flag):
+            eqx_quant.LayerQuantizer(4, **{flag: "yes"})  # pyright: ignore[reportArgumentType]
 
 
 def test_rules_refuse_the_legacy_arguments_and_say_how_to_keep_layers_float(mlp):

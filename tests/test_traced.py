@@ -826,7 +826,7 @@ def test_errors():
 
     with pytest.raises(ValueError, match="'w'.*while_loop"):
         eqx_quant.quantize(Loop(_normal(4, 4)), example=(_normal(4),))
-    with pytest.raises(ValueError, match="`model` has no QuantLinear layer \\(nor traced weight\\)"):
+    with pytest.raises(ValueError, match=r"`where`=.* chooses none of the weights `gptq` can solve: \['model.kernel'"):
         eqx_quant.gptq(_quantized("conv"), [CASES["conv"][2][0][None]], where=lambda path, w: False)
     # A convolution's weight: left as it is, with the warning that names it, where the weights are chosen by default
     # (as quantized convolutions are); an error where `where` chooses it.
@@ -986,6 +986,57 @@ def test_nvfp4_inputs_take_their_tensor_scale_per_token():
     want = _call(TwoSummed(fallback.weight_quants[0](fallback.model.w)), (rows,), {})
     assert_bitwise_equal(_call(fallback, (x,), {}), want)
     assert_bitwise_equal(_call(fallback, (x[:2],), {}), want[:2])
+
+
+class TwoStacks(eqx.Module):
+    """Raw stacked weights run with `lax.scan`: `a` `(layers, out, in)` used as `h @ a.T`, `b` `(layers, in, out)`
+    used as `h @ b`."""
+
+    a: jax.Array
+    b: jax.Array
+
+    def __call__(self, x, xq=identity):  # x: (tokens, d)
+        step = lambda h, ab: (jnp.tanh(xq(jnp.tanh(xq(h) @ ab[0].T)) @ ab[1]), None)  # noqa: E731
+        return jax.lax.scan(step, x, (self.a, self.b))[0]
+
+
+def test_nvfp4_traced_stack_takes_one_tensor_scale_per_layer(tmp_path):
+    # NVFP4's tensor scale of a stacked traced weight was one for the whole stack: with layer 0 a million times larger
+    # than layer 1, layer 1 quantized to zeros. Each layer now takes its own, as a stack of linear layers does.
+    a, b = _normal(2, 32, 32).at[0].multiply(1e6), _normal(2, 32, 32, scale=0.2)
+    model, x = TwoStacks(a, b), _normal(4, 32)
+    quantized = eqx_quant.quantize(model, **eqx_quant.recipe("nvfp4"), example=(x,))
+    assert quantized.weight_paths == ("a", "b") and quantized.stacks == ((2,), (2,))
+    nvfp4 = lambda axis: DynamicFakeQuant("nvfp4", group_size=16, group_axis=axis)  # noqa: E731
+    fake = quantized.quantized_model()
+    for got, w, axis in ((fake.a, a, -1), (fake.b, b, 0)):  # blocks along the summed axis of one layer
+        for layer in range(2):  # each layer quantized on its own
+            assert_bitwise_equal(got[layer], nvfp4(axis)(w[layer]))
+        assert_bitwise_equal(got, jax.vmap(nvfp4(axis))(w))
+    assert np.count_nonzero(fake.a[1]) > 0.9 * fake.a[1].size
+    assert np.linalg.norm(fake.a[1] - a[1]) / np.linalg.norm(a[1]) < 0.2  # 1.0 (all zeros) with a shared scale
+    # The model computes with those weights and each token's input quantized on its own.
+    rows = jax.vmap(nvfp4(-1))
+    assert_bitwise_equal(_call(quantized, (x,), {}), _call(TwoStacks(fake.a, fake.b), (x,), {"xq": rows}))
+
+    converted = eqx_quant.convert(quantized)
+    for stored, w, want in ((converted.model.a, a, fake.a), (converted.model.b, b, fake.b)):
+        assert stored.layout.stacked == 1  # the whole leaf, one tensor scale per layer
+        # Independently, in NumPy: each layer's tensor scale is its own largest magnitude over 448 * 6.
+        assert_bitwise_equal(stored.tensor_scale, np.abs(np.asarray(w)).max(axis=(1, 2)) / np.float32(448 * 6))
+        assert_bitwise_equal(stored.dequantize(), want)
+    assert_bitwise_equal(eqx_quant.float_model(converted).a, fake.a)
+    eager = converted(x)
+    assert_bitwise_equal(eager, quantized(x))
+    assert_bitwise_equal(_call(converted, (x,), {}), _call(quantized, (x,), {}))
+    assert_bitwise_equal(_call(converted, (x,), {}), eager)
+    assert {row.path for row in eqx_quant.summary(converted).rows} >= {"model.a", "model.b"}
+    path = tmp_path / "nvfp4_stack.eqx"
+    eqx_quant.save(path, converted)
+    for like in (eqx.filter_eval_shape(lambda: model), converted):  # the float skeleton, the converted model
+        loaded = eqx_quant.load(path, like)
+        assert loaded.model.a.tensor_scale.shape == (2,)
+        assert_bitwise_equal(_call(loaded, (x,), {}), eager)
 
 
 class BareAttention(eqx.Module):

@@ -120,6 +120,24 @@ def test_distillation_loss_promotes_half_precision_and_stays_finite_for_large_lo
     np.testing.assert_allclose(got, [2000.0], rtol=1e-6)
 
 
+def test_distillation_loss_of_a_teacher_that_rules_out_a_class():
+    # p = softmax([-inf, 2, 0]) = [0, e^2, 1] / (e^2 + 1): the first class contributes 0 (p log p -> 0), not NaN.
+    teacher = jnp.array([[-jnp.inf, 2.0, 0.0]] * 3)
+    student = jnp.array([[1.0, 2.0, 3.0], [-jnp.inf, 2.0, 3.0], [1.0, -jnp.inf, 3.0]])
+    p = np.array([0.0, np.e**2, 1.0]) / (np.e**2 + 1)
+    q = np.exp([1.0, 2.0, 3.0]) / np.sum(np.exp([1.0, 2.0, 3.0]))
+    q_without_first = np.array([0.0, np.e**2, np.e**3]) / (np.e**2 + np.e**3)
+    want = [
+        p[1] * np.log(p[1] / q[1]) + p[2] * np.log(p[2] / q[2]),
+        p[1] * np.log(p[1] / q_without_first[1]) + p[2] * np.log(p[2] / q_without_first[2]),  # both rule it out
+        np.inf,  # the student rules out a class the teacher allows
+    ]
+    np.testing.assert_allclose(eqx_quant.distillation_loss(student, teacher), want, rtol=1e-6)
+    # The student's gradient is q - p, finite, 0 for the class both rule out.
+    g = jax.grad(lambda s: jnp.sum(eqx_quant.distillation_loss(s, teacher[:2])))(student[:2])
+    np.testing.assert_allclose(g, [q - p, q_without_first - p], rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "student, teacher, kwargs, error, match",
     [

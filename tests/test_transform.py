@@ -379,6 +379,21 @@ def test_mappings_mixed_precision(mlp):
         quantize(mlp, weights={r"layer\.1": q4})
 
 
+def test_weights_that_are_not_floating_are_refused_naming_the_layer(mlp):
+    # Integer weights were wrapped, and the first call failed saying the input `x` must be floating.
+    as_ints = jax.tree.map(lambda a: a.astype(jnp.int32) if eqx.is_array(a) else a, mlp)
+    with pytest.raises(TypeError, match=r"Layer 'layers.0': `layer`'s weight must be a floating array to be quantized, "
+                                        "got dtype int32"):  # fmt: skip
+        quantize(as_ints)
+    conv = eqx.nn.Conv1d(2, 2, 1, key=jax.random.key(0))
+    with pytest.raises(TypeError, match="weight must be a floating array to be quantized, got dtype complex64"):
+        QuantConv(eqx.tree_at(lambda c: c.weight, conv, conv.weight.astype(jnp.complex64)))
+    table = eqx.nn.Embedding(4, 2, key=jax.random.key(0))
+    with pytest.raises(TypeError, match="weight must be a floating array to be quantized, got dtype int8"):
+        QuantEmbedding(eqx.tree_at(lambda e: e.weight, table, table.weight.astype(jnp.int8)))
+    assert quantize(as_ints, weights=None, activations=DynamicFakeQuant(8)).layers[0].weight_quant is None
+
+
 # ---------------------------------------------------------------------------------------------------------------------
 # quantize twice, and dequantize.
 

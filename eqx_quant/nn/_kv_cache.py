@@ -10,7 +10,7 @@ from jaxtyping import Array, Float
 
 from .._format import int_format
 from .._layout import Layout
-from .._misc import FLOAT32_TINY, check_int
+from .._misc import FLOAT32_TINY, check_int, is_concrete
 from .._qarray import QuantizedArray
 from .._quantizers import DynamicFakeQuant
 from ._einsum import integer_value
@@ -27,12 +27,20 @@ class QuantKVCache(eqx.Module):
     values (their scales vary along the positions that the product sums over, so no single rescale exists): the
     computation of [`eqx_quant.nn.QuantEinsum`][]s with those quantizers, bit for bit. Positions not yet written hold
     zeros and are masked.
+
+    **NaN.** No integer holds NaN: the cache keeps, one bit per entry (`key_nan`, `value_nan`, packed along
+    `head_dim` with `jnp.packbits`), where an appended key or value was NaN, and puts NaN back where float attention
+    over the written positions has it: a NaN key entry makes NaN the scores of its position and head, so every output
+    of the query heads that read that head; a NaN value entry makes NaN the outputs of that entry's head and feature.
+    [`eqx_quant.nn.QuantKVCache.dequantized`][] gives NaN at those entries.
     """
 
     keys: Array
     values: Array
     key_scales: Array
     value_scales: Array
+    key_nan: Array
+    value_nan: Array
     bits: int = eqx.field(static=True)
 
     @classmethod
@@ -56,7 +64,8 @@ class QuantKVCache(eqx.Module):
             raise ValueError(f"`bits` must be in [2, 8], got bits={bits}.")
         levels = jnp.zeros((max_len, num_heads, head_dim), jnp.int8)
         scales = jnp.full((max_len, num_heads, 1), FLOAT32_TINY, jnp.float32)
-        return cls(levels, levels, scales, scales, bits)
+        nan = jnp.zeros((max_len, num_heads, (head_dim + 7) // 8), jnp.uint8)
+        return cls(levels, levels, scales, scales, nan, nan, bits)
 
     @property
     def _quantizer(self) -> DynamicFakeQuant:
@@ -70,9 +79,9 @@ class QuantKVCache(eqx.Module):
         **Arguments:**
 
         - `key_`, `value`: one position's keys and values, shape `(num_heads, head_dim)`.
-        - `index`: the position to write, in `[0, max_len)`: a Python or NumPy int (checked) or an integer scalar
-            array (traced, say; one beyond the cache writes its last position, as `jax.lax.dynamic_update_slice`
-            does).
+        - `index`: the position to write, in `[0, max_len)`: a Python or NumPy int or an integer scalar array. Its
+            value is checked unless it is traced (inside `jax.jit`, say), where it cannot be: a traced index beyond
+            the cache writes its last position, and a negative one its first, as `jax.lax.dynamic_update_slice` does.
 
         **Returns:**
 
@@ -83,22 +92,31 @@ class QuantKVCache(eqx.Module):
         if key_.shape != expected or value.shape != expected:
             raise ValueError(f"`key_` and `value` must have shape {expected}, got {key_.shape} and {value.shape}.")
         _check_not_float64(key_=key_, value=value)
-        k, v = (self._quantizer.quantize_array(a, pack=False) for a in (key_, value))  # one integer per entry
+        (k, k_nan), (v, v_nan) = (self._quantizer.quantize_with_mask(a) for a in (key_, value))  # unpacked
 
         def put(cache, row):
             return jax.lax.dynamic_update_slice_in_dim(cache, row[None].astype(cache.dtype), index, axis=0)
 
+        def nan_bits(nan):
+            return jnp.packbits(nan.reshape(expected), axis=-1)
+
         return eqx.tree_at(
-            lambda c: (c.keys, c.values, c.key_scales, c.value_scales),
+            lambda c: (c.keys, c.values, c.key_scales, c.value_scales, c.key_nan, c.value_nan),
             self,
             (put(self.keys, k.values), put(self.values, v.values), put(self.key_scales, k.scale),
-             put(self.value_scales, v.scale)),
+             put(self.value_scales, v.scale), put(self.key_nan, nan_bits(k_nan)), put(self.value_nan, nan_bits(v_nan))),
         )  # fmt: skip
 
+    def _nan(self) -> tuple[Array, Array]:
+        """Where the stored keys and values are NaN, `(max_len, num_heads, head_dim)` bools each."""
+        dim = self.keys.shape[-1]
+        return tuple(jnp.unpackbits(bits, axis=-1, count=dim).astype(bool) for bits in (self.key_nan, self.value_nan))
+
     def dequantized(self) -> tuple[Array, Array]:
-        """The stored keys and values as floats, `(max_len, num_heads, head_dim)` each."""
-        deq = lambda levels, scale: levels.astype(jnp.float32) * scale  # noqa: E731
-        return deq(self.keys, self.key_scales), deq(self.values, self.value_scales)
+        """The stored keys and values as floats, `(max_len, num_heads, head_dim)` each, NaN where they were NaN."""
+        key_nan, value_nan = self._nan()
+        deq = lambda levels, scale, nan: jnp.where(nan, jnp.nan, levels.astype(jnp.float32) * scale)  # noqa: E731
+        return deq(self.keys, self.key_scales, key_nan), deq(self.values, self.value_scales, value_nan)
 
     def attend(self, query: Float[Array, "query_heads head_dim"], length) -> Float[Array, "query_heads head_dim"]:
         """Attention of one query over positions `0 .. length - 1`: `softmax(q kᵀ / sqrt(head_dim)) v` per head.
@@ -111,8 +129,8 @@ class QuantKVCache(eqx.Module):
         **Arguments:**
 
         - `query`: shape `(query_heads, head_dim)`, `query_heads` a multiple of `num_heads`.
-        - `length`: the number of positions written so far, in `[1, max_len]`: a Python or NumPy int (checked) or
-            an integer scalar array (traced, say).
+        - `length`: the number of positions written so far, in `[1, max_len]`: a Python or NumPy int or an integer
+            scalar array, checked unless it is traced (inside `jax.jit`, say), where it cannot be.
 
         **Returns:**
 
@@ -136,23 +154,28 @@ class QuantKVCache(eqx.Module):
         stored = QuantizedArray(
             self.keys, self.key_scales, None, None, fmt, Layout((0, 1)), self.keys.shape, "float32", None
         )
-        no_nan = jnp.zeros(self.keys.shape, bool)
-        logits = integer_value(scores, tq, stored, nq, no_nan)
-        logits = jnp.where(jnp.arange(self.keys.shape[0]) < length, logits, jnp.finfo(jnp.float32).min)
+        key_nan, value_nan = self._nan()
+        logits = integer_value(scores, tq, stored, nq, key_nan)
+        written = jnp.arange(self.keys.shape[0]) < length
+        logits = jnp.where(written, logits, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(logits, axis=-1)
-        return jnp.einsum(mix, weights, self.dequantized()[1]).reshape(query.shape)
+        # NaN values of positions not read would turn their zero weights into NaN: only the written ones count.
+        values = self.values.astype(jnp.float32) * self.value_scales
+        values = jnp.where(value_nan & written[:, None, None], jnp.nan, values)
+        return jnp.einsum(mix, weights, values).reshape(query.shape)
 
 
 def _check_position(name: str, value: object, low: int, high: int) -> None:
-    """Raises unless `value` is an integer scalar, in `[low, high]` where it is a Python or NumPy integer (an array
-    is taken as it is: reading it would wait for the device, or it is traced)."""
+    """Raises unless `value` is an integer scalar in `[low, high]` (the value of a traced array cannot be checked)."""
     if isinstance(value, np.ndarray) and value.ndim == 0:
         value = value[()]  # a NumPy scalar
     if isinstance(value, (jax.Array, np.ndarray)):
         shape, dtype = jnp.shape(value), value.dtype
         if shape or not jnp.issubdtype(dtype, jnp.integer):
             raise TypeError(f"`{name}` must be an integer scalar, got an array of shape {shape} and dtype {dtype}.")
-        return
+        if not is_concrete(value):
+            return
+        value = int(value)
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"`{name}` must be an integer scalar, got {name}={value!r}.")
     if not low <= int(value) <= high:

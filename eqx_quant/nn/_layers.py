@@ -243,6 +243,15 @@ def check_quantizer(name: str, value: object) -> None:
         raise TypeError(f"`{name}` must be a quantizer module or None, got {value!r}.")
 
 
+def check_floating_weight(layer: eqx.Module, weight_quant: object) -> None:
+    """A `TypeError` for a weight quantizer on a weight that is not floating (integer or complex), which no quantizer
+    takes."""
+    weight = getattr(layer, "weight", None)
+    dtype = getattr(weight, "dtype", None)
+    if weight_quant is not None and dtype is not None and not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"`layer`'s weight must be a floating array to be quantized, got dtype {dtype}.")
+
+
 def check_transform(layer: eqx.nn.Linear, transform: object) -> None:
     """Raises unless `transform` is `None` or an input transform of `layer`'s input size."""
     if transform is None:
@@ -424,6 +433,7 @@ class QuantLinear(AbstractQuantLayer):
         if not isinstance(self.layer, eqx.nn.Linear):
             raise TypeError(f"`layer` must be an eqx.nn.Linear, got {type(self.layer).__name__}.")
         check_quantizer("weight_quant", self.weight_quant)
+        check_floating_weight(self.layer, self.weight_quant)
         check_quantizer("input_quant", self.input_quant)
         check_matmul(self.matmul)
         check_backward(self.backward)
@@ -507,6 +517,7 @@ class QuantConv(AbstractQuantLayer):
         if not isinstance(self.layer, eqx.nn.Conv):
             raise TypeError(f"`layer` must be an eqx.nn.Conv, got {type(self.layer).__name__}.")
         check_quantizer("weight_quant", self.weight_quant)
+        check_floating_weight(self.layer, self.weight_quant)
         check_quantizer("input_quant", self.input_quant)
         check_matmul(self.matmul)
         if self.backward is not None and not isinstance(self.backward, UnquantizedBackward):
@@ -558,6 +569,7 @@ class QuantEmbedding(AbstractQuantLayer):
         if not isinstance(self.layer, eqx.nn.Embedding):
             raise TypeError(f"`layer` must be an eqx.nn.Embedding, got {type(self.layer).__name__}.")
         check_quantizer("weight_quant", self.weight_quant)
+        check_floating_weight(self.layer, self.weight_quant)
 
     @property
     def input_quant(self) -> None:

@@ -150,6 +150,36 @@ def test_literal_and_bool_arguments():
         (TypeError, "`example` must be a tuple of arguments for one call `model(*example)`, or a function f(model) "
                     "that calls the model, got [1.0].",
          lambda: eqx_quant.quantize(mlp, example=[1.0])),
+        # The flags of the functions that read batches (a string flag was taken for `batched`'s truth, then failed on
+        # the batch's shape), and batches that are not an iterable, checked before anything is read.
+        (TypeError, "`batched` must be a bool, got batched='yes'.",
+         lambda: eqx_quant.calibrate(eqx_quant.quantize(mlp), unread(), batched="yes")),
+        (TypeError, "`progress` must be a bool, got progress='yes'.",
+         lambda: eqx_quant.calibrate(eqx_quant.quantize(mlp), unread(), progress="yes")),
+        (TypeError, "`batched` must be a bool, got batched='yes'.",
+         lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), unread(), batched="yes")),
+        (TypeError, "`batched` must be a bool, got batched='yes'.",
+         lambda: eqx_quant.autoround(eqx_quant.quantize(mlp), unread(), batched="yes")),
+        (TypeError, "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), "
+                    "got None of type NoneType.",
+         lambda: eqx_quant.calibrate(eqx_quant.quantize(mlp), None)),
+        (TypeError, "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), "
+                    "got None of type NoneType.",
+         lambda: eqx_quant.gptq(eqx_quant.quantize(mlp), None)),
+        (TypeError, "`group_size` must be an int, got '32' of type str.",
+         lambda: eqx_quant.LayerQuantizer(4, group_size="32")),
+        (TypeError, "`learned` must be a bool, got learned='yes'.",
+         lambda: eqx_quant.LayerQuantizer(4, learned="yes")),
+        (TypeError, "`input` must be a bool, got input=1.",
+         lambda: eqx_quant.LayerQuantizer(4, input=1)),
+        (TypeError, "`path` must be a str or an os.PathLike, got 3 of type int.",
+         lambda: eqx_quant.save(3, mlp)),
+        (TypeError, "`config` must be a mapping (the model's configuration) or None, got config='x' of type str.",
+         lambda: eqx_quant.export_compressed_tensors("unwritten", mlp, config="x")),
+        (TypeError, "`config` keys must be strings, got 1 of type int.",
+         lambda: eqx_quant.export_compressed_tensors("unwritten", mlp, config={1: 2})),
+        (TypeError, "`metadata` must be a mapping or None, got metadata='x' of type str.",
+         lambda: eqx_quant.export_gguf("unwritten.gguf", mlp, metadata="x")),
     ]  # fmt: skip
     for error, message, call in cases:
         with pytest.raises(error) as info:
@@ -172,3 +202,39 @@ def test_calibration_batches_the_quantized_model_would_refuse_are_refused():
         eqx_quant.calibrate(q, [(x, jnp.zeros(8, jnp.int32))])
     with pytest.raises(TypeError, match=pair):
         q((x[0], 0))
+
+
+def test_quantizer_inputs_learned_leaves_and_logits_of_the_wrong_type():
+    """A quantizer called on something that is not an array (a raw `AttributeError` once), a string or `None` for a
+    learned quantizer's leaves (`jnp.asarray` parsed the string), integer logits for `distillation_loss` (promoted
+    once): `TypeError`s naming the argument, which under the hook are beartype's."""
+    logits = jnp.zeros((1, 3))
+    cases = [
+        ("`x` must be a floating array, got [1.0, 2.0] of type list.",
+         lambda: eqx_quant.FakeQuant(0.5, -8, 7)([1.0, 2.0])),
+        ("`x` must be a floating array, got None of type NoneType.", lambda: eqx_quant.FakeQuant(0.5, -8, 7)(None)),
+        ("`x` must be a floating array, got 1.0 of type float.", lambda: eqx_quant.DynamicFakeQuant(8)(1.0)),
+        ("`x` must be a floating array, got [1.0] of type list.",
+         lambda: eqx_quant.LearnedFakeQuant(0.5, -8, 7)([1.0])),
+        ("`x` must be a floating array, got [1.0] of type list.", lambda: eqx_quant.PassthroughClip(0.0, 1.0)([1.0])),
+        ("`x` must be a floating array, got [1.0] of type list.",
+         lambda: eqx_quant.DynamicFakeQuant(8).quantization_params([1.0])),
+        ("`x` must be a floating array, got [1.0] of type list.",
+         lambda: eqx_quant.DynamicFakeQuant(8).quantize_array([1.0])),
+        ("`scale` must be a real number or an array of them, got '0.5' of type str.",
+         lambda: eqx_quant.LearnedFakeQuant("0.5", -8, 7)),
+        ("`scale` must be a real number or an array of them, got None of type NoneType.",
+         lambda: eqx_quant.LearnedFakeQuant(None, -8, 7)),
+        ("`zero_point` must be a real number or an array of them, got '1' of type str.",
+         lambda: eqx_quant.LearnedFakeQuant(0.5, -8, 7, zero_point="1")),
+        ("`zero_point` must be a real number or an array of them, got True of type bool.",
+         lambda: eqx_quant.LearnedFakeQuant(0.5, -8, 7, zero_point=True)),
+        ("`student_logits` must be floating logits, got dtype int32.",
+         lambda: eqx_quant.distillation_loss(jnp.array([[1, 2, 3]]), logits)),
+        ("`teacher_logits` must be floating logits, got dtype bool.",
+         lambda: eqx_quant.distillation_loss(logits, jnp.array([[True, False, False]]))),
+    ]  # fmt: skip
+    for message, call in cases:
+        with pytest.raises(TypeError) as info:
+            call()
+        assert str(info.value) == message, (str(info.value), message)
