@@ -247,8 +247,8 @@ def _check_finite_weight(what: str, weight: Any) -> None:
     if not isinstance(weight, jax.core.Tracer) and np.isnan(np.asarray(weight)).any():
         index = tuple(int(i) for i in np.argwhere(np.isnan(np.asarray(weight)))[0])
         raise ValueError(
-            f"{what} has a NaN weight entry at index {index}, which no integer can store; the fake-quant weight is "
-            "NaN there. Replace the NaN entries before converting."
+            f"{what} has a NaN weight entry at index {index}, which converted weights do not store (no integer holds "
+            "NaN); the fake-quant weight is NaN there. Replace the NaN entries before converting."
         )
 
 

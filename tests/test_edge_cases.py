@@ -177,6 +177,25 @@ def test_convert_refuses_a_nan_weight_naming_the_layer():
         eqx_quant.convert(eqx_quant.quantize(mlp))
 
 
+def test_convert_stores_an_infinite_weight_entry():
+    """An infinite weight entry saturates on an integer grid; in a block format its block's scale is NaN, stored as
+    such, so the converted block reads back NaN where the fake-quant one is, and the other blocks are untouched."""
+    linear = eqx.nn.Linear(64, 2, key=jax.random.key(0))
+    linear = eqx.tree_at(lambda l: l.weight, linear, linear.weight.at[1, 40].set(jnp.inf))
+    for name, block in (("w8a16", None), ("mxfp4", 32), ("nvfp4", 16), ("q4_0", 32)):
+        quantized = eqx_quant.quantize(linear, **eqx_quant.recipe(name))
+        fake = quantized.weight_quant(linear.weight)
+        stored = eqx_quant.convert(quantized).qweight.dequantize()
+        assert_bitwise_equal(stored, fake)
+        nan = np.isnan(np.asarray(fake))
+        if block is None:
+            assert not nan.any() and np.isfinite(np.asarray(fake)).all()
+        else:  # exactly the block holding the entry
+            expected = np.zeros_like(nan)
+            expected[1, 40 // block * block : (40 // block + 1) * block] = True
+            np.testing.assert_array_equal(nan, expected)
+
+
 def test_convert_under_jit_stores_a_nan_weight_as_level_zero():
     """Under `jax.jit` the weight cannot be inspected: the NaN entry is stored as level 0 (XLA's NaN-to-integer
     conversion), so the converted outputs are finite where the quantized model's are NaN (documented)."""
