@@ -425,8 +425,10 @@ class StretchedFormat(Format):
     scale_rule: str | None = None
 
     def __post_init__(self):
-        if isinstance(self.width, bool) or not isinstance(self.width, (int, np.integer)) or not 1 <= self.width <= 8:
-            raise ValueError(f"`bits` must be an int in [1, 8], got bits={self.width!r}.")  # `width` is `bits`
+        if isinstance(self.width, bool) or not isinstance(self.width, (int, np.integer)):
+            raise TypeError(f"`bits` must be an int in [1, 8], got bits={self.width!r}.")  # `width` is `bits`
+        if not 1 <= self.width <= 8:
+            raise ValueError(f"`bits` must be an int in [1, 8], got bits={self.width!r}.")
         object.__setattr__(self, "width", int(self.width))
         if self.scale != "float32" or self.scale_rule is not None:
             raise ValueError(

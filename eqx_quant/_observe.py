@@ -475,7 +475,11 @@ def check_examples(batch: PyTree, i: int) -> None:
 def check_not_one_array(batches: object) -> None:
     """A `TypeError` for `batches` that are not an iterable of batches, or one array: iterating it would take its
     rows for the batches."""
-    if not isinstance(batches, Iterable) or isinstance(batches, (str, bytes)):
+    try:
+        iterable = not isinstance(batches, (str, bytes)) and iter(batches) is not None  # `__getitem__` alone too
+    except TypeError:
+        iterable = False
+    if not iterable:
         raise TypeError(
             "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), got "
             f"{batches!r} of type {type(batches).__name__}."

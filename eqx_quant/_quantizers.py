@@ -829,8 +829,8 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
                 raise ValueError(
                     f"`zero_point` must have the shape of `scale`, {self.scale.shape}, got {self.zero_point.shape}."
                 )
-            if is_concrete(self.zero_point):  # a real number, rounded as it is used (and clipped once trained)
-                check_zero_points(self.zero_point, fmt, integer=False)
+            if is_concrete(self.zero_point):  # a real number, rounded and clipped into the grid where it is used
+                check_zero_points(self.zero_point, None, integer=False)
         if (fmt.scale == "e4m3") != (self.tensor_scale is not None):
             raise ValueError(f"`tensor_scale` is given exactly for two-level scales (NVFP4), got format={fmt.name!r}.")
         if not isinstance(self.scale, jax.core.Tracer):
@@ -963,7 +963,8 @@ def _learned_leaf(name: str, value: object) -> Array:
     """A learned quantizer's initial `scale`, `zero_point` or `tensor_scale` as a float32 array, or a `TypeError`
     naming it."""
     dtype = value.dtype if isinstance(value, jax.Array) else np.asarray(value).dtype
-    if isinstance(value, (bool, np.bool_)) or not (dtype.kind in "iuf" or dtype == jnp.bfloat16):
+    real = jnp.issubdtype(dtype, jnp.integer) or jnp.issubdtype(dtype, jnp.floating)  # ml_dtypes' floats too
+    if isinstance(value, (bool, np.bool_)) or not real:
         raise TypeError(f"`{name}` must be a real number or an array of them, got {value!r} of type "
                         f"{type(value).__name__}.")  # fmt: skip
     # An explicit dtype: Python numbers would otherwise make weakly typed leaves (which recompile once updated).

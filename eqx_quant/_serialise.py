@@ -341,9 +341,13 @@ def write_replacing(path: str | os.PathLike, write: Callable[[Any], None]) -> No
         except FileExistsError:
             continue
     try:
-        if os.path.isfile(path):
-            os.chmod(fd if os.chmod in os.supports_fd else temporary, stat.S_IMODE(os.stat(path).st_mode))
         with os.fdopen(fd, "wb") as f:
+            if os.path.isfile(path):
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+                try:
+                    os.chmod(f.fileno() if os.chmod in os.supports_fd else temporary, mode)
+                except OSError:  # a file system without permission bits: the new file's, as `open` gives
+                    pass
             write(f)
             f.flush()
             os.fsync(f.fileno())

@@ -187,7 +187,8 @@ def distillation_loss(
     log_q = jax.nn.log_softmax(student / temperature, axis=-1)
     log_p = jax.nn.log_softmax(teacher / temperature, axis=-1)
     p = jnp.exp(log_p)
-    return jnp.sum(jnp.where(p > 0, p * (log_p - log_q), 0.0), axis=-1) * (temperature * temperature)
+    # A class the teacher rules out (probability 0) contributes 0, as in the KL divergence; NaN stays NaN.
+    return jnp.sum(jnp.where(p == 0, 0.0, p * (log_p - log_q)), axis=-1) * (temperature * temperature)
 
 
 def _is_learnable(quantizer: object) -> bool:

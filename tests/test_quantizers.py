@@ -1102,17 +1102,22 @@ def test_errors_name_the_argument(build, arg):
 
 
 def test_learned_zero_point_is_checked_as_fake_quant_checks_it():
-    # Outside the grid every entry saturated; NaN made every output NaN. A learned zero point is a real number,
-    # rounded where it is used: a fraction in the grid is one (`LearnedFakeQuant`'s training moves it so).
-    cases = [(100.0, "zero_point=100.0"), (-9.0, "zero_point=-9.0"), (float("nan"), "zero_point=nan"),
-             (np.array([1.0, 8.0]), "zero_point[1]=8.0")]  # fmt: skip
-    for zero_point, shown in cases:
+    # A NaN zero point made every output NaN. A learned zero point is a real number, rounded and clipped into the grid
+    # where it is used, as training leaves it: a fraction, or a value outside the grid (which `convert` rebuilds the
+    # quantizer with), is one.
+    for zero_point, shown in ((float("nan"), "zero_point=nan"), (np.array([1.0, np.inf]), "zero_point[1]=inf")):
         axis = 0 if np.ndim(zero_point) else None
         scale = np.full(np.shape(zero_point), 0.5, np.float32)
-        message = re.escape(f"`zero_point` must be finite and in [qmin, qmax] = [-8, 7], got {shown}.")
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(ValueError, match=re.escape(f"`zero_point` must be finite, got {shown}.")):
             LearnedFakeQuant(scale, -8, 7, zero_point=zero_point, axis=axis)
+    x = np.array([0.3, 1.25, -0.75, 2.6, -6.0], np.float32)
+    for outside, end in ((100.0, 7), (-9.0, -8)):
+        q = LearnedFakeQuant(0.5, -8, 7, zero_point=outside)
+        np.testing.assert_array_equal(_call(q, x), reference_fake_quant(x, np.float32(0.5), -8, 7, end))
     assert float(LearnedFakeQuant(0.5, -8, 7, zero_point=2.4).zero_point) == np.float32(2.4)
+    # Leaves in ml_dtypes' float types (an NVFP4 block scale as stored) are real numbers too.
+    for scale in (jnp.asarray(0.5, jnp.float8_e4m3fn), np.asarray(0.5, jnp.float8_e4m3fn)):
+        np.testing.assert_array_equal(_call(LearnedFakeQuant(scale, -8, 7), x), _call(LearnedFakeQuant(0.5, -8, 7), x))
 
 
 def test_learned_zero_point_in_the_grid_and_traced():

@@ -136,6 +136,9 @@ def test_distillation_loss_of_a_teacher_that_rules_out_a_class():
     # The student's gradient is q - p, finite, 0 for the class both rule out.
     g = jax.grad(lambda s: jnp.sum(eqx_quant.distillation_loss(s, teacher[:2])))(student[:2])
     np.testing.assert_allclose(g, [q - p, q_without_first - p], rtol=1e-5, atol=1e-7)
+    # A NaN teacher (a NaN logit, every logit -inf, a +inf logit) stays NaN: not the 0 of a ruled-out class.
+    broken = jnp.array([[1.0, jnp.nan, 0.5], [-jnp.inf, -jnp.inf, -jnp.inf], [jnp.inf, 0.0, 0.0]])
+    assert np.isnan(np.asarray(eqx_quant.distillation_loss(student, broken))).all()
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,12 @@ def converted_forward(layer: "AbstractConvertedLayer", x: Array, key: PRNGKeyArr
     return scalar_output(float_layer, y.astype(layer.qweight.dtype))
 
 
+def check_qweight(qweight: object) -> None:
+    """A `TypeError` unless `qweight` is a [`eqx_quant.QuantizedArray`][]."""
+    if not isinstance(qweight, QuantizedArray):
+        raise TypeError(f"`qweight` must be a QuantizedArray, got {qweight!r} of type {type(qweight).__name__}.")
+
+
 class AbstractConvertedLayer(eqx.Module):
     """Base class of the layers produced by [`eqx_quant.convert`][], which store their weight quantized.
 
@@ -106,6 +112,7 @@ class ConvertedLinear(AbstractConvertedLayer):
     matmul: Literal["int", "float"] = eqx.field(static=True, default="int")  # the quantized layer's
 
     def __check_init__(self):
+        check_qweight(self.qweight)
         check_transform(self.layer, self.input_transform)
         check_matmul(self.matmul)
 
@@ -135,6 +142,7 @@ class ConvertedConv(AbstractConvertedLayer):
     matmul: Literal["int", "float"] = eqx.field(static=True, default="int")  # the quantized layer's
 
     def __check_init__(self):
+        check_qweight(self.qweight)
         check_matmul(self.matmul)
 
     def __call__(
@@ -152,6 +160,9 @@ class ConvertedEmbedding(AbstractConvertedLayer):
 
     layer: eqx.nn.Embedding
     qweight: QuantizedArray
+
+    def __check_init__(self):
+        check_qweight(self.qweight)
 
     @property
     def input_quant(self) -> None:

@@ -161,6 +161,8 @@ class RotateInput(AbstractInputTransform):
         - `signs`: the diagonal of `D`, an int8 array of ±1 with one entry per input channel (and leading stack
             axes).
         """
+        if not isinstance(signs, (jax.Array, np.ndarray)):
+            raise TypeError(f"`signs` must be an int8 array of ±1, got {signs!r} of type {type(signs).__name__}.")
         n = signs.shape[-1] if signs.ndim else 0
         order = hadamard_order(n)
         if signs.dtype != jnp.int8 or order is None:

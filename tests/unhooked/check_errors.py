@@ -180,6 +180,12 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.export_compressed_tensors("unwritten", mlp, config={1: 2})),
         (TypeError, "`metadata` must be a mapping or None, got metadata='x' of type str.",
          lambda: eqx_quant.export_gguf("unwritten.gguf", mlp, metadata="x")),
+        (TypeError, "`bits` must be an int in [1, 8], got bits=2.0.",
+         lambda: eqx_quant.stretched_format(2.0)),
+        (TypeError, "`signs` must be an int8 array of ±1, got [1, -1] of type list.",
+         lambda: eqx_quant.nn.RotateInput([1, -1])),
+        (TypeError, "`qweight` must be a QuantizedArray, got 'x' of type str.",
+         lambda: eqx_quant.nn.ConvertedLinear(linear, "x", None)),
     ]  # fmt: skip
     for error, message, call in cases:
         with pytest.raises(error) as info:
@@ -238,3 +244,24 @@ def test_quantizer_inputs_learned_leaves_and_logits_of_the_wrong_type():
         with pytest.raises(TypeError) as info:
             call()
         assert str(info.value) == message, (str(info.value), message)
+
+
+def test_map_style_batches_are_read():
+    # `__len__` and `__getitem__` alone (a map-style dataset), which Python iterates: read as a list of batches.
+    # (Under the hook, the `Iterable` annotation refuses such an object first.)
+    class MapStyle:
+        def __len__(self):
+            return 1
+
+        def __getitem__(self, i):
+            if i >= 1:
+                raise IndexError(i)
+            return jnp.ones((3, 4))
+
+    w8a8 = eqx_quant.quantize(eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0)), **eqx_quant.recipe("w8a8"))
+    scales = [eqx_quant.calibrate(w8a8, b).layers[0].input_quant.scale for b in (MapStyle(), [jnp.ones((3, 4))])]
+    assert scales[0] == scales[1]
+    w4 = eqx_quant.quantize(
+        eqx.nn.MLP(4, 2, 8, 1, key=jax.random.key(0)), **eqx_quant.recipe("w4a16_g32", group_size=4)
+    )
+    assert eqx.tree_equal(eqx_quant.gptq(w4, MapStyle()), eqx_quant.gptq(w4, [jnp.ones((3, 4))]))
