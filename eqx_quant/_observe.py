@@ -474,20 +474,17 @@ def check_examples(batch: PyTree, i: int) -> None:
 
 def check_not_one_array(batches: object) -> None:
     """A `TypeError` for `batches` that are not an iterable of batches, or one array: iterating it would take its
-    rows for the batches."""
-    try:
-        iterable = not isinstance(batches, (str, bytes)) and iter(batches) is not None  # `__getitem__` alone too
-    except TypeError:
-        iterable = False
-    if not iterable:
-        raise TypeError(
-            "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), got "
-            f"{batches!r} of type {type(batches).__name__}."
-        )
-    if isinstance(batches, (jax.Array, np.ndarray)):
+    rows for the batches. Nothing is iterated: what Python iterates (`__iter__`, or `__getitem__` alone) passes."""
+    if isinstance(batches, (jax.Array, np.ndarray, np.generic)):
         raise TypeError(
             "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), got one "
             f"array of shape {tuple(batches.shape)}: pass `[x]` for one batch, or `list(x)` for a stack of batches."
+        )
+    iterable = isinstance(batches, Iterable) or hasattr(type(batches), "__getitem__")
+    if not iterable or isinstance(batches, (str, bytes)):
+        raise TypeError(
+            "`batches` must be an iterable of batches (a list of arrays, each with a leading batch axis), got "
+            f"{batches!r} of type {type(batches).__name__}."
         )
 
 

@@ -420,7 +420,7 @@ def _rebuilt(
         if kind == "DynamicFakeQuant":
             return DynamicFakeQuant(_format(c), layout=layout, symmetric=c["symmetric"], axis_name=axis_name)
         if kind == "LearnedFakeQuant":  # made for one layer, and stacked like the layer (as `calibrate` makes it)
-            # Placeholders for the file's values; a zero point's lies on the grid, which the quantizer checks.
+            # Placeholders for the file's values (a zero point's on the grid, where the quantizer computes).
             fmt = _format(c)
             zero = min(max(0, getattr(fmt, "qmin", 0)), getattr(fmt, "qmax", 0))
             ones = {name: jnp.full(shape, zero if name == "zero_point" else 1, jnp.float32)

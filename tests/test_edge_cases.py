@@ -508,6 +508,19 @@ def test_calibration_data_without_examples_is_a_clear_error():
     with pytest.raises(ValueError, match=none.format(1)):
         eqx_quant.calibrate(w8a8, [jnp.ones((3, 4)), jnp.zeros((0, 4))])
 
+    class OneShot:  # a stream that can be iterated once: the checks of `batches` must not iterate it
+        def __init__(self):
+            self.read = False
+
+        def __iter__(self):
+            assert not self.read, "iterated twice"
+            self.read = True
+            return iter([jnp.ones((3, 4))])
+
+    assert_bitwise_equal(eqx_quant.calibrate(w8a8, OneShot()).layers[0].input_quant.scale,
+                         eqx_quant.calibrate(w8a8, [jnp.ones((3, 4))]).layers[0].input_quant.scale)  # fmt: skip
+    eqx_quant.gptq(w4, OneShot())
+
     # A batch of several arrays, the model called on it whole: it holds no examples when none of its arrays has any
     # along the leading axis (a scalar has none); an array of length 0 beside others (an empty cache) is data.
     class Batched(eqx.Module):
