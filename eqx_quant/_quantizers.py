@@ -694,6 +694,8 @@ class DynamicFakeQuant(AbstractFakeQuantizer):
             with sharded arrays, where reductions are global already.
         - `layout`: instead of `axis`, `group_size` and `group_axis`, the [`eqx_quant.Layout`][] itself.
         """
+        if format is None:  # this quantizer takes no `qmin` and `qmax`
+            raise TypeError("`format` must be a Format, a format's name or a number of bits, got None.")
         self.format = _format_of(format, None, None, signed, narrow)
         self.layout = _layout_of(layout, axis, group_size, group_axis)
         self.symmetric = symmetric

@@ -180,6 +180,8 @@ def test_literal_and_bool_arguments():
          lambda: eqx_quant.export_compressed_tensors("unwritten", mlp, config={1: 2})),
         (TypeError, "`metadata` must be a mapping or None, got metadata='x' of type str.",
          lambda: eqx_quant.export_gguf("unwritten.gguf", mlp, metadata="x")),
+        (TypeError, "`format` must be a Format, a format's name or a number of bits, got None.",
+         lambda: eqx_quant.DynamicFakeQuant(None)),
         (TypeError, "`bits` must be an int in [1, 8], got bits=2.0.",
          lambda: eqx_quant.stretched_format(2.0)),
         (TypeError, "`signs` must be an int8 array of ±1, got [1, -1] of type list.",
