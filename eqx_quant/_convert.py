@@ -12,7 +12,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 from jaxtyping import PyTree
 
-from ._misc import named_sharding
+from ._misc import first_where, named_sharding
 from ._qarray import QuantizedArray
 from ._quantizers import AbstractFakeQuantizer, FakeQuant, LearnedFakeQuant
 from ._traced import QuantTraced, each_layer_array, replaced, two_level
@@ -244,8 +244,8 @@ def convert(model: PyTree, *, matmul: Literal["int", "float"] | None = None) -> 
 
 def _check_finite_weight(what: str, weight: Any) -> None:
     """A `ValueError` naming `what` if the concrete `weight` holds NaN, which no integer stores."""
-    if not isinstance(weight, jax.core.Tracer) and np.isnan(np.asarray(weight)).any():
-        index = tuple(int(i) for i in np.argwhere(np.isnan(np.asarray(weight)))[0])
+    index = None if isinstance(weight, jax.core.Tracer) else first_where(np.isnan(np.asarray(weight)))
+    if index is not None:
         raise ValueError(
             f"{what} has a NaN weight entry at index {index}, which converted weights do not store (no integer holds "
             "NaN); the fake-quant weight is NaN there. Replace the NaN entries before converting."
@@ -269,7 +269,7 @@ def _convert_traced(traced: QuantTraced, matmul: str | None) -> QuantTraced:
         if quantizer is None or isinstance(leaf, QuantizedArray):
             return leaf
         _check_finite_weight(f"Traced weight {path_string(key_path)!r}", leaf)
-        depth = 0 if i is None else len(traced.stacks[i])
+        depth = len(traced.stacks[i])  # pyright: ignore[reportArgumentType]  # `i` names a traced weight here
         if two_level(quantizer) and depth:  # one tensor scale per layer of the stack, as the traced model takes them
             return _placed(_layers_quantization(depth)(_whole_tensor(quantizer), leaf), leaf)
         return _placed(_weight_quantization(0)(_whole_tensor(quantizer), leaf), leaf)

@@ -56,7 +56,8 @@ def check_exportable(model: PyTree, what: str) -> tuple[str, ...]:
     """Raises, naming the layer, if `model` has traced weights or input transforms, or a layer of it is quantized
     but not converted. The head of an `eqx.nn.Shared` tie, whose weight is the placeholder of another layer's (it
     stays a quantized layer after `convert`), has nothing of its own to write and is left out: a reader of tied
-    weights uses the table for it. With an input quantizer, which the file would not describe, it is refused.
+    weights uses the table for it. With an input quantizer, which the file would not describe, or a weight quantizer
+    that moves the table it reads (`_check_tied_grid`), it is refused.
     Returns the prefixes (`"path."`) of the names of those heads' leaves, for the exporter to leave out."""
     refuse_input_transforms(model, what)
     tied = tied_heads(model)

@@ -32,6 +32,7 @@ from ._misc import (
     check_int,
     compute_dtype,
     expand_to_rank,
+    first_where,
     is_concrete,
     is_zero_tangent,
     sum_to_shape,
@@ -224,7 +225,7 @@ def _check_values(name: str, a: np.ndarray, ok: np.ndarray | np.bool_, requireme
     if not np.all(ok):
         if a.ndim == 0:
             raise ValueError(f"`{name}` must be {requirement}, got {name}={a.item()!r}.")
-        index = tuple(int(i) for i in np.argwhere(~ok)[0])
+        index = first_where(~ok)
         raise ValueError(
             f"`{name}` must be {requirement}, got {name}[{', '.join(map(str, index))}]={a[index].item()!r}."
         )
@@ -271,19 +272,21 @@ def prepare_scale(scale: object, x_shape: tuple[int, ...], dtype: np.dtype, *, c
 
 
 def check_zero_points(zero_point: object, fmt: Format | None = None, integer: bool = True) -> None:
-    """Raises unless the zero points `zero_point` (concrete numbers) are finite and integer-valued (unless
-    `integer=False`: a learned zero point, rounded as it is used), and lie in `[qmin, qmax]` on an integer grid
-    `fmt`: the one check of static, initial and concrete zero points."""
+    """Raises unless the zero points `zero_point` (concrete numbers) are finite, and integer-valued and in
+    `[qmin, qmax]` on an integer grid `fmt` (with `integer=False`, a learned zero point, rounded and clipped into the
+    grid where it is used: finite only): the one check of static, initial and concrete zero points."""
     z = np.asarray(zero_point)
     if z.dtype.kind not in "iuf":
         z = z.astype(np.float64)  # Python ints beyond int64
+    if not integer:
+        _check_values("zero_point", z, np.isfinite(z), "finite")
+        return
     with np.errstate(invalid="ignore"):
-        ok = np.isfinite(z) & ((z == np.round(z)) | (not integer))
-        kind = "integer-valued" if integer else "finite"
-        requirement = f"{kind} and finite" if integer else "finite"
+        ok = np.isfinite(z) & (z == np.round(z))
+        requirement = "integer-valued and finite"
         if isinstance(fmt, IntFormat):
             ok = ok & (z >= fmt.qmin) & (z <= fmt.qmax)
-            requirement = f"{kind} and in [qmin, qmax] = [{fmt.qmin}, {fmt.qmax}]"
+            requirement = f"integer-valued and in [qmin, qmax] = [{fmt.qmin}, {fmt.qmax}]"
     _check_values("zero_point", z, ok, requirement)
 
 

@@ -331,7 +331,7 @@ def export_gguf(
         raise ValueError(f"`metadata`['general.alignment'] must be a power of two of at least 8, got {alignment}.")
     for key, value in metadata.items():
         _encode_value(value, _value_type(value, key), key)  # checked before anything is computed
-    tied = check_exportable(model, "a GGUF file")  # tied heads: their weight quantizer requantizes the table
+    tied = check_exportable(model, "a GGUF file")  # tied heads: left out, the table written once
     leaves, _ = named_leaves(model)
     for name, leaf in leaves:
         if isinstance(leaf, AbstractQuantizer) and not name.startswith(tied):

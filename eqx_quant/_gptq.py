@@ -12,7 +12,7 @@ import numpy as np
 from jaxtyping import Array, Float, Shaped
 
 from ._format import Format, IntFormat, apply_scale, as_format, check_range, effective_scale, reciprocal
-from ._misc import check_int
+from ._misc import check_int, first_where
 from ._scales import (
     Scales,
     absmax_scale,
@@ -51,7 +51,6 @@ def _check(
         raise ValueError(
             f"`hessian` must have shape ({n}, {n}) for a weight of shape {weight.shape}, got shape {hessian.shape}."
         )
-    _check_values(weight, hessian)
     if isinstance(fmt, IntFormat) and not (fmt.qmin <= 0 < fmt.qmax):
         raise ValueError(
             f"GPTQ quantizes symmetrically: the grid needs `qmin` <= 0 < `qmax`, got qmin={fmt.qmin} and "
@@ -79,15 +78,15 @@ def _check(
 def _check_values(weight: Array, hessian: Array) -> None:
     """Raises for concrete values GPTQ cannot solve with: a non-finite weight or Hessian entry, a negative diagonal
     entry of the Hessian (no second moment has one) or a zero Hessian (which would zero the whole weight)."""
-    for name, array in (("weight", weight), ("hessian", hessian)):
-        if not isinstance(array, jax.core.Tracer):
-            bad = np.argwhere(~np.isfinite(np.asarray(array)))
-            if len(bad):
-                index = tuple(int(i) for i in bad[0])
-                raise ValueError(f"`{name}` must be finite, got {np.asarray(array)[index]} at index {index}.")
-    if isinstance(hessian, jax.core.Tracer):
+    concrete = {name: np.asarray(a) for name, a in (("weight", weight), ("hessian", hessian))
+                if not isinstance(a, jax.core.Tracer)}  # fmt: skip
+    for name, values in concrete.items():
+        index = first_where(~np.isfinite(values))
+        if index is not None:
+            raise ValueError(f"`{name}` must be finite, got {values[index]} at index {index}.")
+    if "hessian" not in concrete:
         return
-    diagonal = np.diagonal(np.asarray(hessian))
+    diagonal = np.diagonal(concrete["hessian"])
     if (diagonal < 0).any():
         i = int(np.argmax(diagonal < 0))
         raise ValueError(
@@ -212,6 +211,10 @@ def gptq_quantize(
         raise ValueError(f"Give `qmin` and `qmax` or `format`, not both: got format={format!r}, qmin={qmin!r}.")
     else:
         fmt = as_format(format)
+    weight, hessian = jnp.asarray(weight), jnp.asarray(hessian)
+    # Values checked here, for direct callers: the model's solvers check theirs first and call `gptq_solve`.
+    _check(weight, hessian, fmt, group_size, act_order, damp, block_size, method, num_candidates)
+    _check_values(weight, hessian)
     levels, scales = gptq_solve(weight, hessian, fmt, group_size, act_order, damp, block_size, method, num_candidates)
     return levels, effective_scale(scales.scale, scales.tensor_scale)
 

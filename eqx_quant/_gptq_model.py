@@ -22,6 +22,7 @@ from ._misc import (
     caller_stacklevel,
     check_flags,
     check_real,
+    first_where,
     named_sharding,
     placed_like,
     sharded_in_type,
@@ -285,10 +286,7 @@ def gptq(
 
     The model with GPTQ-quantized linear weights.
     """
-    if not isinstance(act_order, bool):
-        raise TypeError(f"`act_order` must be a bool, got act_order={act_order!r}.")
-    if not isinstance(quantized_inputs, bool):
-        raise TypeError(f"`quantized_inputs` must be a bool, got quantized_inputs={quantized_inputs!r}.")
+    check_flags(act_order=act_order, quantized_inputs=quantized_inputs)
     damp = check_real("damp", damp)
     if not (math.isfinite(damp) and damp >= 0):
         raise ValueError(f"`damp` must be finite and >= 0, got damp={damp!r}.")
@@ -436,11 +434,11 @@ def _check_finite(what: str, weight: Array, name: str) -> None:
     would spread over its row (NaN becoming zeros)."""
     if isinstance(weight, jax.core.Tracer):
         return
-    bad = np.argwhere(~np.isfinite(np.asarray(weight)))
-    if len(bad):
-        index = tuple(int(i) for i in bad[0])
+    values = np.asarray(weight)
+    index = first_where(~np.isfinite(values))
+    if index is not None:
         raise ValueError(
-            f"{what} has a non-finite weight entry, {np.asarray(weight)[index]} at index {index}, which `{name}` "
+            f"{what} has a non-finite weight entry, {values[index]} at index {index}, which `{name}` "
             "cannot solve for (its error feedback would spread it over the row). Replace it before calling "
             f"`{name}`, or leave the weight out with `where`."
         )
@@ -448,7 +446,8 @@ def _check_finite(what: str, weight: Array, name: str) -> None:
 
 def _check_seen(grams: dict[str, list[dict[str, Any]]], name: str, kind: str = "Layer", index: int | None = None):
     """A `ValueError` naming the weight whose calibration inputs were all zero (NaN and infinite entries count as
-    zeros): its Hessian is zero, and GPTQ would set every entry of the weight to zero."""
+    zeros): its Hessian is zero, and the solver has nothing to fit (GPTQ would set every entry of the weight to
+    zero)."""
     for path, records in grams.items():
         for k, record in enumerate(records):
             if not np.diagonal(np.asarray(record["gram"]), axis1=-2, axis2=-1).any():

@@ -27,6 +27,12 @@ def check_int(name: str, value: object) -> int:
     return int(value)
 
 
+def first_where(mask: np.ndarray) -> tuple[int, ...] | None:
+    """The index of the first true entry of `mask` (in row-major order), or `None`: for messages naming it."""
+    found = np.argwhere(mask)
+    return tuple(int(i) for i in found[0]) if len(found) else None
+
+
 def check_flags(**flags: object) -> None:
     """A `TypeError` naming the first of `flags` that is not a bool, and its value."""
     for name, flag in flags.items():

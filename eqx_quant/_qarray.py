@@ -11,7 +11,7 @@ from jaxtyping import Array, ArrayLike, Bool, Float, Int, Shaped
 from ._fake_quant import dequantize_levels, prepare_scale, prepare_zero_point, quantize_levels
 from ._format import FloatFormat, Format, IntFormat, decode_scale, encode_scale, int_dtype
 from ._layout import Layout
-from ._misc import compute_dtype, expand_to_rank, is_concrete, one_program
+from ._misc import compute_dtype, expand_to_rank, first_where, is_concrete, one_program
 from ._packing import pack_bits, unpack_bits
 from ._scales import Scales
 
@@ -197,10 +197,10 @@ def check_storable(x: Array, fmt: Format) -> None:
     """Raises `ValueError` for a concrete `x` holding NaN when `fmt` is a float format with float32 scales and no NaN
     code (FP6, FP4): no code stores it."""
     if isinstance(fmt, FloatFormat) and not fmt.has_nan and fmt.scale == "float32" and is_concrete(x):
-        nan = np.argwhere(np.isnan(np.asarray(x, np.float32)))
-        if nan.size:
+        index = first_where(np.isnan(np.asarray(x, np.float32)))
+        if index is not None:
             raise ValueError(
-                f"`x` holds NaN (at index {tuple(int(i) for i in nan[0])}), which {fmt.element} cannot store under a "
+                f"`x` holds NaN (at index {index}), which {fmt.element} cannot store under a "
                 "per-tensor or per-channel scale."
             )
 

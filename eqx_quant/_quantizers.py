@@ -832,7 +832,7 @@ class LearnedFakeQuant(AbstractFakeQuantizer):
                     f"`zero_point` must have the shape of `scale`, {self.scale.shape}, got {self.zero_point.shape}."
                 )
             if is_concrete(self.zero_point):  # a real number, rounded and clipped into the grid where it is used
-                check_zero_points(self.zero_point, None, integer=False)
+                check_zero_points(self.zero_point, integer=False)
         if (fmt.scale == "e4m3") != (self.tensor_scale is not None):
             raise ValueError(f"`tensor_scale` is given exactly for two-level scales (NVFP4), got format={fmt.name!r}.")
         if not isinstance(self.scale, jax.core.Tracer):

@@ -13,7 +13,7 @@ from ._backward import QuantizedBackward, UnquantizedBackward, check_backward
 from ._format import Format, as_format, float_format
 from ._int_ops import integer_grid
 from ._layout import Layout
-from ._misc import caller_stacklevel, check_int
+from ._misc import caller_stacklevel, check_flags, check_int
 from ._observe import shapes_of
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant, paretoq_divisor
 from ._traced import TRACED_ONLY, QuantTraced, TracedProduct, find_products, layer_types, trace_call, weight_layout
@@ -105,9 +105,7 @@ class LayerQuantizer:
         object.__setattr__(self, "format", as_format(self.format))  # a name or a number of bits too
         if self.group_size is not None and check_int("group_size", self.group_size) < 1:
             raise ValueError(f"`group_size` must be None or a positive int, got group_size={self.group_size}.")
-        for name in ("learned", "input", "per_token"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"`{name}` must be a bool, got {name}={getattr(self, name)!r}.")
+        check_flags(learned=self.learned, input=self.input, per_token=self.per_token)
         if self.per_token and not self.input:
             raise ValueError("`per_token=True` lays out an input's scales; it needs input=True.")
         if self.per_token and self.format.scale != "float32":  # pyright: ignore[reportAttributeAccessIssue]
@@ -930,7 +928,8 @@ def _traced_products(model: PyTree, example: object) -> tuple[
 
 def _check_weight_fits(path: str, quantizer: object, layer: Any) -> None:
     """A `ValueError` naming the layer for a weight quantizer whose layout does not fit the layer's weight (a group
-    size that does not divide the tiled axis), raised here rather than when the model first runs."""
+    size that does not divide the tiled axis), and a `TypeError` for a weight that is not floating, raised here
+    rather than when the model first runs."""
     layout, weight = getattr(quantizer, "layout", None), getattr(layer, "weight", None)
     try:
         check_floating_weight(layer, quantizer)

@@ -29,6 +29,7 @@ from ._qarray import QuantizedArray, quantize_array
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant
 from ._scales import Scales
 from ._tree import nodes, path_string
+from .nn._layers import per_layer
 
 
 class _View(NamedTuple):
@@ -724,24 +725,18 @@ def layer_quantizer(quantizer: DynamicFakeQuant, depth: int) -> DynamicFakeQuant
     return dataclasses.replace(quantizer, layout=one)
 
 
-def _each_layer(fn: Callable[[Any], Any], depth: int) -> Callable[[Any], Any]:
-    for _ in range(depth):
-        fn = jax.vmap(fn)
-    return fn
-
-
 def each_layer(quantizer: DynamicFakeQuant, weight: Any, depth: int) -> Any:
     """A two-level `quantizer` (NVFP4) of a traced weight stacked `depth` times applied to each layer of the stack on
     its own, as to the weight of a stack of layers built with `eqx.filter_vmap`: one tensor scale per layer, where the
     whole leaf at once would share one among the layers (a layer's values would depend on the others')."""
-    return _each_layer(layer_quantizer(quantizer, depth), depth)(weight)
+    return per_layer(lambda q, w: q(w), depth)(layer_quantizer(quantizer, depth), weight)
 
 
 def each_layer_array(quantizer: DynamicFakeQuant, weight: Any, depth: int) -> QuantizedArray:
     """The [`eqx_quant.QuantizedArray`][] of `each_layer`: the whole leaf, its layout `stacked` `depth` times (one
     tensor scale per layer), with the scales each layer takes on its own; its `dequantize()` is `each_layer`'s value
     bit for bit."""
-    block, _, tensor = _each_layer(layer_quantizer(quantizer, depth).scales, depth)(weight)
+    block, _, tensor = per_layer(lambda q, w: q.scales(w), depth)(layer_quantizer(quantizer, depth), weight)
     layout = quantizer.layout._replace(stacked=depth)
     return quantize_array(weight, Scales(block, None, tensor), quantizer.format, layout, mask=False)[0]
 

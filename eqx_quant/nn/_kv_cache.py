@@ -115,8 +115,8 @@ class QuantKVCache(eqx.Module):
     def dequantized(self) -> tuple[Array, Array]:
         """The stored keys and values as floats, `(max_len, num_heads, head_dim)` each, NaN where they were NaN."""
         key_nan, value_nan = self._nan()
-        deq = lambda levels, scale, nan: jnp.where(nan, jnp.nan, levels.astype(jnp.float32) * scale)  # noqa: E731
-        return deq(self.keys, self.key_scales, key_nan), deq(self.values, self.value_scales, value_nan)
+        keys = _dequantized(self.keys, self.key_scales, key_nan)
+        return keys, _dequantized(self.values, self.value_scales, value_nan)
 
     def attend(self, query: Float[Array, "query_heads head_dim"], length) -> Float[Array, "query_heads head_dim"]:
         """Attention of one query over positions `0 .. length - 1`: `softmax(q kᵀ / sqrt(head_dim)) v` per head.
@@ -160,9 +160,13 @@ class QuantKVCache(eqx.Module):
         logits = jnp.where(written, logits, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(logits, axis=-1)
         # NaN values of positions not read would turn their zero weights into NaN: only the written ones count.
-        values = self.values.astype(jnp.float32) * self.value_scales
-        values = jnp.where(value_nan & written[:, None, None], jnp.nan, values)
+        values = _dequantized(self.values, self.value_scales, value_nan & written[:, None, None])
         return jnp.einsum(mix, weights, values).reshape(query.shape)
+
+
+def _dequantized(levels: Array, scales: Array, nan: Array) -> Array:
+    """Stored levels as floats, NaN where `nan` is set."""
+    return jnp.where(nan, jnp.nan, levels.astype(jnp.float32) * scales)
 
 
 def _check_position(name: str, value: object, low: int, high: int) -> None:
