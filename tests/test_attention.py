@@ -77,6 +77,26 @@ def test_nan_and_fallbacks(operands):
     assert_bitwise_equal(asymmetric(a, b), jnp.einsum("td,sd->ts", DynamicFakeQuant(8, symmetric=False)(a), b))
 
 
+def test_a_label_summed_in_one_operand_only(operands):
+    # "td,sd->s" sums `t` in the lhs alone: the integer einsum sums it too, so the rescale must not sum scales
+    # along it (it once summed the lhs's scale over `t`, multiplying the output by the number of tokens).
+    a, b = operands
+    product = QuantEinsum(Einsum("td,sd->s"), lhs_quant=DynamicFakeQuant(8), rhs_quant=DynamicFakeQuant(8, axis=0))
+    qa, sa = np_levels(a, ())
+    qb, sb = np_levels(b, (0,))  # one scale per `s`, an output label
+    acc = np.einsum("td,sd->s", qa, qb)  # exact in int64
+    expected = acc.astype(np.float32) * (sa.reshape(()) * sb.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(product(a, b)), expected)
+    assert_bitwise_equal(call(product, a, b), product(a, b))
+    # A NaN of the lhs enters every output's sum, and a NaN in row `s` of the rhs output `s` alone.
+    assert np.isnan(np.asarray(product(a.at[2, 3].set(jnp.nan), b))).all()
+    np.testing.assert_array_equal(np.isnan(np.asarray(product(a, b.at[4, 0].set(jnp.nan)))), np.arange(6) == 4)
+    # One scale per token on the lhs, along the label summed in it alone: no integer product, the float einsum.
+    per_token = QuantEinsum(Einsum("td,sd->s"), lhs_quant=DynamicFakeQuant(8, axis=0), rhs_quant=DynamicFakeQuant(8))
+    expected = jnp.einsum("td,sd->s", DynamicFakeQuant(8, axis=0)(a), DynamicFakeQuant(8)(b))
+    assert_bitwise_equal(per_token(a, b), expected)
+
+
 def test_einsum_errors():
     for bad in ("td,sd", "td->t", "td,sd,xd->ts", "t1,sd->ts", "tt,sd->ts", "td,sd->tz"):
         with pytest.raises(ValueError, match="equation"):

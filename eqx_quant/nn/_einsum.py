@@ -64,49 +64,65 @@ class Einsum(eqx.Module):
             return jnp.einsum(self.equation, a, b)
 
 
-def _free_scale(tensor: QuantizedArray, labels: str, contracted: set[str]) -> tuple[Array, str]:
-    """An operand's scale over its free (not contracted) labels: the scales are constant along the contracted ones."""
+def _summed(lhs: str, rhs: str, out: str) -> set[str]:
+    """The labels the einsum sums over: those of either operand missing from the output (a label of one operand
+    only is summed too, as in `"ij,jk->k"`)."""
+    return (set(lhs) | set(rhs)) - set(out)
+
+
+def _free_scale(tensor: QuantizedArray, labels: str, summed: set[str]) -> tuple[Array, str]:
+    """An operand's scale over its free (output) labels: the scales are constant along the summed ones."""
     scale = jnp.broadcast_to(tensor.scale, tensor.shape)
-    index = tuple(0 if label in contracted else slice(None) for label in labels)
-    return scale[index], "".join(label for label in labels if label not in contracted)
+    index = tuple(0 if label in summed else slice(None) for label in labels)
+    return scale[index], "".join(label for label in labels if label not in summed)
 
 
 def integer_einsum_possible(equation: str, a: QuantizedArray, b: QuantizedArray) -> bool:
     """Whether the integer einsum of two quantized operands computes their product: symmetric grids, scales
-    constant along the contracted labels (no groups), and a contraction whose int32 sums are exact. A float64
-    operand (with `jax_enable_x64`) computes in floating point, as the layers' products do (see `plan`)."""
+    constant along the summed labels (no groups), and sums whose int32 accumulation is exact. A float64 operand
+    (with `jax_enable_x64`) computes in floating point, as the layers' products do (see `plan`)."""
     if any_float64(a.dtype, b.dtype):
         return False
     lhs, rhs, out = _parse(equation)
-    contracted = (set(lhs) & set(rhs)) - set(out)
+    summed = _summed(lhs, rhs, out)
     for tensor, labels in ((a, lhs), (b, rhs)):
         if not integer_grid(tensor) or tensor.zero_point is not None or tensor.layout.group_size is not None:
             return False
         if tensor.layout.stacked:
             return False
         channels = tensor.layout.channel_axes(tensor.shape)
-        if any(labels[axis] in contracted for axis in channels):
+        if any(labels[axis] in summed for axis in channels):
             return False
-    length = math.prod(a.shape[lhs.index(label)] for label in contracted)
+    sizes = {label: size for labels, tensor in ((lhs, a), (rhs, b)) for label, size in zip(labels, tensor.shape)}
+    length = math.prod(sizes[label] for label in summed)  # the terms of each output's int32 sum
     assert isinstance(a.format, IntFormat) and isinstance(b.format, IntFormat)
     bound = a.format.largest * b.format.largest
     return length * bound <= INT32_MAX
 
 
+def _int32_einsum(equation: str, a: Array, b: Array) -> Array:
+    """`jnp.einsum` of two integer arrays with int32 sums. A label summed in one operand alone is summed before the
+    product, in the operand's own dtype unless it is int32 already, so both are widened first."""
+    lhs, rhs, out = _parse(equation)
+    if _summed(lhs, rhs, out) - (set(lhs) & set(rhs)):
+        a, b = a.astype(jnp.int32), b.astype(jnp.int32)
+    return jnp.einsum(equation, a, b, preferred_element_type=jnp.int32)
+
+
 def integer_value(equation: str, a: QuantizedArray, b: QuantizedArray, a_nan: Array, b_nan: Array) -> Array:
     """The product from the integers: an int32 einsum, rescaled once by the outer product of the free scales."""
     lhs, rhs, out = _parse(equation)
-    contracted = (set(lhs) & set(rhs)) - set(out)
-    acc = jnp.einsum(equation, a.values, b.values, preferred_element_type=jnp.int32)
-    scale_a, free_a = _free_scale(a, lhs, contracted)
-    scale_b, free_b = _free_scale(b, rhs, contracted)
+    summed = _summed(lhs, rhs, out)
+    acc = _int32_einsum(equation, a.values, b.values)
+    scale_a, free_a = _free_scale(a, lhs, summed)
+    scale_b, free_b = _free_scale(b, rhs, summed)
     # One product per output element (no label is summed), so eager and compiled calls round alike.
     scale = jnp.einsum(f"{free_a},{free_b}->{out}", scale_a, scale_b)
     y = acc.astype(scale.dtype) * scale
-    # NaN where a contracted slice of either operand holds one, as in the float product.
+    # NaN where a summed slice of either operand holds one, as in the float product.
     ones_a, ones_b = jnp.ones(a.shape, jnp.int8), jnp.ones(b.shape, jnp.int8)
-    nan = jnp.einsum(equation, a_nan.astype(jnp.int8), ones_b, preferred_element_type=jnp.int32) > 0
-    nan = nan | (jnp.einsum(equation, ones_a, b_nan.astype(jnp.int8), preferred_element_type=jnp.int32) > 0)
+    nan = _int32_einsum(equation, a_nan.astype(jnp.int8), ones_b) > 0
+    nan = nan | (_int32_einsum(equation, ones_a, b_nan.astype(jnp.int8)) > 0)
     return opaque(jnp.where(nan, jnp.nan, y))
 
 
@@ -129,7 +145,7 @@ class QuantEinsum(eqx.Module):
     """A product of two activations, [`eqx_quant.nn.Einsum`][], computed on fake-quantized operands.
 
     **Integer forward.** With `matmul="int"` (the default), when both quantizers are fake quantizers on symmetric
-    grids whose scales are constant along the contracted labels (per tensor; per token, per head or per any free
+    grids whose scales are constant along the summed labels (per tensor; per token, per head or per any output
     label, e.g. `DynamicFakeQuant(8, axis=0)` for one scale per row of a `(tokens, features)` operand contracted
     over features), and the int32 sums are exact (`K * max|a| * max|b| <= 2**31 - 1` for a contraction of length
     `K`: `K <= 131071` for int8 operands), the forward is the int32 einsum of the two operands' integers, rescaled
