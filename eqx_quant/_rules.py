@@ -519,7 +519,8 @@ def quantize(
     scale per token, per index of the axes the product does not sum over); such a product computes on the integers
     where both operands are on symmetric integer grids, the input's scales constant along the contraction and the
     weight's per tensor, channel or tile (and `matmul="int"`), as linear layers do, else in floating point
-    on the quantized operands (a `backward` of the rule is an error there). With a `products` rule, the products of
+    on the quantized operands. Traced products keep the gradient of the float product of their quantized operands: a
+    rule reaching a traced weight that sets `backward` is a `ValueError`. With a `products` rule, the products of
     two activations that the call computes (`jnp.einsum` attention) are quantized too: they are named `products.0`,
     `products.1`, ... in the order the program computes them. Without `example=`, the layers with weights that only
     tracing reaches (`eqx.nn.ConvTranspose`, `eqx.nn.GRUCell`, `eqx.nn.LSTMCell`) stay in floating point, with a
@@ -813,6 +814,11 @@ def quantize(
             )
         return wrapped
     weights = tuple(None if d.weight is None else weight_layout(d.weight, traced[path]) for path, d in chosen)
+    for (path, _), quantizer in zip(chosen, weights, strict=True):
+        layout, shape = getattr(quantizer, "layout", None), traced[path].weight.shape
+        if isinstance(layout, Layout):  # here, not when the model first runs, where the error named no weight
+            what = f"Traced weight {path!r}: its weight quantizer does not fit it, of shape {shape}"
+            _check_layout(layout, shape, what)
     inputs = tuple(d.input for _, d in chosen)
     per_token = tuple(_per_token(d.input, traced[path]) for path, d in chosen)
     for (path, decision), tokens in zip(chosen, per_token, strict=True):

@@ -38,12 +38,14 @@ class _View(NamedTuple):
     enclosing `lax.scan`s have sliced off one after the other (the layers of a stack), `None` once a scan sliced
     the leaf along another axis or a slice shortened it. With `axes` `None`, the value is computed from the model's
     arrays (and constants) alone, by operations that are not views (a concatenation, a gather, arithmetic): neither
-    a weight that tracing can lay scales out on nor an activation."""
+    a weight that tracing can lay scales out on nor an activation; `also` then holds the other leaves it was
+    computed from (the second array of a concatenation), reported with `leaf`."""
 
     leaf: int
     axes: tuple[tuple[int, ...], ...] | None
     sliced: int | None = 0
     layer: bool = False  # a view of a leaf of a layer that `quantize` wraps as a layer: its products are the layer's
+    also: tuple[int, ...] = ()
 
 
 class TracedProduct(eqx.Module):
@@ -120,6 +122,7 @@ class _Use(NamedTuple):
     outer: tuple[int, ...] = ()  # the ids of the equations that hold this one (a scan, a jit, ...)
     pairing: tuple[int, ...] | None = None  # the contracted leaf axes, paired in order with `input_contracted`
     batch: tuple[tuple[int, int], ...] = ()  # `(leaf axis, input axis)` of each batch dimension of a dot_general
+    also: tuple[int, ...] = ()  # an "unfollowed" use: the other leaves the weight operand was computed from
 
 
 class _Where(NamedTuple):
@@ -167,13 +170,19 @@ def _derived(eqn: Any, views: list[_View | None]) -> _View | None:
         # Rows of an array picked by indices: derived from it if the indices are, an activation if they depend on
         # the input (an embedding's lookup, and so also a mixture of experts' weights picked by its router).
         indices = [v for v, var in zip(views[1:], eqn.invars[1:], strict=True) if not isinstance(var, jcore.Literal)]
-        return _View(views[0].leaf, None, layer=views[0].layer) if all(v is not None for v in indices) else None
+        if any(v is None for v in indices):
+            return None
+        return _View(views[0].leaf, None, layer=views[0].layer, also=views[0].also)
     if all(v is not None for v in operands):
         leaves = [v for v in operands if v is not None and v.leaf >= 0]
         # Computed from a layer's arrays alone (a learned quantizer's weight and scale): still the layer's.
         layer = bool(leaves) and all(v.layer for v in leaves)
-        own = [v for v in leaves if not v.layer]  # a bare weight is the one to name, not a layer's array beside it
-        return _View((own or leaves)[0].leaf if leaves else -1, None, layer=layer)
+        own = [v for v in leaves if not v.layer] or leaves  # a bare weight is the one to name, not a layer's array
+        if not own:
+            return _View(-1, None, layer=layer)
+        indices = dict.fromkeys(i for v in own for i in (v.leaf, *v.also))  # in order, once each
+        first, *others = indices
+        return _View(first, None, layer=layer, also=tuple(others))
     return None
 
 
@@ -251,7 +260,9 @@ def _product(eqn: Any, views: list[_View | None], where: _Where) -> _Use | None:
     derived = [v for v in (lhs, rhs) if v is not None and v.axes is None]
     if derived or (lhs is not None and rhs is not None):
         if len(derived) == 1 and (lhs is None or rhs is None) and derived[0].leaf >= 0:
-            return _Use(derived[0].leaf, (), (), (), "unfollowed", where.loop, None, eqn, where.outer)
+            return _Use(
+                derived[0].leaf, (), (), (), "unfollowed", where.loop, None, eqn, where.outer, also=derived[0].also
+            )
         pair = {v.leaf for v in (lhs, rhs) if v is not None and v.leaf >= 0}
         if _weight_pairs and len(pair) == 2:  # two arrays (not a constant, nor an array with itself: `w.T @ w`)
             _weight_pairs[-1].update(pair)
@@ -1065,14 +1076,16 @@ def find_products(model: PyTree, call: Callable[[PyTree], Any], layers: Sequence
         product = TracedProduct(path, leaf, use.contracted, use.input_shape, use.input_contracted, use.primitive, stack,
                                 use.pairing)  # fmt: skip
         if use.primitive == "unfollowed":
-            found.problems.setdefault(path, (product, (
-                f"The weight {path!r} reaches a product through operations that are not views of it (a "
-                "concatenation, a gather, arithmetic, a masking `jnp.where`, a reshape that merges a summed axis with "
-                "a kept one, or one that puts back together the parts of an axis that an earlier reshape split): no "
-                "scale layout "
-                "follows the product from the leaf. Leave it out of the rules (a rule "
-                f"`Rule({path!r}, weight=None, input=None)` before the others keeps it float)."
-            )))  # fmt: skip
+            for index in (use.leaf, *use.also):  # each array the product's weight operand was computed from
+                path = paths[index]
+                product = TracedProduct(path, traced.leaves[index], (), use.input_shape, (), use.primitive)
+                found.problems.setdefault(path, (product, (
+                    f"The weight {path!r} reaches a product through operations that are not views of it (a "
+                    "concatenation, a gather, arithmetic, a masking `jnp.where`, a reshape that merges a summed axis "
+                    "with a kept one, or one that puts back together the parts of an axis that an earlier reshape "
+                    "split): no scale layout follows the product from the leaf. Leave it out of the rules (a rule "
+                    f"`Rule({path!r}, weight=None, input=None)` before the others keeps it float)."
+                )))  # fmt: skip
         elif use.loop:
             found.problems.setdefault(path, (product, (
                 f"The weight {path!r} enters a {use.primitive} inside a `jax.lax.while_loop`, whose trip count is "
@@ -1179,8 +1192,9 @@ class QuantTraced(eqx.Module):
         [`eqx_quant.LayerQuantizer`][]`(..., per_token=True)` makes it); its own layout is then that product's.
         Convolutions keep the quantizer as it is.
     - `float_paths`: the paths of the model's other leaves that tracing found multiplied with activations, left in
-        floating point (by the rules, or read through operations other than views, such as experts gathered by
-        token) (static): [`eqx_quant.summary`][] lists them.
+        floating point (by the rules, or read through operations other than views, such as a concatenation of two
+        leaves, each listed) (static): [`eqx_quant.summary`][] lists them. Rows picked from a leaf by indices that
+        depend on the input (experts gathered by token) are activations, not listed here.
     - `input_transforms`: for each traced weight, an input transform `T` of its products' activation operand (from
         [`eqx_quant.smoothquant`][], [`eqx_quant.awq`][] or [`eqx_quant.rotate`][]), applied before its input
         quantizer, or `None`. It acts on the axes the products sum over, flattened in the order of the weight's

@@ -1228,14 +1228,30 @@ def test_weights_read_through_other_operations_than_views():
     model, x = Fused(_normal(8, 4), _normal(8, 4), _normal(8, 2)), _normal(3, 8)
     with pytest.raises(ValueError, match="'wq' reaches a product through operations that are not views"):
         eqx_quant.quantize(model, eqx_quant.recipe("w8a8")["rules"], example=(x,))
+    # Each array of the concatenation is named: keeping the first float leaves the second to refuse.
+    only_wq = [eqx_quant.Rule("wq", weight=None, input=None)]
+    with pytest.raises(ValueError, match="'wk' reaches a product through operations that are not views"):
+        eqx_quant.quantize(model, only_wq + eqx_quant.recipe("w8a8")["rules"], example=(x,))
     keep = [eqx_quant.Rule("w[qk]", weight=None, input=None)]
     # The fused product is neither a weight's (it stays float) nor one of two activations.
     with pytest.raises(ValueError, match="nor, tracing `example`, a product of two activations"):
         eqx_quant.quantize(model, keep + eqx_quant.recipe("w8a8_attn")["rules"], example=(x,))
     quantized = eqx_quant.quantize(model, keep + eqx_quant.recipe("w8a8")["rules"], example=(x,))
-    assert quantized.weight_paths == ("w",)
+    assert quantized.weight_paths == ("w",) and quantized.float_paths == ("wq", "wk")
     qk = x @ jnp.concatenate([model.wq, model.wk], axis=1)
     expected = XT(qk) @ DynamicFakeQuant(8, axis=1)(model.w)
+    np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_quantizer_not_fitting_its_traced_weight_is_refused_at_quantize():
+    model, x = One(_normal(16, 8), "ti,io->to"), _normal(4, 16)  # `x @ w`: tiles along axis 0, of 16
+    rules = [eqx_quant.Rule("w", weight=DynamicFakeQuant(4, group_size=5), input=None)]
+    message = r"Traced weight 'w': its weight quantizer does not fit it, of shape \(16, 8\)"
+    with pytest.raises(ValueError, match=message):
+        eqx_quant.quantize(model, rules, example=(x,))
+    rules = [eqx_quant.Rule("w", weight=DynamicFakeQuant(4, group_size=4), input=None)]
+    quantized = eqx_quant.quantize(model, rules, example=(x,))
+    expected = x @ DynamicFakeQuant(4, group_size=4, group_axis=0)(model.w)
     np.testing.assert_allclose(np.asarray(_call(quantized, (x,), {})), np.asarray(expected), rtol=1e-5, atol=1e-5)
 
 

@@ -93,7 +93,8 @@ def integer_einsum_possible(equation: str, a: QuantizedArray, b: QuantizedArray)
         channels = tensor.layout.channel_axes(tensor.shape)
         if any(labels[axis] in summed for axis in channels):
             return False
-    sizes = {label: size for labels, tensor in ((lhs, a), (rhs, b)) for label, size in zip(labels, tensor.shape)}
+    operands = ((lhs, a.shape), (rhs, b.shape))
+    sizes = {label: size for labels, shape in operands for label, size in zip(labels, shape, strict=True)}
     length = math.prod(sizes[label] for label in summed)  # the terms of each output's int32 sum
     assert isinstance(a.format, IntFormat) and isinstance(b.format, IntFormat)
     bound = a.format.largest * b.format.largest
