@@ -372,7 +372,7 @@ def int_conv(
         # The windows that cover a NaN: a convolution of the NaN mask with a kernel of ones, one output per group.
         ones = jnp.ones((spec.groups,) + w.shape[1:], jnp.float32)
         hits = conv(x_nan.astype(jnp.float32)[None], ones, precision=jax.lax.Precision.HIGHEST)[0] > 0
-        per_group = y.reshape((spec.groups, -1) + y.shape[1:])
+        per_group = y.reshape((spec.groups, y.shape[0] // spec.groups) + y.shape[1:])  # not -1: `y` may be empty
         y = _with_nan(per_group, hits[:, None]).reshape(y.shape)
     return unfused(y, w_scale)
 

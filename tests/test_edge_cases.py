@@ -535,3 +535,15 @@ def test_calibration_data_without_examples_is_a_clear_error():
         eqx_quant.smoothquant(model, [empty], batched=True)
     calibrated = eqx_quant.calibrate(model, [empty | {"x": jnp.ones((3, 4))}], batched=True)
     assert isinstance(calibrated.mlp.layers[0].input_quant, eqx_quant.FakeQuant)
+
+
+def test_a_quantized_convolution_of_an_empty_input_is_empty():
+    # A spatial axis of length 0: the float convolution's empty output, on the integer path (whose NaN mask once
+    # reshaped with -1, undefined for an empty array), the weight-only one, and converted.
+    conv = eqx.nn.Conv1d(3, 4, kernel_size=1, key=jax.random.key(0))
+    x = jnp.zeros((3, 0))
+    for recipe in ("w8a8", "w8a16"):
+        quantized = eqx_quant.quantize(conv, **eqx_quant.recipe(recipe))
+        for model in (quantized, eqx_quant.convert(quantized)):
+            y = model(x)
+            assert y.shape == (4, 0) and y.dtype == jnp.float32
