@@ -18,6 +18,7 @@ from ._export import (
     is_tensor,
     named_leaves,
     resolve_names,
+    safetensors_dtype,
     split_stacked,
     write_safetensors,
 )
@@ -231,6 +232,23 @@ def _check_config(config: Any) -> dict[str, Any]:
     return dict(config)
 
 
+def _check_directory(directory: str | os.PathLike) -> None:
+    """Raises, naming them, if `directory` holds safetensors files that a loader would read beside the
+    `model.safetensors` written, or instead of it: vLLM reads every `*.safetensors` file of a directory, or, where
+    there is a `model.safetensors.index.json` (a sharded checkpoint's index), only the files it lists."""
+    if not os.path.isdir(directory):
+        return
+    index = "model.safetensors.index.json"
+    held = os.listdir(directory)
+    stale = sorted(f for f in held if f == index or (f.endswith(".safetensors") and f != "model.safetensors"))
+    if stale:
+        raise ValueError(
+            f"`directory`={os.fspath(directory)!r} holds {stale}, which loaders read beside the model.safetensors "
+            f"written, or instead of it (vLLM reads every .safetensors file of a directory, or those that {index} "
+            "lists): write into a new directory, or remove them first."
+        )
+
+
 def export_compressed_tensors(
     directory: str | os.PathLike,
     model: PyTree,
@@ -268,12 +286,15 @@ def export_compressed_tensors(
 
     Layers that share a scheme share a config group, targeted by their names; float linear layers are listed in
     `ignore`. Other converted layers (embeddings, convolutions) are written with their dequantized weights, with a
-    warning that names them, and every other array as it is (F32 for float32). See
+    warning that names them, and every other array as it is, in its own dtype (F32 for float32, U32 for uint32; any
+    dtype of one byte or more that safetensors holds). See
     [Serving a quantized model](../how-to/serving.md).
 
     **Arguments:**
 
-    - `directory`: where to write `model.safetensors` and `config.json` (created if need be).
+    - `directory`: where to write `model.safetensors` and `config.json` (created if need be; those two are replaced).
+        It must hold no other `.safetensors` file and no `model.safetensors.index.json`, which loaders would read
+        beside the checkpoint written or instead of it.
     - `model`: a model from [`eqx_quant.convert`][].
     - `names`: the name of each tensor, as for [`eqx_quant.export_gguf`][]: a function of the path (as
         [`eqx_quant.quantize`][] names layers; `<layer>.weight`, `<layer>.bias`) or a mapping from every path;
@@ -290,7 +311,9 @@ def export_compressed_tensors(
     `ValueError`, before anything is written, for a model without a converted layer, a linear layer whose weight
     format or input quantizer compressed-tensors does not store (naming the layer and the format), a layer that is
     quantized but not converted, any other quantizer in the model, names that repeat, miss a tensor, leave out every
-    tensor, or (for a quantized weight) do not end in `weight`, or a `config` that holds a `quantization_config` or a
+    tensor, or (for a quantized weight) do not end in `weight`, an array whose dtype safetensors does not store (PRNG
+    keys, int4, complex128; naming it), a `directory` that holds a `model.safetensors.index.json` or another
+    `.safetensors` file (naming them; nothing is removed), or a `config` that holds a `quantization_config` or a
     NaN or infinity (naming the key). `TypeError` for a `config` that is not a mapping with string keys and JSON
     values.
 
@@ -312,6 +335,7 @@ def export_compressed_tensors(
         ```
     """
     user_config = _check_config(config)
+    _check_directory(directory)
     tied = check_exportable(model, "a compressed-tensors checkpoint")
     converted = dict(nodes(model, (AbstractConvertedLayer,)))
     if not converted:
@@ -340,6 +364,8 @@ def export_compressed_tensors(
                                  "not describe (only the inputs of converted linear layers). Quantize the model "
                                  f"without it: a rule `Rule({owner!r}, input=None)` before the others leaves that "
                                  "input float.")  # fmt: skip
+        if is_tensor(leaf) and mapped[name] is not None and not isinstance(leaf, QuantizedArray):
+            safetensors_dtype(name, leaf.dtype, " Or leave it out: `names` giving None for it.")
     for name, leaf in leaves:
         if not is_tensor(leaf) or mapped[name] is None:
             continue

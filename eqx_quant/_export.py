@@ -263,10 +263,27 @@ def _layer_metadata(layer: AbstractConvertedLayer) -> dict[str, Any]:
     return info
 
 
+# Every dtype of NumPy, JAX and ml_dtypes that safetensors' format holds, one byte or more an element: sub-byte
+# types (int4, float4_e2m1fn, the FP6 types), which it packs, and complex128 and PRNG keys, which it lacks, are not.
 _SAFETENSORS_DTYPES = {
-    "int8": "I8", "uint8": "U8", "int16": "I16", "int32": "I32", "int64": "I64", "float32": "F32", "float16": "F16",
-    "bfloat16": "BF16", "float64": "F64", "float8_e4m3fn": "F8_E4M3", "bool": "BOOL",
+    "bool": "BOOL", "int8": "I8", "uint8": "U8", "int16": "I16", "uint16": "U16", "int32": "I32", "uint32": "U32",
+    "int64": "I64", "uint64": "U64", "float16": "F16", "bfloat16": "BF16", "float32": "F32", "float64": "F64",
+    "complex64": "C64", "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e8m0fnu": "F8_E8M0",
+    "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
 }  # fmt: skip
+
+
+def safetensors_dtype(name: str, dtype: Any, advice: str = "") -> str:
+    """The safetensors name of `dtype` (`"F32"`, ...), or raises naming the tensor `name` for a dtype the format does
+    not hold, with `advice` after the reason."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+        raise ValueError(f"{name!r} is an array of PRNG keys (dtype {dtype}), which safetensors does not store: hold "
+                         f"`jax.random.key_data(key)` (its uint32 words) in the model instead.{advice}")  # fmt: skip
+    found = _SAFETENSORS_DTYPES.get(np.dtype(dtype).name)
+    if found is None:
+        raise ValueError(f"{name!r} has dtype {np.dtype(dtype).name}, which safetensors does not store (it stores "
+                         f"{', '.join(_SAFETENSORS_DTYPES)}).{advice}")  # fmt: skip
+    return found
 
 
 def export_safetensors(path: str | os.PathLike, model: PyTree) -> None:
@@ -341,7 +358,7 @@ def write_safetensors(path: str | os.PathLike, tensors: dict[str, np.ndarray], m
         array = np.ascontiguousarray(tensors[name])
         data = array.astype(array.dtype.newbyteorder("<"), copy=False).tobytes()
         header[name] = {
-            "dtype": _SAFETENSORS_DTYPES[array.dtype.name],
+            "dtype": safetensors_dtype(name, array.dtype),
             "shape": list(array.shape),
             "data_offsets": [offset, offset + len(data)],
         }

@@ -279,7 +279,8 @@ def export_gguf(
         unless given) is the alignment the tensors' data is written at. The file states no `general.architecture`
         unless given.
     - `float_type`: `"F32"`, `"F16"` or `"BF16"`: the type of float tensors of rank 2 or more (rank 0 and 1 are
-        always F32, as llama.cpp reads its norms).
+        always F32, as llama.cpp reads its norms). The rank is the tensor's in the file: a stack of biases written
+        whole has rank 2, each of one split by `{layer}` rank 1.
 
     **Raises:**
 
@@ -288,7 +289,9 @@ def export_gguf(
     that quantizes its input (or any other quantizer in the model); for names that repeat, exceed 63 bytes, leave
     out every tensor, or a `names` mapping that misses a tensor or names one the model does not have; for a metadata
     integer outside INT64 and UINT64, a float beyond FLOAT32, or a `general.alignment` that is not a power of two of
-    at least 8. `TypeError` for metadata of other types (and standard keys of other types than GGUF's).
+    at least 8; for a float tensor with finite values beyond the range of the type it is written in (65504 for F16),
+    naming it and its largest magnitude. `TypeError` for metadata of other types (and standard keys of other types
+    than GGUF's).
 
     !!! example
 
@@ -375,12 +378,13 @@ def export_gguf(
             if part in seen:
                 raise ValueError(f"Two tensors are named {part!r}: {seen[part]!r} and {where!r}.")
             seen[part] = where
-            tensors.append((part, *_tensor_data(piece, float_type)))
+            label = repr(part) if part == where else f"{part!r} (of {where!r})"
+            tensors.append((part, *_tensor_data(piece, float_type, label)))
     _write(path, metadata, tensors, alignment)
 
 
-def _tensor_data(leaf: Any, float_type: str) -> tuple[int, tuple[int, ...], bytes]:
-    """`(GGML type, shape, bytes)` of a leaf."""
+def _tensor_data(leaf: Any, float_type: str, name: str) -> tuple[int, tuple[int, ...], bytes]:
+    """`(GGML type, shape, bytes)` of a leaf; raises, naming the tensor, where a float would narrow to infinities."""
     if isinstance(leaf, QuantizedArray):
         ggml = _ggml_type(leaf.format, leaf.layout, leaf.shape)
         assert ggml is not None
@@ -393,7 +397,20 @@ def _tensor_data(leaf: Any, float_type: str) -> tuple[int, tuple[int, ...], byte
         ggml = _INT_TYPES[array.dtype.name]
     else:
         ggml = {"F32": _F32, "F16": _F16, "BF16": _BF16}[float_type] if array.ndim >= 2 else _F32
-    return ggml, array.shape, np.ascontiguousarray(array.astype(_PLAIN[ggml])).tobytes()
+    with np.errstate(over="ignore"):
+        stored = array.astype(_PLAIN[ggml])
+    if ggml in (_F32, _F16, _BF16):
+        overflow = np.isinf(stored) & np.isfinite(array)
+        if np.any(overflow):
+            kind = _TYPE_NAMES[ggml]
+            largest = float(np.max(np.abs(array[overflow])))
+            wider = {"F16": " Export with float_type='F32' or 'BF16'.", "BF16": " Export with float_type='F32'."}
+            raise ValueError(
+                f"The tensor {name} holds values up to {largest:.7g} in magnitude, beyond the range of {kind} (at "
+                f"most {float(ml_dtypes.finfo(_PLAIN[ggml]).max):.7g}), in which it is written (float_type="
+                f"{float_type!r}): they would be infinities.{wider.get(kind, '')}"
+            )
+    return ggml, array.shape, np.ascontiguousarray(stored).tobytes()
 
 
 class _Reader:

@@ -3,6 +3,7 @@ that compressed-tensors' source documents (its decompressors need torch, which t
 install): packed int32 words, zero-point offsets, E2M1 nibbles, E8M0 and E4M3 block scales, and the config."""
 
 import json
+import re
 import struct
 
 import equinox as eqx
@@ -20,8 +21,9 @@ from .helpers import slow_unless
 
 
 F32 = np.float32
-_DTYPES = {"F32": np.float32, "I32": np.int32, "I64": np.int64, "I8": np.int8, "U8": np.uint8,
-           "F8_E4M3": ml_dtypes.float8_e4m3fn}  # fmt: skip
+_DTYPES = {"F32": np.float32, "I32": np.int32, "I64": np.int64, "I8": np.int8, "U8": np.uint8, "U16": np.uint16,
+           "U32": np.uint32, "U64": np.uint64, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+           "F8_E5M2": ml_dtypes.float8_e5m2}  # fmt: skip
 E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], F32)
 
 
@@ -354,3 +356,79 @@ def test_a_model_with_nothing_to_write_is_refused(tmp_path):
     eqx_quant.export_compressed_tensors(tmp_path / "ct", partly)
     qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     assert qc["ignore"] == ["b"] and [g["targets"] for g in qc["config_groups"].values()] == [["a"]]
+
+
+def test_every_dtype_safetensors_holds_is_stored_and_others_refused_naming_the_leaf(tmp_path):
+    """Arrays beside the layers are written in their own dtype where safetensors has one (unsigned integers, an old
+    `jax.random.PRNGKey`'s uint32 words, FP8 variants), read back bit for bit by the `safetensors` package. A dtype
+    it lacks (typed PRNG keys, int4) is refused naming the leaf, before the directory is made; `names` can leave
+    such a leaf out."""
+    linear = eqx_quant.convert(eqx_quant.quantize(eqx.nn.Linear(64, 8, key=jax.random.key(0)),
+                                                  **eqx_quant.recipe("w8a16")))  # fmt: skip
+    extra = {"u16": jnp.array([0, 1, 65535], jnp.uint16), "u32": jax.random.PRNGKey(0),
+             "u64": np.array([2**64 - 1, 3], np.uint64),
+             "e5m2": jnp.array([-57344.0, 0.5], jnp.float8_e5m2)}  # fmt: skip
+    eqx_quant.export_compressed_tensors(tmp_path / "ct", {"linear": linear, **extra})
+    path = tmp_path / "ct" / "model.safetensors"
+    header = json.loads(path.read_bytes()[8 : 8 + struct.unpack("<Q", path.read_bytes()[:8])[0]])
+    assert {name: header[name]["dtype"] for name in extra} == {"u16": "U16", "u32": "U32", "u64": "U64",
+                                                               "e5m2": "F8_E5M2"}  # fmt: skip
+    with safetensors.safe_open(path, "numpy") as f:  # its header, F8_E5M2 included; NumPy has no float8_e5m2
+        ints = {name: f.get_tensor(name) for name in ("u16", "u32", "u64")}
+    for name, array in ints.items():
+        assert array.dtype == np.asarray(extra[name]).dtype
+        np.testing.assert_array_equal(array, np.asarray(extra[name]))
+    raw, _ = read_safetensors(path)
+    assert raw["e5m2"].tobytes() == np.asarray(extra["e5m2"]).tobytes()
+    cases = [
+        (jax.random.key(0), "'seed' is an array of PRNG keys (dtype key<fry>), which safetensors does not store: "
+         "hold `jax.random.key_data(key)` (its uint32 words) in the model instead. Or leave it out: `names` giving "
+         "None for it."),
+        (jnp.zeros(4, jnp.int4), "'seed' has dtype int4, which safetensors does not store (it stores bool, int8, "),
+    ]  # fmt: skip
+    for seed, message in cases:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            eqx_quant.export_compressed_tensors(tmp_path / "fresh", {"linear": linear, "seed": seed})
+        assert not (tmp_path / "fresh").exists()
+        eqx_quant.export_compressed_tensors(tmp_path / "left_out", {"linear": linear, "seed": seed},
+                                            names=lambda p: None if p == "seed" else p)  # fmt: skip
+        with safetensors.safe_open(tmp_path / "left_out" / "model.safetensors", "numpy") as f:
+            assert "seed" not in f.keys() and "linear.weight_scale" in f.keys()
+
+
+def test_a_directory_holding_other_safetensors_files_is_refused(tmp_path):
+    """A previous sharded checkpoint (`model.safetensors.index.json` and its shards) or any other `.safetensors` file
+    would be read beside the new `model.safetensors`, or instead of it (vLLM reads every `.safetensors` file of the
+    directory, or those the index lists): refused naming them, nothing written or removed. A previous
+    `model.safetensors` and `config.json` are replaced."""
+    model = eqx_quant.convert(eqx_quant.quantize({"a": eqx.nn.Linear(64, 8, key=jax.random.key(0))},
+                                                 **eqx_quant.recipe("w4a16_g32")))  # fmt: skip
+    index = {"metadata": {}, "weight_map": {"a.weight": "model-00001-of-00002.safetensors",
+                                            "a.bias": "model-00002-of-00002.safetensors"}}  # fmt: skip
+    sharded = {"model.safetensors.index.json": json.dumps(index).encode(), "config.json": b"{}",
+               "model-00001-of-00002.safetensors": b"shard 1",
+               "model-00002-of-00002.safetensors": b"shard 2"}  # fmt: skip
+    cases = [
+        (sharded, "['model-00001-of-00002.safetensors', 'model-00002-of-00002.safetensors', 'model.safetensors."
+         "index.json']"),
+        ({"model.safetensors.index.json": b"{}"}, "['model.safetensors.index.json']"),
+        ({"model-00001-of-00002.safetensors": b"shard 1", "tokenizer.json": b"{}"},
+         "['model-00001-of-00002.safetensors']"),
+    ]  # fmt: skip
+    for i, (files, listed) in enumerate(cases):
+        directory = tmp_path / str(i)
+        directory.mkdir()
+        for name, data in files.items():
+            (directory / name).write_bytes(data)
+        message = (f"`directory`={str(directory)!r} holds {listed}, which loaders read beside the "
+                   "model.safetensors written, or instead of it (vLLM reads every .safetensors file of a directory, "
+                   "or those that model.safetensors.index.json lists): write into a new directory, or remove them "
+                   "first.")  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(message)):
+            eqx_quant.export_compressed_tensors(directory, model)
+        assert {p.name: p.read_bytes() for p in directory.iterdir()} == files
+    eqx_quant.export_compressed_tensors(tmp_path / "again", model)
+    (tmp_path / "again" / "config.json").write_text("{}")
+    eqx_quant.export_compressed_tensors(tmp_path / "again", model)
+    assert sorted(p.name for p in (tmp_path / "again").iterdir()) == ["config.json", "model.safetensors"]
+    assert "quantization_config" in json.loads((tmp_path / "again" / "config.json").read_text())

@@ -544,3 +544,44 @@ def test_a_truncated_file_is_refused_naming_it(tmp_path):
         cut.write_bytes(before[:end])
         with pytest.raises(ValueError, match=rf"`path`='{re.escape(str(cut))}' is truncated or not a GGUF file"):
             eqx_quant.load_gguf(cut, q4)
+
+
+def test_floats_beyond_the_range_of_their_type_are_refused_naming_the_tensor(tmp_path):
+    """A float tensor written narrower than its dtype (F16 or BF16 with `float_type`, for rank 2 or more; F32 for
+    float64) whose finite values would round to infinities is refused, naming it, before the file is written:
+    F16 holds 65519 (which rounds to 65504) but not 65520. The rank is the tensor's in the file: a stack of biases
+    written whole is F16, split by `{layer}` F32. Infinities and NaN in the model are written as they are."""
+    path = tmp_path / "m.gguf"
+    cases = [
+        (jnp.float32([[65519.0, -65520.0]]), "F16", "'w' holds values up to 65520 in magnitude, beyond the range of "
+         "F16 (at most 65504), in which it is written (float_type='F16'): they would be infinities. Export with "
+         "float_type='F32' or 'BF16'."),
+        (jnp.float32([[3.4e38]]), "BF16", "'w' holds values up to 3.4e+38 in magnitude, beyond the range of BF16 (at "
+         "most 3.389531e+38), in which it is written (float_type='BF16'): they would be infinities. Export with "
+         "float_type='F32'."),
+        (np.float64([1e39]), "F32", "'w' holds values up to 1e+39 in magnitude, beyond the range of F32 (at most "
+         "3.402823e+38), in which it is written (float_type='F32'): they would be infinities."),
+    ]  # fmt: skip
+    for w, float_type, message in cases:
+        with pytest.raises(ValueError, match=re.escape(f"The tensor {message}")):
+            eqx_quant.export_gguf(path, {"w": w}, float_type=float_type)
+        assert not path.exists()
+    # A stack: its weights of rank 2 split or not, its biases of rank 2 whole and of rank 1 (F32) split.
+    weight, bias = np.ones((2, 4, 32), np.float32), np.ones((2, 4), np.float32)
+    big_bias = {"blocks": {"weight": weight, "bias": np.float32([[1e5, 0, 0, 0], [0, 0, 0, 0]])}}
+    big_weight = {"blocks": {"weight": np.float32([1, -1e5])[:, None, None] * weight, "bias": bias}}
+    split = lambda p: p.replace("blocks.", "blk.{layer}.")  # noqa: E731
+    for model, names, message in [
+        (big_bias, None, "The tensor 'blocks.bias' holds values up to 100000 in magnitude, beyond the range of F16"),
+        (big_weight, split, "The tensor 'blk.1.weight' (of 'blocks.weight') holds values up to 100000 in magnitude"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            eqx_quant.export_gguf(path, model, names=names, float_type="F16")
+        assert not path.exists()
+    eqx_quant.export_gguf(path, big_bias, names=split, float_type="F16")
+    tensors, _ = _read(path)
+    assert tensors["blk.0.bias"][0] == T.F32 and tensors["blk.0.bias"][1][0] == 1e5
+    eqx_quant.export_gguf(path, {"w": jnp.float32([[65519.0, -jnp.inf, jnp.nan]])}, float_type="F16")
+    tensors, _ = _read(path)
+    assert tensors["w"][0] == T.F16
+    np.testing.assert_array_equal(tensors["w"][1], np.float32([[65504.0, -np.inf, np.nan]]))
