@@ -12,7 +12,7 @@ from jaxtyping import Array, Float, PyTree
 from ._format import FloatFormat, Format, IntFormat, apply_scale, effective_scale, exponent, pow2, reciprocal
 from ._gptq_model import as_stored, solve_weights
 from ._misc import FLOAT32_TINY, check_int, check_real
-from ._observe import warns_of_nonfinite
+from ._observe import warns_of_calibration_data
 from ._scales import block_absmax, block_scale, e8m0_scale, finite_or, ggml_scale, tensor_scale_of
 
 
@@ -135,7 +135,7 @@ def autoround_solve(
     return new_weight.reshape(out, n).astype(weight.dtype), s, t
 
 
-@warns_of_nonfinite("autoround")
+@warns_of_calibration_data("autoround")
 def autoround(
     model: PyTree,
     batches: Iterable[PyTree],

@@ -41,7 +41,7 @@ from ._observe import (
     layer_stack,
     progress_bar,
     traced_inputs,
-    warns_of_nonfinite,
+    warns_of_calibration_data,
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, FakeQuant, LearnedFakeQuant
 from ._summary import describe_quantizer
@@ -195,7 +195,7 @@ def _with_solution(layer: QuantLinear, fmt: Format, group_size: int | None, weig
     return eqx.tree_at(lambda l: (l.layer.weight, l.weight_quant), layer, (weight, quantizer))
 
 
-@warns_of_nonfinite("gptq")
+@warns_of_calibration_data("gptq")
 def gptq(
     model: PyTree,
     batches: Iterable[PyTree],

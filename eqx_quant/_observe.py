@@ -51,12 +51,12 @@ _active: list[_Recording] = []  # the recording of the calibration step in progr
 _HOST_FOLDS = {
     "absmax": np.maximum, "max": np.maximum, "min": np.minimum, "hist": np.add, "gram": np.add, "cross": np.add,
     "nonfinite": np.add, "finite": np.add, "channel_absmax": np.maximum, "channel_abssum": np.add, "count": np.add,
-    "errors": np.add,
+    "errors": np.add, "rows": np.add,
 }  # fmt: skip
 _REDUCTIONS = {
     "absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum, "cross": jnp.sum,
     "nonfinite": jnp.sum, "finite": jnp.sum, "channel_absmax": jnp.max, "channel_abssum": jnp.sum, "count": jnp.sum,
-    "errors": jnp.sum,
+    "errors": jnp.sum, "rows": jnp.sum,
 }  # fmt: skip
 
 
@@ -87,6 +87,8 @@ def _tap_for(path: str) -> Callable[[Array, dict[str, Array]], Array]:
                            for name, v in record.items() if name in _VECTORS}  # fmt: skip
                 record = {name: v for name, v in record.items() if name not in vectors}
             record = {name: _REDUCTIONS[name](v, axis=0) if record_batched[name] else v for name, v in record.items()}
+            if "rows" in record and not record_batched["rows"]:  # the same rows for each of the mapped calls
+                record["rows"] = record["rows"] * axis_size
             if vectors:
                 # The sums of the outer products of a batch of vectors, without materialising each of them.
                 record |= _outer_products(vectors, _summed_outer)
@@ -162,10 +164,10 @@ def _histogram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
 
 def _gram(x: Array, top: Array | None, num_bins: int) -> dict[str, Array]:
     """The input vector (finite entries; others as 0), in float32, whose outer products `x xᵀ` the tap sums: the
-    Hessian of GPTQ; and how many entries are not finite."""
+    Hessian of GPTQ; how many entries are not finite; and one row."""
     del top, num_bins
     x = jax.lax.stop_gradient(x).astype(jnp.float32).ravel()
-    return {"vector": finite_or(x, 0.0), "nonfinite": _count_nonfinite(x)}
+    return {"vector": finite_or(x, 0.0), "nonfinite": _count_nonfinite(x), "rows": jnp.float32(1)}
 
 
 def _flat(x: Array) -> Array:
@@ -264,6 +266,7 @@ class _Observer(AbstractQuantizer):
         blocks = lambda v: v.reshape(math.prod(x.shape[a] for a in apart), -1, channels) if apart else v  # noqa: E731
         rows = jax.lax.stop_gradient(rows).astype(jnp.float32)
         record = {"nonfinite": _count_nonfinite(rows), "vector": blocks(finite_or(rows, 0.0))}
+        record["rows"] = jnp.float32(record["vector"].shape[-2])  # of each index's block, with batch axes apart
         out = x
         if self.statistic == "gram_quantized" and self.data is not None:
             # The whole operand, as the product quantizes it (NVFP4's tensor scale: per token, see `each_token`).
@@ -591,44 +594,73 @@ def fold(
         if missing:
             raise ValueError(f"Layers {missing} of the stacked layer {path!r} were never called during calibration.")
         results[path] = [layers[i] for i in range(size)]
-    if _nonfinite:  # a layer's inputs hold the same NaN in every pass over the same batches: counted once
+    if _seen:  # a layer's inputs are the same in every pass over the same batches: counted once
+        nonfinite, rows = _seen[-1]
         for path, records in results.items():
             for i, record in enumerate(records):
                 count = float(record.get("nonfinite", 0.0))
                 if count:
-                    _nonfinite[-1][path, i] = max(_nonfinite[-1].get((path, i), 0.0), count)
+                    nonfinite[path, i] = max(nonfinite.get((path, i), 0.0), count)
+                if "rows" in record:  # a Gram matrix's
+                    features = record["gram"].shape[-1]
+                    rows[path, i] = (max(rows.get((path, i), (0.0, 0))[0], float(record["rows"])), features)
     return results
 
 
-_nonfinite: list[dict[tuple[str, int], float]] = []  # what `fold` counted while `warns_of_nonfinite`'s function runs
+# What `fold` counted while a function that `warns_of_calibration_data` decorates runs: per `(path, index in the
+# stack)`, the NaN and infinite inputs, and the rows of input with the number of input features.
+_seen: list[tuple[dict[tuple[str, int], float], dict[tuple[str, int], tuple[float, int]]]] = []
 
 
-def warns_of_nonfinite(what: str) -> Callable[[Callable], Callable]:
+def warns_of_calibration_data(what: str) -> Callable[[Callable], Callable]:
     """Decorates the algorithm `what`: once it has returned, it warns of the NaN or infinite inputs that its
     calibration passes (`fold`) counted, per layer (a stack's layers together), which its statistics take as zeros
-    or leave out, as `calibrate` warns of those it leaves out."""
+    or leave out, as `calibrate` warns of those it leaves out; and of the layers whose Gram matrix (GPTQ's Hessian)
+    summed fewer rows of input (examples, or tokens) than they have input features: it is then singular, and what
+    the algorithm fits to those few rows can do worse than rounding to nearest."""
 
     def decorate(function: Callable) -> Callable:
         @functools.wraps(function)
         def run(*args, **kwargs):
-            counts: dict[tuple[str, int], float] = {}
-            _nonfinite.append(counts)
+            nonfinite: dict[tuple[str, int], float] = {}
+            rows: dict[tuple[str, int], tuple[float, int]] = {}
+            _seen.append((nonfinite, rows))
             try:
                 result = function(*args, **kwargs)
             finally:
-                _nonfinite.pop()
-            per_layer: dict[str, float] = {}
-            for (path, _), count in counts.items():
-                per_layer[path] = per_layer.get(path, 0.0) + count
-            if per_layer:
-                listed = ", ".join(f"{path!r} {int(count):,}" for path, count in per_layer.items())
-                warnings.warn(
-                    f"`{what}`: the calibration inputs held NaN or inf values, which its statistics take as zeros "
-                    f"or leave out: {listed}.",
-                    stacklevel=caller_stacklevel(),
-                )
+                _seen.pop()
+            _warn_of_nonfinite(what, nonfinite)
+            _warn_of_few_rows(what, rows)
             return result
 
         return run
 
     return decorate
+
+
+def _warn_of_nonfinite(what: str, counts: dict[tuple[str, int], float]) -> None:
+    per_layer: dict[str, float] = {}
+    for (path, _), count in counts.items():
+        per_layer[path] = per_layer.get(path, 0.0) + count
+    if per_layer:
+        listed = ", ".join(f"{path!r} {int(count):,}" for path, count in per_layer.items())
+        warnings.warn(
+            f"`{what}`: the calibration inputs held NaN or inf values, which its statistics take as zeros or leave "
+            f"out: {listed}.",
+            stacklevel=caller_stacklevel(),
+        )
+
+
+def _warn_of_few_rows(what: str, rows: dict[tuple[str, int], tuple[float, int]]) -> None:
+    few: dict[str, tuple[float, int]] = {}  # a stack's layers together: the fewest rows
+    for (path, _), (count, features) in rows.items():
+        if count < features:
+            few[path] = min(few.get(path, (count, features)), (count, features))
+    if few:
+        listed = ", ".join(f"{path!r} {int(count):,} of {features:,}" for path, (count, features) in few.items())
+        warnings.warn(
+            f"`{what}`: layers saw fewer rows of calibration input (examples, or tokens) than they have input features "
+            f"(rows of features): {listed}. Statistics of so few rows fit them alone, and `{what}` can then do worse "
+            "than rounding to nearest; pass more calibration data.",
+            stacklevel=caller_stacklevel(),
+        )

@@ -35,7 +35,7 @@ from ._observe import (
     fold as fold_statistics,
     layer_stack,
     progress_bar,
-    warns_of_nonfinite,
+    warns_of_calibration_data,
 )
 from ._quantizers import AbstractQuantizer, DynamicFakeQuant, LearnedFakeQuant
 from ._scales import absmax_scale, finite_or
@@ -83,7 +83,7 @@ def _warn_left_alone(left: dict[str, str], what: str) -> None:
     """Warns of the traced weights that `what` would have chosen by default but leaves as they are, with why."""
     if left:
         reasons = _left_text(left)
-        # The caller of `what`: past this, `_targets`, `what` and (but for `rotate`) its `warns_of_nonfinite`.
+        # The caller of `what`: past this, `_targets`, `what` and (but for `rotate`) its `warns_of_calibration_data`.
         warnings.warn(f"`{what}` leaves traced weights as they are: {reasons}. Choose the weights with `where` to "
                       "silence this.", stacklevel=caller_stacklevel())  # fmt: skip
 
@@ -193,7 +193,7 @@ def _replace(model: PyTree, done: dict[str, QuantLinear], where_of: dict[str, Tr
 
 
 @keeps_the_mesh
-@warns_of_nonfinite("smoothquant")
+@warns_of_calibration_data("smoothquant")
 def smoothquant(
     model: PyTree,
     batches: Iterable[PyTree],
@@ -668,7 +668,7 @@ def _awq_clip(quantizer, weight: Array, gram: Array, multiplier: Array, group: i
 
 
 @keeps_the_mesh
-@warns_of_nonfinite("awq")
+@warns_of_calibration_data("awq")
 def awq(
     model: PyTree,
     batches: Iterable[PyTree],

@@ -9,7 +9,7 @@ import pytest
 
 import eqx_quant
 
-from .helpers import slow_unless
+from .helpers import few_rows, slow_unless
 from .models import LinearStack
 
 
@@ -60,6 +60,7 @@ def _assert_same_outputs(a, b, x=X):
 
 
 @pytest.mark.slow
+@few_rows
 def test_learn_scales_on_gptq_keeps_its_scales_outputs_and_conversion():
     qmodel = eqx_quant.quantize(MLP, **eqx_quant.recipe("w4a16_g32", keep=()))
     ptq = eqx_quant.gptq(qmodel, [X])

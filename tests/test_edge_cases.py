@@ -19,7 +19,7 @@ from hypothesis import given, settings
 
 import eqx_quant
 
-from .helpers import assert_bitwise_equal, slow_unless
+from .helpers import assert_bitwise_equal, few_rows, slow_unless
 
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -481,6 +481,7 @@ def test_a_layer_with_one_output_converts_bit_for_bit_one_example_at_a_time(reci
         np.testing.assert_allclose(grad, jnp.reshape(quantized.weight, (32,)), rtol=0, atol=0)
 
 
+@few_rows
 def test_calibration_data_without_examples_is_a_clear_error():
     """No batches, or a batch of no examples (a leading axis of length 0, among others or alone), is a `ValueError`
     naming `batches` in every function that reads calibration data, not an error of a reduction over nothing."""

@@ -362,6 +362,34 @@ def test_nan_inputs_count_as_zeros_in_the_hessians_with_a_warning(sequential):
     assert_bitwise_equal(with_nan.layers[0].weight_quant.scale, zeroed.layers[0].weight_quant.scale)
 
 
+def test_fewer_calibration_rows_than_features_warn():
+    """A layer whose Hessian sums fewer rows than it has input features (here 8 < 16; a model of tokens counts each
+    token) is warned of, with its rows, once per call however many passes read the batches."""
+    mlp = init(lambda k: eqx.nn.MLP(16, 4, 16, 1, key=k), 12)
+    qmodel = eqx_quant.quantize(mlp, weights=DynamicFakeQuant(4, axis=0))
+    x = jnp.asarray(correlated_inputs(13, 16, 16), jnp.float32)
+    few = r"layers saw fewer rows of calibration input \(examples, or tokens\) than they have input features"
+    rows = r"\(rows of features\): 'layers.0' 8 of 16, 'layers.1' 8 of 16\."
+    for sequential in (False, True):
+        with pytest.warns(UserWarning, match=rf"`gptq`: {few} {rows}"):
+            gptq(qmodel, [x[:5], x[5:8]], sequential=sequential)
+    with pytest.warns(UserWarning, match=rf"`awq`: {few} {rows}"):
+        eqx_quant.awq(qmodel, [x[:5], x[5:8]])
+    # Two examples of 4 tokens each, under the model's own `jax.vmap` over tokens: 8 rows; 16 rows warn of nothing.
+    per_token = eqx_quant.quantize(_PerToken(mlp), weights=DynamicFakeQuant(4, axis=0))
+    with pytest.warns(UserWarning, match=r"'mlp.layers.0' 8 of 16, 'mlp.layers.1' 8 of 16\."):
+        gptq(per_token, [x[:8].reshape(2, 4, 16)])
+    gptq(per_token, [x.reshape(4, 4, 16)])
+    gptq(qmodel, [x[:10], x[10:]])
+
+
+class _PerToken(eqx.Module):
+    mlp: eqx.nn.MLP
+
+    def __call__(self, tokens):
+        return jax.vmap(self.mlp)(tokens)
+
+
 def test_sequential_gptq_follows_the_call_order_and_the_quantized_outputs():
     """Three layers called in another order than the model holds them: each one's Hessian is the Gram matrix of its
     inputs computed, by hand, through the layers GPTQ quantized before it."""

@@ -14,7 +14,7 @@ import pytest
 import eqx_quant
 from eqx_quant import DynamicFakeQuant, LearnedFakeQuant
 
-from .helpers import assert_bitwise_equal, init, np_absmax_scale
+from .helpers import assert_bitwise_equal, few_rows, init, np_absmax_scale
 
 
 F32 = np.float32
@@ -224,6 +224,7 @@ def test_paretoq_recipes_train_convert_and_store_at_two_bits(name, divisor, tmp_
 
 
 @pytest.mark.slow
+@few_rows
 def test_gptq_and_learn_scales_on_the_stretched_grid():
     model = eqx_quant.quantize(MLP, weights=DynamicFakeQuant("int2_stretched", axis=0), activations=None)
     ptq = eqx_quant.gptq(model, [X])

@@ -16,7 +16,7 @@ import eqx_quant
 from eqx_quant.nn import RotateInput, ScaleInput
 from eqx_quant.nn._transforms import hadamard_order, paley_hadamard, walsh_hadamard
 
-from .helpers import assert_bitwise_equal, init, np_absmax_scale, reference_fake_quant, slow_unless
+from .helpers import assert_bitwise_equal, few_rows, init, np_absmax_scale, reference_fake_quant, slow_unless
 from .models import DecoderLM, LinearStack, ViTBlock
 
 
@@ -239,6 +239,7 @@ def test_smoothquant_lowers_the_w8a8_error_on_an_outlier_channel():
     assert error_smoothed < 0.5 * error_plain, (error_smoothed, error_plain)
 
 
+@few_rows
 def test_smoothquant_statistics_ignore_non_finite_inputs():
     """A NaN in the calibration data counts as 0 in the channel maxima: the first layer gets the multiplier of data
     with a 0 there (at the entry that was its channel's maximum, so that leaving it in would show)."""
@@ -1150,6 +1151,7 @@ def _output_error(weight, multiplier, w, x):
 
 
 @pytest.mark.slow
+@few_rows
 def test_awq_matches_the_numpy_twin_and_beats_round_to_nearest():
     """Int4 per group of 32: the multiplier is one of the twin's, of least twin error (to 1e-4), and not
     round-to-nearest's; without clipping the float function is unchanged; each row and group's clipping ratio has
@@ -1208,6 +1210,7 @@ def _gelu(x):
 
 
 @pytest.mark.slow
+@few_rows
 def test_awq_on_a_stack_searches_each_layer_of_it():
     """A scanned stack of two layers with int4 weights per row gets a multiplier per layer, shape (2, 32), each the
     twin's least-error choice on the inputs that the quantized stack feeds that layer, and the weights `W_i / m_i`."""
@@ -1243,6 +1246,7 @@ AWQ_BLOCK = init(
 
 
 @pytest.mark.slow
+@few_rows
 def test_awq_folds_where_asked_with_one_search_per_shared_input(tmp_path):
     """`fold=True`: `a` and `b` (which read one LayerNorm's output) share one multiplier, the twin's of least summed
     error, folded into the norm's weight and bias; `c`'s own (the twin's on its inputs, ReLU of `a`'s outputs with
@@ -1292,6 +1296,7 @@ class _GateUp(eqx.Module):
 
 
 @pytest.mark.slow
+@few_rows
 def test_awq_folds_into_the_up_half_of_a_fused_gate_and_up_projection(tmp_path):
     """`fold=True`: `down`'s multiplier (the twin's of least error on its inputs, from the quantized `gate_up`) is
     folded into the up rows of `gate_up` alone; the gate's rows stay bit for bit, the float function is unchanged,
@@ -1320,6 +1325,7 @@ def test_awq_folds_into_the_up_half_of_a_fused_gate_and_up_projection(tmp_path):
 
 
 @pytest.mark.slow
+@few_rows
 def test_awq_fold_only_clips_the_layers_that_do_not_fold(tmp_path):
     """`fold="only"`: `fc1` (after the norm) is scaled, its factor folded; `fc2` (after GELU) is only clipped, with
     no multiplier: each row and group at the ratio of least twin error on `fc2`'s inputs (GELU of `fc1`'s outputs
@@ -1384,6 +1390,7 @@ def test_layers_reading_two_views_of_one_output_share_a_fold_in_smoothquant_only
         assert_bitwise_equal(got, getattr(separate, name).input_transform.multiplier)
 
 
+@few_rows
 def test_awq_errors():
     """ValueErrors naming the argument or the layer: a grid of fewer than two `alpha`s or two clipping ratios (which
     would do nothing), `max_shrink` outside [0, 1), a weight quantizer with a scale per input column, which `awq`
@@ -1530,6 +1537,7 @@ def test_smoothquant_calibrate_convert_agree_bit_for_bit():
 
 
 @pytest.mark.slow
+@few_rows
 def test_smoothquant_minmax_inputs_and_gptq_on_quantized_inputs_convert_bit_for_bit():
     """smoothquant → calibrate(method="minmax") → gptq(quantized_inputs=True) → convert: each layer's input quantizer
     rounds its smoothed input on an asymmetric grid as the NumPy twin does (the ReLU-fed second layer's grid starts at
@@ -1550,6 +1558,7 @@ def test_smoothquant_minmax_inputs_and_gptq_on_quantized_inputs_convert_bit_for_
 
 
 @pytest.mark.slow
+@few_rows
 def test_rotate_gptq_convert_agree_bit_for_bit():
     """rotate → gptq → convert on a scanned stack: GPTQ quantizes the rotated weights, the converted model keeps the
     signs and computes the fake-quant model's bits, and both stay close to the float stack."""
@@ -1563,6 +1572,7 @@ def test_rotate_gptq_convert_agree_bit_for_bit():
 
 
 @pytest.mark.slow
+@few_rows
 def test_awq_convert_agree_bit_for_bit():
     """awq → convert on weight-only int4 per group: the converted layers keep the multiplier and compute the
     fake-quant model's bits."""
@@ -1573,6 +1583,7 @@ def test_awq_convert_agree_bit_for_bit():
 
 
 @pytest.mark.slow
+@few_rows
 def test_save_and_load_keep_the_transforms(tmp_path):
     """`save` then `load`, into the float model's `filter_eval_shape` skeleton and into the model itself, of a
     fake-quant smoothed MLP and a converted rotated stack: the same transforms and the same output bits."""
@@ -1764,6 +1775,7 @@ class _ConvThenLinear(eqx.Module):
 
 
 @pytest.mark.slow
+@few_rows
 def test_transforms_and_solvers_name_the_convolutions_they_leave_alone():
     """The algorithms transform linear layers only: choosing layers by default in a model with quantized
     convolutions, each warns naming them (and still transforms the linear layers); with `where`, none warns, and a

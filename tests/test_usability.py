@@ -14,7 +14,7 @@ import pytest
 import eqx_quant
 from eqx_quant import DynamicFakeQuant
 
-from .helpers import assert_bitwise_equal, assert_trees_equal, init, np_absmax_scale
+from .helpers import assert_bitwise_equal, assert_trees_equal, few_rows, init, np_absmax_scale
 from .models import ViT
 
 
@@ -318,6 +318,7 @@ def test_configurations_that_would_do_nothing_are_errors_or_warnings():
     assert eqx.tree_equal(eqx_quant.quantize(mixed, chosen, example=(x,)), alone)
 
 
+@few_rows
 def test_calibrate_and_gptq_observe_layers_inside_a_cond_one_example_at_a_time():
     """Under `jax.vmap`, JAX refuses the observers' reports inside `jax.lax.cond`; the examples then run one after
     another, each observed in the branch it takes."""

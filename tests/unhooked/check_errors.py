@@ -15,6 +15,10 @@ import pytest
 import eqx_quant
 
 
+# Its calibration sets are small on purpose; tests/test_gptq.py tests the warning of too few rows.
+few_rows = pytest.mark.filterwarnings("ignore:`[a-z]+`. layers saw fewer rows of calibration input:UserWarning")
+
+
 def test_the_hook_is_off():
     # Under the hook, this call would raise beartype's error instead of ours.
     with pytest.raises(TypeError, match=re.escape("`signed` must be a bool, got 'yes'.")):
@@ -248,6 +252,7 @@ def test_quantizer_inputs_learned_leaves_and_logits_of_the_wrong_type():
         assert str(info.value) == message, (str(info.value), message)
 
 
+@few_rows
 def test_map_style_batches_are_read():
     # `__len__` and `__getitem__` alone (a map-style dataset), which Python iterates: read as a list of batches.
     # (Under the hook, the `Iterable` annotation refuses such an object first.)
