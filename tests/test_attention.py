@@ -91,6 +91,11 @@ def test_a_label_summed_in_one_operand_only(operands):
     # A NaN of the lhs enters every output's sum, and a NaN in row `s` of the rhs output `s` alone.
     assert np.isnan(np.asarray(product(a.at[2, 3].set(jnp.nan), b))).all()
     np.testing.assert_array_equal(np.isnan(np.asarray(product(a, b.at[4, 0].set(jnp.nan)))), np.arange(6) == 4)
+    # A summed label of length 1 in one operand broadcasts to the other's length, which the int32 bound counts:
+    # 140000 terms of 127 * 127 would overflow int32, so the product runs in floating point, either way round.
+    long, one = jnp.ones((140000, 1)), jnp.ones((1, 1))
+    dot = QuantEinsum(Einsum("td,td->"), lhs_quant=DynamicFakeQuant(8), rhs_quant=DynamicFakeQuant(8))
+    assert float(dot(long, one)) == float(dot(one, long)) == 140000.0
     # One scale per token on the lhs, along the label summed in it alone: no integer product, the float einsum.
     per_token = QuantEinsum(Einsum("td,sd->s"), lhs_quant=DynamicFakeQuant(8, axis=0), rhs_quant=DynamicFakeQuant(8))
     expected = jnp.einsum("td,sd->s", DynamicFakeQuant(8, axis=0)(a), DynamicFakeQuant(8)(b))

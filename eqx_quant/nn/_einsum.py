@@ -93,8 +93,10 @@ def integer_einsum_possible(equation: str, a: QuantizedArray, b: QuantizedArray)
         channels = tensor.layout.channel_axes(tensor.shape)
         if any(labels[axis] in summed for axis in channels):
             return False
-    operands = ((lhs, a.shape), (rhs, b.shape))
-    sizes = {label: size for labels, shape in operands for label, size in zip(labels, shape, strict=True)}
+    sizes: dict[str, int] = {}  # a label's length: the larger of its operands' (a length of 1 broadcasts)
+    for labels, shape in ((lhs, a.shape), (rhs, b.shape)):
+        for label, size in zip(labels, shape, strict=True):
+            sizes[label] = max(sizes.get(label, 1), size)
     length = math.prod(sizes[label] for label in summed)  # the terms of each output's int32 sum
     assert isinstance(a.format, IntFormat) and isinstance(b.format, IntFormat)
     bound = a.format.largest * b.format.largest
