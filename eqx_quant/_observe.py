@@ -56,7 +56,7 @@ _HOST_FOLDS = {
 _REDUCTIONS = {
     "absmax": jnp.max, "max": jnp.max, "min": jnp.min, "hist": jnp.sum, "gram": jnp.sum, "cross": jnp.sum,
     "nonfinite": jnp.sum, "finite": jnp.sum, "channel_absmax": jnp.max, "channel_abssum": jnp.sum, "count": jnp.sum,
-    "errors": jnp.sum, "rows": jnp.sum,
+    "errors": jnp.sum,
 }  # fmt: skip
 
 

@@ -1071,10 +1071,6 @@ def find_products(model: PyTree, call: Callable[[PyTree], Any], layers: Sequence
                 found.activations.append(TracedProduct(name, None, use.contracted, use.input_shape,
                                                        use.input_contracted, use.primitive, rhs_shape=rhs))  # fmt: skip
             continue
-        path, leaf = paths[use.leaf], traced.leaves[use.leaf]
-        stack = tuple(leaf.shape[: use.sliced or 0])
-        product = TracedProduct(path, leaf, use.contracted, use.input_shape, use.input_contracted, use.primitive, stack,
-                                use.pairing)  # fmt: skip
         if use.primitive == "unfollowed":
             for index in (use.leaf, *use.also):  # each array the product's weight operand was computed from
                 path = paths[index]
@@ -1086,7 +1082,12 @@ def find_products(model: PyTree, call: Callable[[PyTree], Any], layers: Sequence
                     "split): no scale layout follows the product from the leaf. Leave it out of the rules (a rule "
                     f"`Rule({path!r}, weight=None, input=None)` before the others keeps it float)."
                 )))  # fmt: skip
-        elif use.loop:
+            continue
+        path, leaf = paths[use.leaf], traced.leaves[use.leaf]
+        stack = tuple(leaf.shape[: use.sliced or 0])
+        product = TracedProduct(path, leaf, use.contracted, use.input_shape, use.input_contracted, use.primitive, stack,
+                                use.pairing)  # fmt: skip
+        if use.loop:
             found.problems.setdefault(path, (product, (
                 f"The weight {path!r} enters a {use.primitive} inside a `jax.lax.while_loop`, whose trip count is "
                 "not known when tracing: it cannot be quantized product by product. Write the loop with "

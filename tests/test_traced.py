@@ -18,7 +18,7 @@ import pytest
 import eqx_quant
 from eqx_quant import DynamicFakeQuant
 
-from .helpers import assert_bitwise_equal, init, np_absmax_scale, slow_unless
+from .helpers import assert_bitwise_equal, few_rows, init, np_absmax_scale, slow_unless
 
 
 RNG = np.random.default_rng(0)
@@ -800,6 +800,7 @@ def test_learned_scales_start_from_round_to_nearest_and_are_trainable_scales():
     assert_bitwise_equal(_call(quantized, args, {}), _call(_quantized("bare_mlp"), args, {}))
 
 
+@few_rows
 def test_errors():
     model, _, args = CASES["bare_mlp"]
     with pytest.raises(ValueError, match="reaches none of the layers.*'w_in'"):

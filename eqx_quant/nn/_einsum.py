@@ -105,7 +105,8 @@ def integer_einsum_possible(equation: str, a: QuantizedArray, b: QuantizedArray)
 
 def _int32_einsum(equation: str, a: Array, b: Array) -> Array:
     """`jnp.einsum` of two integer arrays with int32 sums. A label summed in one operand alone is summed before the
-    product, in the operand's own dtype unless it is int32 already, so both are widened first."""
+    product, into int32, which then meets the other operand's int8: strict dtype promotion refuses that pair, so
+    both are widened first."""
     lhs, rhs, out = _parse(equation)
     if _summed(lhs, rhs, out) - (set(lhs) & set(rhs)):
         a, b = a.astype(jnp.int32), b.astype(jnp.int32)

@@ -17,6 +17,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 import eqx_quant
 from examples.qat_demo import ConvNet
 from eqx_quant.nn import AbstractQuantLayer, IntConv, IntLinear
+from tests.helpers import few_rows
 
 
 if jax.device_count() != 4:
@@ -306,6 +307,7 @@ def test_explicit_axes_with_weight_only_grouped_and_float_format_recipes(recipe)
         np.testing.assert_array_equal(np.asarray(out), np.asarray(forward(one_device, x)))
 
 
+@few_rows
 def test_explicit_axes_gptq_awq_and_histograms_on_batches_split_over_data():
     """`gptq`, `awq` and the histograms of `calibrate` sum their statistics (Gram matrices, counts) over
     calibration batches split over an Explicit `data` axis, with column-parallel weights: the results equal the
@@ -484,6 +486,7 @@ def test_calibrate_sharded_model_matches_single_device(kind):
         assert a.layer.weight.sharding.spec == c.layer.weight.sharding.spec and "model" in a.layer.weight.sharding.spec
 
 
+@few_rows
 def test_gptq_keeps_the_weights_partitioning():
     """GPTQ's weights keep the shardings of the weights they replace (the row-parallel layer's input features on
     `model`, the others' output channels), and equal the one-device model's up to the Hessians' float sums."""
