@@ -242,8 +242,9 @@ class _Observer(AbstractQuantizer):
     def product_input(self, x: Array, contracted: tuple[int, ...], batch: tuple[tuple[int, int], ...] = ()) -> Array:
         """Observes `x` as the activation operand of a traced product summing over its axes `contracted`, as the
         rows of a linear layer's input: the contracted axes flattened in that order into its channels, the others
-        counting rows. `"gram"`: the Gram matrix of the rows, GPTQ's Hessian of the product (`"gram_quantized"`:
-        of the rows of the input quantizer's output, held as `data`, and their products with the rows of `x`);
+        counting rows. `"gram"`: the Gram matrix of the rows (and their number), GPTQ's Hessian of the product
+        (`"gram_quantized"`: of the rows of the input quantizer's output, held as `data`, and their products with the
+        rows of `x`);
         `"channels"`: the statistics per channel; a function: applied to each row; other statistics: of the whole
         of `x`. `batch`: the product's `(weight axis, input axis)` batch dimensions; where the observer's `batch`
         names those weight axes, `"gram"` has one matrix per index along them (the rows of each expert apart)."""
@@ -601,9 +602,9 @@ def fold(
                 count = float(record.get("nonfinite", 0.0))
                 if count:
                     nonfinite[path, i] = max(nonfinite.get((path, i), 0.0), count)
-                if "rows" in record:  # a Gram matrix's
-                    features = record["gram"].shape[-1]
-                    rows[path, i] = (max(rows.get((path, i), (0.0, 0))[0], float(record["rows"])), features)
+                if "rows" in record:  # a Gram matrix's, of `features` input features
+                    counted, features = float(record["rows"]), record["gram"].shape[-1]
+                    rows[path, i] = (max(rows.get((path, i), (0.0, 0))[0], counted), features)
     return results
 
 

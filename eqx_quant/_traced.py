@@ -179,7 +179,7 @@ def _derived(eqn: Any, views: list[_View | None]) -> _View | None:
         layer = bool(leaves) and all(v.layer for v in leaves)
         own = [v for v in leaves if not v.layer] or leaves  # a bare weight is the one to name, not a layer's array
         if not own:
-            return _View(-1, None, layer=layer)
+            return _CONSTANT
         indices = dict.fromkeys(i for v in own for i in (v.leaf, *v.also))  # in order, once each
         first, *others = indices
         return _View(first, None, layer=layer, also=tuple(others))

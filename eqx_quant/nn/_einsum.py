@@ -103,12 +103,11 @@ def integer_einsum_possible(equation: str, a: QuantizedArray, b: QuantizedArray)
     return length * bound <= INT32_MAX
 
 
-def _int32_einsum(equation: str, a: Array, b: Array) -> Array:
-    """`jnp.einsum` of two integer arrays with int32 sums. A label summed in one operand alone is summed before the
-    product, into int32, which then meets the other operand's int8: strict dtype promotion refuses that pair, so
-    both are widened first."""
-    lhs, rhs, out = _parse(equation)
-    if _summed(lhs, rhs, out) - (set(lhs) & set(rhs)):
+def _int32_einsum(equation: str, a: Array, b: Array, widen: bool) -> Array:
+    """`jnp.einsum` of two integer arrays with int32 sums. `widen` where a label is summed in one operand alone:
+    `jnp.einsum` sums it first, into int32, which then meets the other operand's int8, a pair that strict dtype
+    promotion refuses; both are widened to int32 instead."""
+    if widen:
         a, b = a.astype(jnp.int32), b.astype(jnp.int32)
     return jnp.einsum(equation, a, b, preferred_element_type=jnp.int32)
 
@@ -117,7 +116,8 @@ def integer_value(equation: str, a: QuantizedArray, b: QuantizedArray, a_nan: Ar
     """The product from the integers: an int32 einsum, rescaled once by the outer product of the free scales."""
     lhs, rhs, out = _parse(equation)
     summed = _summed(lhs, rhs, out)
-    acc = _int32_einsum(equation, a.values, b.values)
+    widen = bool(summed - (set(lhs) & set(rhs)))  # a label summed in one operand alone
+    acc = _int32_einsum(equation, a.values, b.values, widen)
     scale_a, free_a = _free_scale(a, lhs, summed)
     scale_b, free_b = _free_scale(b, rhs, summed)
     # One product per output element (no label is summed), so eager and compiled calls round alike.
@@ -125,8 +125,8 @@ def integer_value(equation: str, a: QuantizedArray, b: QuantizedArray, a_nan: Ar
     y = acc.astype(scale.dtype) * scale
     # NaN where a summed slice of either operand holds one, as in the float product.
     ones_a, ones_b = jnp.ones(a.shape, jnp.int8), jnp.ones(b.shape, jnp.int8)
-    nan = _int32_einsum(equation, a_nan.astype(jnp.int8), ones_b) > 0
-    nan = nan | (_int32_einsum(equation, ones_a, b_nan.astype(jnp.int8)) > 0)
+    nan = _int32_einsum(equation, a_nan.astype(jnp.int8), ones_b, widen) > 0
+    nan = nan | (_int32_einsum(equation, ones_a, b_nan.astype(jnp.int8), widen) > 0)
     return opaque(jnp.where(nan, jnp.nan, y))
 
 

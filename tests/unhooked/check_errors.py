@@ -13,10 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import eqx_quant
-
-
-# Its calibration sets are small on purpose; tests/test_gptq.py tests the warning of too few rows.
-few_rows = pytest.mark.filterwarnings("ignore:`[a-z]+`. layers saw fewer rows of calibration input:UserWarning")
+from tests.helpers import few_rows
 
 
 def test_the_hook_is_off():
